@@ -1,0 +1,44 @@
+"""`rlvr <command> [options]`: one entry point, one module per command.
+
+Each command lives in its own module and exposes ``main(argv: list[str]) -> int``; modules load
+lazily so that ``rlvr --help`` is instant and a command only imports what it needs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "eval": ("rlvr.evaluate", "evaluate prompts on a model: accuracy, format categories, samples"),
+    "train": ("rlvr.trainer", "train a policy with GRPO or a variant (on- or off-policy)"),
+    "sft": ("rlvr.sft", "supervised fine-tuning on prompt/response pairs (warm start)"),
+    "sweep": ("rlvr.experiments.sweep", "run a grid of settings x seeds"),
+    "plot": ("rlvr.experiments.plot", "plot metrics of runs with the spread across seeds"),
+    "report": ("rlvr.experiments.report", "write a Markdown report with plots and tables"),
+    "demo": ("rlvr.demo", "the CPU story: warm start, GRPO, accuracy before/after, a plot"),
+}
+
+
+def _usage() -> str:
+    lines = ["usage: rlvr <command> [options]", "", "commands:"]
+    lines += [f"  {name:<8} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "`rlvr <command> --help` shows a command's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"rlvr: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    module = importlib.import_module(COMMANDS[name][0])
+    return int(module.main(rest) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""The engine interface: sample completions for prompts, and take new weights from the trainer.
+
+Every engine (in-process hf, worker-process hf, vLLM server) returns, for each prompt, ``n``
+``Completion`` objects. Stop strings are honoured per sequence and kept in the text when
+``include_stop_str_in_output`` is set; ``finish_reason`` is ``"stop"`` (stop string or EOS) or
+``"length"`` (hit ``max_new_tokens``). ``logprobs`` are the sampled tokens' log-probabilities under
+the sampling distribution at temperature 1 (None where the engine cannot give them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    """Samples per prompt; the ``n`` samples of one prompt are drawn independently."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 512
+    stop: tuple[str, ...] = ()
+    include_stop_str_in_output: bool = True
+    seed: int | None = None
+    """The same seed, prompts and weights reproduce the same batch."""
+
+    def __post_init__(self):
+        if self.n < 1:
+            raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0 (0 is greedy), got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    """``"stop"`` (a stop string or EOS ended it) or ``"length"`` (``max_new_tokens`` reached)."""
+    logprobs: list[float] | None = None
+    """Log-probability of each sampled token in ``token_ids``, when the engine provides it."""
+    meta: dict = field(default_factory=dict)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:
+        """For each prompt, ``params.n`` completions (outer list aligned with ``prompts``)."""
+        ...
+
+    def sync_weights(self, model) -> dict:
+        """Load the trainer's current weights; returns timing/check metadata (e.g. ``{"time/sync": s}``)."""
+        ...
+
+    def close(self) -> None:
+        ...

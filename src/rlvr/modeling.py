@@ -1,0 +1,85 @@
+"""Models and tokenizers: load from a local directory or the hub, or build small ones locally.
+
+Tests and the CPU demo cannot download weights, so they build real transformers architectures
+(``Olmo2ForCausalLM``) from a config with random weights, and train a small byte-level BPE
+tokenizer with ``tokenizers`` on task text.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+SPECIAL_TOKENS = {"pad_token": "<|pad|>", "eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}
+
+# OLMo-2-0425-1B's shape (allenai/OLMo-2-0425-1B config.json), for speed measurements with random weights.
+OLMO2_1B = dict(
+    vocab_size=100352, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+    num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=4096,
+    rope_theta=500000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+)
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 512):
+    """A byte-level BPE tokenizer trained on ``texts``, wrapped as a ``PreTrainedTokenizerFast``.
+
+    Byte-level means any string round-trips (no unknown tokens), so prompts and model outputs
+    outside the training text still tokenize.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = sorted(set(SPECIAL_TOKENS.values()))
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
+
+
+def small_olmo2_config(tokenizer, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
+                       intermediate_size: int | None = None, max_position_embeddings: int = 2048):
+    from transformers import Olmo2Config
+
+    return Olmo2Config(
+        vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_layers,
+        num_attention_heads=num_heads, num_key_value_heads=num_heads,
+        intermediate_size=intermediate_size or 4 * hidden_size, max_position_embeddings=max_position_embeddings,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+        tie_word_embeddings=False,
+    )
+
+
+def build_model(config, seed: int = 0, dtype: torch.dtype = torch.float32):
+    """A randomly initialised causal LM for ``config`` (deterministic for a given seed)."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model
+
+
+def load_model_and_tokenizer(name_or_path: str | Path, device: str | torch.device = "cpu",
+                             dtype: torch.dtype | None = None):
+    """Load a causal LM and its tokenizer from a local directory or a hub id.
+
+    The default dtype is bfloat16 on CUDA and float32 on CPU. A tokenizer without a pad token gets
+    its EOS token as pad (right padding is masked everywhere, so the choice does not leak into losses).
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(str(name_or_path), dtype=dtype).to(device)
+    return model, tokenizer
