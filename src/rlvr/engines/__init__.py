@@ -3,4 +3,30 @@
 
 from rlvr.engines.base import Completion, Engine, SamplingParams
 
-__all__ = ["Completion", "Engine", "SamplingParams"]
+ENGINES = ("hf", "hf-worker", "vllm")
+
+
+def make_engine(name: str, model, tokenizer, **options) -> Engine:
+    """Build engine ``name`` for the trainer's ``model`` and ``tokenizer``.
+
+    ``options`` go to the engine's constructor: ``HFEngine`` (``max_batch_size``, ...),
+    ``HFWorkerEngine`` (``device``, ``dtype``, ``bucket_mb``, ``probe_tolerance``, ...) or
+    ``VLLMEngine`` (``model_name``, ``port``, ``gpu``, ...). Modules load lazily, so picking ``hf``
+    never imports the worker or vLLM code.
+    """
+    if name == "hf":
+        from rlvr.engines.hf import HFEngine
+
+        return HFEngine(model, tokenizer, **options)
+    if name == "hf-worker":
+        from rlvr.engines.worker import HFWorkerEngine
+
+        return HFWorkerEngine(model, tokenizer, **options)
+    if name == "vllm":
+        from rlvr.engines.vllm import VLLMEngine
+
+        return VLLMEngine(model, tokenizer, **options)
+    raise ValueError(f"unknown engine {name!r}: choose one of {', '.join(ENGINES)}")
+
+
+__all__ = ["Completion", "Engine", "SamplingParams", "ENGINES", "make_engine"]

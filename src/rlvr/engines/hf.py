@@ -1,0 +1,267 @@
+"""In-process batched sampling with transformers, sharing the policy's weights.
+
+``HFEngine`` runs its own decode loop instead of ``model.generate`` so that it controls what RL
+rollouts need:
+
+* **Left padding.** Prompts of a chunk are right-aligned; the attention mask hides the padding and
+  position ids count only real tokens, so a padded prompt sees the same positions as an unpadded one.
+* **One prefill per prompt.** Each prompt is prefilled once; its KV cache rows are then repeated
+  ``n`` times (``DynamicCache.batch_repeat_interleave``) and the ``n`` samples decode from there.
+* **Seeded sampling.** A ``torch.Generator`` seeded from ``params.seed`` drives every draw, so the
+  same seed, prompts and weights give the same batch; the ``n`` rows of a prompt draw independently.
+  Temperature 0 is greedy (argmax); top-p keeps the smallest set of tokens whose mass reaches p.
+* **Per-sequence stops.** EOS ends a row. Stop strings are checked on the decoded *tail* of each row's
+  new tokens (enough tokens to hold the longest stop string), so the check costs O(1) per token; on a
+  hit the text is cut right after (or before, when ``include_stop_str_in_output`` is off) the first
+  occurrence, and the token ids keep every token up to the one that completed the stop string.
+* **Retiring finished rows.** Finished rows are dropped from the batch and the cache once they make up
+  ``compact_fraction`` of the rows being computed, and the loop ends when every row has finished.
+* **Log-probs for free.** Each sampled token's log-probability is the log-softmax of the
+  temperature-1 logits over the full vocabulary, i.e. what the trainer's
+  ``log_softmax(model(...).logits)`` computes for the same token.
+
+Models whose embedding matrix is larger than the tokenizer (OLMo pads its vocab to a multiple of
+128) never sample ids the tokenizer cannot decode: those logits are masked before sampling.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from rlvr.engines.base import Completion, SamplingParams
+
+
+def find_stop(text: str, stops: tuple[str, ...] | list[str]) -> tuple[int, str] | None:
+    """The earliest occurrence of any stop string in ``text`` as ``(index, stop)``, or None."""
+    best = None
+    for s in stops:
+        if not s:
+            continue
+        i = text.find(s)
+        if i >= 0 and (best is None or i < best[0] or (i == best[0] and len(s) > len(best[1]))):
+            best = (i, s)
+    return best
+
+
+def truncate_at_stop(text: str, stops, include_stop: bool) -> tuple[str, bool]:
+    """Cut ``text`` at its first stop string; returns ``(text, stopped)``.
+
+    With ``include_stop`` the stop string is kept (the text ends right after it), otherwise the text
+    ends right before it.
+    """
+    hit = find_stop(text, stops)
+    if hit is None:
+        return text, False
+    i, s = hit
+    return (text[: i + len(s)] if include_stop else text[:i]), True
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None,
+                vocab_limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row. Returns ``(tokens (B,), logprobs (B,))``.
+
+    ``logits`` (B, V) are raw model logits. ``logprobs`` are the sampled tokens' log-probabilities
+    under the temperature-1 distribution over the full vocabulary, whatever the sampling settings.
+    ``vocab_limit`` masks ids ``>= vocab_limit`` out of the sampling (never out of the log-probs).
+    """
+    logits = logits.float()
+    logp = torch.log_softmax(logits, dim=-1)
+    scores = logits
+    if vocab_limit is not None and vocab_limit < logits.shape[-1]:
+        scores = logits.clone()
+        scores[:, vocab_limit:] = float("-inf")
+    if temperature == 0:
+        tokens = scores.argmax(dim=-1)
+    else:
+        scores = scores / temperature
+        if top_p < 1.0:
+            sorted_scores, order = scores.sort(dim=-1, descending=True)
+            cum = sorted_scores.softmax(dim=-1).cumsum(dim=-1)
+            # Drop a token when the mass before it already reaches top_p; the top token always stays.
+            drop = (cum - sorted_scores.softmax(dim=-1)) >= top_p
+            sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+            scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
+        probs = scores.softmax(dim=-1)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+@torch.inference_mode()
+def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Teacher-forced log p(token_t | tokens < t) for a right-padded batch, shape (B, T-1).
+
+    Positions whose target is padding are 0. Used for the weight-sync probe and by tests.
+    """
+    out = model(input_ids=input_ids, attention_mask=attention_mask)
+    logp = torch.log_softmax(out.logits[:, :-1].float(), dim=-1)
+    lp = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return lp * attention_mask[:, 1:].to(lp.dtype)
+
+
+def _stop_window_tokens(stops) -> int:
+    # Every token decodes to at least one byte, so the last len(stop in bytes) tokens hold any
+    # occurrence that the newest token completed; +2 leaves room for a split multi-byte character.
+    return max((len(s.encode("utf-8")) for s in stops), default=0) + 2
+
+
+class HFEngine:
+    """Batched sampling with a transformers causal LM in this process, on the model's device.
+
+    The engine holds a reference to ``model`` (no copy), so a trainer's updates are visible at once and
+    ``sync_weights`` does nothing. ``max_batch_size`` bounds the rows decoded together (prompts × n);
+    a prompt's ``n`` samples always share one chunk.
+    """
+
+    def __init__(self, model, tokenizer, max_batch_size: int = 64, compact_fraction: float = 0.25,
+                 mask_unused_vocab: bool = True):
+        if tokenizer.pad_token_id is None:
+            raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token = tokenizer.eos_token")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.compact_fraction = compact_fraction
+        self.mask_unused_vocab = mask_unused_vocab
+        eos = getattr(model.generation_config, "eos_token_id", None) if getattr(model, "generation_config", None) else None
+        if eos is None:
+            eos = tokenizer.eos_token_id
+        self.eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
+        self.stats = {"tokens": 0, "time": 0.0}
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def sync_weights(self, model) -> dict:
+        self.model = model
+        return {"time/sync": 0.0}
+
+    def close(self) -> None:
+        pass
+
+    def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:
+        if not prompts:
+            return []
+        t0 = time.perf_counter()
+        device = self.device
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+        encoded = self.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+        for i, ids in enumerate(encoded):
+            if not ids:
+                raise ValueError(f"prompt {i} tokenizes to nothing; every prompt needs at least one token")
+        # Longest first so chunks hold prompts of similar length (less padding).
+        order = sorted(range(len(prompts)), key=lambda i: -len(encoded[i]))
+        per_chunk = max(1, self.max_batch_size // params.n)
+        results: list[list[Completion] | None] = [None] * len(prompts)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for start in range(0, len(order), per_chunk):
+                idx = order[start:start + per_chunk]
+                chunk_out = self._generate_chunk([encoded[i] for i in idx], params, generator)
+                for i, comps in zip(idx, chunk_out):
+                    results[i] = comps
+        finally:
+            self.model.train(was_training)
+        self.stats["tokens"] += sum(len(c.token_ids) for group in results for c in group)
+        self.stats["time"] += time.perf_counter() - t0
+        return results
+
+    @torch.inference_mode()
+    def _generate_chunk(self, prompt_ids: list[list[int]], params: SamplingParams,
+                        generator: torch.Generator) -> list[list[Completion]]:
+        from transformers import DynamicCache
+
+        model, tok, device, n = self.model, self.tokenizer, self.device, params.n
+        P, L = len(prompt_ids), max(len(p) for p in prompt_ids)
+        input_ids = torch.full((P, L), tok.pad_token_id, dtype=torch.long)
+        mask = torch.zeros((P, L), dtype=torch.long)
+        for r, ids in enumerate(prompt_ids):
+            input_ids[r, L - len(ids):] = torch.tensor(ids)
+            mask[r, L - len(ids):] = 1
+        input_ids, mask = input_ids.to(device), mask.to(device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+
+        cache = DynamicCache(config=model.config)
+        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
+                    past_key_values=cache, use_cache=True, logits_to_keep=1)
+        logits = out.logits[:, -1]
+        next_pos = positions[:, -1] + 1
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+            logits = logits.repeat_interleave(n, dim=0)
+            mask = mask.repeat_interleave(n, dim=0)
+            next_pos = next_pos.repeat_interleave(n, dim=0)
+
+        R, T = P * n, params.max_new_tokens
+        vocab_limit = len(tok) if self.mask_unused_vocab else None
+        stops = tuple(s for s in params.stop if s)
+        window = _stop_window_tokens(stops)
+        lp_buf = torch.zeros((R, T), dtype=torch.float32, device=device)
+        rows = torch.arange(R, device=device)  # global row id of each batch row
+        live = list(range(R))                   # global row ids, aligned with the batch
+        alive = [True] * R                      # per batch row
+        generated: list[list[int]] = [[] for _ in range(R)]
+        finish: list[str | None] = [None] * R
+        stop_hit = [False] * R
+        n_alive = R
+
+        for step in range(T):
+            tokens, lps = sample_next(logits, params.temperature, params.top_p, generator, vocab_limit)
+            lp_buf[rows, step] = lps
+            host = tokens.tolist()
+            check_rows = []
+            for b, g in enumerate(live):
+                if not alive[b]:
+                    continue
+                t = host[b]
+                generated[g].append(t)
+                if t in self.eos_ids:
+                    finish[g] = "stop"
+                elif stops:
+                    check_rows.append(b)
+                    continue
+                elif step + 1 == T:
+                    finish[g] = "length"
+            if check_rows:
+                tails = tok.batch_decode([generated[live[b]][-window:] for b in check_rows], skip_special_tokens=True)
+                for b, tail in zip(check_rows, tails):
+                    g = live[b]
+                    if find_stop(tail, stops) is not None:
+                        finish[g], stop_hit[g] = "stop", True
+                    elif step + 1 == T:
+                        finish[g] = "length"
+            for b, g in enumerate(live):
+                if alive[b] and finish[g] is not None:
+                    alive[b] = False
+                    n_alive -= 1
+            if n_alive == 0:
+                break
+            if len(live) - n_alive >= max(1, self.compact_fraction * len(live)):
+                keep_b = [b for b in range(len(live)) if alive[b]]
+                keep = torch.tensor(keep_b, device=device)
+                cache.batch_select_indices(keep)
+                tokens, mask, next_pos, rows = tokens[keep], mask[keep], next_pos[keep], rows[keep]
+                live = [live[b] for b in keep_b]
+                alive = [True] * len(live)
+            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+            out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos[:, None],
+                        past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1]
+            next_pos = next_pos + 1
+
+        lp_host = lp_buf.cpu()
+        completions: list[list[Completion]] = [[] for _ in range(P)]
+        for g in range(R):
+            ids = generated[g]
+            lps = lp_host[g, : len(ids)].tolist()
+            body = ids[:-1] if ids and ids[-1] in self.eos_ids else ids
+            text = tok.decode(body, skip_special_tokens=True)
+            if stop_hit[g]:
+                text, _ = truncate_at_stop(text, stops, params.include_stop_str_in_output)
+            completions[g // n].append(Completion(text=text, token_ids=list(ids), finish_reason=finish[g] or "length",
+                                                  logprobs=lps))
+        return completions
