@@ -1,0 +1,332 @@
+"""The hf engine in a worker process: its own device, its own copy of the model, weights over
+torch.distributed.
+
+``HFWorkerEngine`` spawns one process (``torch.multiprocessing``, spawn start method) that builds the
+model from the trainer's config on its device and runs an ``HFEngine`` there. Requests (generate,
+sync, probe, plant, shutdown) travel over a pipe; weights travel over a two-rank process group of
+their own (NCCL when both sides are on CUDA, gloo otherwise, staged through CPU), created from a
+TCP store so the trainer's default process group, if any, is left alone.
+
+Weights move as **flat buckets**: consecutive tensors of one dtype are concatenated into buffers of
+about ``bucket_mb`` MB, each bucket is one broadcast, and the worker splits it back into its tensors
+(casting to its own dtype). The plan (names, shapes, dtypes per bucket) goes over the pipe first, so
+the worker checks it against its model before any collective starts: a mismatch is an error, not a
+hang.
+
+After every sync both sides compute teacher-forced log-probs of a small fixed probe batch; when they
+differ by more than ``probe_tolerance`` the sync raises ``WeightSyncError``. A silently stale engine
+is the most reported bug in RL frameworks; this check makes it loud. ``plant_mismatch()`` corrupts
+one tensor on the worker after the next receive, so tests can prove the check fires.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+import time
+import traceback
+
+import torch
+
+from rlvr.engines.base import Completion, SamplingParams
+
+PROBE_TEXTS = (
+    "User: Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.\n"
+    "Assistant: <think> 48 / 2 = 24 and 48 + 24 = 72 </think> <answer> 72 </answer>",
+    "User: Weng earns $12 an hour. How much did she earn for 50 minutes?\nAssistant: <think> 12 / 60 * 50 = 10",
+)
+
+
+class WeightSyncError(RuntimeError):
+    """The engine's weights do not match the trainer's after a sync."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _make_group(backend: str, rank: int, port: int, timeout_s: float):
+    """A two-rank process group (trainer 0, worker 1) that does not touch the default group."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timeout)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, 2, timeout)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, 2, opts)
+    raise ValueError(f"unknown backend {backend!r}: use 'nccl' or 'gloo'")
+
+
+def _wire(t: torch.Tensor, backend: str) -> torch.Tensor:
+    # gloo has no bfloat16/float16 reductions or broadcasts everywhere; moving raw 16-bit words is exact.
+    if backend == "gloo" and t.dtype in (torch.bfloat16, torch.float16):
+        return t.view(torch.int16)
+    return t
+
+
+def _named_tensors(model) -> list[tuple[str, torch.Tensor]]:
+    """Parameters then buffers, in a fixed order; both sides build the same architecture."""
+    return list(model.named_parameters()) + list(model.named_buffers())
+
+
+def build_plan(model, bucket_mb: float) -> list[dict]:
+    """Group the model's tensors into buckets of one dtype and about ``bucket_mb`` MB each."""
+    limit = int(bucket_mb * 2**20)
+    plan: list[dict] = []
+    for name, t in _named_tensors(model):
+        nbytes = t.numel() * t.element_size()
+        last = plan[-1] if plan else None
+        if last is None or last["dtype"] != t.dtype or (last["bytes"] + nbytes > limit and last["bytes"] > 0):
+            last = {"dtype": t.dtype, "bytes": 0, "tensors": []}
+            plan.append(last)
+        last["tensors"].append((name, tuple(t.shape), t.numel()))
+        last["bytes"] += nbytes
+    return plan
+
+
+def probe_batch(tokenizer, texts=PROBE_TEXTS) -> tuple[torch.Tensor, torch.Tensor]:
+    """The probe texts as a right-padded ``(input_ids, attention_mask)`` batch."""
+    ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    L = max(map(len, ids))
+    input_ids = torch.full((len(ids), L), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(ids), L), dtype=torch.long)
+    for r, row in enumerate(ids):
+        input_ids[r, : len(row)] = torch.tensor(row)
+        mask[r, : len(row)] = 1
+    return input_ids, mask
+
+
+def _probe(model, input_ids, mask) -> torch.Tensor:
+    from rlvr.engines.hf import sequence_logprobs
+
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        return sequence_logprobs(model, input_ids.to(device), mask.to(device)).float().cpu()
+    finally:
+        model.train(was_training)
+
+
+# ----------------------------------------------------------------------------------------------
+# The worker process
+# ----------------------------------------------------------------------------------------------
+
+def _worker_main(conn, config, tokenizer, device: str, dtype: torch.dtype, backend: str, port: int,
+                 timeout_s: float, engine_options: dict) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from rlvr.engines.hf import HFEngine
+
+    try:
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        with torch.device(dev):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model.eval()
+        engine = HFEngine(model, tokenizer, **engine_options)
+        group = _make_group(backend, 1, port, timeout_s)
+        tensors = dict(_named_tensors(model))
+        comm_device = dev if backend == "nccl" else torch.device("cpu")
+        planted: str | None = None
+        conn.send(("ok", "ready"))
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+
+    while True:
+        cmd, payload = conn.recv()
+        try:
+            if cmd == "shutdown":
+                conn.send(("ok", None))
+                break
+            if cmd == "generate":
+                prompts, params = payload
+                conn.send(("ok", engine.generate(prompts, params)))
+            elif cmd == "sync":
+                missing = [name for b in payload for name, _, _ in b["tensors"] if name not in tensors]
+                bad = [(name, shape, tuple(tensors[name].shape)) for b in payload for name, shape, _ in b["tensors"]
+                       if name in tensors and tuple(tensors[name].shape) != tuple(shape)]
+                if missing or bad:
+                    conn.send(("error", f"the trainer's model does not match the worker's: missing {missing[:5]}, "
+                                        f"shape mismatches {bad[:5]}"))
+                    continue
+                conn.send(("ok", "ready"))
+                t0 = time.perf_counter()
+                with torch.no_grad():
+                    for bucket in payload:
+                        total = sum(numel for _, _, numel in bucket["tensors"])
+                        flat = torch.empty(total, dtype=bucket["dtype"], device=comm_device)
+                        group.broadcast(_wire(flat, backend), 0).wait()
+                        offset = 0
+                        for name, shape, numel in bucket["tensors"]:
+                            tensors[name].copy_(flat[offset:offset + numel].view(shape))
+                            offset += numel
+                    if planted is not None:
+                        tensors[planted].mul_(2.0).add_(0.5)
+                        planted = None
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                conn.send(("ok", time.perf_counter() - t0))
+            elif cmd == "probe":
+                input_ids, mask = payload
+                conn.send(("ok", _probe(model, input_ids, mask)))
+            elif cmd == "plant":
+                if payload not in tensors:
+                    raise KeyError(f"no tensor {payload!r} in the worker's model")
+                planted = payload
+                conn.send(("ok", None))
+            else:
+                raise ValueError(f"unknown request {cmd!r}")
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+
+
+# ----------------------------------------------------------------------------------------------
+# The trainer side
+# ----------------------------------------------------------------------------------------------
+
+def _default_tolerance(trainer_dtype: torch.dtype, worker_dtype: torch.dtype) -> float:
+    if trainer_dtype == worker_dtype == torch.float32:
+        return 1e-3
+    if trainer_dtype == worker_dtype:
+        return 5e-2
+    return 0.25
+
+
+class HFWorkerEngine:
+    """The hf engine in a separate process, fed the trainer's weights over torch.distributed.
+
+    ``device`` is the worker's device (``"cpu"`` or ``"cuda:1"``); ``dtype`` its model dtype (default:
+    bfloat16 on CUDA, float32 on CPU). The constructor starts the process and performs the first sync
+    (with its probe check), so the engine never samples from random weights.
+    """
+
+    def __init__(self, model, tokenizer, device: str = "cpu", dtype: torch.dtype | str | None = None,
+                 bucket_mb: float = 256.0, probe_tolerance: float | None = None, backend: str | None = None,
+                 timeout_s: float = 600.0, start_timeout_s: float = 300.0, **engine_options):
+        import torch.multiprocessing as mp
+
+        dev = torch.device(device)
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        self.dtype = dtype or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+        trainer_device = next(model.parameters()).device
+        self.backend = backend or ("nccl" if dev.type == "cuda" and trainer_device.type == "cuda" else "gloo")
+        self.comm_device = trainer_device if self.backend == "nccl" else torch.device("cpu")
+        self.bucket_mb = bucket_mb
+        self.tokenizer = tokenizer
+        self.timeout_s = timeout_s
+        trainer_dtype = next(model.parameters()).dtype
+        self.probe_tolerance = probe_tolerance if probe_tolerance is not None else _default_tolerance(trainer_dtype, self.dtype)
+        self._probe_ids, self._probe_mask = probe_batch(tokenizer)
+        port = _free_port()
+        ctx = mp.get_context("spawn")
+        self._conn, child_conn = ctx.Pipe()
+        self._proc = ctx.Process(
+            target=_worker_main, daemon=True,
+            args=(child_conn, model.config, tokenizer, str(dev), self.dtype, self.backend, port, timeout_s, engine_options),
+        )
+        self._proc.start()
+        child_conn.close()
+        self._closed = False
+        # The store and group handshakes happen concurrently with the worker's model build.
+        self.group = _make_group(self.backend, 0, port, start_timeout_s)
+        self._wait(start_timeout_s)
+        self.sync_weights(model)
+
+    # -- plumbing ------------------------------------------------------------------------------
+    def _wait(self, timeout_s: float | None = None):
+        deadline = time.monotonic() + (timeout_s or self.timeout_s)
+        while not self._conn.poll(0.05):
+            if not self._proc.is_alive():
+                raise RuntimeError(f"the engine worker process died (exit code {self._proc.exitcode}); "
+                                   "see its traceback above")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the engine worker did not answer within {timeout_s or self.timeout_s:.0f} s")
+        status, value = self._conn.recv()
+        if status == "error":
+            raise RuntimeError(f"the engine worker failed:\n{value}")
+        return value
+
+    def _call(self, cmd: str, payload=None):
+        if self._closed:
+            raise RuntimeError("this engine is closed; build a new one")
+        self._conn.send((cmd, payload))
+        return self._wait()
+
+    # -- Engine ---------------------------------------------------------------------------------
+    def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:
+        return self._call("generate", (list(prompts), params))
+
+    @torch.no_grad()
+    def sync_weights(self, model) -> dict:
+        """Broadcast ``model``'s weights in flat buckets, then check the probe log-probs.
+
+        Raises ``WeightSyncError`` when the worker's probe log-probs differ from the trainer's by more
+        than ``probe_tolerance``.
+        """
+        t0 = time.perf_counter()
+        plan = build_plan(model, self.bucket_mb)
+        tensors = dict(_named_tensors(model))
+        self._names = list(tensors)
+        self._call("sync", plan)  # the worker validated the plan and is waiting on the broadcasts
+        for bucket in plan:
+            flat = torch.cat([tensors[name].detach().reshape(-1) for name, _, _ in bucket["tensors"]])
+            self.group.broadcast(_wire(flat.to(self.comm_device), self.backend), 0).wait()
+        self._wait()
+        elapsed = time.perf_counter() - t0
+        diff = self.probe_diff(model)
+        if not diff <= self.probe_tolerance:
+            raise WeightSyncError(
+                f"the engine's weights do not match the trainer's after a sync: probe log-probs differ by up "
+                f"to {diff:.4g} (tolerance {self.probe_tolerance:.3g}). The engine would sample from stale or "
+                f"corrupt weights; check that the trainer and engine build the same architecture and dtype, "
+                f"or raise probe_tolerance if the dtypes differ on purpose."
+            )
+        return {"time/sync": elapsed, "sync/probe_max_abs_diff": diff}
+
+    def probe_diff(self, model) -> float:
+        """Max absolute difference of the probe batch's log-probs between trainer and worker."""
+        mine = _probe(model, self._probe_ids, self._probe_mask)
+        theirs = self._call("probe", (self._probe_ids, self._probe_mask))
+        return float((mine - theirs).abs().max())
+
+    def plant_mismatch(self, name: str | None = None) -> str:
+        """Test hook: corrupt tensor ``name`` (default: the output head) on the worker right after the
+        next sync's receive, once. Returns the tensor's name."""
+        if name is None:
+            names = self._names
+            name = next((n for n in names if n.startswith("lm_head")), names[-1])
+        self._call("plant", name)
+        return name
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            if self._proc.is_alive():
+                self._conn.send(("shutdown", None))
+                self._wait(30)
+        except Exception:
+            pass
+        finally:
+            self._closed = True
+            self._proc.join(timeout=30)
+            if self._proc.is_alive():
+                self._proc.terminate()
+                self._proc.join(timeout=10)
+            self._conn.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
