@@ -1,0 +1,197 @@
+"""The vLLM client against fixtures written from vLLM's documented API and a fake HTTP transport: the
+exact requests sent (and their order during a sync) and the mapping of responses to Completions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlvr.engines.base import SamplingParams
+from rlvr.engines.hf import sequence_logprobs
+from rlvr.engines.vllm import VLLMEngine, parse_completions, parse_prompt_logprobs
+from rlvr.engines.worker import PROBE_TEXTS, WeightSyncError
+
+FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
+
+
+def fixture(name: str) -> dict:
+    return json.loads((FIXTURES / name).read_text())
+
+
+class FakeResponse:
+    def __init__(self, body=None, status=200):
+        self.status_code = status
+        self._body = body
+        self.content = b"" if body is None else json.dumps(body).encode()
+        self.text = self.content.decode()
+
+    def json(self):
+        return self._body
+
+
+class FakeSession:
+    """Records every request; answers from a route table of ``(method, path) -> body or callable``."""
+
+    def __init__(self, routes):
+        self.routes = routes
+        self.calls: list[tuple[str, str, dict | None]] = []
+
+    def request(self, method, url, json=None, timeout=None):
+        path = "/" + url.split("/", 3)[3]
+        self.calls.append((method, path, json))
+        answer = self.routes[(method, path)]
+        return FakeResponse(answer(json) if callable(answer) else answer)
+
+    def get(self, url, timeout=None):
+        return self.request("GET", url, timeout=timeout)
+
+
+def _engine(model, tokenizer, routes, **kw):
+    session = FakeSession(routes)
+    engine = VLLMEngine(model, tokenizer, served_model="allenai/OLMo-2-0425-1B", start_server=False, session=session, **kw)
+    return engine, session
+
+
+def test_server_command_and_env(tiny_model, tiny_tokenizer):
+    engine, _ = _engine(tiny_model, tiny_tokenizer, {}, port=8123, gpu="1")
+    cmd = engine.server_command()
+    assert cmd[:3] == ["vllm", "serve", "allenai/OLMo-2-0425-1B"]
+    assert json.loads(cmd[cmd.index("--weight-transfer-config") + 1]) == {"backend": "nccl"}
+    assert cmd[cmd.index("--dtype") + 1] == "bfloat16" and "--enable-prefix-caching" in cmd
+    assert cmd[cmd.index("--port") + 1] == "8123"
+    env = engine.server_env()
+    assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["CUDA_VISIBLE_DEVICES"] == "1"
+
+
+def test_health_wait(tiny_model, tiny_tokenizer):
+    engine, session = _engine(tiny_model, tiny_tokenizer, {("GET", "/health"): {}})
+    engine.wait_healthy(timeout_s=1, poll_s=0)
+    assert session.calls == [("GET", "/health", None)]
+
+
+def test_generate_request_and_response_mapping(tiny_model, tiny_tokenizer):
+    engine, session = _engine(tiny_model, tiny_tokenizer, {("POST", "/v1/completions"): fixture("completions_n2.json")})
+    params = SamplingParams(n=2, temperature=1.0, top_p=1.0, max_new_tokens=512, stop=("</answer>",), seed=3)
+    out = engine.generate(["p0", "p1"], params)
+    (method, path, body), = session.calls
+    assert (method, path) == ("POST", "/v1/completions")
+    assert body == {"model": "allenai/OLMo-2-0425-1B", "prompt": ["p0", "p1"], "n": 2, "temperature": 1.0,
+                    "top_p": 1.0, "max_tokens": 512, "seed": 3, "stop": ["</answer>"],
+                    "include_stop_str_in_output": True, "return_token_ids": True, "logprobs": 0}
+    assert [len(g) for g in out] == [2, 2]
+    first = out[0][0]  # choice index 0: prompt 0, sample 0
+    assert first.text.endswith("</answer>") and first.finish_reason == "stop"
+    assert first.token_ids == [5332, 1000, 1001, 5332, 1002]
+    assert first.logprobs == [-0.25, -0.5, -1.0, -0.0625, -0.03125]
+    assert first.meta == {"stop_reason": "</answer>"}
+    assert out[0][1].finish_reason == "length" and out[0][1].token_ids == [2166, 611, 220, 284, 1187]
+    assert out[1][0].text == " 10" and out[1][1].token_ids == [100257] and out[1][1].finish_reason == "stop"
+    assert all(len(c.logprobs) == len(c.token_ids) for g in out for c in g)
+
+
+def test_parse_rejects_aborted_and_missing_token_ids():
+    body = fixture("completions_n2.json")
+    body["choices"][0]["finish_reason"] = "abort"
+    with pytest.raises(RuntimeError, match="finish_reason"):
+        parse_completions(body, 2, 2)
+    body = fixture("completions_n2.json")
+    del body["choices"][0]["token_ids"]
+    with pytest.raises(RuntimeError, match="token_ids"):
+        parse_completions(body, 2, 2)
+    with pytest.raises(RuntimeError, match="choices"):
+        parse_completions(fixture("completions_n2.json"), 3, 2)
+
+
+def test_parse_prompt_logprobs_reads_the_actual_token():
+    choice = fixture("prompt_logprobs.json")["choices"][0]
+    assert parse_prompt_logprobs(choice, [32, 33, 34]) == [-1.5, -0.25]
+
+
+def _probe_route(model, tokenizer, shift=0.0):
+    """A /v1/completions handler that answers probe requests with ``model``'s own prompt log-probs."""
+
+    def answer(body):
+        ids = body["prompt"]
+        t = torch.tensor([ids])
+        lp = sequence_logprobs(model, t, torch.ones_like(t))[0].tolist()
+        entries = [None] + [{str(tok): {"logprob": x + shift, "rank": 1, "decoded_token": "?"}}
+                            for tok, x in zip(ids[1:], lp)]
+        return {"choices": [{"index": 0, "text": "", "finish_reason": "length", "prompt_logprobs": entries,
+                             "token_ids": [0]}]}
+
+    return answer
+
+
+def _sync_routes(model, tokenizer, shift=0.0):
+    return {
+        ("GET", "/get_world_size"): fixture("get_world_size.json"),
+        ("POST", "/init_weight_transfer_engine"): fixture("init_weight_transfer_engine.json"),
+        ("POST", "/pause"): fixture("pause.json"),
+        ("POST", "/update_weights"): fixture("update_weights.json"),
+        ("POST", "/reset_prefix_cache"): None,
+        ("POST", "/resume"): fixture("resume.json"),
+        ("POST", "/v1/completions"): _probe_route(model, tokenizer, shift),
+    }
+
+
+def test_sync_protocol_order_and_payloads(tiny_model, tiny_tokenizer, monkeypatch):
+    engine, session = _engine(tiny_model, tiny_tokenizer, _sync_routes(tiny_model, tiny_tokenizer),
+                              master_address="10.0.0.2", master_port=29999)
+    nccl = []
+    monkeypatch.setattr(engine, "_trainer_init", lambda world_size: nccl.append(("init", world_size)) or "GROUP")
+    monkeypatch.setattr(engine, "_trainer_send", lambda model: nccl.append(("send", engine._group)))
+    info = engine.sync_weights(tiny_model)
+    info2 = engine.sync_weights(tiny_model)
+    assert nccl == [("init", 2), ("send", "GROUP"), ("send", "GROUP")]
+    control = [(m, p) for m, p, _ in session.calls if p != "/v1/completions"]
+    step = [("POST", "/pause"), ("POST", "/update_weights"), ("POST", "/reset_prefix_cache"), ("POST", "/resume")]
+    assert control == [("GET", "/get_world_size"), ("POST", "/init_weight_transfer_engine")] + step + step
+    bodies = {p: b for m, p, b in session.calls}
+    assert bodies["/init_weight_transfer_engine"] == {"init_info": {
+        "master_address": "10.0.0.2", "master_port": 29999, "rank_offset": 1, "world_size": 2}}
+    update = bodies["/update_weights"]["update_info"]
+    params = list(tiny_model.named_parameters())
+    assert update["names"] == [n for n, _ in params]
+    assert update["dtype_names"] == ["float32"] * len(params)
+    assert update["shapes"] == [list(p.shape) for _, p in params]
+    assert update["packed"] is True
+    probes = [b for m, p, b in session.calls if p == "/v1/completions"]
+    assert len(probes) == 2 * len(PROBE_TEXTS) and all(b["prompt_logprobs"] == 0 for b in probes)
+    assert info["sync/probe_max_abs_diff"] == pytest.approx(0.0, abs=1e-6) and "time/sync" in info2
+
+
+def test_sync_check_catches_a_stale_server(tiny_model, tiny_tokenizer, monkeypatch):
+    engine, session = _engine(tiny_model, tiny_tokenizer, _sync_routes(tiny_model, tiny_tokenizer, shift=0.5))
+    monkeypatch.setattr(engine, "_trainer_init", lambda world_size: "GROUP")
+    monkeypatch.setattr(engine, "_trainer_send", lambda model: None)
+    with pytest.raises(WeightSyncError, match="do not match"):
+        engine.sync_weights(tiny_model)
+    assert [p for _, p, _ in session.calls].count("/resume") == 1  # generation is resumed even so
+
+
+def test_resume_even_when_update_fails(tiny_model, tiny_tokenizer, monkeypatch):
+    routes = _sync_routes(tiny_model, tiny_tokenizer)
+    engine, session = _engine(tiny_model, tiny_tokenizer, routes)
+    monkeypatch.setattr(engine, "_trainer_init", lambda world_size: "GROUP")
+
+    def boom(model):
+        raise RuntimeError("nccl broke")
+
+    monkeypatch.setattr(engine, "_trainer_send", boom)
+    with pytest.raises(RuntimeError, match="nccl broke"):
+        engine.sync_weights(tiny_model)
+    assert session.calls[-1][:2] == ("POST", "/resume")
+
+
+def test_http_errors_name_the_route(tiny_model, tiny_tokenizer):
+    class Failing(FakeSession):
+        def request(self, method, url, json=None, timeout=None):
+            self.calls.append((method, url, json))
+            return FakeResponse({"error": "boom"}, status=500)
+
+    engine = VLLMEngine(tiny_model, tiny_tokenizer, served_model="m", start_server=False, session=Failing({}))
+    with pytest.raises(RuntimeError, match="/v1/completions returned 500"):
+        engine.generate(["x"], SamplingParams())
