@@ -8,7 +8,8 @@ rollouts need:
 * **One prefill per prompt.** Each prompt is prefilled once; its KV cache rows are then repeated
   ``n`` times (``DynamicCache.batch_repeat_interleave``) and the ``n`` samples decode from there.
 * **Seeded sampling.** A ``torch.Generator`` seeded from ``params.seed`` drives every draw, so the
-  same seed, prompts and weights give the same batch; the ``n`` rows of a prompt draw independently.
+  same seed, prompts, weights and ``max_batch_size`` give the same batch (the chunk layout decides
+  which draws a row gets); the ``n`` rows of a prompt draw independently.
   Temperature 0 is greedy (argmax); top-p keeps the smallest set of tokens whose mass reaches p.
 * **Per-sequence stops.** EOS ends a row. Stop strings are checked on the decoded *tail* of each row's
   new tokens (enough tokens to hold the longest stop string), so the check costs O(1) per token; on a

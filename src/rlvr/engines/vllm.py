@@ -51,7 +51,7 @@ class VLLMEngine:
                  master_address: str = "127.0.0.1", master_port: int = 29551,
                  probe_tolerance: float = 0.25, check_sync: bool = True, session=None):
         self.tokenizer = tokenizer
-        self.served_model = served_model or getattr(model.config, "_name_or_path", None)
+        self.served_model = served_model or getattr(getattr(model, "config", None), "_name_or_path", None)
         if not self.served_model:
             raise ValueError("VLLMEngine needs served_model: the hub id or directory the server should load")
         self.port = port

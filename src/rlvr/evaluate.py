@@ -1,0 +1,224 @@
+"""`rlvr eval`: prompting baselines and validation.
+
+For each prompt the model answers every question (``n`` samples each) through an engine; each
+response is graded by the prompt's reward function and falls in one of three categories:
+
+* ``correct``: formatted and right (format 1, answer 1);
+* ``formatted_wrong``: formatted but wrong (format 1, answer 0);
+* ``unformatted``: the grader could not find an answer (format 0).
+
+``DIR/results.json`` holds ``{"config": ..., "results": {prompt: metrics}}`` where metrics are ``n``
+(graded responses), ``accuracy`` (mean reward), ``format_rate``, ``mean_response_length`` (tokens),
+``truncated_rate`` (share that hit the token limit), ``categories``, ``tokens_per_s`` and ``time_s``.
+``DIR/samples.jsonl`` has one line per response. The trainer calls ``evaluate()`` for validation.
+
+    rlvr eval --model allenai/OLMo-2-0425-1B --prompt r1_zero --prompt question_only \\
+        --data openai/gsm8k --split test --limit 1024 --out runs/eval-base
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Literal
+
+import tyro
+
+from rlvr.engines.base import SamplingParams
+
+PromptName = Literal["r1_zero", "question_only", "r1_zero_three_shot"]
+CATEGORIES = ("correct", "formatted_wrong", "unformatted")
+
+
+@dataclass
+class EvalConfig:
+    """Evaluate one or several prompts on a model and write results.json and samples.jsonl."""
+
+    model: str
+    """Local model directory or hub id (e.g. allenai/OLMo-2-0425-1B)."""
+    out: Path
+    """Output directory for results.json and samples.jsonl."""
+    prompt: Annotated[tuple[PromptName, ...], tyro.conf.UseAppendAction] = ()
+    """Prompt to evaluate; repeat the flag for several (default: r1_zero)."""
+    data: str = "openai/gsm8k"
+    """GSM8K JSONL file, a directory with {split}.jsonl, or the hub id openai/gsm8k."""
+    split: str = "test"
+    """Data split to evaluate."""
+    limit: int | None = None
+    """Evaluate only the first N questions."""
+    temperature: float = 1.0
+    """Sampling temperature (0 is greedy)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    max_tokens: int = 512
+    """Maximum new tokens per response."""
+    seed: int = 0
+    """Sampling seed; the same seed reproduces the run."""
+    n: int = 1
+    """Samples per question."""
+    engine: Literal["hf", "hf-worker", "vllm"] = "hf"
+    """Rollout engine."""
+    device: str = "auto"
+    """Device for the model: auto (cuda when available), cpu, cuda, cuda:1, ..."""
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    """Model dtype; auto is bfloat16 on CUDA and float32 on CPU."""
+    batch_size: int = 64
+    """Maximum sequences decoded together by the hf engines."""
+    examples: int = 2
+    """Examples printed per category."""
+
+
+def _category(format_reward: float, answer_reward: float) -> str:
+    if format_reward < 0.5:
+        return "unformatted"
+    return "correct" if answer_reward > 0.5 else "formatted_wrong"
+
+
+def evaluate(model, tokenizer, examples, prompt_name: str, engine=None, params: SamplingParams | None = None,
+             progress: bool = False, chunk_size: int = 256) -> tuple[dict, list[dict]]:
+    """Sample, grade and summarise ``examples`` under prompt ``prompt_name``.
+
+    ``engine`` defaults to an in-process ``HFEngine`` on ``model``. The prompt owns its stop strings
+    (they replace ``params.stop`` and are kept in the output). Questions go to the engine in chunks of
+    ``chunk_size`` (chunk ``i`` uses seed ``params.seed + i``), which is what the progress bar counts.
+    Returns ``(metrics, samples)``; see the module docstring for the metric keys.
+    """
+    from rlvr.prompts import render, reward_fn_for, stop_strings
+
+    if engine is None:
+        from rlvr.engines.hf import HFEngine
+
+        engine = HFEngine(model, tokenizer)
+    params = params or SamplingParams()
+    params = dataclasses.replace(params, stop=tuple(stop_strings(prompt_name)), include_stop_str_in_output=True)
+    reward_fn = reward_fn_for(prompt_name)
+    prompts = [render(prompt_name, ex.question) for ex in examples]
+
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(prompts), desc=f"eval {prompt_name}", unit="q")
+    outputs = []
+    t0 = time.perf_counter()
+    for i, start in enumerate(range(0, len(prompts), chunk_size)):
+        seed = None if params.seed is None else params.seed + i
+        outputs += engine.generate(prompts[start:start + chunk_size], dataclasses.replace(params, seed=seed))
+        if bar is not None:
+            bar.update(min(chunk_size, len(prompts) - start))
+    elapsed = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+
+    samples = []
+    for q, (ex, prompt, group) in enumerate(zip(examples, prompts, outputs)):
+        for j, comp in enumerate(group):
+            r = reward_fn(comp.text, ex.ground_truth)
+            samples.append({
+                "prompt_name": prompt_name, "question_index": q, "sample_index": j, "question": ex.question,
+                "prompt": prompt, "response": comp.text, "ground_truth": ex.ground_truth,
+                "format_reward": float(r["format_reward"]), "answer_reward": float(r["answer_reward"]),
+                "reward": float(r["reward"]), "finish_reason": comp.finish_reason, "num_tokens": len(comp.token_ids),
+                "category": _category(r["format_reward"], r["answer_reward"]),
+            })
+    n = len(samples)
+    tokens = sum(s["num_tokens"] for s in samples)
+    mean = (lambda key: sum(s[key] for s in samples) / n) if n else (lambda key: 0.0)
+    metrics = {
+        "n": n,
+        "accuracy": mean("reward"),
+        "format_rate": mean("format_reward"),
+        "mean_response_length": tokens / n if n else 0.0,
+        "truncated_rate": (sum(s["finish_reason"] == "length" for s in samples) / n) if n else 0.0,
+        "categories": {c: sum(s["category"] == c for s in samples) for c in CATEGORIES},
+        "tokens": tokens,
+        "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
+        "time_s": elapsed,
+    }
+    return metrics, samples
+
+
+def _resolve_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def print_report(results: dict[str, dict], samples: list[dict], examples_per_category: int = 2) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    table = Table(title="rlvr eval")
+    for col in ("prompt", "n", "accuracy", "format", "mean len", "truncated", "correct", "fmt wrong",
+                "unformatted", "tok/s"):
+        table.add_column(col, justify="left" if col == "prompt" else "right")
+    for name, m in results.items():
+        c = m["categories"]
+        table.add_row(name, str(m["n"]), f"{m['accuracy']:.3f}", f"{m['format_rate']:.3f}",
+                      f"{m['mean_response_length']:.1f}", f"{m['truncated_rate']:.3f}", str(c["correct"]),
+                      str(c["formatted_wrong"]), str(c["unformatted"]), f"{m['tokens_per_s']:.0f}")
+    console.print(table)
+    for name in results:
+        for cat in CATEGORIES:
+            picked = [s for s in samples if s["prompt_name"] == name and s["category"] == cat][:examples_per_category]
+            for s in picked:
+                response = s["response"] if len(s["response"]) <= 400 else s["response"][:400] + " ..."
+                console.rule(f"{name} · {cat} · question {s['question_index']} · truth {s['ground_truth']}")
+                console.print(response, markup=False, highlight=False)
+
+
+def run(cfg: EvalConfig) -> dict:
+    import torch
+
+    if not cfg.prompt:
+        cfg = dataclasses.replace(cfg, prompt=("r1_zero",))
+
+    from rlvr.data import load_examples
+    from rlvr.engines import make_engine
+    from rlvr.modeling import load_model_and_tokenizer
+
+    device = _resolve_device(cfg.device)
+    dtype = None if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
+    examples = load_examples(cfg.data, split=cfg.split, limit=cfg.limit)
+    if not examples:
+        raise ValueError(f"no examples loaded from {cfg.data!r} (split {cfg.split!r})")
+    model, tokenizer = load_model_and_tokenizer(cfg.model, device=device, dtype=dtype)
+    options: dict = {}
+    if cfg.engine in ("hf", "hf-worker"):
+        options["max_batch_size"] = cfg.batch_size
+    if cfg.engine == "vllm":
+        options["served_model"] = cfg.model
+        options["check_sync"] = False
+    engine = make_engine(cfg.engine, model, tokenizer, **options)
+    params = SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_tokens,
+                            seed=cfg.seed)
+    results, all_samples = {}, []
+    try:
+        for name in dict.fromkeys(cfg.prompt):
+            metrics, samples = evaluate(model, tokenizer, examples, name, engine, params, progress=True)
+            results[name] = metrics
+            all_samples += samples
+    finally:
+        engine.close()
+
+    cfg.out.mkdir(parents=True, exist_ok=True)
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()}
+    config["prompt"] = list(cfg.prompt)
+    (cfg.out / "results.json").write_text(json.dumps({"config": config, "results": results}, indent=2))
+    with (cfg.out / "samples.jsonl").open("w", encoding="utf-8") as f:
+        for s in all_samples:
+            f.write(json.dumps(s, ensure_ascii=False) + "\n")
+    print_report(results, all_samples, cfg.examples)
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    cfg = tyro.cli(EvalConfig, args=argv)
+    run(cfg)
+    return 0

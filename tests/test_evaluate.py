@@ -1,0 +1,107 @@
+"""`rlvr eval` and the library ``evaluate``: hand-worked metrics on scripted responses, and an
+end-to-end CLI run on a tiny model over GSM8K test rows."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlvr.data import Example
+from rlvr.engines.base import Completion, SamplingParams
+from rlvr.evaluate import evaluate
+
+
+class ScriptedEngine:
+    """Answers the i-th prompt with ``responses[i]``; records the params it was called with."""
+
+    def __init__(self, responses):
+        self.responses = responses
+        self.calls = []
+
+    def generate(self, prompts, params):
+        self.calls.append((list(prompts), params))
+        out = []
+        for p in prompts:
+            text, reason = self.responses[len([q for c in self.calls[:-1] for q in c[0]]) + len(out)]
+            out.append([Completion(text=text, token_ids=list(range(len(text.split()))), finish_reason=reason)
+                        for _ in range(params.n)])
+        return out
+
+    def sync_weights(self, model):
+        return {}
+
+    def close(self):
+        pass
+
+
+def test_metrics_and_categories_worked_by_hand():
+    examples = [Example(f"q{i}", truth) for i, truth in enumerate(["72", "10", "5", "3"])]
+    engine = ScriptedEngine([
+        ("reason </think> <answer> 72 </answer>", "stop"),   # correct, 7 "tokens"
+        ("reason </think> <answer> 11 </answer>", "stop"),   # formatted, wrong
+        ("no tags at all, 5", "length"),                     # unformatted, truncated
+        ("x </think> <answer> $3 </answer>", "stop"),        # correct
+    ])
+    metrics, samples = evaluate(None, None, examples, "r1_zero", engine, SamplingParams(n=1, seed=0), chunk_size=3)
+    assert metrics["n"] == 4
+    assert metrics["categories"] == {"correct": 2, "formatted_wrong": 1, "unformatted": 1}
+    assert metrics["accuracy"] == pytest.approx(0.5)
+    assert metrics["format_rate"] == pytest.approx(0.75)
+    assert metrics["truncated_rate"] == pytest.approx(0.25)
+    assert metrics["mean_response_length"] == pytest.approx((5 + 5 + 5 + 5) / 4)
+    # the prompt owns its stop string, kept in the output; chunks get consecutive seeds
+    assert [c[1].stop for c in engine.calls] == [("</answer>",), ("</answer>",)]
+    assert [c[1].seed for c in engine.calls] == [0, 1] and all(c[1].include_stop_str_in_output for c in engine.calls)
+    assert engine.calls[0][0][0].endswith("Assistant: <think>") and "q0" in engine.calls[0][0][0]
+    assert [s["category"] for s in samples] == ["correct", "formatted_wrong", "unformatted", "correct"]
+    assert samples[1]["ground_truth"] == "10" and samples[2]["finish_reason"] == "length"
+
+
+def test_question_only_prompt_has_no_stop_and_grades_boxed():
+    examples = [Example("q", "18")]
+    engine = ScriptedEngine([("so \\boxed{18}", "length")])
+    metrics, samples = evaluate(None, None, examples, "question_only", engine, SamplingParams(n=2))
+    assert engine.calls[0][1].stop == ()
+    assert metrics["n"] == 2 and metrics["categories"]["correct"] == 2
+
+
+@pytest.fixture()
+def tiny_model_dir(tmp_path, tiny_model, tiny_tokenizer):
+    path = tmp_path / "tiny-model"
+    tiny_model.save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    return path
+
+
+def test_rlvr_eval_end_to_end(tmp_path, tiny_model_dir, gsm8k_path, capsys):
+    from rlvr.cli import main
+
+    out = tmp_path / "eval"
+    rc = main(["eval", "--model", str(tiny_model_dir), "--prompt", "r1_zero", "--prompt", "question_only",
+               "--data", str(gsm8k_path), "--split", "test", "--limit", "8", "--out", str(out),
+               "--max-tokens", "16", "--n", "2", "--device", "cpu", "--batch-size", "8", "--seed", "1"])
+    assert rc == 0
+    results = json.loads((out / "results.json").read_text())
+    assert set(results["results"]) == {"r1_zero", "question_only"}
+    assert results["config"]["limit"] == 8 and results["config"]["prompt"] == ["r1_zero", "question_only"]
+    lines = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert len(lines) == 2 * 8 * 2
+    for name, m in results["results"].items():
+        assert set(m) >= {"n", "accuracy", "format_rate", "mean_response_length", "truncated_rate", "categories",
+                          "tokens_per_s", "time_s"}
+        assert m["n"] == 16 and sum(m["categories"].values()) == m["n"]
+        mine = [s for s in lines if s["prompt_name"] == name]
+        assert m["accuracy"] == pytest.approx(sum(s["reward"] for s in mine) / 16)
+        assert m["format_rate"] == pytest.approx(1 - m["categories"]["unformatted"] / 16)
+        assert m["mean_response_length"] == pytest.approx(sum(s["num_tokens"] for s in mine) / 16)
+        assert 0 < m["mean_response_length"] <= 16
+        assert m["truncated_rate"] == pytest.approx(sum(s["finish_reason"] == "length" for s in mine) / 16)
+    assert {"prompt", "response", "ground_truth", "reward", "format_reward", "finish_reason"} <= set(lines[0])
+    assert "rlvr eval" in capsys.readouterr().out
+    # same seed and batch size, same run (the batch layout decides which draws each row gets)
+    out2 = tmp_path / "eval2"
+    main(["eval", "--model", str(tiny_model_dir), "--prompt", "r1_zero", "--data", str(gsm8k_path), "--limit", "8",
+          "--out", str(out2), "--max-tokens", "16", "--n", "2", "--device", "cpu", "--seed", "1", "--batch-size", "8"])
+    again = [json.loads(x) for x in (out2 / "samples.jsonl").read_text().splitlines()]
+    assert [s["response"] for s in again] == [s["response"] for s in lines if s["prompt_name"] == "r1_zero"]
