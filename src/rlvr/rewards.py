@@ -212,7 +212,8 @@ _FRAC = re.compile(r"\\frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
 _FRAC_DIGITS = re.compile(r"\\frac\s*(\d)\s*(\d)")
 # Anything that makes the answer a hedge, a range, an inequality or an approximation.
 _REJECT_MARKS = re.compile(
-    r"\\(?:pm|mp|approx|sim|simeq|le|ge|leq|geq|lt|gt|neq|ne|in|cup|cap|vee|wedge|lor|land|infty)(?![A-Za-z])"
+    r"\\(?:pm|mp|approx|sim|simeq|le|ge|leq|geq|lt|gt|neq|ne|not|neg|in|cup|cap|vee|wedge|lor|land|infty"
+    r"|dots|ldots|cdots|vdots)(?![A-Za-z])"
     r"|[<>\u00b1\u2248\u2260\u2264\u2265;|?]|~\s*[\d$]"
 )
 _HEDGE_WORDS = frozenset(
@@ -373,6 +374,8 @@ class _Arithmetic:
     def _unary(self) -> Fraction:
         if self._peek() in ("+", "-"):
             op = self._take()
+            if self._peek() in ("+", "-"):
+                raise _Reject  # "--18", "+-18": a typo, not a value to trust
             self._enter()
             inner = self._unary()
             self.depth -= 1

@@ -1,0 +1,140 @@
+"""GSM8K loading: row counts, ground-truth extraction, and malformed lines named by file and line."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import pytest
+
+from rlvr.data import DataError, Example, extract_gsm8k_answer, load_examples, load_gsm8k_jsonl, sample_batch
+from rlvr.rewards import grade
+
+
+def write_jsonl(path: Path, lines: list[str]) -> Path:
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def row(question: str = "q?", answer: str = "work\n#### 7") -> str:
+    return json.dumps({"question": question, "answer": answer})
+
+
+# --- the shared GSM8K copy ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("split, n_rows", [("train", 7473), ("test", 1319)])
+def test_gsm8k_split_sizes_and_every_ground_truth_grades_as_itself(gsm8k_path, split, n_rows):
+    examples = load_gsm8k_jsonl(gsm8k_path / f"{split}.jsonl")
+    assert len(examples) == n_rows
+    assert all(e.question and e.ground_truth and e.ground_truth == e.ground_truth.strip() for e in examples)
+    assert all(grade(e.ground_truth, e.ground_truth) for e in examples)
+
+
+def test_gsm8k_known_rows(gsm8k_path):
+    train = load_gsm8k_jsonl(gsm8k_path / "train.jsonl")
+    test = load_gsm8k_jsonl(gsm8k_path / "test.jsonl")
+    assert train[0].question.startswith("Natalia sold clips to 48 of her friends in April")
+    assert train[0].ground_truth == "72"
+    assert test[0].question.startswith("Janet\u2019s ducks lay 16 eggs per day.")
+    assert test[0].ground_truth == "18"
+    # thousands commas are kept in the ground truth (the grader ignores them)
+    assert test[146].ground_truth == "2,125"
+    assert grade("2125", test[146].ground_truth)
+    assert train[5715].ground_truth == "-7"
+    # calculator annotations <<...>> are dropped from the rationale, the "####" line too
+    assert "<<" not in test[0].solution and "####" not in test[0].solution
+    assert "She makes 9 * 2 = $18 every day" in test[0].solution
+
+
+def test_load_examples_from_a_directory_a_file_and_with_a_limit(gsm8k_path):
+    by_dir = load_examples(str(gsm8k_path), split="test", limit=5)
+    by_file = load_examples(str(gsm8k_path / "test.jsonl"), limit=5)
+    assert by_dir == by_file
+    assert [e.ground_truth for e in by_dir] == ["18", "3", "70000", "540", "20"]
+
+
+# --- ground-truth extraction -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "answer, truth",
+    [
+        ("2 + 2 = 4\n#### 4", "4"),
+        ("#### 2,125", "2,125"),
+        ("a #### b\n####   -3  \n", "-3"),  # the last marker wins, surrounding space stripped
+        ("x\n#### 0.5", "0.5"),
+    ],
+)
+def test_extract_gsm8k_answer(answer, truth):
+    assert extract_gsm8k_answer(answer) == truth
+
+
+def test_extract_gsm8k_answer_without_marker_is_an_error():
+    with pytest.raises(DataError, match="####"):
+        extract_gsm8k_answer("the answer is 4")
+
+
+def test_jsonl_rows_become_examples(tmp_path):
+    path = write_jsonl(tmp_path / "tiny.jsonl", [row("How many?", "3 + 4 = <<3+4=7>>7\n#### 7"), "", row("Big?", "#### 1,000")])
+    examples = load_gsm8k_jsonl(path)
+    assert examples == [Example("How many?", "7", "3 + 4 = 7"), Example("Big?", "1,000", "")]
+
+
+# --- malformed lines: errors that name the file and the line -----------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad_line, message",
+    [
+        ("{not json", "not valid JSON"),
+        ('["a list"]', "string fields 'question' and 'answer'"),
+        (json.dumps({"question": "q?"}), "string fields 'question' and 'answer'"),
+        (json.dumps({"question": 3, "answer": "#### 3"}), "string fields 'question' and 'answer'"),
+        (json.dumps({"question": "q?", "answer": "no marker"}), "####"),
+        (json.dumps({"question": "q?", "answer": "work ####   "}), "empty"),
+    ],
+)
+def test_malformed_line_names_file_and_line(tmp_path, bad_line, message):
+    # line 3 is bad; the blank line 2 still counts in the numbering
+    path = write_jsonl(tmp_path / "broken.jsonl", [row(), "", bad_line, row()])
+    with pytest.raises(DataError) as info:
+        load_gsm8k_jsonl(path)
+    assert f"broken.jsonl:3:" in str(info.value)
+    assert message in str(info.value)
+
+
+def test_nothing_is_skipped_silently(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [row(), row(), "{oops"])
+    with pytest.raises(DataError, match=r"d\.jsonl:3"):
+        load_gsm8k_jsonl(path)
+    # with a limit that stops before the bad line, the good rows load
+    assert len(load_gsm8k_jsonl(path, limit=2)) == 2
+
+
+def test_missing_file_is_an_error_that_says_what_to_pass(tmp_path):
+    with pytest.raises(DataError, match="no such file"):
+        load_gsm8k_jsonl(tmp_path / "nope.jsonl")
+    with pytest.raises(DataError, match="no such file"):
+        load_examples(str(tmp_path / "nope.jsonl"))
+
+
+def test_directory_source_reads_the_split_file(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", [row("t?", "#### 1")])
+    write_jsonl(tmp_path / "test.jsonl", [row("v?", "#### 2"), row("w?", "#### 3")])
+    assert [e.ground_truth for e in load_examples(str(tmp_path), split="train")] == ["1"]
+    assert [e.ground_truth for e in load_examples(str(tmp_path), split="test")] == ["2", "3"]
+
+
+# --- seeded batches ----------------------------------------------------------------------------
+
+
+def test_sample_batch_is_seeded_and_distinct():
+    examples = [Example(f"q{i}", str(i)) for i in range(50)]
+    a = sample_batch(examples, 10, random.Random(3))
+    b = sample_batch(examples, 10, random.Random(3))
+    assert a == b and len({e.question for e in a}) == 10
+    assert sample_batch(examples, 10, random.Random(4)) != a
+    with pytest.raises(ValueError, match="n_prompts_per_rollout_batch"):
+        sample_batch(examples, 51, random.Random(0))
