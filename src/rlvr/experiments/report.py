@@ -1,0 +1,215 @@
+"""``rlvr report SWEEP_DIR --out report.md``: one Markdown page for a sweep (or any set of runs).
+
+The page holds, in order: what was run (the sweep command, each setting's overrides, run status),
+the table of final validation reward per setting (mean ± sample sd, 95 % t-interval of the mean,
+min–max, n seeds, best and worst seed), the headline figures, final reward against learning rate
+when lr varies, clip fractions of the off-policy settings, every other logged metric, and sample
+rollouts of each setting's best seed before (first dump) and after (last dump) training. Figures
+are written next to the report in ``<stem>_figures/`` and linked relatively, so the report and
+its figures can be committed together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import math
+import shlex
+import sys
+from pathlib import Path
+from typing import Sequence
+
+from rlvr.experiments.plot import BAND_LABEL, plot_runs
+from rlvr.experiments.runs import BANDS, VAL_REWARD, Run, final_values, group_runs, load_runs, read_rollouts
+
+
+def _num(x: float, digits: int = 3) -> str:
+    return "–" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
+
+
+def final_table(runs: Sequence[Run], metric: str = VAL_REWARD) -> str:
+    """Markdown table of the final ``metric`` per setting, best mean first."""
+    finals = final_values(runs, metric)
+    lines = [
+        f"| setting | mean ± sd | 95% CI of mean | min – max | n seeds | best seed | worst seed | at step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    order = sorted(finals.values(), key=lambda f: -f.mean if f.n else math.inf)
+    for f in order:
+        if not f.n:
+            lines.append(f"| {f.setting} | – | – | – | 0 | – | – | – |")
+            continue
+        sd = f" ± {_num(f.std)}" if f.n > 1 else ""
+        ci = f"± {_num(f.ci95)}" if f.n > 1 else "–"
+        best, worst = f.best, f.worst
+        steps = sorted(set(f.steps.values()))
+        at = str(steps[0]) if len(steps) == 1 else f"{steps[0]}–{steps[-1]} (unequal!)"
+        lines.append(f"| {f.setting} | {_num(f.mean)}{sd} | {ci} | {_num(f.min)} – {_num(f.max)} | {f.n} | "
+                     f"{best[0]}: {_num(best[1])} | {worst[0]}: {_num(worst[1])} | {at} |")
+    return "\n".join(lines)
+
+
+def status_table(runs: Sequence[Run]) -> str:
+    lines = ["| setting | seeds | finished | last step per seed |", "|---|---|---|---|"]
+    for setting, group in group_runs(runs).items():
+        seeds = ", ".join(str(r.seed) for r in group)
+        steps = ", ".join(f"{r.seed}: {r.last_step}" for r in group)
+        lines.append(f"| {setting} | {seeds} | {sum(r.finished for r in group)}/{len(group)} | {steps} |")
+    return "\n".join(lines)
+
+
+def _fence(text: str) -> str:
+    longest, run = 0, 0
+    for ch in text:
+        run = run + 1 if ch == "`" else 0
+        longest = max(longest, run)
+    return "`" * max(3, longest + 1)
+
+
+def _clip(text: str, limit: int, keep: str = "head") -> str:
+    text = str(text)
+    if len(text) <= limit:
+        return text
+    return ("…" + text[-limit:]) if keep == "tail" else (text[:limit] + "…")
+
+
+def pick_samples(rows: list[dict], k: int) -> list[dict]:
+    """Up to ``k`` rollouts, alternating rewarded and unrewarded ones when both exist (in dump order)."""
+    good = [r for r in rows if float(r.get("reward", 0) or 0) > 0]
+    bad = [r for r in rows if float(r.get("reward", 0) or 0) <= 0]
+    out = []
+    while len(out) < k and (good or bad):
+        for pool in (good, bad):
+            if pool and len(out) < k:
+                out.append(pool.pop(0))
+    return out
+
+
+def format_rollout(row: dict, prompt_chars: int = 400, response_chars: int = 1200) -> str:
+    prompt = _clip(row.get("prompt", ""), prompt_chars, keep="tail")
+    response = _clip(row.get("response", ""), response_chars)
+    scores = ", ".join(f"{k} {row[k]}" for k in ("reward", "format_reward") if k in row)
+    parts = [f"*ground truth* `{row.get('ground_truth', '?')}` — {scores}", ""]
+    for title, text in (("prompt (end)", prompt), ("response", response)):
+        fence = _fence(text)
+        parts += [f"{title}:", "", fence + "text", text, fence, ""]
+    return "\n".join(parts)
+
+
+def rollout_section(runs: Sequence[Run], k: int = 2, metric: str = VAL_REWARD) -> str:
+    """Per setting, samples from the best seed's first and last rollout dumps."""
+    finals = final_values(runs, metric)
+    out = []
+    for setting, group in group_runs(runs).items():
+        best = finals[setting].best
+        chosen = next((r for r in group if best and (f"seed_{r.seed}" == best[0] or r.path.name == best[0])), group[0])
+        dumps = chosen.rollout_dumps()
+        out.append(f"### {setting} ({chosen.label})\n")
+        if not dumps:
+            out.append("_no rollout dumps in this run_\n")
+            continue
+        picks = [("before", dumps[0])] + ([("after", dumps[-1])] if len(dumps) > 1 else [])
+        for when, (step, path) in picks:
+            rows = read_rollouts(path)
+            mean = sum(float(r.get("reward", 0) or 0) for r in rows) / max(len(rows), 1)
+            out.append(f"**{when} — step {step}** ({len(rows)} rollouts in the dump, mean reward {mean:.2f})\n")
+            for row in pick_samples(rows, k):
+                out.append(format_rollout(row))
+    return "\n".join(out)
+
+
+def _settings_section(sweep: dict | None) -> str:
+    if not sweep or not sweep.get("settings"):
+        return ""
+    lines = ["| setting | overrides |", "|---|---|"]
+    for name, over in sweep["settings"].items():
+        text = ", ".join(f"`{k}={json.dumps(v)}`" for k, v in _flat(over).items()) or "(base config)"
+        lines.append(f"| {name} | {text} |")
+    return "\n".join(lines)
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def write_report(paths: Sequence[str | Path], out: str | Path, band: str = "minmax", metrics: Sequence[str] | None = None,
+                 smoothing: int = 1, samples: int = 2, title: str | None = None, command: str | None = None) -> Path:
+    """Write the Markdown report for the runs under ``paths`` to ``out`` (figures alongside); returns ``out``."""
+    out = Path(out)
+    runs = load_runs(paths)
+    fig_dir = out.parent / f"{out.stem}_figures"
+    figures = plot_runs(runs, fig_dir, metrics=metrics, band=band, smoothing=smoothing)
+    rel = {name: f"{fig_dir.name}/{p.name}" for name, p in figures.items()}
+    sweep = None
+    if len(paths) == 1 and (Path(paths[0]) / "sweep.json").is_file():
+        sweep = json.loads((Path(paths[0]) / "sweep.json").read_text())
+    groups = group_runs(runs)
+
+    md = [f"# {title or (sweep or {}).get('name') or 'rlvr report'}", ""]
+    md.append(f"{len(runs)} runs in {len(groups)} settings. Generated "
+              f"{_dt.date.today().isoformat()} by `{command or 'rlvr report'}`.")
+    if sweep and sweep.get("invocations"):
+        cmds = list(dict.fromkeys(inv["command"] for inv in sweep["invocations"]))
+        md += ["", "Sweep command(s):", "", "```", *cmds, "```"]
+    md += ["", f"Bands in every figure: {BAND_LABEL[band]}; thin faint lines are the individual seeds.", ""]
+
+    md += ["## Final validation reward", "", final_table(runs), "",
+           "sd is the sample standard deviation across seeds; the 95 % interval is Student-t on the mean. "
+           "When two settings' min–max ranges overlap, these seeds do not separate them.", ""]
+    settings_md = _settings_section(sweep)
+    if settings_md:
+        md += ["## Settings", "", settings_md, ""]
+    md += ["## Runs", "", status_table(runs), ""]
+
+    if "overview" in rel:
+        md += ["## Overview", "", f"![overview]({rel['overview']})", ""]
+    if "final_vs_lr" in rel:
+        md += ["## Final validation reward vs learning rate", "", f"![final reward vs lr]({rel['final_vs_lr']})", ""]
+    clip = [m for m in rel if "clip_fraction" in m]
+    if clip:
+        md += ["## Clip fractions (off-policy settings)", ""]
+        md += [f"![{m}]({rel[m]})" for m in clip] + [""]
+    shown = {"overview", "final_vs_lr", *clip}
+    rest = [m for m in rel if m not in shown]
+    if rest:
+        md += ["## All metrics", ""]
+        for m in rest:
+            md += [f"### {m}", "", f"![{m}]({rel[m]})", ""]
+    md += ["## Sample rollouts: before and after training", "",
+           "From each setting's best seed (by final validation reward): its first and last rollout dumps.", "",
+           rollout_section(runs, k=samples)]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(md).rstrip() + "\n", encoding="utf-8")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="rlvr report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("paths", nargs="+", type=Path, help="a sweep directory (or run/sweep directories)")
+    parser.add_argument("--out", type=Path, required=True, help="the Markdown file to write (figures go beside it)")
+    parser.add_argument("--band", choices=BANDS, default="minmax", help="spread across seeds (default minmax)")
+    parser.add_argument("--metrics", nargs="+", help="only these per-metric figures (default: all)")
+    parser.add_argument("--smooth", type=int, default=1, help="trailing moving average over this many steps per run")
+    parser.add_argument("--samples", type=int, default=2, help="rollouts shown per dump")
+    parser.add_argument("--title", help="report title (default: the sweep's name)")
+    args = parser.parse_args(argv)
+    try:
+        path = write_report(args.paths, args.out, band=args.band, metrics=args.metrics, smoothing=args.smooth,
+                            samples=args.samples, title=args.title, command=shlex.join(["rlvr", "report", *argv]))
+    except FileNotFoundError as e:
+        print(f"rlvr report: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

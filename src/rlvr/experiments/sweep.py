@@ -1,0 +1,557 @@
+"""``rlvr sweep SPEC_FILE --out DIR``: a grid of named settings × seeds, resumable.
+
+A sweep spec is YAML::
+
+    name: onpolicy_variants              # optional; recorded in DIR/sweep.json
+    base: ../train/gsm8k.yaml            # the base config: a path (relative to this file) or a mapping
+    overrides: {eval_every: 10}          # optional: applied to the base for every setting
+    plugins: [../../examples/my_estimator.py]   # optional: modules or .py files imported before training
+    seeds: [0, 1, 2, 3]
+    seed_field: seed                     # optional: the config field that takes the seed (default ``seed``)
+    settings:                            # name -> overrides (dotted keys or nested mappings)
+      grpo: {algorithm: grpo}
+      dr_grpo: {algorithm: dr_grpo}
+    grid:                                # optional: a cartesian product of values, crossed with settings
+      lr: [1.0e-6, 3.0e-6, 1.0e-5]
+
+Settings may also be a list of ``{name: ..., <overrides>}``. With a grid, each setting is crossed
+with every grid point and named ``<setting>_<key>=<value>,...`` (just ``<key>=<value>,...`` when the
+spec has no settings).
+
+Each run lands in ``DIR/<setting>/seed_<k>/``; its resolved config (base + overrides + setting +
+seed) is written to ``DIR/_sweep/configs/<setting>/seed_<k>.yaml`` and its output to
+``DIR/_sweep/logs/``. Running the sweep again skips finished runs (``summary.json`` with status
+``finished``) and resumes interrupted ones (a run directory without it). A run whose stored
+``config.json`` disagrees with what the spec now asks for is a conflict: it is left alone and
+reported, since resuming it would mix two experiments under one name.
+
+``--max-parallel N`` runs up to N runs at once as subprocesses (``python -m rlvr train ...``), which
+is how several small runs share one GPU; ``--devices 0 1`` spreads them over GPUs round-robin. With
+N = 1 runs go one after another in this process. ``--dry-run`` prints the plan and touches nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import itertools
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+import yaml
+
+from rlvr.experiments.plugins import import_plugins, resolve_plugin
+from rlvr.experiments.runs import flatten
+
+SETTING_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.=+,-]*$")
+SWEEP_DIR = "_sweep"
+
+
+class SweepError(ValueError):
+    """A malformed sweep spec."""
+
+
+# PyYAML follows YAML 1.1, where ``1e-5`` (no dot) is a string; learning rates are written that way.
+class _Loader(yaml.SafeLoader):
+    pass
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\d[\d_]*\.?\d*|\.\d+)[eE][-+]?\d+$|^[-+]?(?:\d[\d_]*)?\.\d+$|^[-+]?\d[\d_]*\.\d*$"),
+    list("-+0123456789."),
+)
+
+
+def load_yaml(path: str | Path) -> dict:
+    with Path(path).open(encoding="utf-8") as f:
+        data = yaml.load(f, Loader=_Loader)
+    return data if data is not None else {}
+
+
+def load_config_file(path: str | Path) -> dict:
+    """A config file (YAML, or TOML by extension) as a dict."""
+    path = Path(path)
+    if not path.is_file():
+        raise SweepError(f"base config {path} not found; give a path relative to the sweep spec or an inline mapping")
+    if path.suffix == ".toml":
+        import tomllib
+
+        return tomllib.loads(path.read_text())
+    if path.suffix == ".json":
+        return json.loads(path.read_text())
+    data = load_yaml(path)
+    if not isinstance(data, dict):
+        raise SweepError(f"base config {path} must be a mapping of config fields")
+    return data
+
+
+def expand_dotted(overrides: dict) -> dict:
+    """``{"optim.lr": 1e-5}`` -> ``{"optim": {"lr": 1e-5}}`` (nested mappings pass through)."""
+    out: dict = {}
+    for key, value in overrides.items():
+        if isinstance(value, dict):
+            value = expand_dotted(value)
+        parts = str(key).split(".")
+        node = out
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise SweepError(f"override {key!r} goes through {part!r}, which is set to a non-mapping value")
+        if isinstance(value, dict) and isinstance(node.get(parts[-1]), dict):
+            node[parts[-1]] = deep_merge(node[parts[-1]], value)
+        else:
+            node[parts[-1]] = value
+    return out
+
+
+def deep_merge(base: dict, overrides: dict) -> dict:
+    """A new dict: ``base`` with ``overrides`` merged in recursively (override values win)."""
+    out = dict(base)
+    for key, value in expand_dotted(overrides).items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+@dataclass
+class SweepSpec:
+    """A parsed sweep spec (see the module docstring)."""
+
+    base: dict
+    settings: dict[str, dict]
+    """Setting name -> its overrides (as written, dotted keys allowed)."""
+    seeds: list[int]
+    plugins: list[str] = field(default_factory=list)
+    """Absolute file paths or module names."""
+    seed_field: str = "seed"
+    name: str = ""
+    path: Path | None = None
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> "SweepSpec":
+        path = Path(path)
+        if not path.is_file():
+            raise SweepError(f"sweep spec {path} not found")
+        return cls.from_dict(load_yaml(path), base_dir=path.parent, path=path)
+
+    @classmethod
+    def from_dict(cls, raw: dict, base_dir: str | Path | None = None, path: Path | None = None) -> "SweepSpec":
+        if not isinstance(raw, dict):
+            raise SweepError("a sweep spec is a mapping with keys base, settings and/or grid, seeds")
+        known = {"name", "base", "overrides", "plugins", "seeds", "seed_field", "settings", "grid", "notes", "description"}
+        unknown = set(raw) - known
+        if unknown:
+            raise SweepError(f"unknown sweep spec keys {sorted(unknown)}; allowed: {sorted(known)}")
+        base_dir = Path(base_dir) if base_dir is not None else Path.cwd()
+        base = raw.get("base", {})
+        if isinstance(base, str):
+            base_path = Path(base) if Path(base).is_absolute() else base_dir / base
+            base = load_config_file(base_path)
+        elif not isinstance(base, dict):
+            raise SweepError("base must be a config file path or a mapping of config fields")
+        base = deep_merge(base, raw.get("overrides") or {})
+
+        settings = _parse_settings(raw.get("settings"))
+        grid = raw.get("grid") or {}
+        if not isinstance(grid, dict) or any(not isinstance(v, list) or not v for v in grid.values()):
+            raise SweepError("grid must map config keys to non-empty lists of values")
+        if grid:
+            points = [dict(zip(grid, combo)) for combo in itertools.product(*grid.values())]
+            crossed = {}
+            for name, over in (settings or {"": {}}).items():
+                for point in points:
+                    tag = ",".join(f"{k.rsplit('.', 1)[-1]}={_fmt(v)}" for k, v in point.items())
+                    crossed[f"{name}_{tag}" if name else tag] = {**over, **point}
+            settings = crossed
+        if not settings:
+            raise SweepError("the spec defines no settings: give `settings` and/or `grid`")
+        for name in settings:
+            if not SETTING_NAME.match(name):
+                raise SweepError(f"setting name {name!r} must be usable as a directory name (letters, digits, _.=+,-)")
+
+        seeds = raw.get("seeds", [0])
+        if isinstance(seeds, int):
+            seeds = list(range(seeds))
+        if not isinstance(seeds, list) or not seeds or not all(isinstance(s, int) for s in seeds):
+            raise SweepError("seeds must be a non-empty list of integers (or a count)")
+        plugins = raw.get("plugins") or []
+        if isinstance(plugins, str):
+            plugins = [plugins]
+        plugins = [resolve_plugin(p, base_dir) for p in plugins]
+        return cls(base=base, settings=settings, seeds=list(seeds), plugins=plugins,
+                   seed_field=str(raw.get("seed_field", "seed")), name=str(raw.get("name", "")), path=path)
+
+    def config_for(self, setting: str, seed: int) -> dict:
+        """The resolved config dict of one run."""
+        return deep_merge(deep_merge(self.base, self.settings[setting]), {self.seed_field: seed})
+
+
+def _parse_settings(raw) -> dict[str, dict]:
+    if raw is None:
+        return {}
+    if isinstance(raw, dict):
+        out = {}
+        for name, over in raw.items():
+            if over is None:
+                over = {}
+            if not isinstance(over, dict):
+                raise SweepError(f"setting {name!r} must map config keys to values, got {over!r}")
+            out[str(name)] = over
+        return out
+    if isinstance(raw, list):
+        out = {}
+        for item in raw:
+            if not isinstance(item, dict) or "name" not in item:
+                raise SweepError("each setting in a list needs a `name`, e.g. - {name: grpo, algorithm: grpo}")
+            item = dict(item)
+            name = str(item.pop("name"))
+            if name in out:
+                raise SweepError(f"setting {name!r} appears twice")
+            out[name] = item.pop("overrides", None) or item
+        return out
+    raise SweepError("settings must be a mapping name -> overrides or a list of {name: ..., ...}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Planning: what each run needs
+# ---------------------------------------------------------------------------------------------------
+
+RUN, RESUME, SKIP, CONFLICT = "run", "resume", "skip", "conflict"
+
+
+@dataclass
+class PlannedRun:
+    setting: str
+    seed: int
+    out_dir: Path
+    config_path: Path
+    config: dict
+    action: str
+    """``run`` (new), ``resume`` (interrupted), ``skip`` (finished) or ``conflict``."""
+    reason: str = ""
+
+    @property
+    def label(self) -> str:
+        return f"{self.setting}/seed_{self.seed}"
+
+
+def run_state(out_dir: Path) -> tuple[str, str]:
+    """``(action, reason)`` for a run directory from what it holds."""
+    summary_path = out_dir / "summary.json"
+    if summary_path.is_file():
+        try:
+            status = json.loads(summary_path.read_text()).get("status")
+        except (OSError, json.JSONDecodeError, AttributeError):
+            status = None
+        if status == "finished":
+            return SKIP, "finished"
+        return RESUME, f"summary.json says status={status!r}"
+    if out_dir.is_dir() and any(out_dir.iterdir()):
+        n = _count_lines(out_dir / "metrics.jsonl")
+        return RESUME, f"interrupted after {n} logged steps" if n else "interrupted before its first step"
+    return RUN, "new"
+
+
+def _count_lines(path: Path) -> int:
+    try:
+        with path.open() as f:
+            return sum(1 for line in f if line.strip())
+    except OSError:
+        return 0
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) and not isinstance(b, bool):
+        return abs(float(a) - float(b)) <= 1e-12 * max(1.0, abs(float(a)), abs(float(b)))
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def config_conflicts(requested: dict, stored: dict) -> list[str]:
+    """Dotted keys set in ``requested`` whose value differs in a run's stored ``config.json``
+    (keys the stored config lacks are not compared: the trainer may resolve names differently)."""
+    flat_stored = flatten(stored)
+    out = []
+    for key, value in flatten(requested).items():
+        if key in flat_stored and not _same(value, flat_stored[key]):
+            out.append(f"{key}: spec {value!r} != run {flat_stored[key]!r}")
+    return out
+
+
+def plan(spec: SweepSpec, out: str | Path, seeds: Sequence[int] | None = None,
+         settings: Sequence[str] | None = None) -> list[PlannedRun]:
+    """Every (setting, seed) run of the sweep with what to do about it, in spec order."""
+    out = Path(out)
+    seeds = list(seeds) if seeds else spec.seeds
+    names = list(spec.settings)
+    if settings:
+        missing = [s for s in settings if s not in spec.settings]
+        if missing:
+            raise SweepError(f"unknown settings {missing}; the spec has {names}")
+        names = [n for n in names if n in settings]
+    planned = []
+    for name in names:
+        for seed in seeds:
+            out_dir = out / name / f"seed_{seed}"
+            config = spec.config_for(name, seed)
+            action, reason = run_state(out_dir)
+            stored_path = out_dir / "config.json"
+            if action != RUN and stored_path.is_file():
+                try:
+                    stored = json.loads(stored_path.read_text())
+                except (OSError, json.JSONDecodeError):
+                    stored = {}
+                requested = deep_merge(spec.settings[name], {spec.seed_field: seed})
+                diffs = config_conflicts(requested, stored)
+                if diffs:
+                    action, reason = CONFLICT, "stored config.json differs from the spec: " + "; ".join(diffs)
+            planned.append(PlannedRun(setting=name, seed=seed, out_dir=out_dir,
+                                      config_path=out / SWEEP_DIR / "configs" / name / f"seed_{seed}.yaml",
+                                      config=config, action=action, reason=reason))
+    return planned
+
+
+def format_plan(planned: Sequence[PlannedRun]) -> str:
+    width = max([len(p.label) for p in planned] + [10])
+    lines = [f"{p.action:<8} {p.label:<{width}}  {p.reason}" for p in planned]
+    n = {a: sum(p.action == a for p in planned) for a in (RUN, RESUME, SKIP, CONFLICT)}
+    lines.append(f"{n[RUN]} to run, {n[RESUME]} to resume, {n[SKIP]} finished (skipped), {n[CONFLICT]} conflicts")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Execution
+# ---------------------------------------------------------------------------------------------------
+
+def train_argv(config_path: Path, out_dir: Path, resume: bool) -> list[str]:
+    """The ``rlvr`` arguments that train (or resume) one run."""
+    argv = ["train", "--config", str(config_path), "--out", str(out_dir)]
+    return argv + ["--resume", str(out_dir)] if resume else argv
+
+
+def train_in_process(config_path: Path, out_dir: Path, resume: bool) -> None:
+    """Train one run in this process through the ``rlvr train`` entry point."""
+    from rlvr.cli import main as rlvr_main
+
+    rc = rlvr_main(train_argv(config_path, out_dir, resume))
+    if rc:
+        raise RuntimeError(f"rlvr train exited with status {rc}")
+
+
+def subprocess_command(p: PlannedRun, plugins: Sequence[str], python: str = sys.executable) -> list[str]:
+    """The command line of one run in its own process: plugins first, then ``rlvr train``."""
+    cmd = [python, "-m", "rlvr.experiments.plugins"]
+    for plugin in plugins:
+        cmd += ["--plugin", plugin]
+    return cmd + ["--"] + train_argv(p.config_path, p.out_dir, p.action == RESUME)
+
+
+@dataclass
+class Outcome:
+    run: PlannedRun
+    ok: bool
+    seconds: float
+    message: str = ""
+
+
+def _write_config(p: PlannedRun) -> None:
+    p.config_path.parent.mkdir(parents=True, exist_ok=True)
+    p.config_path.write_text(yaml.safe_dump(p.config, sort_keys=False))
+
+
+def _log_path(out: Path, p: PlannedRun) -> Path:
+    path = out / SWEEP_DIR / "logs" / p.setting / f"seed_{p.seed}.log"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _release_memory() -> None:
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def execute(planned: Sequence[PlannedRun], out: str | Path, plugins: Sequence[str] = (), max_parallel: int = 1,
+            devices: Sequence[str] | None = None, train_fn: Callable[[Path, Path, bool], None] | None = None,
+            python: str = sys.executable, echo: Callable[[str], None] = print) -> list[Outcome]:
+    """Run every planned ``run``/``resume`` (skips and conflicts are left alone).
+
+    ``max_parallel`` = 1 trains in this process with ``train_fn`` (default: the ``rlvr train`` entry
+    point); more launches that many subprocesses at a time, each with ``CUDA_VISIBLE_DEVICES`` set
+    round-robin from ``devices`` when given. A failing run is reported and the others go on.
+    """
+    out = Path(out)
+    todo = [p for p in planned if p.action in (RUN, RESUME)]
+    for p in todo:
+        _write_config(p)
+    if max_parallel <= 1:
+        import_plugins(plugins)
+        train_fn = train_fn or train_in_process
+        outcomes = []
+        for i, p in enumerate(todo, 1):
+            echo(f"[{i}/{len(todo)}] {p.action} {p.label}")
+            start = time.time()
+            try:
+                train_fn(p.config_path, p.out_dir, p.action == RESUME)
+                outcomes.append(Outcome(p, True, time.time() - start))
+            except SystemExit as e:  # a CLI entry point may exit instead of returning
+                ok = e.code in (None, 0)
+                outcomes.append(Outcome(p, ok, time.time() - start, "" if ok else f"exited with status {e.code}"))
+            except Exception as e:
+                echo(f"  {p.label} failed: {e}")
+                _log_path(out, p).write_text(traceback.format_exc())
+                outcomes.append(Outcome(p, False, time.time() - start, f"{type(e).__name__}: {e}"))
+            finally:
+                _release_memory()
+        return outcomes
+    return _execute_parallel(todo, out, plugins, max_parallel, devices, python, echo)
+
+
+def _execute_parallel(todo, out, plugins, max_parallel, devices, python, echo) -> list[Outcome]:
+    pending = list(todo)
+    running: dict[int, tuple[subprocess.Popen, PlannedRun, float, object]] = {}
+    free_slots = list(range(max_parallel))
+    outcomes: list[Outcome] = []
+    env_base = dict(os.environ)
+    try:
+        while pending or running:
+            while pending and free_slots:
+                slot, p = free_slots.pop(0), pending.pop(0)
+                env = dict(env_base)
+                if devices:
+                    env["CUDA_VISIBLE_DEVICES"] = str(devices[slot % len(devices)])
+                cmd = subprocess_command(p, plugins, python)
+                log = _log_path(out, p).open("w")
+                log.write("$ " + shlex.join(cmd) + "\n")
+                log.flush()
+                proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                running[slot] = (proc, p, time.time(), log)
+                where = f" on device {env['CUDA_VISIBLE_DEVICES']}" if devices else ""
+                echo(f"started {p.action} {p.label}{where} (pid {proc.pid})")
+            time.sleep(0.2)
+            for slot in list(running):
+                proc, p, start, log = running[slot]
+                rc = proc.poll()
+                if rc is None:
+                    continue
+                log.close()
+                del running[slot]
+                free_slots.append(slot)
+                ok = rc == 0
+                msg = "" if ok else f"exit status {rc}; see {_log_path(out, p)}"
+                echo(f"{'finished' if ok else 'FAILED'} {p.label} in {time.time() - start:.0f}s {msg}".rstrip())
+                outcomes.append(Outcome(p, ok, time.time() - start, msg))
+    except KeyboardInterrupt:
+        for proc, p, _, log in running.values():
+            proc.terminate()
+        for proc, p, _, log in running.values():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            log.close()
+        raise
+    return outcomes
+
+
+def record_sweep(spec: SweepSpec, out: Path, planned: Sequence[PlannedRun], argv: Sequence[str]) -> None:
+    """Write ``DIR/sweep.json``: the spec as resolved, each setting's overrides and the commands run."""
+    path = out / "sweep.json"
+    previous = {}
+    if path.is_file():
+        try:
+            previous = json.loads(path.read_text())
+        except json.JSONDecodeError:
+            previous = {}
+    invocations = previous.get("invocations", [])
+    invocations.append({"time": _dt.datetime.now().isoformat(timespec="seconds"),
+                        "command": shlex.join(["rlvr", "sweep", *argv]),
+                        "actions": {p.label: p.action for p in planned}})
+    record = {
+        "name": spec.name,
+        "spec_path": str(spec.path) if spec.path else None,
+        "seeds": spec.seeds,
+        "seed_field": spec.seed_field,
+        "plugins": spec.plugins,
+        "settings": spec.settings,
+        "base": spec.base,
+        "invocations": invocations,
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2, default=str))
+
+
+def run_sweep(spec: SweepSpec | str | Path, out: str | Path, dry_run: bool = False, max_parallel: int = 1,
+              seeds: Sequence[int] | None = None, settings: Sequence[str] | None = None,
+              devices: Sequence[str] | None = None, train_fn=None, argv: Sequence[str] = (),
+              echo: Callable[[str], None] = print) -> tuple[list[PlannedRun], list[Outcome]]:
+    """Plan the sweep, print the plan, and (unless ``dry_run``) run what is not finished."""
+    if not isinstance(spec, SweepSpec):
+        spec = SweepSpec.from_file(spec)
+    out = Path(out)
+    planned = plan(spec, out, seeds=seeds, settings=settings)
+    echo(format_plan(planned))
+    if dry_run:
+        return planned, []
+    record_sweep(spec, out, planned, argv)
+    outcomes = execute(planned, out, plugins=spec.plugins, max_parallel=max_parallel, devices=devices,
+                       train_fn=train_fn, echo=echo)
+    for p in planned:
+        if p.action == CONFLICT:
+            echo(f"conflict, left alone: {p.label}: {p.reason}; use another --out or delete the run to redo it")
+    return planned, outcomes
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rlvr sweep", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("spec", type=Path, help="sweep spec YAML (see configs/sweeps/)")
+    parser.add_argument("--out", type=Path, required=True, help="sweep directory: runs land in OUT/<setting>/seed_<k>/")
+    parser.add_argument("--dry-run", action="store_true", help="list what would run, resume or be skipped; run nothing")
+    parser.add_argument("--max-parallel", type=int, default=1,
+                        help="runs at once; >1 launches subprocesses (several small runs can share one GPU)")
+    parser.add_argument("--seeds", type=int, nargs="+", help="override the spec's seeds")
+    parser.add_argument("--settings", nargs="+", help="run only these settings")
+    parser.add_argument("--devices", nargs="+", help="CUDA devices to spread parallel runs over, round-robin")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    try:
+        planned, outcomes = run_sweep(args.spec, args.out, dry_run=args.dry_run, max_parallel=args.max_parallel,
+                                      seeds=args.seeds, settings=args.settings, devices=args.devices, argv=argv)
+    except (SweepError, FileNotFoundError) as e:
+        print(f"rlvr sweep: {e}", file=sys.stderr)
+        return 2
+    failed = [o for o in outcomes if not o.ok]
+    if failed:
+        print(f"{len(failed)} run(s) failed: " + ", ".join(o.run.label for o in failed), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
