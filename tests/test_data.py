@@ -101,7 +101,7 @@ def test_malformed_line_names_file_and_line(tmp_path, bad_line, message):
     path = write_jsonl(tmp_path / "broken.jsonl", [row(), "", bad_line, row()])
     with pytest.raises(DataError) as info:
         load_gsm8k_jsonl(path)
-    assert f"broken.jsonl:3:" in str(info.value)
+    assert "broken.jsonl:3:" in str(info.value)
     assert message in str(info.value)
 
 

@@ -404,3 +404,10 @@ def test_corpus_right_renderings_accepted_and_perturbed_answers_rejected(no_symb
                 assert r1_zero_reward_fn(r1(rendered), truth)["reward"] == 0.0, (rendered, truth)
                 checked += 1
     assert checked > 8000
+
+
+def test_reward_functions_are_importable_from_the_package_top_level():
+    import rlvr
+
+    assert rlvr.r1_zero_reward_fn is r1_zero_reward_fn
+    assert rlvr.question_only_reward_fn is question_only_reward_fn

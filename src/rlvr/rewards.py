@@ -51,6 +51,7 @@ import select
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from fractions import Fraction
 
@@ -471,12 +472,15 @@ class _SymbolicWorker:
 
     @staticmethod
     def _read_line(proc: subprocess.Popen, timeout: float) -> bytes:
-        # Raw unbuffered pipe, so select sees every byte; the child writes whole lines at once.
+        # A raw unbuffered pipe, so poll sees every byte (poll, unlike select, takes any fd number).
         fd = proc.stdout.fileno()
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        deadline = time.monotonic() + timeout
         chunks = []
         while True:
-            ready, _, _ = select.select([fd], [], [], timeout)
-            if not ready:
+            left = deadline - time.monotonic()
+            if left <= 0 or not poller.poll(left * 1000):
                 raise TimeoutError
             chunk = os.read(fd, 4096)
             if not chunk:
@@ -499,9 +503,15 @@ class _SymbolicWorker:
         with self._lock:
             self._stop()
 
+    def forget_after_fork(self) -> None:
+        """In a forked child: the parent's worker and lock are not ours; start afresh on demand."""
+        self._lock = threading.Lock()
+        self._proc = None
+
 
 _WORKER = _SymbolicWorker()
 atexit.register(_WORKER.close)
+os.register_at_fork(after_in_child=_WORKER.forget_after_fork)
 
 
 def _serve() -> None:
