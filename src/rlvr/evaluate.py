@@ -192,6 +192,8 @@ def run(cfg: EvalConfig) -> dict:
     options: dict = {}
     if cfg.engine in ("hf", "hf-worker"):
         options["max_batch_size"] = cfg.batch_size
+    if cfg.engine == "hf-worker":
+        options["device"] = device
     if cfg.engine == "vllm":
         options["served_model"] = cfg.model
         options["check_sync"] = False
