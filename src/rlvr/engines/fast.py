@@ -1,0 +1,530 @@
+"""Fast in-process sampling for OLMo-2 models: a static KV cache and a CUDA-graph decode step.
+
+``FastHFEngine`` (engine name ``hf-fast``) has ``HFEngine``'s interface and samples from the same
+distribution; it differs in how the work reaches the GPU:
+
+* **Static KV cache.** One preallocated, zero-filled K and V buffer per layer, shape
+  (rows, heads, slots, head_dim). Prompts of a chunk are left-padded to a common length L; slot ``j``
+  holds the chunk's j-th column, so step ``s`` writes slot ``L + s`` for every row at once. Position
+  ids count only real tokens, exactly as ``HFEngine`` (a padded prompt sees the positions of an
+  unpadded one).
+* **Own decode step over the model's weights.** The step calls the model's own submodules
+  (projections, RMS norms, MLP, LM head) but does the attention itself against the static buffers,
+  so there is no Python cache object and no data-dependent host sync in the step. That is what makes
+  it capturable. The cost is that only OLMo-2's layer layout is supported (post-norm blocks,
+  q/k RMS norm over all heads); other architectures raise and should use ``hf``.
+* **One CUDA graph per (batch bucket, length bucket, sampling mode).** A graph replays one whole
+  step: embedding, 16 layers, LM head, sampling, log-prob, writing the token and log-prob to the
+  output buffers and advancing the position/slot/step counters on the device. The host launches
+  replays back to back. Attention reads only the filled slots rounded up to ``length_bucket``.
+* **Prefill once per prompt.** The chunk's prompts are prefilled once (causal, padding-masked) and
+  their K/V rows are copied to the ``n`` rows of their samples.
+* **Sampling inside the graph.** Exponential race: with E_i ~ Exp(1) drawn from the caller's seeded
+  generator, ``argmax_i p_i / E_i`` is distributed exactly as a draw from ``p`` (the same
+  distribution as ``torch.multinomial``, not the same draws as ``HFEngine``). The noise buffer is
+  filled outside the graph by one kernel per step, so the seeded generator needs no graph
+  registration and the same seed reproduces the batch. Temperature 0 is argmax; top-p keeps the
+  smallest set of tokens whose mass reaches p (same rule as ``hf.sample_next``). The sampled
+  token's log-probability under the temperature-1 full-vocabulary distribution comes from the
+  same logits.
+* **Few host syncs.** The host reads the new tokens every ``sync_every`` steps and checks EOS and
+  stop strings then, token by token as ``HFEngine`` does (a stop found in the decoded new span is
+  located at the exact token that completed it), so rows that ran past their stop are cut on the host
+  and text, token ids, log-probs and finish reasons equal per-token checking.
+* **Retiring rows.** When the rows still running fit a smaller batch bucket, they are compacted
+  into the first rows of the cache and the smaller bucket's graph takes over.
+
+On CPU (or with ``use_cuda_graphs=False``) the same step runs eagerly; CPU tests prove it equals
+``HFEngine`` and ``model.generate``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from rlvr.engines.base import Completion, SamplingParams
+from rlvr.engines.hf import _stop_window_tokens, find_stop, truncate_at_stop
+
+DEFAULT_BATCH_BUCKETS = (256, 192, 128, 96, 64, 48, 32, 24, 16, 8, 4, 2, 1)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Same arithmetic as transformers' apply_rotary_pos_emb: float32 cos/sin, result cast back.
+    return ((x * cos) + (_rotate_half(x) * sin)).to(x.dtype)
+
+
+def _check_architecture(model):
+    backbone = getattr(model, "model", None)
+    layers = getattr(backbone, "layers", None)
+    ok = layers is not None and len(layers) > 0 and hasattr(model, "lm_head")
+    if ok:
+        layer = layers[0]
+        attn = getattr(layer, "self_attn", None)
+        ok = (attn is not None and all(hasattr(attn, a) for a in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"))
+              and hasattr(layer, "post_attention_layernorm") and hasattr(layer, "post_feedforward_layernorm")
+              and not hasattr(layer, "input_layernorm"))
+    if not ok:
+        raise ValueError(
+            f"FastHFEngine supports OLMo-2's layer layout only (post-norm blocks with q/k norms); got "
+            f"{type(model).__name__}. Use the 'hf' engine for this model."
+        )
+    cfg = model.config
+    rope = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None) or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) if isinstance(rope, dict) else "default"
+    if "dynamic" in str(rope_type) or "longrope" in str(rope_type):
+        raise ValueError(f"FastHFEngine needs a static RoPE; rope_type {rope_type!r} changes with length. Use 'hf'.")
+    if getattr(cfg, "num_key_value_heads", cfg.num_attention_heads) != cfg.num_attention_heads:
+        raise ValueError("FastHFEngine assumes no grouped-query attention (num_key_value_heads == num_attention_heads).")
+
+
+@dataclass
+class _State:
+    """Device buffers every graph reads and writes (fixed addresses for the graphs' lifetime)."""
+
+    k: list[torch.Tensor]      # per layer (rows_cap, heads, slots_cap, head_dim)
+    v: list[torch.Tensor]
+    tok: torch.Tensor          # (rows_cap,) token fed to the next step
+    pos: torch.Tensor          # (rows_cap,) its position id
+    start: torch.Tensor        # (rows_cap,) first real slot of the row (left padding before it)
+    row_id: torch.Tensor       # (rows_cap,) output row the batch row writes to (scratch row for fillers)
+    slot: torch.Tensor         # (1,) cache slot the next step writes
+    step: torch.Tensor         # (1,) output column the next step writes
+    noise: torch.Tensor        # (rows_cap, vocab) Exp(1) noise for the exponential race
+    temperature: torch.Tensor  # (1,) float32
+    top_p: torch.Tensor        # (1,) float32
+    vocab_bias: torch.Tensor   # (vocab,) 0, or -inf on ids the tokenizer cannot decode
+    out_tok: torch.Tensor      # (rows_cap + 1, steps_cap) sampled tokens; last row is scratch
+    out_lp: torch.Tensor       # (rows_cap + 1, steps_cap) their log-probs
+
+    @property
+    def rows_cap(self) -> int:
+        return self.tok.shape[0]
+
+    @property
+    def slots_cap(self) -> int:
+        return self.k[0].shape[2]
+
+    @property
+    def steps_cap(self) -> int:
+        return self.out_tok.shape[1]
+
+
+class FastHFEngine:
+    """Static-cache, CUDA-graph sampling with an OLMo-2 causal LM in this process.
+
+    Holds a reference to ``model`` (no copy): trainer updates are visible at once, since graphs read
+    the parameters in place (an optimizer step updates them in place; replacing a parameter tensor
+    needs ``sync_weights``, which drops the graphs).
+
+    ``max_batch_size`` bounds the rows decoded together (prompts × n); ``batch_buckets`` are the
+    batch sizes graphs are captured for; ``length_bucket`` rounds the attended cache length;
+    ``sync_every`` is how many steps run between host checks of EOS / stop strings.
+    """
+
+    def __init__(self, model, tokenizer, max_batch_size: int = 256, batch_buckets=DEFAULT_BATCH_BUCKETS,
+                 length_bucket: int = 128, sync_every: int = 8, use_cuda_graphs: bool | None = None,
+                 mask_unused_vocab: bool = True, prefill_tokens: int = 32768):
+        if tokenizer.pad_token_id is None:
+            raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token = tokenizer.eos_token")
+        _check_architecture(model)
+        if max_batch_size < 1 or length_bucket < 1 or sync_every < 1:
+            raise ValueError("max_batch_size, length_bucket and sync_every must all be >= 1")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.batch_buckets = tuple(sorted({b for b in batch_buckets if b < max_batch_size} | {max_batch_size}))
+        self.length_bucket = length_bucket
+        self.sync_every = sync_every
+        self.use_cuda_graphs = use_cuda_graphs
+        self.mask_unused_vocab = mask_unused_vocab
+        self.prefill_tokens = prefill_tokens
+        eos = getattr(model.generation_config, "eos_token_id", None) if getattr(model, "generation_config", None) else None
+        if eos is None:
+            eos = tokenizer.eos_token_id
+        self.eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
+        self.stats = {"tokens": 0, "time": 0.0, "graphs_captured": 0, "capture_time": 0.0, "host_syncs": 0,
+                      "compactions": 0}
+        self._state: _State | None = None
+        self._graphs: dict = {}
+        self._pool = None
+
+    # ------------------------------------------------------------------ engine interface
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def sync_weights(self, model) -> dict:
+        if model is not self.model:
+            _check_architecture(model)
+            self.model = model
+        self._graphs.clear()  # parameters may be new tensors; captured graphs would read the old ones
+        return {"time/sync": 0.0}
+
+    def close(self) -> None:
+        self._graphs.clear()
+        self._state = None
+
+    def _graphs_enabled(self) -> bool:
+        if self.use_cuda_graphs is None:
+            return self.device.type == "cuda"
+        return bool(self.use_cuda_graphs) and self.device.type == "cuda"
+
+    def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:
+        if not prompts:
+            return []
+        t0 = time.perf_counter()
+        device = self.device
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        generator = torch.Generator(device=device)
+        generator.manual_seed(seed)
+        encoded = self.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+        for i, ids in enumerate(encoded):
+            if not ids:
+                raise ValueError(f"prompt {i} tokenizes to nothing; every prompt needs at least one token")
+        if params.n > self.max_batch_size:
+            raise ValueError(f"n={params.n} exceeds max_batch_size={self.max_batch_size}; raise max_batch_size")
+        order = sorted(range(len(prompts)), key=lambda i: -len(encoded[i]))
+        per_chunk = max(1, self.max_batch_size // params.n)
+        results: list[list[Completion] | None] = [None] * len(prompts)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for start in range(0, len(order), per_chunk):
+                idx = order[start:start + per_chunk]
+                for i, comps in zip(idx, self._generate_chunk([encoded[i] for i in idx], params, generator)):
+                    results[i] = comps
+        finally:
+            self.model.train(was_training)
+        self.stats["tokens"] += sum(len(c.token_ids) for group in results for c in group)
+        self.stats["time"] += time.perf_counter() - t0
+        return results
+
+    # ------------------------------------------------------------------ buffers
+    def _ensure_state(self, rows: int, slots: int, steps: int):
+        st = self._state
+        model, device = self.model, self.device
+        if st is not None and st.rows_cap >= rows and st.slots_cap >= slots and st.steps_cap >= steps \
+                and st.k[0].dtype == model.lm_head.weight.dtype and st.k[0].device == device:
+            return st
+        if st is not None:  # grow to cover both the old and the new request
+            rows, slots, steps = max(rows, st.rows_cap), max(slots, st.slots_cap), max(steps, st.steps_cap)
+        self._graphs.clear()
+        self._state = None
+        cfg = model.config
+        heads = cfg.num_attention_heads
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+        dtype = model.lm_head.weight.dtype
+        vocab = model.lm_head.weight.shape[0]
+        # Zero-filled: masked slots get weight exactly 0 in attention, and 0 * (finite) stays 0.
+        zeros = lambda: torch.zeros((rows, heads, slots, head_dim), dtype=dtype, device=device)  # noqa: E731
+        layers = len(model.model.layers)
+        bias = torch.zeros(vocab, dtype=torch.float32, device=device)
+        limit = len(self.tokenizer)
+        if self.mask_unused_vocab and limit < vocab:
+            bias[limit:] = float("-inf")
+        long = dict(dtype=torch.long, device=device)
+        self._state = _State(
+            k=[zeros() for _ in range(layers)], v=[zeros() for _ in range(layers)],
+            tok=torch.zeros(rows, **long), pos=torch.zeros(rows, **long), start=torch.zeros(rows, **long),
+            row_id=torch.full((rows,), rows, **long), slot=torch.zeros(1, **long), step=torch.zeros(1, **long),
+            noise=torch.ones((rows, vocab), dtype=torch.float32, device=device),
+            temperature=torch.ones(1, dtype=torch.float32, device=device),
+            top_p=torch.ones(1, dtype=torch.float32, device=device), vocab_bias=bias,
+            out_tok=torch.zeros((rows + 1, steps), **long),
+            out_lp=torch.zeros((rows + 1, steps), dtype=torch.float32, device=device),
+        )
+        return self._state
+
+    # ------------------------------------------------------------------ the model, by hand
+    def _rope(self, pos: torch.Tensor):
+        rot = self.model.model.rotary_emb
+        freqs = pos.float()[..., None] * rot.inv_freq.float()
+        emb = torch.cat((freqs, freqs), dim=-1)
+        scale = getattr(rot, "attention_scaling", 1.0)
+        return emb.cos() * scale, emb.sin() * scale
+
+    def _layers(self, x: torch.Tensor, cos, sin, attend):
+        """Run every decoder layer on x (B, Q, hidden); ``attend(i, q, k, v)`` returns (B, H, Q, D)."""
+        for i, layer in enumerate(self.model.model.layers):
+            attn = layer.self_attn
+            B, Q, _ = x.shape
+            q = attn.q_norm(attn.q_proj(x)).view(B, Q, -1, attn.head_dim).transpose(1, 2)
+            k = attn.k_norm(attn.k_proj(x)).view(B, Q, -1, attn.head_dim).transpose(1, 2)
+            v = attn.v_proj(x).view(B, Q, -1, attn.head_dim).transpose(1, 2)
+            q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+            o = attend(i, q, k, v).transpose(1, 2).reshape(B, Q, -1)
+            x = x + layer.post_attention_layernorm(attn.o_proj(o))
+            x = x + layer.post_feedforward_layernorm(layer.mlp(x))
+        return self.model.model.norm(x)
+
+    def _prefill(self, st: _State, row0: int, input_ids: torch.Tensor, starts: torch.Tensor, n: int) -> torch.Tensor:
+        """Prefill left-padded prompts (P, L); write K/V to cache rows [row0, row0 + P*n) (each prompt's
+        n rows in turn), slots [0, L). Returns the last position's logits (P, vocab)."""
+        P, L = input_ids.shape
+        device = input_ids.device
+        cols = torch.arange(L, device=device)
+        positions = (cols[None, :] - starts[:, None]).clamp(min=0)
+        cos, sin = self._rope(positions[:, None])  # broadcast over heads
+        key_ok = cols[None, :] >= starts[:, None]                                # (P, L)
+        causal = cols[None, :] <= cols[:, None]                                  # (L, L) [query, key]
+        # A padding query attends to itself so that no row of the softmax is empty (no NaN in K/V).
+        mask = causal[None] & (key_ok[:, None, :] | torch.eye(L, dtype=torch.bool, device=device)[None])
+        mask = mask[:, None]                                                     # (P, 1, L, L)
+        rows = torch.arange(P, device=device).repeat_interleave(n)
+
+        def attend(i, q, k, v):
+            st.k[i][row0:row0 + P * n, :, :L] = k[rows]
+            st.v[i][row0:row0 + P * n, :, :L] = v[rows]
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+        x = self.model.model.embed_tokens(input_ids)
+        h = self._layers(x, cos, sin, attend)
+        return self.model.lm_head(h[:, -1])
+
+    def _sample(self, st: _State, logits: torch.Tensor, b: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and their temperature-1 log-probs for logits (b, vocab); ``noise[:b]`` must hold Exp(1) draws."""
+        logits = logits.float()
+        lse = torch.logsumexp(logits, dim=-1)
+        scores = logits + st.vocab_bias
+        if mode == "greedy":
+            tokens = scores.argmax(dim=-1)
+        else:
+            scores = scores / st.temperature
+            if mode == "top_p":
+                sorted_scores, order = scores.sort(dim=-1, descending=True)
+                p_sorted = sorted_scores.softmax(dim=-1)
+                drop = (p_sorted.cumsum(dim=-1) - p_sorted) >= st.top_p
+                sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+                scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
+            probs = scores.softmax(dim=-1)
+            tokens = (probs / st.noise[:b].clamp_min(1e-30)).argmax(dim=-1)
+        lp = logits.gather(-1, tokens[:, None]).squeeze(-1) - lse
+        return tokens, lp
+
+    def _decode_step(self, st: _State, b: int, slots: int, mode: str):
+        """One step for batch rows [0, b): feed ``tok``, write K/V at ``slot``, sample, record, advance.
+
+        Only fixed-shape tensor ops on ``st``'s buffers: capturable as a CUDA graph.
+        """
+        tok, pos, start = st.tok[:b], st.pos[:b], st.start[:b]
+        cos, sin = self._rope(pos[:, None, None])                                 # (b, 1, 1, D)
+        cols = torch.arange(slots, device=tok.device)
+        mask = ((cols[None, :] >= start[:, None]) & (cols[None, :] <= st.slot))[:, None, None, :]
+
+        def attend(i, q, k, v):
+            kb, vb = st.k[i][:b], st.v[i][:b]
+            kb.index_copy_(2, st.slot, k)
+            vb.index_copy_(2, st.slot, v)
+            return F.scaled_dot_product_attention(q, kb[:, :, :slots], vb[:, :, :slots], attn_mask=mask)
+
+        x = self.model.model.embed_tokens(tok)[:, None]
+        h = self._layers(x, cos, sin, attend)
+        logits = self.model.lm_head(h[:, 0])
+        tokens, lp = self._sample(st, logits, b, mode)
+        rid = st.row_id[:b]
+        col = st.step.expand(b)
+        st.out_tok.index_put_((rid, col), tokens)
+        st.out_lp.index_put_((rid, col), lp)
+        st.tok[:b].copy_(tokens)
+        st.pos[:b].add_(1)
+        st.slot.add_(1)
+        st.step.add_(1)
+
+    # ------------------------------------------------------------------ graphs
+    def _run_step(self, st: _State, b: int, slots: int, mode: str):
+        if not self._graphs_enabled():
+            self._decode_step(st, b, slots, mode)
+            return
+        key = (b, slots, mode)
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._capture(st, b, slots, mode)
+            self._graphs[key] = graph
+        graph.replay()
+
+    def _capture(self, st: _State, b: int, slots: int, mode: str):
+        t0 = time.perf_counter()
+        saved = [t.clone() for t in (st.tok, st.pos, st.slot, st.step)]
+        # The warm-up runs the step for real (it writes K/V at the current slot and one output
+        # column); the counters are restored after, and the real replay rewrites the same places.
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self._decode_step(st, b, slots, mode)
+        torch.cuda.current_stream().wait_stream(stream)
+        for t, s in zip((st.tok, st.pos, st.slot, st.step), saved):
+            t.copy_(s)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        # Graphs share one pool: each writes its results into _State's buffers, so nothing a graph
+        # allocates is alive after its replay.
+        with torch.cuda.graph(graph, pool=self._pool):
+            self._decode_step(st, b, slots, mode)
+        for t, s in zip((st.tok, st.pos, st.slot, st.step), saved):
+            t.copy_(s)
+        torch.cuda.synchronize()
+        self.stats["graphs_captured"] += 1
+        self.stats["capture_time"] += time.perf_counter() - t0
+        return graph
+
+    def _bucket(self, rows: int) -> int:
+        for b in self.batch_buckets:
+            if b >= rows:
+                return b
+        return rows
+
+    def _slots_for(self, filled: int, cap: int) -> int:
+        lb = self.length_bucket
+        return min(cap, -(-filled // lb) * lb)
+
+    # ------------------------------------------------------------------ one chunk
+    @torch.inference_mode()
+    def _generate_chunk(self, prompt_ids: list[list[int]], params: SamplingParams,
+                        generator: torch.Generator) -> list[list[Completion]]:
+        tok, device, n = self.tokenizer, self.device, params.n
+        P, L = len(prompt_ids), max(len(p) for p in prompt_ids)
+        R, T = P * n, params.max_new_tokens
+        st = self._ensure_state(self._bucket(R), -(-(L + T) // self.length_bucket) * self.length_bucket, T)
+        mode = "greedy" if params.temperature == 0 else ("top_p" if params.top_p < 1.0 else "sample")
+        st.temperature.fill_(params.temperature if params.temperature > 0 else 1.0)
+        st.top_p.fill_(params.top_p)
+
+        input_ids = torch.full((P, L), tok.pad_token_id, dtype=torch.long)
+        for r, ids in enumerate(prompt_ids):
+            input_ids[r, L - len(ids):] = torch.tensor(ids)
+        starts = torch.tensor([L - len(ids) for ids in prompt_ids], dtype=torch.long)
+        input_ids, starts = input_ids.to(device), starts.to(device)
+
+        # Prefill in slices of whole prompts under a token budget; K/V go straight to the rows.
+        per = max(1, self.prefill_tokens // L)
+        logits = []
+        for a in range(0, P, per):
+            sub = slice(a, min(P, a + per))
+            logits.append(self._prefill(st, a * n, input_ids[sub], starts[sub], n))
+        logits = torch.cat(logits).repeat_interleave(n, dim=0)
+
+        b = self._bucket(R)
+        rows = torch.arange(b, device=device)
+        st.row_id[:b].copy_(torch.where(rows < R, rows, torch.full_like(rows, st.rows_cap)))
+        st.start[:b].zero_()
+        st.start[:R].copy_(starts.repeat_interleave(n))
+        lengths = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long, device=device).repeat_interleave(n)
+        st.pos[:b].zero_()
+        st.pos[:R].copy_(lengths)
+        st.slot.fill_(L)
+        st.step.zero_()
+
+        # Step 0 samples from the prefill logits, eagerly; every later step is _decode_step.
+        if mode != "greedy":
+            st.noise[:R].exponential_(generator=generator)
+        first, first_lp = self._sample(st, logits, R, mode)
+        st.out_tok[:R, 0] = first
+        st.out_lp[:R, 0] = first_lp
+        st.tok[:b].fill_(tok.pad_token_id)
+        st.tok[:R].copy_(first)
+        st.step.fill_(1)
+
+        stops = tuple(s for s in params.stop if s)
+        window = _stop_window_tokens(stops)
+        eos_ids = set() if getattr(params, "ignore_eos", False) else self.eos_ids
+        batch_rows = list(range(R))     # global row of each batch row [0, len)
+        generated: list[list[int]] = [[] for _ in range(R)]
+        n_done = [0] * R                # tokens of the row already examined
+        finish: list[str | None] = [None] * R
+        stop_hit = [False] * R
+        end = [T] * R                   # tokens kept
+
+        def examine(upto: int):
+            """Read the new tokens [.., upto) of unfinished rows; apply EOS, stop strings and the length
+            limit exactly as checking after every token would."""
+            self.stats["host_syncs"] += 1
+            live = [g for g in batch_rows if finish[g] is None]
+            if not live:
+                return
+            lo = min(n_done[g] for g in live)
+            host = st.out_tok[:R, lo:upto].cpu().tolist()
+            spans = []  # (row, first new token, end of the tokens to stop-check)
+            for g in live:
+                a = n_done[g]
+                new = host[g][a - lo:]
+                cut = next((a + j for j, t in enumerate(new) if t in eos_ids), None)
+                generated[g].extend(new if cut is None else new[: cut - a + 1])
+                n_done[g] = a + len(new)
+                if cut is not None:
+                    finish[g], end[g] = "stop", cut + 1
+                elif n_done[g] >= T:
+                    finish[g], end[g] = "length", T
+                body_end = n_done[g] if cut is None else cut
+                if stops and body_end > a:
+                    spans.append((g, a, body_end))
+            if not spans:
+                return
+            # One batched decode of each row's new span (with the window before it) finds the rows
+            # that may hold a stop; only those are scanned token by token to find where it completed.
+            texts = tok.batch_decode([generated[g][max(0, a - window + 1):e] for g, a, e in spans],
+                                     skip_special_tokens=True)
+            for (g, a, e), text in zip(spans, texts):
+                if find_stop(text, stops) is None:
+                    continue
+                seq = generated[g]
+                tails = tok.batch_decode([seq[max(0, s + 1 - window):s + 1] for s in range(a, e)],
+                                         skip_special_tokens=True)
+                for s, tail in zip(range(a, e), tails):
+                    if find_stop(tail, stops) is not None:
+                        finish[g], stop_hit[g], end[g] = "stop", True, s + 1
+                        break
+
+        step = 1
+        filled = L  # slots holding K/V
+        while True:
+            if step >= T or (step % self.sync_every == 0):
+                examine(step)
+                if all(finish[g] is not None for g in batch_rows) or step >= T:
+                    break
+                alive = [i for i, g in enumerate(batch_rows) if finish[g] is None]
+                nb = self._bucket(len(alive))
+                if nb < b:
+                    self._compact(st, alive, b, nb, filled)
+                    batch_rows = [batch_rows[i] for i in alive]
+                    b = nb
+            if mode != "greedy":
+                st.noise[:b].exponential_(generator=generator)
+            self._run_step(st, b, self._slots_for(filled + 1, st.slots_cap), mode)
+            filled += 1
+            step += 1
+
+        lp_host = st.out_lp[:R, :T].cpu()
+        completions: list[list[Completion]] = [[] for _ in range(P)]
+        for g in range(R):
+            ids = generated[g][: end[g]]
+            lps = lp_host[g, : len(ids)].tolist()
+            body = ids[:-1] if ids and ids[-1] in eos_ids else ids
+            text = tok.decode(body, skip_special_tokens=True)
+            if stop_hit[g]:
+                text, _ = truncate_at_stop(text, stops, params.include_stop_str_in_output)
+            completions[g // n].append(Completion(text=text, token_ids=list(ids), finish_reason=finish[g] or "length",
+                                                  logprobs=lps))
+        return completions
+
+    def _compact(self, st: _State, alive: list[int], b: int, nb: int, filled: int):
+        """Move the alive batch rows to [0, len(alive)) and fill the rest of the new bucket with scratch rows."""
+        self.stats["compactions"] += 1
+        device = st.tok.device
+        idx = torch.tensor(alive, dtype=torch.long, device=device)
+        na = len(alive)
+        for buf in st.k + st.v:
+            buf[:na, :, :filled].copy_(buf[idx, :, :filled])
+        for t in (st.tok, st.pos, st.start, st.row_id):
+            t[:na].copy_(t[idx])
+        st.row_id[na:nb].fill_(st.rows_cap)
+        st.start[na:nb].zero_()

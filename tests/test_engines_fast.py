@@ -1,0 +1,206 @@
+"""CPU tests of the fast engine (static KV cache, bucketed batch/length, delayed host checks): it must
+compute what the plain path computes. Greedy tokens equal ``HFEngine``'s and ``model.generate``'s;
+stop strings and finish reasons equal ``HFEngine``'s; sampled log-probs equal a teacher-forced pass;
+seeds reproduce; the ``n`` samples of a prompt differ. The CUDA-graph capture itself is exercised by
+``benchmarks/bench_speed.py`` on a GPU (graph replay vs eager equality is checked there)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlvr.engines import make_engine
+from rlvr.engines.base import SamplingParams
+from rlvr.engines.fast import FastHFEngine
+from rlvr.engines.hf import HFEngine, sequence_logprobs
+
+PROMPTS = [
+    "Natalia sold clips to 48 of her friends in April.",
+    "How many",
+    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much",
+    "Betty is saving money for a new wallet which costs $100.",
+]
+
+
+def _fast(model, tok, **kw):
+    # Small buckets, short length buckets and a sync every 3 steps exercise compaction, several
+    # cache-length buckets and stops found late, all on a tiny model.
+    opts = dict(max_batch_size=16, batch_buckets=(16, 12, 8, 4, 2, 1), length_bucket=8, sync_every=3)
+    opts.update(kw)
+    return FastHFEngine(model, tok, **opts)
+
+
+def _ids(out):
+    return [[c.token_ids for c in group] for group in out]
+
+
+def _generate_reference(model, tok, prompts, max_new_tokens):
+    enc = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    L = max(map(len, enc))
+    ids = torch.full((len(enc), L), tok.pad_token_id)
+    mask = torch.zeros((len(enc), L), dtype=torch.long)
+    for r, e in enumerate(enc):
+        ids[r, L - len(e):] = torch.tensor(e)
+        mask[r, L - len(e):] = 1
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    refs = []
+    for row in out[:, L:].tolist():
+        if tok.eos_token_id in row:
+            row = row[: row.index(tok.eos_token_id) + 1]
+        refs.append(row)
+    return refs
+
+
+def _eos_prone(model, tok, boost: float):
+    """Raise the EOS logit so that greedy rows end at different lengths (exercises retiring rows)."""
+    with torch.no_grad():
+        model.lm_head.weight[tok.eos_token_id] += boost * model.lm_head.weight.std()
+    return model
+
+
+def test_make_engine_builds_fast(tiny_model, tiny_tokenizer):
+    assert isinstance(make_engine("hf-fast", tiny_model, tiny_tokenizer), FastHFEngine)
+
+
+def test_greedy_equals_model_generate_and_hf_engine(tiny_model, tiny_tokenizer):
+    params = SamplingParams(temperature=0.0, max_new_tokens=30)
+    fast = _fast(tiny_model, tiny_tokenizer).generate(PROMPTS, params)
+    refs = _generate_reference(tiny_model, tiny_tokenizer, PROMPTS, 30)
+    hf = HFEngine(tiny_model, tiny_tokenizer, max_batch_size=16).generate(PROMPTS, params)
+    assert [g[0].token_ids for g in fast] == refs
+    assert _ids(fast) == _ids(hf)
+    for f, h in zip(fast, hf):
+        assert f[0].text == h[0].text and f[0].finish_reason == h[0].finish_reason
+        assert f[0].logprobs == pytest.approx(h[0].logprobs, abs=1e-5)
+
+
+def test_greedy_with_early_eos_retires_rows_and_matches_hf(tiny_model, tiny_tokenizer):
+    """Rows ending at many different steps: compaction into smaller buckets must not disturb the rest."""
+    model = _eos_prone(tiny_model, tiny_tokenizer, boost=2.0)
+    prompts = PROMPTS * 3 + ["Janet", "A robe takes 2 bolts", "James writes a 3-page letter", "x"]
+    params = SamplingParams(temperature=0.0, max_new_tokens=40)
+    hf = HFEngine(model, tiny_tokenizer, max_batch_size=16).generate(prompts, params)
+    lengths = {len(g[0].token_ids) for g in hf}
+    assert len(lengths) > 2, "the test needs rows that finish at different steps"
+    assert any(g[0].finish_reason == "stop" for g in hf)
+    for engine in (_fast(model, tiny_tokenizer), _fast(model, tiny_tokenizer, sync_every=1),
+                   _fast(model, tiny_tokenizer, sync_every=7, length_bucket=5)):
+        fast = engine.generate(prompts, params)
+        assert _ids(fast) == _ids(hf)
+        assert [g[0].finish_reason for g in fast] == [g[0].finish_reason for g in hf]
+        assert [g[0].text for g in fast] == [g[0].text for g in hf]
+        assert engine.stats["compactions"] > 0
+
+
+def test_ignore_eos_forces_the_length(tiny_model, tiny_tokenizer):
+    model = _eos_prone(tiny_model, tiny_tokenizer, boost=2.0)
+    params = SamplingParams(temperature=0.0, max_new_tokens=20, ignore_eos=True)
+    out = _fast(model, tiny_tokenizer).generate(PROMPTS, params)
+    assert all(len(g[0].token_ids) == 20 and g[0].finish_reason == "length" for g in out)
+    # Forcing the length does not change the tokens before the first EOS.
+    natural = _fast(model, tiny_tokenizer).generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=20))
+    for f, n in zip(out, natural):
+        assert f[0].token_ids[: len(n[0].token_ids)] == n[0].token_ids
+
+
+@pytest.mark.parametrize("include", [True, False])
+def test_stop_strings_and_finish_reasons_equal_hf_engine(tiny_model, tiny_tokenizer, include):
+    base = SamplingParams(temperature=0.0, max_new_tokens=40)
+    plain = HFEngine(tiny_model, tiny_tokenizer, max_batch_size=16).generate(PROMPTS, base)
+    # Stop strings taken from the greedy outputs themselves, so they do occur, at different places.
+    texts = [g[0].text for g in plain]
+    stops = tuple({t[len(t) // 3: len(t) // 3 + 3] for t in texts[:2] if len(t) > 12} | {texts[2][-4:-1]})
+    assert stops
+    params = SamplingParams(temperature=0.0, max_new_tokens=40, stop=stops, include_stop_str_in_output=include)
+    hf = HFEngine(tiny_model, tiny_tokenizer, max_batch_size=16).generate(PROMPTS, params)
+    assert any(g[0].finish_reason == "stop" for g in hf)
+    for engine in (_fast(tiny_model, tiny_tokenizer), _fast(tiny_model, tiny_tokenizer, sync_every=1),
+                   _fast(tiny_model, tiny_tokenizer, sync_every=16)):
+        fast = engine.generate(PROMPTS, params)
+        for f, h in zip(fast, hf):
+            assert f[0].token_ids == h[0].token_ids
+            assert f[0].text == h[0].text
+            assert f[0].finish_reason == h[0].finish_reason
+            assert len(f[0].logprobs) == len(f[0].token_ids)
+
+
+def test_sampled_logprobs_equal_teacher_forced_recomputation(tiny_model, tiny_tokenizer):
+    engine = _fast(tiny_model, tiny_tokenizer)
+    out = engine.generate(PROMPTS, SamplingParams(n=3, temperature=1.0, max_new_tokens=15, seed=7))
+    for prompt, group in zip(PROMPTS, out):
+        p_ids = tiny_tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        for c in group:
+            ids = torch.tensor([p_ids + c.token_ids])
+            ref = sequence_logprobs(tiny_model, ids, torch.ones_like(ids))[0, len(p_ids) - 1:]
+            assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4), (c.logprobs, ref)
+
+
+def test_logprobs_are_temperature_one_under_other_settings(tiny_model, tiny_tokenizer):
+    out = _fast(tiny_model, tiny_tokenizer).generate(
+        PROMPTS[:2], SamplingParams(n=2, temperature=0.7, top_p=0.9, max_new_tokens=10, seed=3))
+    for prompt, group in zip(PROMPTS, out):
+        p_ids = tiny_tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        for c in group:
+            ids = torch.tensor([p_ids + c.token_ids])
+            ref = sequence_logprobs(tiny_model, ids, torch.ones_like(ids))[0, len(p_ids) - 1:]
+            assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
+
+
+def test_n_samples_differ_and_seed_reproduces(tiny_model, tiny_tokenizer):
+    engine = _fast(tiny_model, tiny_tokenizer)
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=12, seed=123)
+    a = engine.generate(PROMPTS[:2], params)
+    b = engine.generate(PROMPTS[:2], params)
+    c = engine.generate(PROMPTS[:2], SamplingParams(n=4, temperature=1.0, max_new_tokens=12, seed=124))
+    assert [len(g) for g in a] == [4, 4]
+    for group in a:
+        assert len({tuple(x.token_ids) for x in group}) == 4
+    assert _ids(a) == _ids(b)
+    assert _ids(a) != _ids(c)
+
+
+def test_tiny_top_p_is_greedy(tiny_model, tiny_tokenizer):
+    """top-p below every token's mass keeps only the top token, whatever the noise."""
+    engine = _fast(tiny_model, tiny_tokenizer)
+    greedy = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=12))
+    nucleus = engine.generate(PROMPTS, SamplingParams(n=2, temperature=1.0, top_p=1e-6, max_new_tokens=12, seed=1))
+    for g, group in zip(greedy, nucleus):
+        assert all(c.token_ids == g[0].token_ids for c in group)
+
+
+def test_sampling_distribution_matches_softmax(tiny_model, tiny_tokenizer):
+    """The exponential race draws from softmax(logits / T): first-token frequencies over many samples
+    match the model's next-token probabilities (total variation well under the sampling noise bound)."""
+    prompt = PROMPTS[1]
+    engine = _fast(tiny_model, tiny_tokenizer, max_batch_size=512, batch_buckets=(512,))
+    n, temp = 512, 0.8
+    out = engine.generate([prompt], SamplingParams(n=n, temperature=temp, max_new_tokens=1, seed=11))
+    counts = torch.bincount(torch.tensor([c.token_ids[0] for c in out[0]]), minlength=len(tiny_tokenizer)).float()
+    ids = torch.tensor([tiny_tokenizer(prompt, add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        logits = tiny_model(input_ids=ids).logits[0, -1, : len(tiny_tokenizer)]
+    p = torch.softmax(logits / temp, dim=-1)
+    tv = 0.5 * (counts / n - p).abs().sum().item()
+    # E[TV] for 512 draws over this vocabulary is about 0.2-0.3; a wrong temperature or a uniform
+    # draw gives well over 0.5.
+    assert tv < 0.4, tv
+    wrong = 0.5 * (counts / n - torch.softmax(logits, dim=-1)).abs().sum().item()
+    assert tv <= wrong + 0.05
+
+
+def test_chunking_and_bucket_sizes_do_not_change_greedy_outputs(tiny_model, tiny_tokenizer):
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=10)
+    a = _fast(tiny_model, tiny_tokenizer, max_batch_size=2, batch_buckets=(2, 1)).generate(PROMPTS, params)
+    b = _fast(tiny_model, tiny_tokenizer, max_batch_size=64, batch_buckets=(64, 3), length_bucket=64).generate(PROMPTS, params)
+    c = _fast(tiny_model, tiny_tokenizer, prefill_tokens=1).generate(PROMPTS, params)
+    assert _ids(a) == _ids(b) == _ids(c)
+
+
+def test_rejects_other_architectures(tiny_tokenizer):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=4)
+    with pytest.raises(ValueError, match="hf"):
+        FastHFEngine(LlamaForCausalLM(cfg), tiny_tokenizer)
