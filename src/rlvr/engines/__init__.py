@@ -1,9 +1,10 @@
-"""Rollout engines. ``make_engine(name, ...)`` builds one by name: ``hf`` (in-process), ``hf-worker``
+"""Rollout engines. ``make_engine(name, ...)`` builds one by name: ``hf`` (in-process), ``hf-fast`` (in-process,
+static KV cache and CUDA graphs; OLMo-2 models), ``hf-worker``
 (a separate process fed over torch.distributed), ``vllm`` (an OpenAI-compatible vLLM server)."""
 
 from rlvr.engines.base import Completion, Engine, SamplingParams
 
-ENGINES = ("hf", "hf-worker", "vllm")
+ENGINES = ("hf", "hf-fast", "hf-worker", "vllm")
 
 
 def make_engine(name: str, model, tokenizer, **options) -> Engine:
@@ -18,6 +19,10 @@ def make_engine(name: str, model, tokenizer, **options) -> Engine:
         from rlvr.engines.hf import HFEngine
 
         return HFEngine(model, tokenizer, **options)
+    if name == "hf-fast":
+        from rlvr.engines.fast import FastHFEngine
+
+        return FastHFEngine(model, tokenizer, **options)
     if name == "hf-worker":
         from rlvr.engines.worker import HFWorkerEngine
 

@@ -24,6 +24,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = True
     seed: int | None = None
     """The same seed, prompts and weights reproduce the same batch."""
+    ignore_eos: bool = False
+    """Keep sampling past EOS (forced length, for speed benchmarks); engines that cannot, ignore it."""
 
     def __post_init__(self):
         if self.n < 1:
