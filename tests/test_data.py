@@ -138,3 +138,12 @@ def test_sample_batch_is_seeded_and_distinct():
     assert sample_batch(examples, 10, random.Random(4)) != a
     with pytest.raises(ValueError, match="n_prompts_per_rollout_batch"):
         sample_batch(examples, 51, random.Random(0))
+
+
+def test_missing_local_path_is_an_error_not_a_hub_lookup(tmp_path):
+    from rlvr.data import DataError, load_examples
+
+    with pytest.raises(DataError, match="cannot load data"):
+        load_examples(str(tmp_path / "no" / "such" / "gsm8k"))
+    with pytest.raises(DataError, match="cannot load data"):
+        load_examples("./data/gsm8k")

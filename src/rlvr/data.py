@@ -83,6 +83,12 @@ def load_gsm8k_hub(split: str, limit: int | None = None, name: str = "openai/gsm
     return out
 
 
+def _looks_like_hub_id(source: str) -> bool:
+    """``owner/name`` with no further path parts, not starting like a local path."""
+    parts = source.split("/")
+    return len(parts) == 2 and all(parts) and not source.startswith((".", "~")) and not Path(parts[0]).exists()
+
+
 def load_examples(source: str, split: str = "train", limit: int | None = None, seed: int = 0) -> list[Example]:
     """Load a task by source.
 
@@ -99,7 +105,7 @@ def load_examples(source: str, split: str = "train", limit: int | None = None, s
         return load_gsm8k_jsonl(p, limit)
     if p.suffix == ".jsonl" or p.exists():
         return load_gsm8k_jsonl(p, limit)
-    if "/" in source:
+    if _looks_like_hub_id(source):
         return load_gsm8k_hub(split, limit, name=source)
     raise DataError(
         f"cannot load data from {source!r}: give a JSONL file, a directory with {split}.jsonl, "
