@@ -204,3 +204,17 @@ def test_rejects_other_architectures(tiny_tokenizer):
                       num_attention_heads=4, num_key_value_heads=4)
     with pytest.raises(ValueError, match="hf"):
         FastHFEngine(LlamaForCausalLM(cfg), tiny_tokenizer)
+
+
+def test_row_limits_cut_greedy_rows_where_asked(tiny_model, tiny_tokenizer):
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=20, ignore_eos=True)
+    engine = _fast(tiny_model, tiny_tokenizer)
+    full = engine.generate(PROMPTS, params)
+    limits = [[3, 20], [7, 1], [12, 5], [20, 9]]
+    cut = engine.generate(PROMPTS, params, row_max_new_tokens=limits)
+    for f, c, lim in zip(full, cut, limits):
+        for fc, cc, n in zip(f, c, lim):
+            assert cc.token_ids == fc.token_ids[:n]
+            assert cc.logprobs == pytest.approx(fc.logprobs[:n], abs=1e-6)
+            assert cc.finish_reason == "length"
+    assert engine.stats["compactions"] > 0

@@ -178,7 +178,11 @@ class FastHFEngine:
             return self.device.type == "cuda"
         return bool(self.use_cuda_graphs) and self.device.type == "cuda"
 
-    def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:
+    def generate(self, prompts: list[str], params: SamplingParams, *,
+                 row_max_new_tokens: list[list[int]] | None = None) -> list[list[Completion]]:
+        """``row_max_new_tokens[i][j]`` (optional, for benchmarks) caps sample j of prompt i below
+        ``params.max_new_tokens``: that row finishes with reason ``"length"`` there, as if it had
+        reached its own limit, so a batch can retire rows at chosen lengths."""
         if not prompts:
             return []
         t0 = time.perf_counter()
@@ -200,7 +204,10 @@ class FastHFEngine:
         try:
             for start in range(0, len(order), per_chunk):
                 idx = order[start:start + per_chunk]
-                for i, comps in zip(idx, self._generate_chunk([encoded[i] for i in idx], params, generator)):
+                limits = None
+                if row_max_new_tokens is not None:
+                    limits = [min(int(x), params.max_new_tokens) for i in idx for x in row_max_new_tokens[i]]
+                for i, comps in zip(idx, self._generate_chunk([encoded[i] for i in idx], params, generator, limits)):
                     results[i] = comps
         finally:
             self.model.train(was_training)
@@ -389,8 +396,8 @@ class FastHFEngine:
 
     # ------------------------------------------------------------------ one chunk
     @torch.inference_mode()
-    def _generate_chunk(self, prompt_ids: list[list[int]], params: SamplingParams,
-                        generator: torch.Generator) -> list[list[Completion]]:
+    def _generate_chunk(self, prompt_ids: list[list[int]], params: SamplingParams, generator: torch.Generator,
+                        limits: list[int] | None = None) -> list[list[Completion]]:
         tok, device, n = self.tokenizer, self.device, params.n
         P, L = len(prompt_ids), max(len(p) for p in prompt_ids)
         R, T = P * n, params.max_new_tokens
@@ -443,6 +450,9 @@ class FastHFEngine:
         finish: list[str | None] = [None] * R
         stop_hit = [False] * R
         end = [T] * R                   # tokens kept
+        limit = list(limits) if limits is not None else [T] * R
+        if len(limit) != R or min(limit) < 1:
+            raise ValueError("row_max_new_tokens needs n limits >= 1 for every prompt")
 
         def examine(upto: int):
             """Read the new tokens [.., upto) of unfinished rows; apply EOS, stop strings and the length
@@ -456,14 +466,14 @@ class FastHFEngine:
             spans = []  # (row, first new token, end of the tokens to stop-check)
             for g in live:
                 a = n_done[g]
-                new = host[g][a - lo:]
+                new = host[g][a - lo:limit[g] - lo]
                 cut = next((a + j for j, t in enumerate(new) if t in eos_ids), None)
                 generated[g].extend(new if cut is None else new[: cut - a + 1])
                 n_done[g] = a + len(new)
                 if cut is not None:
                     finish[g], end[g] = "stop", cut + 1
-                elif n_done[g] >= T:
-                    finish[g], end[g] = "length", T
+                elif n_done[g] >= limit[g]:
+                    finish[g], end[g] = "length", limit[g]
                 body_end = n_done[g] if cut is None else cut
                 if stops and body_end > a:
                     spans.append((g, a, body_end))
