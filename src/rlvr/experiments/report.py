@@ -86,25 +86,37 @@ def pick_samples(rows: list[dict], k: int) -> list[dict]:
     return out
 
 
+def _printable(text: str) -> str:
+    """Control characters (an untrained model emits them) as escapes, so they cannot garble the page."""
+    return "".join(ch if ch in "\n\t" or (ch.isprintable() and ch != "\ufffd") else repr(ch)[1:-1] for ch in str(text))
+
+
 def format_rollout(row: dict, prompt_chars: int = 400, response_chars: int = 1200) -> str:
-    prompt = _clip(row.get("prompt", ""), prompt_chars, keep="tail")
+    """One rollout as Markdown: ground truth and scores, the question (or the prompt's end), the response."""
+    if row.get("question"):
+        asked = ("question", _clip(row["question"], prompt_chars))
+    else:
+        asked = ("prompt (end)", _clip(row.get("prompt", ""), prompt_chars, keep="tail"))
     response = _clip(row.get("response", ""), response_chars)
     scores = ", ".join(f"{k} {row[k]}" for k in ("reward", "format_reward") if k in row)
-    parts = [f"*ground truth* `{row.get('ground_truth', '?')}` — {scores}", ""]
-    for title, text in (("prompt (end)", prompt), ("response", response)):
+    parts = [f"*ground truth* `{_printable(row.get('ground_truth', '?'))}` — {scores}", ""]
+    for title, text in (asked, ("response", response)):
+        text = _printable(text)
         fence = _fence(text)
         parts += [f"{title}:", "", fence + "text", text, fence, ""]
     return "\n".join(parts)
 
 
 def rollout_section(runs: Sequence[Run], k: int = 2, metric: str = VAL_REWARD) -> str:
-    """Per setting, samples from the best seed's first and last rollout dumps."""
+    """Per setting, samples from the best seed's first and last dumps: validation samples when the run
+    wrote them (the first is the untrained policy), else training rollouts."""
     finals = final_values(runs, metric)
     out = []
     for setting, group in group_runs(runs).items():
         best = finals[setting].best
         chosen = next((r for r in group if best and (f"seed_{r.seed}" == best[0] or r.path.name == best[0])), group[0])
-        dumps = chosen.rollout_dumps()
+        kind = "val" if chosen.rollout_dumps("val") else "train"
+        dumps = chosen.rollout_dumps(kind)
         out.append(f"### {setting} ({chosen.label})\n")
         if not dumps:
             out.append("_no rollout dumps in this run_\n")
@@ -113,7 +125,8 @@ def rollout_section(runs: Sequence[Run], k: int = 2, metric: str = VAL_REWARD) -
         for when, (step, path) in picks:
             rows = read_rollouts(path)
             mean = sum(float(r.get("reward", 0) or 0) for r in rows) / max(len(rows), 1)
-            out.append(f"**{when} — step {step}** ({len(rows)} rollouts in the dump, mean reward {mean:.2f})\n")
+            what = "validation samples" if kind == "val" else "training rollouts"
+            out.append(f"**{when} — step {step}** ({len(rows)} {what} in the dump, mean reward {mean:.2f})\n")
             for row in pick_samples(rows, k):
                 out.append(format_rollout(row))
     return "\n".join(out)
@@ -183,7 +196,8 @@ def write_report(paths: Sequence[str | Path], out: str | Path, band: str = "minm
         for m in rest:
             md += [f"### {m}", "", f"![{m}]({rel[m]})", ""]
     md += ["## Sample rollouts: before and after training", "",
-           "From each setting's best seed (by final validation reward): its first and last rollout dumps.", "",
+           "From each setting's best seed (by final validation reward): its first and last dumps of validation "
+           "samples (step 0 is the untrained policy), or of training rollouts when it wrote no validation samples.", "",
            rollout_section(runs, k=samples)]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(md).rstrip() + "\n", encoding="utf-8")

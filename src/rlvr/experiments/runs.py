@@ -139,11 +139,13 @@ class Run:
             return None
         return int(steps[-1]), float(values[-1])
 
-    def rollout_dumps(self) -> list[tuple[int, Path]]:
-        """``(step, path)`` of every ``rollouts/step_N.jsonl``, by step."""
+    def rollout_dumps(self, kind: str = "train") -> list[tuple[int, Path]]:
+        """``(step, path)`` of every ``rollouts/step_N.jsonl`` (``kind="train"``: training rollouts) or
+        ``rollouts/val_step_N.jsonl`` (``kind="val"``: validation samples), by step."""
+        prefix = {"train": "step_", "val": "val_step_"}[kind]
         found = []
-        for p in (self.path / "rollouts").glob("step_*.jsonl"):
-            m = re.fullmatch(r"step_(\d+)\.jsonl", p.name)
+        for p in (self.path / "rollouts").glob(f"{prefix}*.jsonl"):
+            m = re.fullmatch(re.escape(prefix) + r"(\d+)\.jsonl", p.name)
             if m:
                 found.append((int(m.group(1)), p))
         return sorted(found)

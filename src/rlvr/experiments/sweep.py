@@ -288,13 +288,19 @@ def _same(a, b) -> bool:
 
 
 def config_conflicts(requested: dict, stored: dict) -> list[str]:
-    """Dotted keys set in ``requested`` whose value differs in a run's stored ``config.json``
-    (keys the stored config lacks are not compared: the trainer may resolve names differently)."""
+    """Dotted keys of ``requested`` whose value differs in a run's stored (resolved) ``config.json``.
+
+    Values the trainer fills in while resolving are not compared: a key the stored config lacks or
+    holds as None, and a requested None or ``auto``.
+    """
     flat_stored = flatten(stored)
     out = []
     for key, value in flatten(requested).items():
-        if key in flat_stored and not _same(value, flat_stored[key]):
-            out.append(f"{key}: spec {value!r} != run {flat_stored[key]!r}")
+        theirs = flat_stored.get(key)
+        if value is None or value == "auto" or theirs is None:
+            continue
+        if not _same(value, theirs):
+            out.append(f"{key}: spec {value!r} != run {theirs!r}")
     return out
 
 
@@ -321,8 +327,7 @@ def plan(spec: SweepSpec, out: str | Path, seeds: Sequence[int] | None = None,
                     stored = json.loads(stored_path.read_text())
                 except (OSError, json.JSONDecodeError):
                     stored = {}
-                requested = deep_merge(spec.settings[name], {spec.seed_field: seed})
-                diffs = config_conflicts(requested, stored)
+                diffs = config_conflicts(config, stored)
                 if diffs:
                     action, reason = CONFLICT, "stored config.json differs from the spec: " + "; ".join(diffs)
             planned.append(PlannedRun(setting=name, seed=seed, out_dir=out_dir,
@@ -344,18 +349,23 @@ def format_plan(planned: Sequence[PlannedRun]) -> str:
 # ---------------------------------------------------------------------------------------------------
 
 def train_argv(config_path: Path, out_dir: Path, resume: bool) -> list[str]:
-    """The ``rlvr`` arguments that train (or resume) one run."""
-    argv = ["train", "--config", str(config_path), "--out", str(out_dir)]
-    return argv + ["--resume", str(out_dir)] if resume else argv
+    """The ``rlvr train`` arguments that start or resume one run.
+
+    ``rlvr train --resume DIR`` continues from ``DIR/config.json``; a run interrupted before it wrote
+    that file has nothing to continue and starts afresh from the sweep's config.
+    """
+    if resume and (out_dir / "config.json").is_file():
+        return ["train", "--resume", str(out_dir)]
+    return ["train", "--config", str(config_path), "--out", str(out_dir)]
 
 
 def train_in_process(config_path: Path, out_dir: Path, resume: bool) -> None:
-    """Train one run in this process through the ``rlvr train`` entry point."""
-    from rlvr.cli import main as rlvr_main
+    """Train one run in this process with ``rlvr.trainer.train`` (which refuses to resume a run whose
+    saved config differs in anything but its length, cadences and logging)."""
+    from rlvr.config import load_config_file as load_train_config
+    from rlvr.trainer import train
 
-    rc = rlvr_main(train_argv(config_path, out_dir, resume))
-    if rc:
-        raise RuntimeError(f"rlvr train exited with status {rc}")
+    train(load_train_config(config_path), out_dir, resume=resume)
 
 
 def subprocess_command(p: PlannedRun, plugins: Sequence[str], python: str = sys.executable) -> list[str]:

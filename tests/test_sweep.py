@@ -1,0 +1,296 @@
+"""CPU tests for ``rlvr sweep``: spec parsing, planning (run / skip / resume / conflict), in-process and
+parallel subprocess execution with plugins, and an end-to-end sweep of 2 settings x 2 seeds with the
+real trainer on a tiny model (runs, is skipped on the second call, resumes an interrupted run)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rlvr.experiments import load_runs
+from rlvr.experiments.sweep import (
+    CONFLICT, RESUME, RUN, SKIP, SweepError, SweepSpec, deep_merge, main as sweep_main, plan, run_sweep, train_argv,
+)
+
+# A stand-in trainer with the real one's run-directory contract. Used in-process (exec'd) and as a
+# plugin file in subprocesses, where it replaces the `train` command of `rlvr`.
+FAKE_TRAINER = '''
+import argparse, builtins, json, sys
+from pathlib import Path
+
+import yaml
+
+
+def fake_train(config_path, out_dir, resume, stop_at=None):
+    out = Path(out_dir)
+    if config_path is not None:
+        cfg = yaml.safe_load(Path(config_path).read_text())
+    else:
+        cfg = json.loads((out / "config.json").read_text())
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg))
+    metrics = out / "metrics.jsonl"
+    rows = []
+    if resume and metrics.is_file():
+        rows = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()]
+    start = rows[-1]["step"] + 1 if rows else 0
+    with metrics.open("a" if rows else "w") as f:
+        for step in range(start, cfg["n_steps"]):
+            if stop_at is not None and step == stop_at:
+                raise KeyboardInterrupt
+            f.write(json.dumps({"step": step, "train/reward": cfg["seed"] + step * cfg["optim"]["lr"],
+                                "val/reward": 0.1 * cfg["seed"]}) + "\\n")
+            f.flush()
+    (out / "summary.json").write_text(json.dumps({"status": "finished", "marker": getattr(builtins, "_sweep_marker", None),
+                                                  "resumed_from": start}))
+
+
+def main(argv):
+    p = argparse.ArgumentParser()
+    p.add_argument("--config")
+    p.add_argument("--out")
+    p.add_argument("--resume")
+    a = p.parse_args(argv)
+    fake_train(a.config, a.resume or a.out, bool(a.resume))
+    return 0
+
+
+import rlvr.cli
+rlvr.cli.COMMANDS["train"] = (__name__, "fake trainer for tests")
+'''
+
+
+@pytest.fixture()
+def fake():
+    namespace: dict = {"__name__": "fake_trainer_inline"}
+    exec(FAKE_TRAINER, namespace)
+    return namespace["fake_train"]
+
+
+def write_spec(path: Path, **extra) -> Path:
+    spec = {
+        "name": "toy",
+        "base": {"n_steps": 3, "optim": {"lr": 1.0, "betas": [0.9, 0.95]}},
+        "seeds": [0, 1],
+        "settings": {"a": {"optim.lr": 2.0}, "b": {"optim": {"lr": 3.0}}},
+    }
+    spec.update(extra)
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+# -------------------------------------------------------------------------------------------------
+# Spec parsing
+# -------------------------------------------------------------------------------------------------
+
+def test_spec_settings_grid_and_dotted_overrides(tmp_path):
+    (tmp_path / "base.yaml").write_text("optim:\n  lr: 1.0e-5\n  betas: [0.9, 0.95]\nn_steps: 10\n")
+    spec_path = tmp_path / "s.yaml"
+    spec_path.write_text(
+        "base: base.yaml\n"
+        "overrides: {eval_every: 5}\n"
+        "seeds: 2\n"
+        "settings:\n  - {name: grpo, algorithm.preset: grpo}\n  - {name: dr, overrides: {algorithm: {preset: dr_grpo}}}\n"
+        "grid:\n  optim.lr: [1e-6, 3e-6]\n"
+    )
+    spec = SweepSpec.from_file(spec_path)
+    assert list(spec.settings) == ["grpo_lr=1e-06", "grpo_lr=3e-06", "dr_lr=1e-06", "dr_lr=3e-06"]
+    assert spec.seeds == [0, 1]
+    cfg = spec.config_for("dr_lr=3e-06", 1)
+    assert cfg == {"optim": {"lr": 3e-6, "betas": [0.9, 0.95]}, "n_steps": 10, "eval_every": 5,
+                   "algorithm": {"preset": "dr_grpo"}, "seed": 1}
+    assert isinstance(cfg["optim"]["lr"], float)  # YAML 1.1 would read 1e-6 as a string
+
+
+def test_spec_errors_name_the_problem(tmp_path):
+    with pytest.raises(SweepError, match="unknown sweep spec keys"):
+        SweepSpec.from_dict({"settings": {"a": {}}, "setings": {}})
+    with pytest.raises(SweepError, match="directory name"):
+        SweepSpec.from_dict({"settings": {"a/b": {}}})
+    with pytest.raises(SweepError, match="no settings"):
+        SweepSpec.from_dict({"base": {}})
+    with pytest.raises(SweepError, match="not found"):
+        SweepSpec.from_dict({"base": "missing.yaml", "settings": {"a": {}}}, base_dir=tmp_path)
+    with pytest.raises(FileNotFoundError, match="plugin"):
+        SweepSpec.from_dict({"settings": {"a": {}}, "plugins": ["nope.py"]}, base_dir=tmp_path)
+
+
+def test_deep_merge_keeps_siblings():
+    assert deep_merge({"a": {"x": 1, "y": 2}, "b": 0}, {"a.x": 5, "c": {"d.e": 1}}) == \
+        {"a": {"x": 5, "y": 2}, "b": 0, "c": {"d": {"e": 1}}}
+
+
+# -------------------------------------------------------------------------------------------------
+# Planning and in-process execution with a fake trainer
+# -------------------------------------------------------------------------------------------------
+
+def test_dry_run_lists_and_touches_nothing(tmp_path, capsys):
+    spec = write_spec(tmp_path / "s.yaml")
+    out = tmp_path / "sweep"
+    assert sweep_main([str(spec), "--out", str(out), "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "run      a/seed_0" in text and "run      b/seed_1" in text
+    assert "4 to run, 0 to resume, 0 finished (skipped), 0 conflicts" in text
+    assert not out.exists()
+
+
+def test_run_skip_resume_and_conflict(tmp_path, fake):
+    spec = write_spec(tmp_path / "s.yaml")
+    out = tmp_path / "sweep"
+    calls = []
+
+    def train_fn(config_path, out_dir, resume):
+        calls.append((out_dir.relative_to(out).as_posix(), resume))
+        stop = 1 if out_dir.relative_to(out).as_posix() == "b/seed_1" and len(calls) == 4 else None
+        fake(config_path, out_dir, resume, stop_at=stop)
+
+    with pytest.raises(KeyboardInterrupt):  # the last run is interrupted after logging step 0
+        run_sweep(spec, out, train_fn=train_fn, echo=lambda s: None)
+    assert calls == [("a/seed_0", False), ("a/seed_1", False), ("b/seed_0", False), ("b/seed_1", False)]
+    assert not (out / "b" / "seed_1" / "summary.json").exists()
+
+    planned = {p.label: p for p in plan(SweepSpec.from_file(spec), out)}
+    assert {k: p.action for k, p in planned.items()} == {"a/seed_0": SKIP, "a/seed_1": SKIP, "b/seed_0": SKIP,
+                                                         "b/seed_1": RESUME}
+    assert "after 1 logged steps" in planned["b/seed_1"].reason
+
+    calls.clear()
+    _, outcomes = run_sweep(spec, out, train_fn=train_fn, echo=lambda s: None)
+    assert calls == [("b/seed_1", True)] and all(o.ok for o in outcomes)
+    summary = json.loads((out / "b" / "seed_1" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["resumed_from"] == 1
+    steps = [json.loads(l)["step"] for l in (out / "b" / "seed_1" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1, 2]
+
+    calls.clear()
+    run_sweep(spec, out, train_fn=train_fn, echo=lambda s: None)
+    assert calls == []  # everything finished: nothing runs
+
+    # The resolved per-run config is base + setting + seed; sweep.json records the commands.
+    cfg = yaml.safe_load((out / "_sweep" / "configs" / "b" / "seed_1.yaml").read_text())
+    assert cfg == {"n_steps": 3, "optim": {"lr": 3.0, "betas": [0.9, 0.95]}, "seed": 1}
+    record = json.loads((out / "sweep.json").read_text())
+    assert record["name"] == "toy" and len(record["invocations"]) == 3
+    assert [r.setting for r in load_runs(out)] == ["a", "a", "b", "b"]  # _sweep/ is not a run
+
+    # Changing a setting's value under the same name is a conflict, not a silent resume.
+    (out / "a" / "seed_0" / "summary.json").unlink()
+    write_spec(spec, settings={"a": {"optim.lr": 5.0}, "b": {"optim": {"lr": 3.0}}})
+    planned = {p.label: p for p in plan(SweepSpec.from_file(spec), out)}
+    assert planned["a/seed_0"].action == CONFLICT and "optim.lr" in planned["a/seed_0"].reason
+    calls.clear()
+    run_sweep(spec, out, train_fn=train_fn, echo=lambda s: None)
+    assert calls == []
+
+
+def test_failed_run_is_reported_and_others_continue(tmp_path, fake):
+    spec = write_spec(tmp_path / "s.yaml", seeds=[0])
+
+    def train_fn(config_path, out_dir, resume):
+        if out_dir.parent.name == "a":
+            raise RuntimeError("boom")
+        fake(config_path, out_dir, resume)
+
+    _, outcomes = run_sweep(spec, tmp_path / "out", train_fn=train_fn, echo=lambda s: None)
+    assert [(o.run.label, o.ok) for o in outcomes] == [("a/seed_0", False), ("b/seed_0", True)]
+    assert "boom" in (tmp_path / "out" / "_sweep" / "logs" / "a" / "seed_0.log").read_text()
+
+
+def test_train_argv_resume_reads_saved_config(tmp_path):
+    run = tmp_path / "r"
+    assert train_argv(Path("c.yaml"), run, resume=True) == ["train", "--config", "c.yaml", "--out", str(run)]
+    run.mkdir()
+    (run / "config.json").write_text("{}")
+    assert train_argv(Path("c.yaml"), run, resume=True) == ["train", "--resume", str(run)]
+
+
+def test_parallel_subprocesses_import_plugins(tmp_path):
+    """--max-parallel 2: runs go to subprocesses, which import every plugin before `rlvr train`."""
+    (tmp_path / "fake_trainer.py").write_text(FAKE_TRAINER)
+    (tmp_path / "marker.py").write_text("import builtins\nbuiltins._sweep_marker = 'imported'\n")
+    spec = write_spec(tmp_path / "s.yaml", plugins=["fake_trainer.py", "marker.py"])
+    out = tmp_path / "out"
+    assert sweep_main([str(spec), "--out", str(out), "--max-parallel", "2", "--seeds", "3", "--settings", "b"]) == 0
+    summary = json.loads((out / "b" / "seed_3" / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["marker"] == "imported"
+    assert not (out / "a").exists()
+    log = (out / "_sweep" / "logs" / "b" / "seed_3.log").read_text()
+    assert "rlvr.experiments.plugins --plugin" in log and sys.executable in log
+
+
+# -------------------------------------------------------------------------------------------------
+# End to end with the real trainer on a tiny model
+# -------------------------------------------------------------------------------------------------
+
+TINY_BASE = {
+    "model": {"fresh": "tiny", "tokenizer_vocab_size": 300},
+    "data": {"train_source": "arith:steps=1,max_value=9", "train_size": 32, "val_split": "validation", "val_size": 2},
+    "rollout": {"n_prompts_per_rollout_batch": 2, "group_size": 2, "max_new_tokens": 6},
+    "optim": {"gradient_accumulation_steps": 1, "lr": 1.0e-3},
+    "engine": {"max_batch_size": 8},
+    "log": {"progress": False, "val_samples": 2, "engine_logprob_check_every": 0},
+    "n_steps": 4, "eval_every": 2, "dump_every": 2, "save_every": 2,
+}
+
+
+def test_end_to_end_real_trainer(tmp_path, monkeypatch):
+    trainer = pytest.importorskip("rlvr.trainer")
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(yaml.safe_dump({"name": "tiny e2e", "base": TINY_BASE, "seeds": [0, 1],
+                                    "settings": {"grpo": {"algorithm.preset": "grpo"},
+                                                 "dr_grpo": {"algorithm.preset": "dr_grpo"}}}, sort_keys=False))
+    out = tmp_path / "sweep"
+    victim = out / "dr_grpo" / "seed_1"
+    real_step = trainer._rollout_step
+
+    def interrupt_victim(config, step, *args, **kwargs):
+        is_victim = any(isinstance(a, Path) and a == victim for a in (*args, *kwargs.values()))
+        if is_victim and step == 3:
+            raise KeyboardInterrupt  # as Ctrl-C between steps: the trainer saves step 2 and re-raises
+        return real_step(config, step, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "_rollout_step", interrupt_victim)
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(spec, out, echo=lambda s: None)
+    monkeypatch.setattr(trainer, "_rollout_step", real_step)
+    for setting in ("grpo", "dr_grpo"):
+        for seed in (0, 1):
+            summary = json.loads((out / setting / f"seed_{seed}" / "summary.json").read_text())
+            assert summary["status"] == ("interrupted" if (setting, seed) == ("dr_grpo", 1) else "finished")
+    before = (victim / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(l)["step"] for l in before] == [0, 1, 2]
+
+    planned, _ = run_sweep(spec, out, dry_run=True, echo=lambda s: None)
+    assert [(p.label, p.action) for p in planned] == [("grpo/seed_0", SKIP), ("grpo/seed_1", SKIP),
+                                                      ("dr_grpo/seed_0", SKIP), ("dr_grpo/seed_1", RESUME)]
+
+    planned, outcomes = run_sweep(spec, out, echo=lambda s: None)
+    assert [(o.run.label, o.ok) for o in outcomes] == [("dr_grpo/seed_1", True)]
+    after = (victim / "metrics.jsonl").read_text().splitlines()
+    assert after[:3] == before  # continued from the step-2 checkpoint, not restarted
+    assert [json.loads(l)["step"] for l in after] == [0, 1, 2, 3, 4]
+    assert json.loads((victim / "summary.json").read_text())["status"] == "finished"
+
+    def must_not_train(*a, **k):
+        raise AssertionError("a finished run was trained again")
+
+    monkeypatch.setattr(trainer, "train", must_not_train)
+    planned, outcomes = run_sweep(spec, out, echo=lambda s: None)
+    assert outcomes == [] and all(p.action == SKIP for p in planned)
+
+    runs = load_runs(out)
+    assert sorted({r.setting for r in runs}) == ["dr_grpo", "grpo"]
+    assert all(r.finished and r.final("val/reward")[0] == 4 for r in runs)
+    assert {r.config["algorithm"]["preset"] for r in runs if r.setting == "dr_grpo"} == {"dr_grpo"}
+    assert {r.config["seed"] for r in runs} == {0, 1}
+
+    from rlvr.experiments.report import write_report
+
+    report = write_report([out], tmp_path / "report.md")
+    text = report.read_text()
+    assert "| grpo |" in text and "| dr_grpo |" in text and "tiny e2e" in text
+    assert (tmp_path / "report_figures" / "overview.png").stat().st_size > 10_000
