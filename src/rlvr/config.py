@@ -1,0 +1,439 @@
+"""The training configuration: frozen dataclasses whose field docstrings are the ``--help`` text.
+
+A run is described by one ``TrainConfig``. It is built from defaults (SPEC's suggested
+hyperparameters: 200 steps, lr 1e-5, 32 prompts x 8 samples, grad accumulation 32, ...), then a
+TOML or YAML file, then command-line overrides, in that order::
+
+    rlvr train --config configs/gsm8k_olmo2_1b_grpo.yaml --algorithm.preset dr_grpo --seed 1 --out runs/x
+
+``resolve()`` fills what follows from other fields (the preset's axes, the clip range of the
+reweighting method, the Dr. GRPO normalisation constant, the devices) and ``validate()`` rejects
+impossible combinations with a message that names the fix. Both run before any model loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+SCHEDULES = ("constant", "cosine", "linear")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """An impossible or inconsistent configuration."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name_or_path: str = "allenai/OLMo-2-0425-1B"
+    """Hub id or local directory of the policy to train (ignored when ``fresh`` is set)."""
+    fresh: str | None = None
+    """Instead of loading, build a randomly initialised OLMo-2 of this size (tiny, small, 20m, olmo2-1b) with a tokenizer trained on the training data: for CPU runs and speed tests."""
+    tokenizer_vocab_size: int = 512
+    """Vocabulary size of the locally trained tokenizer (only with ``fresh``)."""
+    dtype: str = "auto"
+    """Policy dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward to save memory (slower training step)."""
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    train_source: str = "openai/gsm8k"
+    """Training data: a GSM8K JSONL file, a directory with {split}.jsonl, the hub id openai/gsm8k, or a task such as arith:steps=2."""
+    train_split: str = "train"
+    """Split of ``train_source`` to train on."""
+    train_size: int | None = 6400
+    """Use the first this-many training examples (None: all)."""
+    val_source: str | None = None
+    """Validation data (default: the same source as training)."""
+    val_split: str = "test"
+    """Split of the validation source."""
+    val_size: int = 1024
+    """Validation examples per evaluation (SPEC: at least 1024; CoT evaluations are noisy)."""
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    preset: str = "grpo"
+    """Named algorithm (grpo, grpo_constant, dr_grpo, rft, maxrl): sets baseline, normalizer and loss normalization unless given."""
+    baseline: str | None = None
+    """Advantage baseline (mean, none); default from the preset."""
+    advantage_normalizer: str | None = None
+    """Advantage normalizer (std, mean, none); default from the preset."""
+    advantage_eps: float = 1e-6
+    """Added to the normalizer to avoid division by zero."""
+    loss_normalization: str | None = None
+    """How token losses are aggregated: sequence (mean per sequence, then over sequences) or constant (sum / normalization_constant); default from the preset."""
+    normalization_constant: float | None = None
+    """Divisor for constant normalization (default: train_batch_size x max_new_tokens, fixed for the whole run)."""
+    reweighting: str = "none"
+    """Importance reweighting: none (REINFORCE), noclip, grpo (PPO token clip), gspo (sequence clip), cispo."""
+    cliprange: float | None = None
+    """Clip range epsilon of clipping methods (default per method: grpo 0.2, gspo 3e-4, cispo 0.2)."""
+    skip_zero_advantage: bool = True
+    """Do not run sequences with zero advantage through the model (they contribute exactly nothing)."""
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    n_prompts_per_rollout_batch: int = 32
+    """Questions sampled per rollout step."""
+    group_size: int = 8
+    """Samples per question; advantages are normalised within each group."""
+    rollout_batch_size: int | None = None
+    """Alternative to n_prompts_per_rollout_batch: total rollouts per step (must be a multiple of group_size)."""
+    temperature: float = 1.0
+    """Sampling temperature (the trainer's log-probs are at temperature 1, so other values make the data off-policy)."""
+    top_p: float = 1.0
+    """Nucleus sampling mass."""
+    max_new_tokens: int = 512
+    """Longest response in tokens; longer ones are cut (finish_reason 'length')."""
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = 1e-5
+    """Peak learning rate of AdamW."""
+    schedule: Literal["constant", "cosine", "linear"] = "constant"
+    """Learning-rate schedule after warmup, over all optimizer steps of the run."""
+    warmup_steps: int = 0
+    """Linear warmup, in optimizer steps."""
+    min_lr_ratio: float = 0.0
+    """Final lr as a fraction of the peak for cosine and linear decay."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this before every optimizer step."""
+    train_batch_size: int | None = None
+    """Rollouts per optimizer step (default: the rollout batch, i.e. on-policy: one step per rollout batch)."""
+    gradient_accumulation_steps: int = 32
+    """Microbatches per optimizer step (microbatch = train_batch_size / this)."""
+    epochs_per_rollout_batch: int = 1
+    """Passes over each rollout batch; more than one makes the later steps off-policy."""
+    logprob_batch_size: int | None = None
+    """Rows per forward when computing old log-probs (default: the microbatch size)."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    name: str = "hf"
+    """Rollout engine: hf (in-process, shares the policy), hf-worker (own process and device), vllm (server)."""
+    device: str = "auto"
+    """Engine device for hf-worker/vllm (auto: cuda:1 when two GPUs are visible, else the policy device)."""
+    dtype: str = "auto"
+    """Engine model dtype for hf-worker (auto: bfloat16 on CUDA, float32 on CPU)."""
+    max_batch_size: int = 256
+    """Rows (prompts x samples) decoded together by the hf engines."""
+    vllm_base_url: str | None = None
+    """URL of a running vLLM server (None: the engine starts ``vllm serve`` itself)."""
+    vllm_port: int = 8000
+    """Port of the vLLM server the engine starts."""
+
+
+@dataclass(frozen=True)
+class LogConfig:
+    wandb: bool = False
+    """Mirror metrics to Weights & Biases (needs ``pip install wandb``)."""
+    wandb_project: str = "rlvr"
+    """W&B project."""
+    tensorboard: bool = False
+    """Mirror metrics to TensorBoard event files under DIR/tensorboard."""
+    progress: bool = True
+    """Show a progress bar with the current train and val reward."""
+    val_samples: int = 64
+    """Validation rollouts written to DIR/rollouts/val_step_N.jsonl at each evaluation."""
+    engine_logprob_check_every: int = 10
+    """On-policy runs: every this many steps compare the engine's log-probs with the trainer's (one extra forward; 0: never). Off-policy runs compare every step for free."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    prompt: str = "r1_zero"
+    """Prompt template (r1_zero, question_only, r1_zero_three_shot); also picks the reward function."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    n_steps: int = 200
+    """Rollout steps (each: sample, grade, one or more optimizer steps)."""
+    eval_every: int = 10
+    """Evaluate on the validation set every this many steps (0: only at the start and the end)."""
+    eval_at_start: bool = True
+    """Evaluate the initial policy (logged as step 0)."""
+    dump_every: int = 40
+    """Write the step's rollouts to DIR/rollouts/step_N.jsonl every this many steps (0: never)."""
+    save_every: int = 50
+    """Checkpoint every this many steps (always at the end; 0: only at the end)."""
+    keep_checkpoints: int = 1
+    """How many of the newest checkpoints to keep on disk."""
+    seed: int = 0
+    """Seed of everything: data order, sampling, initialisation of fresh models."""
+    policy_device: str = "auto"
+    """Device of the policy and optimizer (auto: cuda:0 when available, else cpu)."""
+    max_consecutive_nonfinite: int = 3
+    """Stop the run after this many optimizer steps in a row with a non-finite loss or gradient norm."""
+
+    # -- derived quantities -------------------------------------------------------------------
+    @property
+    def rollout_batch_size(self) -> int:
+        return self.rollout.n_prompts_per_rollout_batch * self.rollout.group_size
+
+    @property
+    def train_batch_size(self) -> int:
+        return self.optim.train_batch_size or self.rollout_batch_size
+
+    @property
+    def updates_per_rollout_batch(self) -> int:
+        return self.optim.epochs_per_rollout_batch * (self.rollout_batch_size // self.train_batch_size)
+
+    @property
+    def off_policy(self) -> bool:
+        """More than one optimizer step per rollout batch: every step after the first is off-policy."""
+        return self.updates_per_rollout_batch > 1
+
+    @property
+    def microbatch_size(self) -> int:
+        return self.train_batch_size // self.optim.gradient_accumulation_steps
+
+    # -- resolution and validation ------------------------------------------------------------
+    def resolve(self) -> "TrainConfig":
+        """A copy with every default that depends on other fields filled in (idempotent)."""
+        from rlvr.grpo import DEFAULT_CLIPRANGE, PRESETS
+
+        r = self.rollout
+        if r.rollout_batch_size is not None:
+            if r.group_size < 1 or r.rollout_batch_size % r.group_size:
+                raise ConfigError(
+                    f"rollout.rollout_batch_size={r.rollout_batch_size} is not divisible by rollout.group_size={r.group_size}; "
+                    "make it a multiple of the group size (or set rollout.n_prompts_per_rollout_batch instead)"
+                )
+            r = dataclasses.replace(r, n_prompts_per_rollout_batch=r.rollout_batch_size // r.group_size, rollout_batch_size=None)
+        a = self.algorithm
+        if a.preset not in PRESETS:
+            raise ConfigError(f"unknown algorithm.preset {a.preset!r}: choose one of {', '.join(sorted(PRESETS))}")
+        preset = PRESETS[a.preset]
+        cfg = dataclasses.replace(self, rollout=r)
+        o = cfg.optim
+        if o.train_batch_size is None:
+            o = dataclasses.replace(o, train_batch_size=cfg.rollout_batch_size)
+        a = dataclasses.replace(
+            a,
+            baseline=a.baseline or preset.baseline,
+            advantage_normalizer=a.advantage_normalizer or preset.advantage_normalizer,
+            loss_normalization=a.loss_normalization or preset.loss_normalization,
+            cliprange=a.cliprange if a.cliprange is not None else DEFAULT_CLIPRANGE.get(a.reweighting),
+        )
+        if a.normalization_constant is None and a.loss_normalization == "constant":
+            # Dr. GRPO: batch size x max generation length, where the batch is what one optimizer
+            # step sees; on-policy that is the rollout batch.
+            a = dataclasses.replace(a, normalization_constant=float(o.train_batch_size * r.max_new_tokens))
+        if o.logprob_batch_size is None and o.gradient_accumulation_steps >= 1:
+            o = dataclasses.replace(o, logprob_batch_size=max(1, o.train_batch_size // o.gradient_accumulation_steps))
+        policy_device = cfg.policy_device
+        engine = cfg.engine
+        if policy_device == "auto" or engine.device == "auto":
+            import torch
+
+            n_gpu = torch.cuda.device_count()
+            if policy_device == "auto":
+                policy_device = "cuda:0" if n_gpu else "cpu"
+            if engine.device == "auto":
+                engine = dataclasses.replace(engine, device="cuda:1" if n_gpu >= 2 and engine.name != "hf" else policy_device)
+        return dataclasses.replace(cfg, algorithm=a, optim=o, policy_device=policy_device, engine=engine)
+
+    def validate(self) -> list[str]:
+        """Raise ``ConfigError`` for impossible settings; return (and emit) warnings for dubious ones.
+
+        Call on a resolved config (``resolve()`` first).
+        """
+        from rlvr.engines import ENGINES
+        from rlvr.grpo import BASELINES, NORMALIZERS, REWEIGHTINGS
+        from rlvr.prompts import PROMPTS
+
+        errors: list[str] = []
+        warns: list[str] = []
+        a, r, o = self.algorithm, self.rollout, self.optim
+
+        def need(cond: bool, msg: str):
+            if not cond:
+                errors.append(msg)
+
+        need(a.baseline in BASELINES, f"unknown algorithm.baseline {a.baseline!r}: choose one of {sorted(BASELINES)}")
+        need(a.advantage_normalizer in NORMALIZERS,
+             f"unknown algorithm.advantage_normalizer {a.advantage_normalizer!r}: choose one of {sorted(NORMALIZERS)}")
+        need(a.loss_normalization in ("sequence", "constant"),
+             f"unknown algorithm.loss_normalization {a.loss_normalization!r}: use sequence or constant")
+        need(a.reweighting in REWEIGHTINGS, f"unknown algorithm.reweighting {a.reweighting!r}: choose one of {sorted(REWEIGHTINGS)}")
+        if a.reweighting in REWEIGHTINGS and REWEIGHTINGS[a.reweighting].needs_cliprange:
+            need(a.cliprange is not None, f"algorithm.reweighting={a.reweighting!r} clips, so it needs algorithm.cliprange (e.g. 0.2)")
+        if a.cliprange is not None:
+            need(a.cliprange > 0, f"algorithm.cliprange must be > 0, got {a.cliprange}")
+        if a.loss_normalization == "constant":
+            need(a.normalization_constant is not None and a.normalization_constant > 0,
+                 "algorithm.loss_normalization=constant needs a positive algorithm.normalization_constant "
+                 "(Dr. GRPO: train batch size x max_new_tokens)")
+        need(self.prompt in PROMPTS, f"unknown prompt {self.prompt!r}: choose one of {sorted(PROMPTS)}")
+
+        need(r.group_size >= 1, f"rollout.group_size must be >= 1, got {r.group_size}")
+        need(r.n_prompts_per_rollout_batch >= 1, f"rollout.n_prompts_per_rollout_batch must be >= 1, got {r.n_prompts_per_rollout_batch}")
+        if a.advantage_normalizer == "std":
+            need(r.group_size >= 2, "advantage_normalizer=std needs rollout.group_size >= 2 (the std of one sample is undefined)")
+        need(r.temperature > 0, "rollout.temperature must be > 0: greedy rollouts give identical samples per group and no signal")
+        need(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
+        need(r.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {r.max_new_tokens}")
+
+        rb, tb, ga = self.rollout_batch_size, self.train_batch_size, o.gradient_accumulation_steps
+        need(tb >= 1 and rb % tb == 0,
+             f"the rollout batch ({rb} = {r.n_prompts_per_rollout_batch} prompts x {r.group_size}) is not divisible by "
+             f"optim.train_batch_size={tb}; pick a divisor of {rb}")
+        need(ga >= 1 and tb % ga == 0,
+             f"optim.train_batch_size={tb} is not divisible by optim.gradient_accumulation_steps={ga}; pick a divisor of {tb}")
+        need(tb <= rb, f"optim.train_batch_size={tb} exceeds the rollout batch ({rb}); lower it")
+        need(o.epochs_per_rollout_batch >= 1, f"optim.epochs_per_rollout_batch must be >= 1, got {o.epochs_per_rollout_batch}")
+        need(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
+        need(o.schedule in SCHEDULES, f"unknown optim.schedule {o.schedule!r}: choose one of {SCHEDULES}")
+        need(o.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
+        need(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio must be in [0, 1]")
+        need(o.max_grad_norm > 0, "optim.max_grad_norm must be > 0")
+        need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), f"optim.betas must be two numbers in [0, 1), got {o.betas}")
+
+        need(self.engine.name in ENGINES, f"unknown engine.name {self.engine.name!r}: choose one of {', '.join(ENGINES)}")
+        need(self.model.dtype in DTYPES, f"unknown model.dtype {self.model.dtype!r}: choose one of {DTYPES}")
+        need(self.engine.dtype in DTYPES, f"unknown engine.dtype {self.engine.dtype!r}: choose one of {DTYPES}")
+        if self.model.fresh is not None:
+            from rlvr.modeling import MODEL_SIZES
+
+            need(self.model.fresh in MODEL_SIZES, f"unknown model.fresh size {self.model.fresh!r}: choose one of {sorted(MODEL_SIZES)}")
+        need(self.n_steps >= 1, f"n_steps must be >= 1, got {self.n_steps}")
+        for name in ("eval_every", "dump_every", "save_every"):
+            need(getattr(self, name) >= 0, f"{name} must be >= 0 (0 disables it)")
+        need(self.keep_checkpoints >= 1, "keep_checkpoints must be >= 1")
+        need(self.max_consecutive_nonfinite >= 1, "max_consecutive_nonfinite must be >= 1")
+        need(self.data.val_size >= 0, "data.val_size must be >= 0")
+        if self.data.train_size is not None:
+            need(self.data.train_size >= r.n_prompts_per_rollout_batch,
+                 f"data.train_size={self.data.train_size} is smaller than one rollout batch of "
+                 f"{r.n_prompts_per_rollout_batch} prompts; raise it or lower rollout.n_prompts_per_rollout_batch")
+        if errors:
+            raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+
+        if self.off_policy and a.reweighting == "none":
+            warns.append(
+                f"{self.updates_per_rollout_batch} optimizer steps per rollout batch with algorithm.reweighting=none: every step "
+                "after the first uses stale samples without importance weights (biased). Use noclip, grpo, gspo or cispo "
+                "unless this is the 'none' arm of a comparison."
+            )
+        if r.temperature != 1.0 and a.reweighting != "none":
+            warns.append("rollout.temperature != 1 with importance reweighting: the old log-probs are at temperature 1, "
+                         "not the sampling distribution")
+        if self.data.val_size < 1024 and self.data.val_size > 0 and self.model.fresh is None:
+            warns.append(f"data.val_size={self.data.val_size} < 1024: CoT evaluations are noisy (SPEC asks for >= 1024)")
+        for w in warns:
+            warnings.warn(w, stacklevel=2)
+        return warns
+
+    def check_data(self, n_train: int, n_val: int) -> None:
+        """Checks that need the loaded data (still before any model loads)."""
+        if n_train < self.rollout.n_prompts_per_rollout_batch:
+            raise ConfigError(
+                f"the training data has {n_train} examples, fewer than one rollout batch of "
+                f"{self.rollout.n_prompts_per_rollout_batch} prompts; lower rollout.n_prompts_per_rollout_batch or use more data"
+            )
+        if self.data.val_size > n_val:
+            raise ConfigError(
+                f"data.val_size={self.data.val_size} but the validation data has only {n_val} examples; "
+                f"set data.val_size <= {n_val} or point data.val_source/val_split at a larger set"
+            )
+
+    # -- (de)serialisation --------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TrainConfig":
+        return _from_dict(cls, d, "")
+
+
+def _from_dict(cls, d: dict, where: str):
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where or 'the config'} must be a mapping, got {type(d).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(d) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"unknown config key(s) {', '.join(where + k for k in unknown)}; valid keys here: {', '.join(sorted(fields))}"
+        )
+    kwargs: dict[str, Any] = {}
+    for name, value in d.items():
+        default = fields[name].default_factory() if fields[name].default_factory is not dataclasses.MISSING else fields[name].default
+        if dataclasses.is_dataclass(default):
+            kwargs[name] = _from_dict(type(default), value, f"{where}{name}.")
+        elif isinstance(default, tuple) and isinstance(value, list):
+            kwargs[name] = tuple(value)
+        else:
+            kwargs[name] = value
+    return cls(**kwargs)
+
+
+def load_config_file(path: str | Path) -> TrainConfig:
+    """A ``TrainConfig`` from a YAML (.yaml/.yml), TOML (.toml) or JSON file; sections are nested tables."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    text = path.read_text(encoding="utf-8")
+    if path.suffix in (".yaml", ".yml"):
+        import yaml
+
+        data = yaml.safe_load(text) or {}
+    elif path.suffix == ".toml":
+        import tomllib
+
+        data = tomllib.loads(text)
+    elif path.suffix == ".json":
+        data = json.loads(text)
+    else:
+        raise ConfigError(f"config file {path} must end in .yaml, .yml, .toml or .json")
+    return TrainConfig.from_dict(data)
+
+
+def parse_overrides(args: list[str], base: TrainConfig | None = None, prog: str = "rlvr train",
+                    description: str | None = None) -> TrainConfig:
+    """Apply command-line overrides (``--optim.lr 3e-6 --seed 2``) to ``base`` with tyro."""
+    import tyro
+
+    return tyro.cli(TrainConfig, args=args, default=base or TrainConfig(), prog=prog, description=description)
+
+
+def save_config(config: TrainConfig, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(config.to_dict(), indent=2) + "\n", encoding="utf-8")
+
+
+# Fields that may change when a run is resumed without changing what it computes up to now.
+RESUMABLE_CHANGES = ("n_steps", "eval_every", "eval_at_start", "dump_every", "save_every", "keep_checkpoints", "log.")
+
+
+def config_differences(a: TrainConfig, b: TrainConfig) -> list[str]:
+    """Dotted names of fields that differ between two configs."""
+    fa, fb = _flatten(a.to_dict()), _flatten(b.to_dict())
+    return sorted(k for k in set(fa) | set(fb) if fa.get(k) != fb.get(k))
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[prefix + k] = list(v) if isinstance(v, tuple) else v
+    return out

@@ -1,0 +1,637 @@
+"""`rlvr train`: the GRPO training loop, on- and off-policy, for every preset and reweighting method.
+
+One rollout step (SPEC, "The training loop"):
+
+1. **sync** the engine to the policy's weights (a no-op for the in-process hf engine);
+2. **sample** ``n_prompts_per_rollout_batch`` questions: the data is walked in seeded epoch
+   permutations, so the batch of step s is a pure function of (seed, s) and resuming needs nothing but s;
+3. **generate** ``group_size`` responses per question, with a sampling seed that is a function of
+   (seed, s);
+4. **reward** every response (a grader that raises stops the run) and compute group-normalised
+   **advantages**;
+5. **old log-probs**: off-policy runs (several optimizer steps per rollout batch) compute them once,
+   under the sampling weights, before the first update; on-policy runs skip this forward (ratio 1)
+   unless the reweighting method insists on receiving them;
+6. **train**: ``epochs_per_rollout_batch`` passes over minibatches of ``train_batch_size`` rollouts,
+   one ``policy_gradient_update`` (one optimizer step, zero-advantage rollouts skipped) each;
+7. **evaluate** every ``eval_every`` steps, **log** one line to ``metrics.jsonl``, **dump** rollouts,
+   **checkpoint** every ``save_every`` steps.
+
+The math lives in ``rlvr.grpo``; this module only moves data between the pieces, times them and
+keeps the run recoverable: non-finite updates are skipped and counted (too many in a row stop the
+run), engine and grader failures stop it with the last checkpoint intact, Ctrl-C finishes or abandons
+the current step and saves. ``summary.json`` says how the run ended.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import signal
+import sys
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from rlvr.checkpoint import atomic_write_text, latest_checkpoint, load_model_weights, load_trainer_state, save_checkpoint
+from rlvr.config import (
+    RESUMABLE_CHANGES, ConfigError, TrainConfig, config_differences, load_config_file, parse_overrides, save_config,
+)
+from rlvr.grpo import (
+    REWEIGHTINGS, compute_group_normalized_rewards, compute_log_probs_batched, compute_rollout_rewards, pass_at_k,
+    policy_gradient_update, tokenize_from_ids,
+)
+from rlvr.grpo.tokenize import pad_token_id
+from rlvr.logging_utils import MetricsLogger, truncate_metrics, write_jsonl
+
+
+class TrainingError(RuntimeError):
+    """The run stopped on a fault; the message says what happened and what to do."""
+
+
+class EngineError(TrainingError):
+    pass
+
+
+class GraderError(TrainingError):
+    pass
+
+
+class NonFiniteError(TrainingError):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. Seeds, data order, schedules
+# ---------------------------------------------------------------------------------------------
+
+
+def derive_seed(seed: int, *parts) -> int:
+    """A 62-bit seed that depends only on ``seed`` and ``parts`` (stable across processes and runs)."""
+    digest = hashlib.sha256(repr((seed, *parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 2
+
+
+def epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
+    g = torch.Generator().manual_seed(derive_seed(seed, "data", epoch))
+    return torch.randperm(n, generator=g).tolist()
+
+
+def batch_indices(n_examples: int, n_prompts: int, step: int, seed: int) -> list[int]:
+    """Example indices of 0-based rollout step ``step``: positions ``step*n .. step*n+n-1`` of the
+    stream made by concatenating one seeded permutation of the data per epoch."""
+    perms: dict[int, list[int]] = {}
+    out = []
+    for pos in range(step * n_prompts, (step + 1) * n_prompts):
+        epoch, i = divmod(pos, n_examples)
+        if epoch not in perms:
+            perms[epoch] = epoch_permutation(n_examples, seed, epoch)
+        out.append(perms[epoch][i])
+    return out
+
+
+def lr_factor(update: int, total_updates: int, schedule: str, warmup: int, min_ratio: float) -> float:
+    """Multiplier of the peak lr for optimizer step ``update`` (0-based)."""
+    if warmup > 0 and update < warmup:
+        return (update + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (update - warmup) / max(1, total_updates - warmup))
+    if schedule == "cosine":
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return 1.0 - (1 - min_ratio) * progress
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Building the pieces
+# ---------------------------------------------------------------------------------------------
+
+
+def _dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def _load_policy(config: TrainConfig, train_examples, device, dtype, ckpt: Path | None):
+    from rlvr.modeling import fresh_model, load_model_and_tokenizer, tokenizer_corpus, train_tokenizer
+
+    if ckpt is not None:
+        return load_model_and_tokenizer(ckpt / "model", device=device, dtype=dtype)
+    if config.model.fresh is not None:
+        tokenizer = train_tokenizer(tokenizer_corpus(train_examples, config.prompt), vocab_size=config.model.tokenizer_vocab_size)
+        model = fresh_model(config.model.fresh, tokenizer, seed=config.seed, dtype=dtype)
+        return model.to(device), tokenizer
+    return load_model_and_tokenizer(config.model.name_or_path, device=device, dtype=dtype)
+
+
+def _make_engine(config: TrainConfig, model, tokenizer):
+    from rlvr.engines import make_engine
+
+    e = config.engine
+    if e.name == "hf":
+        return make_engine("hf", model, tokenizer, max_batch_size=e.max_batch_size)
+    if e.name == "hf-worker":
+        dtype = None if e.dtype == "auto" else e.dtype
+        return make_engine("hf-worker", model, tokenizer, device=e.device, dtype=dtype, max_batch_size=e.max_batch_size)
+    gpu = e.device.split(":")[-1] if e.device.startswith("cuda") else "0"
+    return make_engine("vllm", model, tokenizer, served_model=config.model.name_or_path, base_url=e.vllm_base_url,
+                       port=e.vllm_port, gpu=gpu, start_server=e.vllm_base_url is None)
+
+
+def _optimizer_and_scheduler(config: TrainConfig, model, device: torch.device):
+    o = config.optim
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay,
+                                  fused=device.type == "cuda")
+    total = config.n_steps * config.updates_per_rollout_batch
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda u: lr_factor(u, total, o.schedule, o.warmup_steps, o.min_lr_ratio))
+    return optimizer, scheduler
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. One rollout step's pieces
+# ---------------------------------------------------------------------------------------------
+
+
+def _grade(reward_fn, responses, ground_truths, step: int):
+    try:
+        raw, meta = compute_rollout_rewards(reward_fn, responses, ground_truths)
+    except Exception as e:  # noqa: BLE001 - any grader bug must stop the run, with its cause
+        raise GraderError(
+            f"the reward function failed at step {step}: {type(e).__name__}: {e}. The last checkpoint is intact; "
+            "fix the grader and resume with `rlvr train --resume DIR`."
+        ) from e
+    if not torch.isfinite(raw).all():
+        raise GraderError(f"the reward function returned a non-finite reward at step {step}; rewards must be finite numbers")
+    return raw, meta
+
+
+def _engine_agreement(completions, output_ids, old_log_probs, response_mask, eos_id) -> dict:
+    """Mean |engine log-prob - trainer log-prob| over response tokens of the rollouts whose engine
+    token ids equal the retokenised response, and the share of rollouts that match."""
+    total_diff, n_tokens, matched, comparable = 0.0, 0, 0, 0
+    for i, c in enumerate(completions):
+        if c.logprobs is None:
+            continue
+        comparable += 1
+        ids, lps = list(c.token_ids), list(c.logprobs)
+        if len(ids) == len(output_ids[i]) + 1 and ids[-1] == eos_id:
+            ids, lps = ids[:-1], lps[:-1]
+        if ids != output_ids[i]:
+            continue
+        matched += 1
+        if not ids:
+            continue
+        trainer = old_log_probs[i][response_mask[i]].float().cpu()
+        total_diff += float((trainer - torch.tensor(lps, dtype=torch.float32)).abs().sum())
+        n_tokens += len(ids)
+    if comparable == 0:
+        return {}
+    out = {"train/engine_token_match_frac": matched / comparable}
+    if n_tokens:
+        out["train/engine_logprob_diff"] = total_diff / n_tokens
+    return out
+
+
+def _minibatches(n_rows: int, train_batch: int, shuffle: bool, seed: int, step: int, epoch: int) -> list[list[int]]:
+    if shuffle:
+        order = torch.randperm(n_rows, generator=torch.Generator().manual_seed(derive_seed(seed, "minibatch", step, epoch))).tolist()
+    else:
+        order = list(range(n_rows))
+    return [order[i:i + train_batch] for i in range(0, n_rows, train_batch)]
+
+
+def _validate(model, tokenizer, engine, config: TrainConfig, examples, step: int, run_dir: Path) -> dict:
+    from rlvr.engines.base import SamplingParams
+    from rlvr.evaluate import evaluate
+
+    r = config.rollout
+    params = SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                            seed=derive_seed(config.seed, "val"))
+    t0 = time.perf_counter()
+    try:
+        metrics, samples = evaluate(model, tokenizer, examples, config.prompt, engine=engine, params=params,
+                                    chunk_size=max(1, config.engine.max_batch_size))
+    except Exception as e:  # noqa: BLE001
+        raise EngineError(f"validation failed at step {step}: {type(e).__name__}: {e}. The last checkpoint is intact.") from e
+    if config.log.val_samples:
+        write_jsonl(run_dir / "rollouts" / f"val_step_{step}.jsonl", samples[: config.log.val_samples])
+    return {
+        "val/reward": metrics["accuracy"],
+        "val/format_reward": metrics["format_rate"],
+        "val/response_length": metrics["mean_response_length"],
+        "val/truncated_frac": metrics["truncated_rate"],
+        "time/eval": time.perf_counter() - t0,
+    }
+
+
+class _DeferInterrupt:
+    """While active, a first Ctrl-C only sets ``requested`` (the step finishes and is saved); a second
+    one interrupts at once. Outside the main thread signals cannot be caught, so this does nothing."""
+
+    def __init__(self):
+        self.requested = False
+        self._prev = None
+
+    def _handler(self, signum, frame):
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        print("\nrlvr: Ctrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to stop without saving)",
+              file=sys.stderr)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._prev = signal.signal(signal.SIGINT, self._handler)
+        return self
+
+    def __exit__(self, *exc):
+        if self._prev is not None:
+            signal.signal(signal.SIGINT, self._prev)
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. The loop
+# ---------------------------------------------------------------------------------------------
+
+
+def _write_summary(run_dir: Path, **fields) -> None:
+    atomic_write_text(run_dir / "summary.json", json.dumps(fields, indent=2) + "\n")
+
+
+def read_summary(run_dir: str | Path) -> dict | None:
+    path = Path(run_dir) / "summary.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def train(config: TrainConfig, out_dir: str | Path, resume: bool = False, *, model=None, tokenizer=None,
+          reward_fn=None, engine=None) -> Path:
+    """Train a policy as ``config`` says, writing everything to ``out_dir``; returns ``out_dir``.
+
+    With ``resume`` the run continues from the newest checkpoint in ``out_dir`` (or starts if there is
+    none; returns at once if ``summary.json`` says it already finished all ``n_steps``). ``model`` and
+    ``tokenizer`` replace loading ``config.model``; ``reward_fn(response, ground_truth) -> dict``
+    replaces the prompt's reward function for training rollouts (validation always uses the prompt's
+    grader); ``engine`` replaces building ``config.engine`` (the caller then owns and closes it).
+
+    Raises ``ConfigError`` before any model loads for impossible settings, ``TrainingError`` when a
+    fault stops the run (the last checkpoint stays intact), and re-raises ``KeyboardInterrupt`` after
+    saving.
+    """
+    run_dir = Path(out_dir)
+    config = config.resolve()
+    config.validate()
+    summary = read_summary(run_dir)
+    if resume and summary and summary.get("status") == "finished" and summary.get("step", -1) >= config.n_steps:
+        return run_dir
+    has_run = (run_dir / "metrics.jsonl").is_file() or latest_checkpoint(run_dir) is not None
+    if has_run and not resume:
+        raise ConfigError(f"{run_dir} already holds a run; resume it (`rlvr train --resume {run_dir}`) or choose a new --out")
+    ckpt = latest_checkpoint(run_dir) if resume else None
+    if resume and (run_dir / "config.json").is_file():
+        saved = TrainConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
+        diffs = [d for d in config_differences(saved, config) if not d.startswith(RESUMABLE_CHANGES)]
+        if diffs:
+            raise ConfigError(f"cannot resume {run_dir} with a different config: {', '.join(diffs)} changed; "
+                              "resume with the saved config (only n_steps, cadences and logging may change)")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    save_config(config, run_dir / "config.json")
+    if ckpt is None:
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+
+    torch.manual_seed(config.seed)
+    import random
+
+    import numpy as np
+
+    random.seed(config.seed)
+    np.random.seed(config.seed % 2**32)
+
+    # Data before the model: a bad data setting should fail in seconds, not after a model load.
+    from rlvr.data import load_examples
+
+    d = config.data
+    train_examples = load_examples(d.train_source, d.train_split, limit=d.train_size, seed=config.seed)
+    val_examples = load_examples(d.val_source or d.train_source, d.val_split, limit=d.val_size or None, seed=config.seed) \
+        if d.val_size else []
+    config.check_data(len(train_examples), len(val_examples))
+    val_examples = val_examples[: d.val_size]
+    if reward_fn is None:
+        from rlvr.prompts import reward_fn_for
+
+        reward_fn = reward_fn_for(config.prompt)
+
+    device = torch.device(config.policy_device)
+    dtype = _dtype(config.model.dtype, device)
+    if model is None:
+        model, tokenizer = _load_policy(config, train_examples, device, dtype, ckpt)
+    else:
+        if tokenizer is None:
+            raise ValueError("pass the tokenizer together with the model")
+        model.to(device=device, dtype=dtype)
+        if ckpt is not None:
+            load_model_weights(model, ckpt / "model")
+    if config.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    optimizer, scheduler = _optimizer_and_scheduler(config, model, device)
+    loop = {"nonfinite_total": 0, "nonfinite_consecutive": 0, "last_val": {}, "last_train_reward": None}
+    start_step = 0
+    if ckpt is not None:
+        loop.update(load_trainer_state(ckpt, optimizer, scheduler))
+        start_step = loop.pop("step")
+        truncate_metrics(run_dir / "metrics.jsonl", start_step)
+
+    own_engine = engine is None
+    logger = None
+    step = completed = start_step
+    saved_step = start_step if ckpt is not None else None
+    progress = {"dirty": False}  # True from the first update of a step until that step is logged
+    t_start = time.perf_counter()
+
+    def checkpoint(at: int):
+        nonlocal saved_step
+        if saved_step == at:
+            return
+        save_checkpoint(run_dir, at, model, tokenizer, optimizer, scheduler,
+                        state={**loop, "data_position": at * config.rollout.n_prompts_per_rollout_batch},
+                        keep=config.keep_checkpoints)
+        saved_step = at
+
+    def finish(status: str, message: str = ""):
+        _write_summary(run_dir, status=status, step=step, n_steps=config.n_steps, final=loop["last_val"],
+                       final_train_reward=loop["last_train_reward"], nonfinite_skipped=loop["nonfinite_total"],
+                       last_checkpoint=saved_step, message=message, wall_time_s=time.perf_counter() - t_start)
+
+    try:
+        if own_engine:
+            try:
+                engine = _make_engine(config, model, tokenizer)
+            except Exception as e:  # noqa: BLE001
+                raise EngineError(f"could not start the {config.engine.name} engine: {type(e).__name__}: {e}") from e
+        logger = MetricsLogger(run_dir, config.to_dict(), wandb=config.log.wandb, wandb_project=config.log.wandb_project,
+                               tensorboard=config.log.tensorboard)
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=config.n_steps, initial=start_step, desc="train", unit="step", disable=not config.log.progress,
+                   dynamic_ncols=True)
+        if start_step == 0 and config.eval_at_start and val_examples:
+            loop["last_val"] = {k: v for k, v in _validate(model, tokenizer, engine, config, val_examples, 0, run_dir).items()
+                                if k.startswith("val/")}
+            logger.log({"step": 0, **loop["last_val"]})
+        for step in range(start_step + 1, config.n_steps + 1):
+            with _DeferInterrupt() as deferred:
+                metrics = _rollout_step(config, step, model, tokenizer, engine, optimizer, scheduler, reward_fn,
+                                        train_examples, loop, run_dir, mark_dirty=lambda: progress.update(dirty=True))
+                if (config.eval_every and step % config.eval_every == 0) or step == config.n_steps:
+                    if val_examples:
+                        val = _validate(model, tokenizer, engine, config, val_examples, step, run_dir)
+                        metrics.update(val)
+                        loop["last_val"] = {k: v for k, v in val.items() if k.startswith("val/")}
+                logger.log(metrics)
+                progress["dirty"] = False
+                completed = step
+                if config.save_every and step % config.save_every == 0:
+                    checkpoint(step)
+            loop["last_train_reward"] = metrics["train/reward"]
+            postfix = {"reward": f"{metrics['train/reward']:.3f}"}
+            if "val/reward" in loop["last_val"]:
+                postfix["val"] = f"{loop['last_val']['val/reward']:.3f}"
+            bar.set_postfix(postfix)
+            bar.update(1)
+            if deferred.requested:
+                raise KeyboardInterrupt
+        bar.close()
+        step = config.n_steps
+        checkpoint(step)
+        finish("finished")
+        return run_dir
+    except KeyboardInterrupt:
+        interrupted_at, step = step, completed
+        if not progress["dirty"]:
+            checkpoint(completed)
+            msg = f"interrupted; saved a checkpoint at step {completed}: resume with `rlvr train --resume {run_dir}`"
+        else:
+            msg = (f"interrupted in the middle of step {interrupted_at}'s updates, so nothing was saved; the last "
+                   f"checkpoint (step {saved_step}) is intact: resume with `rlvr train --resume {run_dir}`")
+        finish("interrupted", msg)
+        print(f"rlvr: {msg}", file=sys.stderr)
+        raise
+    except TrainingError as e:
+        step = completed
+        finish("failed", str(e))
+        raise
+    finally:
+        if logger is not None:
+            logger.close()
+        if own_engine and engine is not None:
+            engine.close()
+
+
+def _rollout_step(config: TrainConfig, step: int, model, tokenizer, engine, optimizer, scheduler, reward_fn,
+                  train_examples, loop: dict, run_dir: Path, mark_dirty) -> dict:
+    """Steps 1-6 of the module docstring for 1-based rollout step ``step``; returns its metrics."""
+    from rlvr.engines.base import SamplingParams
+    from rlvr.prompts import render, stop_strings
+
+    r, a, o = config.rollout, config.algorithm, config.optim
+    G, P = r.group_size, r.n_prompts_per_rollout_batch
+    metrics: dict = {"step": step}
+    t_step = time.perf_counter()
+
+    t0 = time.perf_counter()
+    try:
+        sync_meta = engine.sync_weights(model) or {}
+    except Exception as e:  # noqa: BLE001
+        raise EngineError(f"the engine failed to take new weights at step {step}: {type(e).__name__}: {e}. "
+                          "The last checkpoint is intact; resume with `rlvr train --resume DIR`.") from e
+    metrics["time/sync"] = time.perf_counter() - t0
+    metrics.update({k: v for k, v in sync_meta.items() if k != "time/sync" and isinstance(v, (int, float))})
+
+    idx = batch_indices(len(train_examples), P, step - 1, config.seed)
+    examples = [train_examples[i] for i in idx]
+    prompts = [render(config.prompt, ex.question) for ex in examples]
+    params = SamplingParams(n=G, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                            stop=tuple(stop_strings(config.prompt)), include_stop_str_in_output=True,
+                            seed=derive_seed(config.seed, "rollout", step))
+    t0 = time.perf_counter()
+    try:
+        groups = engine.generate(prompts, params)
+    except Exception as e:  # noqa: BLE001
+        raise EngineError(f"the engine failed to generate at step {step}: {type(e).__name__}: {e}. "
+                          "The last checkpoint is intact; resume with `rlvr train --resume DIR`.") from e
+    metrics["time/generate"] = time.perf_counter() - t0
+    if len(groups) != P or any(len(g) != G for g in groups):
+        raise EngineError(f"the engine returned {[len(g) for g in groups]} completions for {P} prompts x {G} samples at step {step}")
+    completions = [c for g in groups for c in g]
+    responses = [c.text for c in completions]
+    truths = [ex.ground_truth for ex in examples for _ in range(G)]
+    n_gen_tokens = sum(len(c.token_ids) for c in completions)
+
+    t0 = time.perf_counter()
+    raw_rewards, reward_meta = _grade(reward_fn, responses, truths, step)
+    advantages, adv_meta = compute_group_normalized_rewards(raw_rewards, G, a.baseline, a.advantage_eps, a.advantage_normalizer)
+    metrics["time/reward"] = time.perf_counter() - t0
+    ks = sorted({k for k in (2 ** i for i in range(G.bit_length())) if k <= G} | {G})
+    metrics.update({
+        "train/reward": reward_meta["reward_mean"],
+        "train/format_reward": reward_meta["format_reward_mean"],
+        "train/answer_reward": reward_meta["answer_reward_mean"],
+        "train/reward_std": adv_meta["reward_std"],
+        "train/response_length": n_gen_tokens / len(completions),
+        "train/truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
+        "train/zero_adv_frac": adv_meta["zero_adv_frac"],
+        **{f"train/pass@{k}": v for k, v in pass_at_k(raw_rewards > 0.5, G, ks).items()},
+    })
+
+    # Tokenise from text (what every engine returns) so that training sees the same ids whatever the engine.
+    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    output_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
+    batch = tokenize_from_ids([prompt_ids[i // G] for i in range(len(responses))], output_ids, pad_token_id(tokenizer))
+
+    method = REWEIGHTINGS[a.reweighting]
+    check_every = config.log.engine_logprob_check_every
+    engine_has_logprobs = any(c.logprobs is not None for c in completions)
+    need_old = method.needs_old_log_probs  # off-policy by design; on-policy only when the method demands them
+    check = engine_has_logprobs and (config.off_policy or (check_every and step % check_every == 0))
+    old_log_probs = None
+    t0 = time.perf_counter()
+    if need_old or check:
+        was_training = model.training
+        model.eval()
+        old_log_probs = compute_log_probs_batched(model, batch["input_ids"], batch["labels"], o.logprob_batch_size)
+        model.train(was_training)
+        if check:
+            metrics.update(_engine_agreement(completions, output_ids, old_log_probs, batch["response_mask"],
+                                             tokenizer.eos_token_id))
+    metrics["time/logprobs"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    mark_dirty()
+    model.train()
+    losses, grad_norms, entropies, clips = [], [], [], []
+    n_updates = 0
+    lr_used = scheduler.get_last_lr()[0]
+    for epoch in range(o.epochs_per_rollout_batch):
+        for rows in _minibatches(len(responses), config.train_batch_size, config.off_policy, config.seed, step, epoch):
+            rows_t = torch.tensor(rows)
+            loss, meta = policy_gradient_update(
+                model, optimizer, batch["input_ids"][rows_t], batch["labels"][rows_t], batch["response_mask"][rows_t],
+                advantages[rows_t], o.gradient_accumulation_steps, o.max_grad_norm, a.reweighting,
+                old_log_probs[rows_t] if (old_log_probs is not None and need_old) else None, a.cliprange,
+                a.loss_normalization, a.normalization_constant, skip_zero_advantage=a.skip_zero_advantage,
+            )
+            with warnings.catch_warnings():
+                # A step whose rollouts all had zero advantage takes no optimizer step; the schedule
+                # still advances so that lr stays a function of the step count.
+                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+                scheduler.step()
+            n_updates += 1
+            if meta.get("skipped_nonfinite"):
+                loop["nonfinite_total"] += 1
+                loop["nonfinite_consecutive"] += 1
+                if loop["nonfinite_consecutive"] >= config.max_consecutive_nonfinite:
+                    raise NonFiniteError(
+                        f"{loop['nonfinite_consecutive']} optimizer steps in a row had a non-finite loss or gradient norm "
+                        f"(at step {step}); stopping with the last checkpoint intact. Lower optim.lr, check the data "
+                        "and rewards, or raise max_consecutive_nonfinite."
+                    )
+                continue
+            loop["nonfinite_consecutive"] = 0
+            losses.append(float(loss))
+            grad_norms.append(meta["grad_norm"])
+            if meta["n_tokens"]:
+                entropies.append(meta["entropy"])
+            if "clip_fraction" in meta:
+                clips.append(meta["clip_fraction"])
+    metrics["time/train"] = time.perf_counter() - t0
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    metrics.update({
+        "train/loss": mean(losses) if losses else 0.0,
+        "train/grad_norm": mean(grad_norms) if grad_norms else 0.0,
+        "train/grad_norm_max": max(grad_norms) if grad_norms else 0.0,
+        "train/entropy": mean(entropies) if entropies else 0.0,
+        "train/n_updates": n_updates,
+        "train/skipped_nonfinite": loop["nonfinite_total"],
+        "lr": lr_used,
+        "data/position": step * P,
+        "data/epoch": (step * P) // len(train_examples),
+    })
+    if method.needs_cliprange:
+        metrics["train/clip_fraction"] = mean(clips) if clips else 0.0
+    metrics["time/step"] = time.perf_counter() - t_step
+    metrics["tokens_per_s"] = n_gen_tokens / metrics["time/generate"] if metrics["time/generate"] > 0 else 0.0
+    if torch.cuda.is_available():
+        metrics["mem/peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+
+    if config.dump_every and step % config.dump_every == 0:
+        write_jsonl(run_dir / "rollouts" / f"step_{step}.jsonl", [
+            {"step": step, "group": i // G, "prompt": prompts[i // G], "response": responses[i], "ground_truth": truths[i],
+             "reward": float(raw_rewards[i]), "format_reward": float(reward_meta["format_rewards"][i]),
+             "advantage": float(advantages[i]), "finish_reason": completions[i].finish_reason,
+             "n_tokens": len(completions[i].token_ids)}
+            for i in range(len(responses))
+        ])
+    return metrics
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. Command line
+# ---------------------------------------------------------------------------------------------
+
+USAGE = """rlvr train --config FILE [--section.field VALUE ...] --out DIR
+       rlvr train --resume DIR [--n_steps N ...]
+
+Train a policy with GRPO or a variant. FILE is YAML or TOML with the sections below (model, data,
+algorithm, rollout, optim, engine, log) and top-level fields; flags override it. The resolved config
+is written to DIR/config.json, metrics to DIR/metrics.jsonl, checkpoints to DIR/checkpoints/."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--config")
+    pre.add_argument("--out")
+    pre.add_argument("--resume")
+    known, rest = pre.parse_known_args(argv)
+    try:
+        if known.resume:
+            if known.config:
+                raise ConfigError("--resume DIR reads DIR/config.json; do not pass --config with it")
+            run_dir = Path(known.resume)
+            if known.out and Path(known.out) != run_dir:
+                raise ConfigError("--resume DIR continues in DIR; drop --out or make it the same directory")
+            if not (run_dir / "config.json").is_file():
+                raise ConfigError(f"{run_dir}/config.json not found: is {run_dir} a run directory?")
+            base = TrainConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
+        else:
+            base = load_config_file(known.config) if known.config else TrainConfig()
+            run_dir = Path(known.out) if known.out else None
+        try:
+            config = parse_overrides(rest, base, description=USAGE)
+        except SystemExit as e:  # --help, or a bad flag (tyro printed why)
+            return int(e.code or 0)
+        if run_dir is None:
+            raise ConfigError("--out DIR is required (where metrics, checkpoints and the config go)")
+        train(config, run_dir, resume=bool(known.resume))
+    except ConfigError as e:
+        print(f"rlvr train: {e}", file=sys.stderr)
+        return 2
+    except TrainingError as e:
+        print(f"rlvr train: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    print(f"rlvr train: finished; results in {run_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
