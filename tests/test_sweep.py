@@ -294,3 +294,59 @@ def test_end_to_end_real_trainer(tmp_path, monkeypatch):
     text = report.read_text()
     assert "| grpo |" in text and "| dr_grpo |" in text and "tiny e2e" in text
     assert (tmp_path / "report_figures" / "overview.png").stat().st_size > 10_000
+
+
+# -------------------------------------------------------------------------------------------------
+# The shipped sweep specs
+# -------------------------------------------------------------------------------------------------
+
+SWEEPS = Path(__file__).resolve().parents[1] / "configs" / "sweeps"
+SHIPPED = sorted(p for p in SWEEPS.glob("*.yaml") if not p.name.startswith("base_"))
+
+
+def test_shipped_suites_exist():
+    names = {p.stem for p in SHIPPED}
+    for suite in ("main", "lr", "prompts", "onpolicy", "offpolicy"):
+        assert {f"{suite}_gsm8k", f"{suite}_arith"} <= names
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_shipped_specs_give_valid_train_configs(path, recwarn):
+    """Every run of every shipped spec is a valid TrainConfig (unknown keys, bad presets or batch sizes fail here)."""
+    config_mod = pytest.importorskip("rlvr.config")
+    from rlvr.experiments.plugins import import_plugins
+
+    spec = SweepSpec.from_file(path)
+    import_plugins(spec.plugins)
+    assert len(spec.seeds) == 4 and spec.name
+    for setting in spec.settings:
+        cfg = config_mod.TrainConfig.from_dict(spec.config_for(setting, spec.seeds[-1])).resolve()
+        cfg.validate()
+        assert cfg.seed == spec.seeds[-1]
+        if path.stem.startswith("offpolicy"):
+            assert cfg.updates_per_rollout_batch == 32 and cfg.rollout_batch_size == 256 and cfg.microbatch_size == 8
+
+
+def test_shipped_onpolicy_and_offpolicy_settings():
+    onp = SweepSpec.from_file(SWEEPS / "onpolicy_arith.yaml")
+    assert [s["algorithm.preset"] for s in onp.settings.values()] == ["grpo", "grpo_constant", "dr_grpo", "rft", "maxrl"]
+    off = SweepSpec.from_file(SWEEPS / "offpolicy_arith.yaml")
+    assert {k: v["algorithm.reweighting"] for k, v in off.settings.items()} == {
+        "none": "none", "noclip": "noclip", "grpo_clip": "grpo", "gspo": "gspo", "cispo": "cispo",
+        "clip_higher": "clip_higher"}
+    assert off.settings["gspo"]["algorithm.cliprange"] == pytest.approx(3e-4)
+    lr = SweepSpec.from_file(SWEEPS / "lr_gsm8k.yaml")
+    assert [s["optim.lr"] for s in lr.settings.values()] == pytest.approx([3e-6, 1e-5, 3e-5, 1e-4])
+
+
+def test_set_overrides_the_base_of_every_setting(tmp_path, capsys):
+    out = tmp_path / "o"
+    assert sweep_main([str(SWEEPS / "main_arith.yaml"), "--out", str(out), "--dry-run", "--seeds", "7",
+                       "--set", "model.name_or_path=/models/warm", "optim.lr=2e-4"]) == 0
+    assert "run      grpo/seed_7" in capsys.readouterr().out
+    spec = SweepSpec.from_file(SWEEPS / "main_arith.yaml")
+    planned, _ = run_sweep(spec, out, dry_run=True, base_overrides={"model.name_or_path": "/m", "optim.lr": 2e-4},
+                           echo=lambda s: None)
+    assert planned[0].config["model"]["name_or_path"] == "/m" and planned[0].config["optim"]["lr"] == 2e-4
+    assert planned[0].config["optim"]["gradient_accumulation_steps"] == 4  # siblings kept
+    assert sweep_main([str(SWEEPS / "main_arith.yaml"), "--out", str(out), "--dry-run", "--set", "oops"]) == 2

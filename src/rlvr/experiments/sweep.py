@@ -28,11 +28,14 @@ reported, since resuming it would mix two experiments under one name.
 ``--max-parallel N`` runs up to N runs at once as subprocesses (``python -m rlvr train ...``), which
 is how several small runs share one GPU; ``--devices 0 1`` spreads them over GPUs round-robin. With
 N = 1 runs go one after another in this process. ``--dry-run`` prints the plan and touches nothing.
+``--set KEY=VALUE`` changes the base config of every setting (a model path, an engine), and
+``--seeds`` / ``--settings`` select part of the grid.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as _dt
 import gc
 import itertools
@@ -512,13 +515,29 @@ def record_sweep(spec: SweepSpec, out: Path, planned: Sequence[PlannedRun], argv
     path.write_text(json.dumps(record, indent=2, default=str))
 
 
+def parse_assignments(items: Sequence[str]) -> dict:
+    """``["model.name_or_path=runs/warm", "optim.lr=1e-4"]`` -> overrides (values read as YAML)."""
+    out = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise SweepError(f"--set expects KEY=VALUE (e.g. model.name_or_path=runs/warm_start), got {item!r}")
+        out[key.strip()] = yaml.load(value, Loader=_Loader) if value.strip() else ""
+    return out
+
+
 def run_sweep(spec: SweepSpec | str | Path, out: str | Path, dry_run: bool = False, max_parallel: int = 1,
               seeds: Sequence[int] | None = None, settings: Sequence[str] | None = None,
-              devices: Sequence[str] | None = None, train_fn=None, argv: Sequence[str] = (),
-              echo: Callable[[str], None] = print) -> tuple[list[PlannedRun], list[Outcome]]:
-    """Plan the sweep, print the plan, and (unless ``dry_run``) run what is not finished."""
+              devices: Sequence[str] | None = None, base_overrides: dict | None = None, train_fn=None,
+              argv: Sequence[str] = (), echo: Callable[[str], None] = print) -> tuple[list[PlannedRun], list[Outcome]]:
+    """Plan the sweep, print the plan, and (unless ``dry_run``) run what is not finished.
+
+    ``base_overrides`` (``--set``) change the base config of every setting, before the settings'
+    own overrides (a setting's value wins)."""
     if not isinstance(spec, SweepSpec):
         spec = SweepSpec.from_file(spec)
+    if base_overrides:
+        spec = dataclasses.replace(spec, base=deep_merge(spec.base, base_overrides))
     out = Path(out)
     planned = plan(spec, out, seeds=seeds, settings=settings)
     echo(format_plan(planned))
@@ -544,6 +563,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seeds", type=int, nargs="+", help="override the spec's seeds")
     parser.add_argument("--settings", nargs="+", help="run only these settings")
     parser.add_argument("--devices", nargs="+", help="CUDA devices to spread parallel runs over, round-robin")
+    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
+                        help="override the base config of every setting, e.g. --set model.name_or_path=runs/warm")
     return parser
 
 
@@ -552,7 +573,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         planned, outcomes = run_sweep(args.spec, args.out, dry_run=args.dry_run, max_parallel=args.max_parallel,
-                                      seeds=args.seeds, settings=args.settings, devices=args.devices, argv=argv)
+                                      seeds=args.seeds, settings=args.settings, devices=args.devices,
+                                      base_overrides=parse_assignments(args.set), argv=argv)
     except (SweepError, FileNotFoundError) as e:
         print(f"rlvr sweep: {e}", file=sys.stderr)
         return 2
