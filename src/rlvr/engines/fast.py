@@ -224,6 +224,7 @@ class FastHFEngine:
             return st
         if st is not None:  # grow to cover both the old and the new request
             rows, slots, steps = max(rows, st.rows_cap), max(slots, st.slots_cap), max(steps, st.steps_cap)
+            del st  # let the old buffers go before the new ones are allocated
         self._graphs.clear()
         self._state = None
         cfg = model.config

@@ -1,0 +1,395 @@
+"""Rollout and training speed at OLMo-2-0425-1B's exact size on one GPU, against plain transformers.
+
+One run, one Markdown table printed last. Random weights (bf16), a byte-level BPE tokenizer trained
+here on GSM8K text; the vocabulary of the model stays OLMo-2's 100,352 (ids the tokenizer cannot
+decode are masked out of sampling, never out of the log-probs).
+
+1. Ceilings measured first: device-to-device copy bandwidth and an 8192^3 bf16 matmul rate. Hardware
+   floors below are computed from these measured numbers (and printed next to each measurement).
+2. Correctness on the GPU: the fast engine's CUDA-graph replay against its own eager step (greedy
+   tokens must be identical), its greedy tokens against ``HFEngine``'s (bf16: reported as the shared
+   prefix, kernels differ), and its sampled log-probs against a teacher-forced pass.
+3. Forced length, 256 prompts of 128 tokens x 512 new tokens (EOS ignored), temperature 1:
+   (a) ``model.generate`` with a dynamic cache (the baseline); (b) ``HFEngine``; (c) ``FastHFEngine``
+   cold (graph capture included) and warm.
+4. A realistic rollout batch: 32 GSM8K r1_zero prompts x 8 samples, stop ``</answer>``. With random
+   weights nothing stops by itself, so each row is given a length drawn uniformly in [50, 512] via
+   the fast engine's per-row length caps (``row_max_new_tokens``): a row retires at its drawn length
+   exactly as if it had stopped there (host checks, retiring and compaction all run as usual).
+5. Training: ``policy_gradient_update`` on 256 sequences = those prompts + responses of the drawn
+   lengths, a quarter of the groups with zero advantage (skipped), bf16 weights, fused AdamW,
+   length-sorted microbatches under a token budget, chunked float32 log-probs. Compared with a naive
+   path: microbatches of 8 rows, one float32 logits tensor per microbatch, no zero-advantage skip.
+   MFU = 6 x params x real tokens / time, against 989 TFLOP/s (datasheet dense bf16) and against
+   the matmul rate measured in step 1. "Real tokens" are prompt + response tokens of the sequences
+   that went through the model (no padding).
+
+Usage: ``PYTHONPATH=src python benchmarks/bench_speed.py --data-dir DIR [--out DIR] [--tiny]``
+(``--tiny``: a small model on CPU, a smoke test of every section).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import random
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+from rlvr.data import load_gsm8k_jsonl
+from rlvr.engines.base import SamplingParams
+from rlvr.engines.fast import FastHFEngine
+from rlvr.engines.hf import HFEngine, sequence_logprobs
+from rlvr.grpo.tokenize import tokenize_from_ids
+from rlvr.grpo.train_step import policy_gradient_update
+from rlvr.modeling import OLMO2_1B, build_model, train_tokenizer, tokenizer_corpus
+from rlvr.prompts import render
+
+PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, datasheet
+
+
+# ---------------------------------------------------------------- 1. set-up
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data-dir", required=True, help="folder holding GSM8K train.jsonl")
+    ap.add_argument("--out", default=None, help="folder for the JSON log and the table")
+    ap.add_argument("--tiny", action="store_true", help="small model on CPU: a smoke test of every section")
+    ap.add_argument("--skip-baselines", action="store_true", help="skip model.generate and HFEngine (slow)")
+    ap.add_argument("--seed", type=int, default=0)
+    return ap.parse_args(argv)
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.tiny = args.tiny
+        self.device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+        self.dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        self.rows: list[dict] = []   # the table
+        self.log: dict = {"argv": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+        if self.tiny:
+            self.n_prompts, self.prompt_len, self.new_tokens = 8, 16, 24
+            self.rl_prompts, self.group, self.len_lo, self.len_hi = 4, 4, 4, 24
+        else:
+            self.n_prompts, self.prompt_len, self.new_tokens = 256, 128, 512
+            self.rl_prompts, self.group, self.len_lo, self.len_hi = 32, 8, 50, 512
+
+    def row(self, what, measured, floor="", ratio="", note=""):
+        self.rows.append(dict(what=what, measured=measured, floor=floor, ratio=ratio, note=note))
+        print(f"[row] {what}: {measured} | floor {floor} | {ratio} | {note}", flush=True)
+
+    def sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    def timed(self, fn):
+        self.sync()
+        t0 = time.perf_counter()
+        out = fn()
+        self.sync()
+        return out, time.perf_counter() - t0
+
+    def setup(self):
+        examples = load_gsm8k_jsonl(Path(self.args.data_dir) / "train.jsonl")
+        t0 = time.perf_counter()
+        vocab = 1024 if self.tiny else 8192
+        self.tok = train_tokenizer(tokenizer_corpus(examples[:2000] if self.tiny else examples), vocab_size=vocab)
+        self.log["tokenizer_s"] = time.perf_counter() - t0
+        self.examples = examples
+        from transformers import Olmo2Config
+
+        shape = dict(OLMO2_1B)
+        if self.tiny:
+            shape.update(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=4, vocab_size=len(self.tok) + 64)
+        config = Olmo2Config(**shape, pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id,
+                             bos_token_id=self.tok.bos_token_id)
+        t0 = time.perf_counter()
+        with torch.device(self.device):
+            self.model = build_model(config, seed=self.args.seed, dtype=self.dtype)
+        self.model.eval()
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+        self.n_matmul = self.n_params - self.model.model.embed_tokens.weight.numel()
+        self.log.update(model_build_s=time.perf_counter() - t0, n_params=self.n_params, vocab_tokenizer=len(self.tok),
+                        device=torch.cuda.get_device_name() if self.device.type == "cuda" else "cpu",
+                        torch=torch.__version__)
+        import transformers
+
+        self.log["transformers"] = transformers.__version__
+        print(f"model: {self.n_params / 1e9:.3f} B params on {self.log['device']}, tokenizer {len(self.tok)} tokens",
+              flush=True)
+
+    # ------------------------------------------------------------ ceilings
+    def ceilings(self):
+        if self.device.type != "cuda":
+            self.bw, self.mm = 50e9, 1e12  # nominal CPU figures, only so that the smoke test prints floors
+            return
+        x = torch.empty(2**30 // 2, dtype=torch.bfloat16, device="cuda").normal_()
+        y = torch.empty_like(x)
+        for _ in range(3):
+            y.copy_(x)
+        _, t = self.timed(lambda: [y.copy_(x) for _ in range(20)])
+        self.bw = 2 * x.numel() * 2 * 20 / t
+        a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+        b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+        for _ in range(3):
+            a @ b
+        _, t = self.timed(lambda: [a @ b for _ in range(10)])
+        self.mm = 2 * 8192**3 * 10 / t
+        del x, y, a, b
+        torch.cuda.empty_cache()
+        self.row("copy bandwidth (D2D, read+write)", f"{self.bw / 1e12:.2f} TB/s", "", "", "measured ceiling")
+        self.row("bf16 matmul 8192^3", f"{self.mm / 1e12:.0f} TFLOP/s", "", "", "measured ceiling")
+
+    def decode_floor(self, prompt_lens: list[int], new_lens: list[int]) -> float:
+        """Seconds to read the weights once per step and each live row's K/V once per step, or to do
+        2 x params FLOPs per token, whichever is larger (prefill ignored: it is compute at full rate)."""
+        cfg = self.model.config
+        kv_per_token = 2 * cfg.num_hidden_layers * cfg.hidden_size * (2 if self.dtype == torch.bfloat16 else 4)
+        weight_bytes = self.n_params * (2 if self.dtype == torch.bfloat16 else 4)
+        steps = max(new_lens)
+        kv = sum(kv_per_token * (p * n + n * (n + 1) / 2) for p, n in zip(prompt_lens, new_lens))
+        bytes_ = steps * weight_bytes + kv
+        flops = 2 * self.n_matmul * sum(new_lens)
+        return max(bytes_ / self.bw, flops / self.mm)
+
+    # ------------------------------------------------------------ prompts
+    def fixed_length_prompts(self) -> list[str]:
+        """Strings that tokenize to exactly ``prompt_len`` tokens: rendered r1_zero prompts, topped up with
+        further questions and cut at a token boundary (kept only when they re-tokenize to that length)."""
+        out, i = [], 0
+        rng = random.Random(self.args.seed)
+        qs = [ex.question for ex in self.examples]
+        while len(out) < self.n_prompts:
+            text = render("r1_zero", qs[i % len(qs)])
+            while len(self.tok(text, add_special_tokens=False)["input_ids"]) < self.prompt_len:
+                text += " " + rng.choice(qs)
+            ids = self.tok(text, add_special_tokens=False)["input_ids"][: self.prompt_len]
+            s = self.tok.decode(ids)
+            if len(self.tok(s, add_special_tokens=False)["input_ids"]) == self.prompt_len:
+                out.append(s)
+            i += 1
+        return out
+
+    # ------------------------------------------------------------ 2. correctness on the device
+    def checks(self):
+        prompts = [render("r1_zero", ex.question) for ex in self.examples[:8]]
+        T = 16 if self.tiny else 64
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=T, ignore_eos=True)
+        eager = FastHFEngine(self.model, self.tok, max_batch_size=64, use_cuda_graphs=False).generate(prompts, greedy)
+        fast = FastHFEngine(self.model, self.tok, max_batch_size=64)
+        graphed = fast.generate(prompts, greedy)
+        same = sum(a[0].token_ids == b[0].token_ids for a, b in zip(eager, graphed))
+        self.row("check: graph replay = eager step (greedy tokens)", f"{same}/{len(prompts)} rows identical", "",
+                 "", f"{T} tokens")
+        hf = HFEngine(self.model, self.tok, max_batch_size=64)
+        hf.eos_ids = set()
+        ref = hf.generate(prompts, greedy)
+
+        def prefix(a, b):
+            k = 0
+            while k < min(len(a), len(b)) and a[k] == b[k]:
+                k += 1
+            return k
+
+        shared = [prefix(a[0].token_ids, b[0].token_ids) for a, b in zip(graphed, ref)]
+        self.row("check: greedy fast vs HFEngine", f"shared prefix {statistics.mean(shared):.1f}/{T} tokens (min {min(shared)})",
+                 "", "", "bf16: different attention kernels may flip near-ties")
+        out = fast.generate(prompts[:4], SamplingParams(n=2, temperature=1.0, max_new_tokens=T, seed=1, ignore_eos=True))
+        worst = 0.0
+        for p, group in zip(prompts, out):
+            p_ids = self.tok(p, add_special_tokens=False)["input_ids"]
+            for c in group:
+                ids = torch.tensor([p_ids + c.token_ids], device=self.device)
+                lp = sequence_logprobs(self.model, ids, torch.ones_like(ids))[0, len(p_ids) - 1:].float().cpu()
+                worst = max(worst, (lp - torch.tensor(c.logprobs)).abs().max().item())
+        self.row("check: sampled log-probs vs teacher-forced", f"max abs diff {worst:.3g}", "", "",
+                 "same model, different batch shapes (bf16)")
+        fast.close()
+        self.free()
+
+    # ------------------------------------------------------------ 3. forced length
+    def forced_length(self):
+        prompts = self.fixed_length_prompts()
+        P, T = len(prompts), self.new_tokens
+        floor = self.decode_floor([self.prompt_len] * P, [T] * P)
+        tokens = P * T
+        params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=T, seed=0, ignore_eos=True)
+        base_t = None
+        if not self.args.skip_baselines:
+            enc = self.tok(prompts, add_special_tokens=False, padding=True, padding_side="left", return_tensors="pt")
+            ids, mask = enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
+
+            def plain():
+                with torch.inference_mode():
+                    return self.model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0,
+                                               top_p=1.0, top_k=0, max_new_tokens=T, min_new_tokens=T,
+                                               pad_token_id=self.tok.pad_token_id)
+
+            out, base_t = self.timed(plain)
+            assert out.shape[1] - ids.shape[1] == T
+            del out
+            self.row(f"(a) model.generate {P}x{self.prompt_len}+{T} forced, dynamic cache", f"{base_t:.2f} s "
+                     f"({tokens / base_t:,.0f} tok/s)", f"{floor:.2f} s", "1.0x", "baseline")
+            self.free()
+            hf = HFEngine(self.model, self.tok, max_batch_size=P)
+            hf.eos_ids = set()  # forced length: HFEngine has no ignore_eos, so it gets no EOS to stop at
+            _, t = self.timed(lambda: hf.generate(prompts, params))
+            self.row("(b) HFEngine, same batch", f"{t:.2f} s ({tokens / t:,.0f} tok/s)", f"{floor:.2f} s",
+                     f"{base_t / t:.1f}x", "own decode loop, dynamic cache")
+            del hf
+            self.free()
+        fast = FastHFEngine(self.model, self.tok, max_batch_size=P)
+        _, cold = self.timed(lambda: fast.generate(prompts, params))
+        cap = fast.stats["capture_time"]
+        out, warm = self.timed(lambda: fast.generate(prompts, params))
+        assert all(len(c.token_ids) == T for g in out for c in g)
+        ratio = f"{base_t / warm:.1f}x" if base_t else ""
+        self.row("(c) FastHFEngine, same batch, warm", f"{warm:.2f} s ({tokens / warm:,.0f} tok/s)", f"{floor:.2f} s",
+                 ratio, f"goal <= 6 s; {warm / floor:.1f}x the floor")
+        self.row("(c') FastHFEngine, cold (first call)", f"{cold:.2f} s", "", "",
+                 f"{fast.stats['graphs_captured']} graphs captured in {cap:.1f} s")
+        self.log["fast_stats_forced"] = dict(fast.stats)
+        self.fast = fast
+
+    # ------------------------------------------------------------ 4. realistic batch
+    def realistic(self):
+        rng = random.Random(self.args.seed + 1)
+        exs = rng.sample(self.examples, self.rl_prompts)
+        prompts = [render("r1_zero", ex.question) for ex in exs]
+        lens = [[rng.randint(self.len_lo, self.len_hi) for _ in range(self.group)] for _ in prompts]
+        params = SamplingParams(n=self.group, temperature=1.0, top_p=1.0, max_new_tokens=self.len_hi,
+                                stop=("</answer>",), seed=2, ignore_eos=True)
+        fast = getattr(self, "fast", None) or FastHFEngine(self.model, self.tok, max_batch_size=self.rl_prompts * self.group)
+        before = dict(fast.stats)
+        fast.generate(prompts, params, row_max_new_tokens=lens)  # captures the graphs of smaller buckets
+        cold_graphs = fast.stats["graphs_captured"] - before["graphs_captured"]
+        syncs0, comp0 = fast.stats["host_syncs"], fast.stats["compactions"]
+        out, t = self.timed(lambda: fast.generate(prompts, params, row_max_new_tokens=lens))
+        real = sum(len(c.token_ids) for g in out for c in g)
+        p_lens = [len(self.tok(p, add_special_tokens=False)["input_ids"]) for p in prompts]
+        floor = self.decode_floor([p for p in p_lens for _ in range(self.group)], [x for row in lens for x in row])
+        stopped = sum(c.finish_reason == "stop" for g in out for c in g)
+        self.row(f"(d) realistic: {self.rl_prompts} r1_zero prompts x {self.group}, lengths U[{self.len_lo},{self.len_hi}]",
+                 f"{t:.2f} s ({real / t:,.0f} real tok/s)", f"{floor:.2f} s", "",
+                 f"{real} tokens, mean prompt {statistics.mean(p_lens):.0f} tok; {fast.stats['compactions'] - comp0} "
+                 f"compactions, {fast.stats['host_syncs'] - syncs0} host checks, {cold_graphs} extra graphs on first call,"
+                 f" {stopped} rows hit </answer> by chance")
+        self.log["fast_stats_realistic"] = dict(fast.stats)
+        self.rollout_time = t
+        self.rl = dict(prompts=prompts, p_ids=[self.tok(p, add_special_tokens=False)["input_ids"] for p in prompts],
+                       out=out, lens=lens)
+        fast.close()
+        self.fast = None
+        self.free()
+
+    # ------------------------------------------------------------ 5. training
+    def training_batch(self):
+        rng = random.Random(self.args.seed + 2)
+        p_ids, lens = self.rl["p_ids"], self.rl["lens"]
+        vocab = len(self.tok)
+        prompt_rows, resp_rows, adv = [], [], []
+        for i, ids in enumerate(p_ids):
+            zero = i % 4 == 0  # a quarter of the groups all-correct or all-wrong: advantage 0
+            for j in range(self.group):
+                prompt_rows.append(ids)
+                resp_rows.append([rng.randrange(3, vocab) for _ in range(lens[i][j])])
+                adv.append(0.0 if zero else rng.gauss(0, 1))
+        batch = tokenize_from_ids(prompt_rows, resp_rows, self.tok.pad_token_id)
+        return batch, torch.tensor(adv)
+
+    def train_case(self, name, batch, adv, **kw):
+        model = self.model
+        model.train()
+        fused = self.device.type == "cuda"
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, betas=(0.9, 0.95), weight_decay=0.0, fused=fused)
+        times, meta = [], None
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        steps = 2 if self.tiny else 4
+        for k in range(steps):
+            (loss, meta), t = self.timed(lambda: policy_gradient_update(model, opt, batch["input_ids"], batch["labels"],
+                                                                        batch["response_mask"], adv, max_grad_norm=1.0, **kw))
+            if k > 0:  # the first step allocates the optimizer state and warms the kernels
+                times.append(t)
+        peak = torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else float("nan")
+        t = statistics.median(times)
+        mask = batch["response_mask"]
+        keep = (adv != 0) if kw.get("skip_zero_advantage", True) else torch.ones_like(adv, dtype=torch.bool)
+        last = mask.long().cumsum(1).argmax(1) + 1   # prompt + response tokens of each row (labels side)
+        real = int(last[keep].sum())  # positions that go through the model
+        flops = 6 * self.n_params * real
+        mfu, mfu_meas = flops / t / PEAK_BF16, flops / t / self.mm
+        train_floor = flops / self.mm
+        self.row(f"(e) train step: {name}", f"{t:.2f} s/step, peak {peak:.1f} GiB", f"{train_floor:.2f} s",
+                 "", f"MFU {100 * mfu:.0f}% of 989 TF ({100 * mfu_meas:.0f}% of measured); {real:,} real tokens, "
+                     f"{meta['n_microbatches']} microbatches")
+        del opt
+        model.zero_grad(set_to_none=True)
+        model.eval()
+        self.free()
+        return t
+
+    def training(self):
+        batch, adv = self.training_batch()
+        B = batch["input_ids"].shape[0]
+        budget = 2048 if self.tiny else 16384
+        t_fast = self.train_case(f"rlvr: {B} seqs, token budget {budget}, chunked log-probs, zero-adv skip",
+                                 batch, adv, gradient_accumulation_steps=1, max_tokens_per_microbatch=budget)
+        self.train_time = t_fast
+        t_naive = self.train_case(f"naive: microbatch 8, full float32 logits, no skip", batch, adv,
+                                  gradient_accumulation_steps=B // 8, chunk_tokens=10**9, skip_zero_advantage=False)
+        self.row("(e') train speed-up over naive", f"{t_naive / t_fast:.2f}x", "", "", "")
+        step = self.rollout_time + t_fast
+        self.row("GRPO step (realistic rollout + train, in-process, sync 0 s)", f"{step:.2f} s", "", "",
+                 "goal <= 10 s; rewards/tokenisation not included")
+
+    def free(self):
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def table(self) -> str:
+        lines = ["| measure | measured | hardware floor | vs (a) | note |", "|---|---|---|---|---|"]
+        for r in self.rows:
+            lines.append(f"| {r['what']} | {r['measured']} | {r['floor']} | {r['ratio']} | {r['note']} |")
+        return "\n".join(lines)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    bench = Bench(args)
+    t_start = time.perf_counter()
+    bench.setup()
+    for section in (bench.ceilings, bench.checks, bench.forced_length, bench.realistic, bench.training):
+        t0 = time.perf_counter()
+        try:
+            section()
+        except Exception as e:  # one broken section must not hide the others' numbers
+            traceback.print_exc()
+            bench.row(f"{section.__name__} FAILED", f"{type(e).__name__}: {str(e)[:160]}")
+            bench.free()
+        bench.log[f"section_{section.__name__}_s"] = time.perf_counter() - t0
+        print(f"[time] {section.__name__}: {time.perf_counter() - t0:.1f} s", flush=True)
+    bench.log["total_s"] = time.perf_counter() - t_start
+    bench.log["rows"] = bench.rows
+    table = bench.table()
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "bench_speed.json").write_text(json.dumps(bench.log, indent=1, default=str))
+        (out / "bench_speed.md").write_text(table + "\n")
+    print(f"\n{bench.log['date']} | {bench.log['device']} | torch {bench.log['torch']} | transformers "
+          f"{bench.log['transformers']} | total {bench.log['total_s']:.0f} s\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
