@@ -557,7 +557,7 @@ def _rollout_step(config: TrainConfig, step: int, model, tokenizer, engine, opti
         "train/loss": mean(losses) if losses else 0.0,
         "train/grad_norm": mean(grad_norms) if grad_norms else 0.0,
         "train/grad_norm_max": max(grad_norms) if grad_norms else 0.0,
-        "train/entropy": mean(entropies) if entropies else 0.0,
+        "train/entropy": mean(entropies) if entropies else None,  # nothing went through the model
         "train/n_updates": n_updates,
         "train/skipped_nonfinite": loop["nonfinite_total"],
         "lr": lr_used,

@@ -1,0 +1,137 @@
+"""Config: defaults reproduce SPEC, presets resolve, impossible settings are errors naming the fix,
+files (YAML/TOML) plus command-line overrides parse, and the shipped example configs validate."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+
+from rlvr.config import (
+    AlgorithmConfig, ConfigError, DataConfig, OptimConfig, RolloutConfig, TrainConfig, load_config_file,
+    parse_overrides, save_config,
+)
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def resolved(**kw) -> TrainConfig:
+    return TrainConfig(**kw).resolve()
+
+
+def test_defaults_are_spec_hyperparameters():
+    c = resolved()
+    assert c.n_steps == 200 and c.optim.lr == 1e-5 and c.optim.betas == (0.9, 0.95) and c.optim.weight_decay == 0
+    assert c.rollout_batch_size == 256 and c.rollout.group_size == 8 and c.train_batch_size == 256
+    assert c.optim.gradient_accumulation_steps == 32 and c.microbatch_size == 8 and c.optim.max_grad_norm == 1.0
+    assert (c.rollout.temperature, c.rollout.top_p, c.rollout.max_new_tokens) == (1.0, 1.0, 512)
+    assert c.eval_every == 10 and c.data.val_size >= 1024 and c.dump_every == 40 and c.data.train_size == 6400
+    assert not c.off_policy and c.updates_per_rollout_batch == 1
+    assert (c.algorithm.baseline, c.algorithm.advantage_normalizer, c.algorithm.loss_normalization) == ("mean", "std", "sequence")
+    assert c.validate() == []
+
+
+@pytest.mark.parametrize("preset,axes", [
+    ("grpo", ("mean", "std", "sequence")), ("grpo_constant", ("mean", "std", "constant")),
+    ("dr_grpo", ("mean", "none", "constant")), ("rft", ("none", "none", "constant")), ("maxrl", ("mean", "mean", "constant")),
+])
+def test_presets_resolve_and_axes_override(preset, axes):
+    a = resolved(algorithm=AlgorithmConfig(preset=preset)).algorithm
+    assert (a.baseline, a.advantage_normalizer, a.loss_normalization) == axes
+    if axes[2] == "constant":
+        assert a.normalization_constant == 256 * 512  # Dr. GRPO: batch x max generation length
+    b = resolved(algorithm=AlgorithmConfig(preset=preset, advantage_normalizer="none", normalization_constant=7.0)).algorithm
+    assert b.advantage_normalizer == "none" and b.baseline == axes[0]
+    if axes[2] == "constant":
+        assert b.normalization_constant == 7.0
+
+
+def test_cliprange_defaults_per_method_and_off_policy_32x():
+    c = resolved(algorithm=AlgorithmConfig(reweighting="gspo"), optim=OptimConfig(train_batch_size=8, gradient_accumulation_steps=1))
+    assert c.algorithm.cliprange == 3e-4 and c.off_policy and c.updates_per_rollout_batch == 32
+    assert resolved(algorithm=AlgorithmConfig(reweighting="grpo")).algorithm.cliprange == 0.2
+    assert resolved(algorithm=AlgorithmConfig(reweighting="grpo", cliprange=0.1)).algorithm.cliprange == 0.1
+    assert c.resolve() == c  # idempotent
+    assert c.validate() == []
+
+
+@pytest.mark.parametrize("kw,fix", [
+    (dict(optim=OptimConfig(train_batch_size=48)), "pick a divisor of 256"),
+    (dict(optim=OptimConfig(gradient_accumulation_steps=3)), "not divisible by optim.gradient_accumulation_steps=3"),
+    (dict(algorithm=AlgorithmConfig(preset="ppo")), "unknown algorithm.preset 'ppo'"),
+    (dict(algorithm=AlgorithmConfig(reweighting="clipped")), "unknown algorithm.reweighting 'clipped'"),
+    (dict(algorithm=AlgorithmConfig(baseline="median")), "unknown algorithm.baseline"),
+    (dict(algorithm=AlgorithmConfig(reweighting="grpo", cliprange=-0.2)), "cliprange must be > 0"),
+    (dict(algorithm=AlgorithmConfig(preset="dr_grpo", normalization_constant=0.0)), "positive algorithm.normalization_constant"),
+    (dict(rollout=RolloutConfig(group_size=1)), "group_size >= 2"),
+    (dict(rollout=RolloutConfig(rollout_batch_size=100, group_size=8)), "not divisible by rollout.group_size=8"),
+    (dict(rollout=RolloutConfig(temperature=0.0)), "temperature must be > 0"),
+    (dict(prompt="cot"), "unknown prompt 'cot'"),
+    (dict(optim=OptimConfig(schedule="step")), "unknown optim.schedule"),
+    (dict(data=DataConfig(train_size=16)), "smaller than one rollout batch"),
+])
+def test_impossible_settings_name_the_fix(kw, fix):
+    with pytest.raises(ConfigError, match=fix.replace("(", r"\(").replace(".", r"\.")):
+        TrainConfig(**kw).resolve().validate()
+
+
+def test_clip_method_without_cliprange_is_an_error(monkeypatch):
+    import rlvr.grpo.presets as presets
+
+    monkeypatch.setitem(presets.DEFAULT_CLIPRANGE, "grpo", None)
+    with pytest.raises(ConfigError, match="needs algorithm.cliprange"):
+        resolved(algorithm=AlgorithmConfig(reweighting="grpo")).validate()
+
+
+def test_off_policy_without_reweighting_warns_but_on_policy_clip_is_fine():
+    off = resolved(optim=OptimConfig(epochs_per_rollout_batch=2))
+    with pytest.warns(UserWarning, match="stale samples without importance weights"):
+        off.validate()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolved(algorithm=AlgorithmConfig(reweighting="grpo")).validate() == []  # on-policy, ratio 1
+
+
+def test_eval_size_larger_than_data_is_an_error():
+    c = resolved()
+    with pytest.raises(ConfigError, match="validation data has only 500 examples"):
+        c.check_data(n_train=6400, n_val=500)
+    with pytest.raises(ConfigError, match="fewer than one rollout batch"):
+        c.check_data(n_train=10, n_val=2000)
+
+
+def test_yaml_and_toml_files_plus_overrides(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("algorithm: {preset: dr_grpo}\noptim: {lr: 2.0e-6, betas: [0.8, 0.9]}\nseed: 3\n")
+    t = tmp_path / "c.toml"
+    t.write_text('seed = 3\n[algorithm]\npreset = "dr_grpo"\n[optim]\nlr = 2e-6\nbetas = [0.8, 0.9]\n')
+    a, b = load_config_file(y), load_config_file(t)
+    assert a == b and a.optim.betas == (0.8, 0.9) and a.seed == 3 and a.rollout.group_size == 8
+    c = parse_overrides(["--optim.lr", "5e-6", "--algorithm.reweighting", "gspo", "--rollout.group_size", "4"], a)
+    assert c.optim.lr == 5e-6 and c.algorithm.reweighting == "gspo" and c.rollout.group_size == 4
+    assert c.algorithm.preset == "dr_grpo" and c.seed == 3  # the file's values survive
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("optim: {learning_rate: 1.0e-5}\n")
+    with pytest.raises(ConfigError, match="unknown config key.*optim.learning_rate"):
+        load_config_file(bad)
+
+
+def test_config_json_round_trips(tmp_path):
+    c = resolved(algorithm=AlgorithmConfig(preset="maxrl", reweighting="cispo"))
+    save_config(c, tmp_path / "config.json")
+    back = TrainConfig.from_dict(json.loads((tmp_path / "config.json").read_text()))
+    assert back == c
+
+
+@pytest.mark.parametrize("name", ["gsm8k_olmo2_1b_grpo.yaml", "gsm8k_olmo2_1b_offpolicy_32x.toml", "tiny_cpu.yaml"])
+def test_example_configs_validate(name):
+    c = load_config_file(CONFIGS / name).resolve()
+    c.validate()
+    if "32x" in name:
+        assert c.updates_per_rollout_batch == 32 and c.algorithm.cliprange == 0.2
+    if "olmo2_1b_grpo" in name:
+        defaults = TrainConfig().resolve()
+        assert dataclasses.replace(c, engine=defaults.engine, policy_device=defaults.policy_device, save_every=defaults.save_every) == defaults
