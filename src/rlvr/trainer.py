@@ -531,7 +531,7 @@ def _rollout_step(config: TrainConfig, step: int, model, tokenizer, engine, opti
             with warnings.catch_warnings():
                 # A step whose rollouts all had zero advantage takes no optimizer step; the schedule
                 # still advances so that lr stays a function of the step count.
-                warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step()`")
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
                 scheduler.step()
             n_updates += 1
             if meta.get("skipped_nonfinite"):
