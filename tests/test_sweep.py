@@ -350,3 +350,27 @@ def test_set_overrides_the_base_of_every_setting(tmp_path, capsys):
     assert planned[0].config["model"]["name_or_path"] == "/m" and planned[0].config["optim"]["lr"] == 2e-4
     assert planned[0].config["optim"]["gradient_accumulation_steps"] == 4  # siblings kept
     assert sweep_main([str(SWEEPS / "main_arith.yaml"), "--out", str(out), "--dry-run", "--set", "oops"]) == 2
+
+
+def test_end_to_end_custom_estimator_in_subprocesses(tmp_path):
+    """The user's estimator as one more setting of an off-policy sweep, run by the real trainer in two
+    parallel subprocesses that import the plugin; the clip fraction is logged and reported."""
+    pytest.importorskip("rlvr.trainer")
+    example = Path(__file__).resolve().parents[1] / "examples" / "my_estimator.py"
+    base = deep_merge(TINY_BASE, {"n_steps": 2, "eval_every": 0, "save_every": 0, "dump_every": 0,
+                                  "optim.train_batch_size": 2})  # 2 updates per rollout batch of 4: off-policy
+    spec = tmp_path / "off.yaml"
+    spec.write_text(yaml.safe_dump({"name": "tiny off-policy", "base": base, "plugins": [str(example)], "seeds": [0],
+                                    "settings": {"grpo_clip": {"algorithm.reweighting": "grpo"},
+                                                 "clip_higher": {"algorithm.reweighting": "clip_higher",
+                                                                 "algorithm.cliprange": 0.2}}}, sort_keys=False))
+    out = tmp_path / "sweep"
+    rc = sweep_main([str(spec), "--out", str(out), "--max-parallel", "2"])
+    logs = {p.name: p.read_text() for p in (out / "_sweep" / "logs").rglob("*.log")}
+    assert rc == 0, logs
+    runs = {r.setting: r for r in load_runs(out)}
+    assert runs["clip_higher"].finished and runs["clip_higher"].config["algorithm"]["reweighting"] == "clip_higher"
+    assert runs["clip_higher"].config["algorithm"]["cliprange"] == 0.2
+    for run in runs.values():
+        steps, clip = run.series("train/clip_fraction")
+        assert steps.tolist() == [1, 2] and ((clip >= 0) & (clip <= 1)).all()
