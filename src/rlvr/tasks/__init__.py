@@ -1,10 +1,29 @@
-"""Registry of procedurally generated tasks (loaded by name like a data source)."""
+"""Registry of procedurally generated tasks (loaded by name like a data source).
+
+A task is a function ``(split, limit, seed, **knobs) -> list[Example]``; a source string
+``name:key=value,...`` passes its knobs as strings, and the task converts them. Task modules are
+imported only when a task is loaded, so importing ``rlvr.tasks`` does no work.
+"""
 
 from __future__ import annotations
 
+import importlib
 from typing import Callable
 
-TASKS: dict[str, Callable] = {}
+
+class _LazyTask:
+    """A registry entry that imports ``module`` and calls its ``attr`` on first use."""
+
+    def __init__(self, module: str, attr: str):
+        self.module, self.attr = module, attr
+
+    def __call__(self, *args, **kwargs):
+        return getattr(importlib.import_module(self.module), self.attr)(*args, **kwargs)
+
+
+TASKS: dict[str, Callable] = {
+    "arith": _LazyTask("rlvr.tasks.arithmetic", "load_arithmetic"),
+}
 
 
 def is_task_spec(source: str) -> bool:
@@ -15,6 +34,8 @@ def load_task(source: str, split: str = "train", limit: int | None = None, seed:
     name, _, args = source.partition(":")
     kwargs = {}
     for part in filter(None, args.split(",")):
-        key, _, value = part.partition("=")
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise ValueError(f"task option {part!r} in {source!r} is not key=value; write e.g. 'arith:steps=2,max_value=20'")
         kwargs[key.strip()] = value.strip()
     return TASKS[name](split=split, limit=limit, seed=seed, **kwargs)

@@ -1,0 +1,212 @@
+"""``arith``: procedurally generated grade-school word problems with exact integer answers.
+
+A problem is a chain of ``steps`` operations on one person's stock of one kind of object, told in
+GSM8K's style ("Mia has 7 apples. She buys 5 more apples. Then she gives 3 apples to Tom. How many
+apples does Mia have now?"). Every intermediate amount stays within ``0..max_value``; ``*`` and ``/``
+use small factors (2-4) and ``/`` only divides evenly, so every answer is an exact integer.
+
+The reference solution is a complete r1_zero response (the text that follows ``Assistant: <think>``)::
+
+    " Mia starts with 7 apples. 7 + 5 = 12. 12 - 3 = 9. </think> <answer> 9 </answer>"
+
+Knobs (``arith:steps=2,max_value=20,ops=+-``; values may arrive as strings):
+
+- ``steps``: operations per problem (reasoning steps), >= 1.
+- ``max_value``: the largest number any amount or operand may take (>= 4): the size of the numbers.
+- ``ops``: which operations may appear, a subset of ``+-*/``.
+- ``size``: problems per split when no ``limit`` is given.
+
+Splits never overlap, whatever the seeds: a problem belongs to ``train``, ``validation`` or ``test``
+by a hash of its arithmetic (start value and the sequence of operations), so the same computation
+never appears under two splits even with different names or wording. Each split is drawn from its
+own seeded stream, so loading one split does not depend on loading another.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from dataclasses import dataclass
+
+from rlvr.data import DataError, Example
+
+SPLITS = ("train", "validation", "test")
+DEFAULT_SIZES = {"train": 5000, "validation": 500, "test": 500}
+ALL_OPS = "+-*/"
+
+NAMES = (
+    "Mia", "Tom", "Ava", "Leo", "Emma", "Noah", "Lily", "Sam", "Zoe", "Ben",
+    "Ella", "Max", "Nina", "Omar", "Ruth", "Ivan", "Kate", "Luis", "Jade", "Paul",
+)
+# (plural noun, whether it can be eaten): eating is one way to lose objects.
+OBJECTS = (
+    ("apples", True), ("cookies", True), ("oranges", True), ("cupcakes", True),
+    ("marbles", False), ("stickers", False), ("pencils", False), ("books", False),
+    ("coins", False), ("cards", False), ("shells", False), ("stamps", False),
+)
+PRONOUN = {name: ("she" if name in {"Mia", "Ava", "Emma", "Lily", "Zoe", "Ella", "Nina", "Ruth", "Kate", "Jade"} else "he")
+           for name in NAMES}
+
+OPENINGS = ("{name} has {x} {obj}.", "{name} starts with {x} {obj}.", "{name} owns {x} {obj}.")
+# Each phrasing of an operation names the operand as {k} and its object as {objk} (singular for 1);
+# {friend} is another person.
+PHRASES = {
+    "+": ("{He} buys {k} more {objk}.", "{friend} gives {him} {k} {objk}.", "{He} finds {k} more {objk}.",
+          "{He} gets {k} {objk} from {friend}."),
+    "-": ("{He} gives {k} {objk} to {friend}.", "{He} loses {k} {objk}.", "{He} sells {k} {objk}.",
+          "{friend} takes {k} of the {obj}."),
+    "*": ("{He} buys more until {he} has {k} times as many {obj}.", "The number of {obj} {he} has becomes {k} times as large."),
+    "/": ("{He} splits the {obj} into {k} equal piles and keeps one pile.",
+          "{He} shares the {obj} equally among {k} kids, {himself} included, and keeps {his} share."),
+}
+EAT_PHRASE = "{He} eats {k} of the {obj}."
+QUESTIONS = ("How many {obj} does {name} have now?", "How many {obj} does {name} have in the end?")
+
+
+@dataclass(frozen=True)
+class Problem:
+    start: int
+    ops: tuple[tuple[str, int], ...]
+    """The chain of ``(op, operand)`` applied to ``start`` in order."""
+
+    def values(self) -> list[int]:
+        """The amounts after each step, starting with ``start``."""
+        out = [self.start]
+        for op, k in self.ops:
+            out.append(apply_op(out[-1], op, k))
+        return out
+
+    @property
+    def answer(self) -> int:
+        return self.values()[-1]
+
+    def key(self) -> str:
+        return f"{self.start}|" + "|".join(f"{op}{k}" for op, k in self.ops)
+
+
+def apply_op(x: int, op: str, k: int) -> int:
+    if op == "+":
+        return x + k
+    if op == "-":
+        return x - k
+    if op == "*":
+        return x * k
+    if op == "/":
+        if x % k:
+            raise ValueError(f"{x} / {k} is not an integer")
+        return x // k
+    raise ValueError(f"unknown op {op!r}")
+
+
+def split_of(problem: Problem) -> str:
+    """``train`` (80 %), ``validation`` (10 %) or ``test`` (10 %), by a hash of the arithmetic."""
+    bucket = int(hashlib.sha256(problem.key().encode()).hexdigest(), 16) % 10
+    return "validation" if bucket == 0 else "test" if bucket == 1 else "train"
+
+
+def _choose_op(x: int, ops: str, max_value: int, rng: random.Random) -> tuple[str, int] | None:
+    """A random operation valid from amount ``x`` (result within 0..max_value), or None if none is."""
+    candidates = []
+    for op in ops:
+        if op == "+" and x < max_value:
+            candidates.append((op, rng.randint(1, max_value - x)))
+        elif op == "-" and x > 1:
+            candidates.append((op, rng.randint(1, x - 1)))
+        elif op == "*" and 2 <= x and 2 * x <= max_value:
+            candidates.append((op, rng.choice([k for k in (2, 3, 4) if k * x <= max_value])))
+        elif op == "/":
+            divisors = [k for k in (2, 3, 4) if x % k == 0 and x // k >= 1 and x >= 2 * k]
+            if divisors:
+                candidates.append((op, rng.choice(divisors)))
+    return rng.choice(candidates) if candidates else None
+
+
+def sample_problem(rng: random.Random, steps: int, max_value: int, ops: str) -> Problem:
+    """A random chain of ``steps`` operations whose every amount lies within 1..max_value."""
+    while True:
+        start = x = rng.randint(2, max_value)
+        chain = []
+        for _ in range(steps):
+            step = _choose_op(x, ops, max_value, rng)
+            if step is None:
+                break
+            chain.append(step)
+            x = apply_op(x, *step)
+        if len(chain) == steps:
+            return Problem(start, tuple(chain))
+
+
+def render_problem(problem: Problem, rng: random.Random) -> tuple[str, str]:
+    """``(question, solution)`` for ``problem`` with names, objects and phrasing drawn from ``rng``."""
+    name, friend = rng.sample(NAMES, 2)
+    obj, edible = rng.choice(OBJECTS)
+    he = PRONOUN[name]
+    words = dict(name=name, friend=friend, obj=obj, he=he, He=he.capitalize(),
+                 him="her" if he == "she" else "him", his="her" if he == "she" else "his",
+                 himself="herself" if he == "she" else "himself")
+    sentences = [rng.choice(OPENINGS).format(x=problem.start, **words)]
+    for i, (op, k) in enumerate(problem.ops):
+        phrases = PHRASES[op] + ((EAT_PHRASE,) if op == "-" and edible else ())
+        sentence = rng.choice(phrases).format(k=k, objk=obj[:-1] if k == 1 else obj, **words)
+        if i > 0:
+            first, rest = sentence.split(" ", 1)
+            sentence = f"Then {first.lower() if first in ('He', 'She', 'The') else first} {rest}"
+        sentences.append(sentence)
+    sentences.append(rng.choice(QUESTIONS).format(**words))
+    question = " ".join(sentences)
+
+    values = problem.values()
+    lines = [f"{name} starts with {problem.start} {obj}."]
+    for (op, k), before, after in zip(problem.ops, values, values[1:]):
+        lines.append(f"{before} {op} {k} = {after}.")
+    solution = " " + " ".join(lines) + f" </think> <answer> {problem.answer} </answer>"
+    return question, solution
+
+
+def _as_int(name: str, value) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        raise DataError(f"arith: {name} must be an integer, got {value!r}") from None
+
+
+def load_arithmetic(split: str = "train", limit: int | None = None, seed: int = 0, steps=2, max_value=20,
+                    ops="+-", size=None) -> list[Example]:
+    """The ``split`` of the arithmetic task: ``limit`` (or ``size``, or the split's default) problems.
+
+    Deterministic in ``(split, seed, steps, max_value, ops)``; a smaller ``limit`` gives a prefix of
+    a larger one. ``Example.meta`` keeps the structure (``start``, ``ops``, ``values``) for checks.
+    """
+    steps, max_value = _as_int("steps", steps), _as_int("max_value", max_value)
+    ops = str(ops)
+    if split not in SPLITS:
+        raise DataError(f"arith: unknown split {split!r}; choose one of {SPLITS}")
+    if steps < 1:
+        raise DataError(f"arith: steps must be >= 1, got {steps}")
+    if max_value < 4:
+        raise DataError(f"arith: max_value must be >= 4 so that every operation has room, got {max_value}")
+    if not ops or set(ops) - set(ALL_OPS) or not set(ops) & set("+-"):
+        raise DataError(f"arith: ops must be a subset of {ALL_OPS!r} holding '+' or '-', got {ops!r}")
+    n = _as_int("limit", limit) if limit is not None else _as_int("size", size) if size is not None else DEFAULT_SIZES[split]
+
+    split_seed = int(hashlib.sha256(f"arith|{seed}|{split}|{steps}|{max_value}|{ops}".encode()).hexdigest()[:16], 16)
+    rng = random.Random(split_seed)
+    examples: list[Example] = []
+    seen: set[str] = set()
+    attempts = 0
+    while len(examples) < n:
+        attempts += 1
+        if attempts > 200 * n + 10_000:
+            raise DataError(f"arith: could only make {len(examples)} distinct {split} problems of the {n} asked "
+                            f"(steps={steps}, max_value={max_value}); ask for fewer or raise max_value")
+        problem = sample_problem(rng, steps, max_value, ops)
+        if split_of(problem) != split:
+            continue
+        question, solution = render_problem(problem, rng)
+        if question in seen:
+            continue
+        seen.add(question)
+        examples.append(Example(question, str(problem.answer), solution,
+                                meta={"task": "arith", "start": problem.start, "ops": list(problem.ops),
+                                      "values": problem.values()}))
+    return examples
