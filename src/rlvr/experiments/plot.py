@@ -31,6 +31,7 @@ from rlvr.experiments.runs import (
 BAND_LABEL = {"minmax": "min/max across seeds", "ci95": "95% t-interval of the mean"}
 OVERVIEW = ("val/reward", "train/reward", "train/entropy", "train/response_length")
 LR_KEYS = ("lr", "learning_rate")
+LINESTYLES = ("-", "--", "-.", ":")
 _NOT_SETTING_KEYS = ("seed", "out", "out_dir", "output_dir", "run_dir", "name", "resume", "plugins")
 
 
@@ -68,7 +69,7 @@ def draw_metric(ax, groups: dict[str, list[Run]], metric: str, band: str = "minm
     """Draw ``metric`` for every group that logged it onto ``ax``; False if none did."""
     colors = colors or dict(zip(groups, _colors(len(groups))))
     drawn = False
-    for setting, runs in groups.items():
+    for i, (setting, runs) in enumerate(groups.items()):
         agg = aggregate(runs, metric, band=band, smoothing=smoothing)
         if not len(agg.steps):
             continue
@@ -80,8 +81,9 @@ def draw_metric(ax, groups: dict[str, list[Run]], metric: str, band: str = "minm
             ax.plot(agg.steps[ok], row[ok], color=color, alpha=0.25, linewidth=0.8)
         n_runs = int((~np.isnan(agg.values)).any(axis=1).sum())
         ax.fill_between(agg.steps, agg.lo, agg.hi, color=color, alpha=0.18, linewidth=0)
-        ax.plot(agg.steps, agg.mean, color=color, linewidth=2.0, marker="o" if sparse else None, markersize=3,
-                label=f"{setting} (n={n_runs})")
+        # Alternating dash patterns keep settings whose means coincide visible on top of each other.
+        ax.plot(agg.steps, agg.mean, color=color, linewidth=2.0, linestyle=LINESTYLES[i % len(LINESTYLES)],
+                marker="o" if sparse else None, markersize=3, label=f"{setting} (n={n_runs})")
     return drawn
 
 
@@ -185,14 +187,15 @@ def plot_final_vs_lr(runs: Sequence[Run], path: str | Path, metric: str = VAL_RE
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
     try:
-        for color, (sig, points) in zip(_colors(len(lines)), sorted(lines.items())):
+        for j, (color, (sig, points)) in enumerate(zip(_colors(len(lines)), sorted(lines.items()))):
             points.sort()
+            dodge = 1.0 + 0.03 * (j - (len(lines) - 1) / 2)  # lines at the same lr side by side, not on top
             xs, means, los, his = [], [], [], []
             for lr, setting in points:
                 fs = finals[setting]
                 vals = np.asarray(list(fs.values.values()))
-                ax.scatter([lr] * len(vals), vals, color=color, alpha=0.35, s=18)
-                xs.append(lr)
+                ax.scatter([lr * dodge] * len(vals), vals, color=color, alpha=0.35, s=18)
+                xs.append(lr * dodge)
                 means.append(fs.mean)
                 if band == "minmax":
                     los.append(fs.min)
