@@ -17,14 +17,29 @@ After every sync both sides compute teacher-forced log-probs of a small fixed pr
 differ by more than ``probe_tolerance`` the sync raises ``WeightSyncError``. A silently stale engine
 is the most reported bug in RL frameworks; this check makes it loud. ``plant_mismatch()`` corrupts
 one tensor on the worker after the next receive, so tests can prove the check fires.
+
+For one-step-asynchronous rollouts (``rlvr.engines.async_rollout``) the engine also offers:
+
+* ``snapshot(model, version)`` / ``load_snapshot(snap)``: copy the trainer's weights into flat
+  buckets *now* (plus the trainer-side probe log-probs), send them later, while the trainer keeps
+  stepping its optimizer. A verified load tags the worker with the snapshot's **weight version**;
+  any receive clears the tag first, so a failed or unchecked sync leaves the worker untagged.
+* ``rollout(prompts, params, request_id)``: generate, retokenise prompt + response text exactly as
+  the trainer does, and compute teacher-forced log-probs of that batch with the same weights, in one
+  request; the reply carries the request id and the worker's weight version.
+
+Every request holds a lock for its whole exchange over the pipe, so callers on different threads
+cannot interleave requests and replies.
 """
 
 from __future__ import annotations
 
 import datetime
 import socket
+import threading
 import time
 import traceback
+from dataclasses import dataclass
 
 import torch
 
@@ -39,6 +54,20 @@ PROBE_TEXTS = (
 
 class WeightSyncError(RuntimeError):
     """The engine's weights do not match the trainer's after a sync."""
+
+
+@dataclass
+class WeightSnapshot:
+    """The trainer's weights at one version, ready to send: flat buckets and the probe log-probs."""
+
+    version: int
+    plan: list[dict]
+    flats: list[torch.Tensor]
+    probe: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(f.numel() * f.element_size() for f in self.flats)
 
 
 def _free_port() -> int:
@@ -113,6 +142,31 @@ def _probe(model, input_ids, mask) -> torch.Tensor:
         model.train(was_training)
 
 
+def _rollout(engine, model, tokenizer, version, request_id: int, prompts: list[str], params: SamplingParams,
+             logprob_batch_size: int) -> dict:
+    """Generate, retokenise like the trainer, and score the batch with the weights that sampled it."""
+    from rlvr.grpo.logprobs import compute_log_probs_batched
+    from rlvr.grpo.tokenize import pad_token_id, tokenize_from_ids
+
+    t0 = time.perf_counter()
+    groups = engine.generate(prompts, params)
+    t1 = time.perf_counter()
+    n = params.n
+    responses = [c.text for g in groups for c in g]
+    prompt_ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    output_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
+    batch = tokenize_from_ids([prompt_ids[i // n] for i in range(len(responses))], output_ids, pad_token_id(tokenizer))
+    was_training = model.training
+    model.eval()
+    try:
+        old = compute_log_probs_batched(model, batch["input_ids"], batch["labels"], logprob_batch_size)
+    finally:
+        model.train(was_training)
+    old = old.float().cpu()
+    return {"request_id": request_id, "version": version, "completions": groups, **batch, "old_log_probs": old,
+            "time/generate": t1 - t0, "time/old_logprobs": time.perf_counter() - t1}
+
+
 # ----------------------------------------------------------------------------------------------
 # The worker process
 # ----------------------------------------------------------------------------------------------
@@ -130,11 +184,21 @@ def _worker_main(conn, config, tokenizer, device: str, dtype: torch.dtype, backe
         with torch.device(dev):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         model.eval()
-        engine = HFEngine(model, tokenizer, **engine_options)
+        engine_options = dict(engine_options)
+        engine_name = engine_options.pop("engine", "hf")
+        if engine_name == "hf-fast":
+            from rlvr.engines.fast import FastHFEngine
+
+            engine = FastHFEngine(model, tokenizer, **engine_options)
+        elif engine_name == "hf":
+            engine = HFEngine(model, tokenizer, **engine_options)
+        else:
+            raise ValueError(f"unknown worker engine {engine_name!r}: use 'hf' or 'hf-fast'")
         group = _make_group(backend, 1, port, timeout_s)
         tensors = dict(_named_tensors(model))
         comm_device = dev if backend == "nccl" else torch.device("cpu")
         planted: str | None = None
+        version: int | None = None  # the weight version of a verified load; None after any other receive
         conn.send(("ok", "ready"))
     except Exception:
         conn.send(("error", traceback.format_exc()))
@@ -157,6 +221,7 @@ def _worker_main(conn, config, tokenizer, device: str, dtype: torch.dtype, backe
                     conn.send(("error", f"the trainer's model does not match the worker's: missing {missing[:5]}, "
                                         f"shape mismatches {bad[:5]}"))
                     continue
+                version = None
                 conn.send(("ok", "ready"))
                 t0 = time.perf_counter()
                 with torch.no_grad():
@@ -177,6 +242,11 @@ def _worker_main(conn, config, tokenizer, device: str, dtype: torch.dtype, backe
             elif cmd == "probe":
                 input_ids, mask = payload
                 conn.send(("ok", _probe(model, input_ids, mask)))
+            elif cmd == "set_version":
+                version = payload
+                conn.send(("ok", None))
+            elif cmd == "rollout":
+                conn.send(("ok", _rollout(engine, model, tokenizer, version, **payload)))
             elif cmd == "plant":
                 if payload not in tensors:
                     raise KeyError(f"no tensor {payload!r} in the worker's model")
@@ -205,7 +275,9 @@ class HFWorkerEngine:
 
     ``device`` is the worker's device (``"cpu"`` or ``"cuda:1"``); ``dtype`` its model dtype (default:
     bfloat16 on CUDA, float32 on CPU). The constructor starts the process and performs the first sync
-    (with its probe check), so the engine never samples from random weights.
+    (with its probe check), so the engine never samples from random weights. ``engine="hf-fast"`` in
+    the engine options runs ``FastHFEngine`` in the worker instead of ``HFEngine`` (syncs copy into
+    the parameters in place, so its CUDA graphs stay valid).
     """
 
     def __init__(self, model, tokenizer, device: str = "cpu", dtype: torch.dtype | str | None = None,
@@ -236,6 +308,8 @@ class HFWorkerEngine:
         self._proc.start()
         child_conn.close()
         self._closed = False
+        self._lock = threading.RLock()  # one request's exchange over the pipe at a time
+        self.weight_version: int | None = None
         # The store and group handshakes happen concurrently with the worker's model build.
         self.group = _make_group(self.backend, 0, port, start_timeout_s)
         self._wait(start_timeout_s)
@@ -256,10 +330,11 @@ class HFWorkerEngine:
         return value
 
     def _call(self, cmd: str, payload=None):
-        if self._closed:
-            raise RuntimeError("this engine is closed; build a new one")
-        self._conn.send((cmd, payload))
-        return self._wait()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("this engine is closed; build a new one")
+            self._conn.send((cmd, payload))
+            return self._wait()
 
     # -- Engine ---------------------------------------------------------------------------------
     def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:
@@ -272,17 +347,23 @@ class HFWorkerEngine:
         Raises ``WeightSyncError`` when the worker's probe log-probs differ from the trainer's by more
         than ``probe_tolerance``.
         """
-        t0 = time.perf_counter()
-        plan = build_plan(model, self.bucket_mb)
-        tensors = dict(_named_tensors(model))
-        self._names = list(tensors)
-        self._call("sync", plan)  # the worker validated the plan and is waiting on the broadcasts
-        for bucket in plan:
-            flat = torch.cat([tensors[name].detach().reshape(-1) for name, _, _ in bucket["tensors"]])
-            self.group.broadcast(_wire(flat.to(self.comm_device), self.backend), 0).wait()
-        self._wait()
-        elapsed = time.perf_counter() - t0
-        diff = self.probe_diff(model)
+        with self._lock:
+            t0 = time.perf_counter()
+            plan = build_plan(model, self.bucket_mb)
+            tensors = dict(_named_tensors(model))
+            self._names = list(tensors)
+            self.weight_version = None
+            self._call("sync", plan)  # the worker validated the plan and is waiting on the broadcasts
+            for bucket in plan:
+                flat = torch.cat([tensors[name].detach().reshape(-1) for name, _, _ in bucket["tensors"]])
+                self.group.broadcast(_wire(flat.to(self.comm_device), self.backend), 0).wait()
+            self._wait()
+            elapsed = time.perf_counter() - t0
+            diff = self.probe_diff(model)
+        self._check_probe(diff)
+        return {"time/sync": elapsed, "sync/probe_max_abs_diff": diff}
+
+    def _check_probe(self, diff: float) -> None:
         if not diff <= self.probe_tolerance:
             raise WeightSyncError(
                 f"the engine's weights do not match the trainer's after a sync: probe log-probs differ by up "
@@ -290,7 +371,55 @@ class HFWorkerEngine:
                 f"corrupt weights; check that the trainer and engine build the same architecture and dtype, "
                 f"or raise probe_tolerance if the dtypes differ on purpose."
             )
-        return {"time/sync": elapsed, "sync/probe_max_abs_diff": diff}
+
+    # -- deferred, versioned syncs and scored rollouts (for async_rollout) ----------------------
+    @torch.no_grad()
+    def snapshot(self, model, version: int) -> "WeightSnapshot":
+        """Copy ``model``'s weights into flat buckets on the communication device, and its probe
+        log-probs, as they are now: the model may change afterwards without affecting the snapshot.
+
+        Costs one extra copy of the weights in memory until the snapshot is loaded and dropped.
+        """
+        plan = build_plan(model, self.bucket_mb)
+        tensors = dict(_named_tensors(model))
+        self._names = list(tensors)
+        flats = [torch.cat([tensors[name].detach().reshape(-1) for name, _, _ in bucket["tensors"]]).to(self.comm_device)
+                 for bucket in plan]
+        probe = _probe(model, self._probe_ids, self._probe_mask)
+        return WeightSnapshot(version=version, plan=plan, flats=flats, probe=probe)
+
+    def load_snapshot(self, snap: "WeightSnapshot") -> dict:
+        """Send a snapshot to the worker, check its probe log-probs against the snapshot's, and on
+        success tag the worker with ``snap.version``. Raises ``WeightSyncError`` on a mismatch (the
+        worker then stays untagged)."""
+        with self._lock:
+            t0 = time.perf_counter()
+            self.weight_version = None
+            self._call("sync", snap.plan)
+            for flat in snap.flats:
+                self.group.broadcast(_wire(flat, self.backend), 0).wait()
+            self._wait()  # the worker has every byte (it synchronised its device before answering)
+            elapsed = time.perf_counter() - t0
+            theirs = self._call("probe", (self._probe_ids, self._probe_mask))
+            diff = float((snap.probe - theirs).abs().max())
+            self._check_probe(diff)
+            self._call("set_version", snap.version)
+            self.weight_version = snap.version
+        return {"time/sync": elapsed, "sync/probe_max_abs_diff": diff,
+                "time/sync_with_probe": time.perf_counter() - t0, "sync/bytes": snap.nbytes}
+
+    def rollout(self, prompts: list[str], params: SamplingParams, request_id: int,
+                logprob_batch_size: int = 16) -> dict:
+        """Generate for ``prompts`` and score the result with the same weights, in one request.
+
+        Returns ``request_id`` and ``version`` (the worker's weight version, None when untagged),
+        ``completions`` (per prompt, ``params.n`` each), the trainer's tokenisation of the flattened
+        prompt/response pairs (``input_ids``, ``labels``, ``response_mask``, as
+        ``rlvr.grpo.tokenize_prompt_and_output``), ``old_log_probs`` (B, T) float32 on CPU, and the
+        worker's ``time/generate`` and ``time/old_logprobs``.
+        """
+        return self._call("rollout", {"request_id": request_id, "prompts": list(prompts), "params": params,
+                                      "logprob_batch_size": logprob_batch_size})
 
     def probe_diff(self, model) -> float:
         """Max absolute difference of the probe batch's log-probs between trainer and worker."""
@@ -310,13 +439,17 @@ class HFWorkerEngine:
     def close(self) -> None:
         if self._closed:
             return
+        # A request in flight on another thread holds the lock; after a bounded wait, stop the process.
+        got = self._lock.acquire(timeout=30)
         try:
-            if self._proc.is_alive():
+            if got and self._proc.is_alive():
                 self._conn.send(("shutdown", None))
                 self._wait(30)
         except Exception:
             pass
         finally:
+            if got:
+                self._lock.release()
             self._closed = True
             self._proc.join(timeout=30)
             if self._proc.is_alive():

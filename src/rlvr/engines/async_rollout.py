@@ -1,0 +1,250 @@
+"""Rollouts that run ahead of the trainer: one-step-asynchronous generation on a worker engine.
+
+With ``max_staleness=1`` the worker engine (its own process and GPU) generates the batch of step
+t+1 while the trainer trains on batch t, so the two GPUs overlap instead of taking turns. The price
+is that batch t+1 is sampled by the weights of one step earlier than on-policy training would use;
+the trainer corrects this with importance reweighting (``noclip``, ``grpo``, ``gspo``, ``cispo``)
+against the **old log-probs** that come with the batch: teacher-forced log-probs of the retokenised
+prompt + response under the very weights that sampled it, computed on the worker in the same request
+as the generation. ``max_staleness=0`` is ordinary synchronous training through the same API.
+
+Versions. Weight version v is the policy after v optimizer (rollout) steps; version 0 is the initial
+policy. At 1-based trainer step t the trainer holds version t-1, and
+
+* synchronous (``max_staleness=0``): batch t is sampled by version t-1 (on-policy);
+* one-step-async (``max_staleness=1``): batch t is sampled by version max(t-2, 0): batches 1 and 2
+  both come from version 0, and from then on every batch is exactly one step stale.
+
+Ordering. Every request to the worker (weight loads, rollouts, plain generations) runs on one
+background thread, first in first out. ``sync(model, v)`` copies the weights *now* (a snapshot, so the
+trainer may step its optimizer at once) and queues the load behind whatever is already queued or in
+flight: a generation for version v-1 that is running when the trainer asks for version v finishes
+with version v-1 weights, and only then is version v sent. A rollout is dispatched with the version
+that its place in the queue implies; the worker reports the version it really holds (tagged only
+after a load passed the probe check), and the batch is rejected unless the request id and the
+version both match. Old log-probs travel in the same reply as the completions they score, so they
+cannot be attached to another batch.
+
+The engine must offer ``snapshot``/``load_snapshot``/``rollout`` (``HFWorkerEngine`` does). The
+in-process engines share the trainer's weights, so they cannot run ahead of it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from rlvr.engines.base import Completion, SamplingParams
+
+
+class RolloutOrderError(RuntimeError):
+    """A rollout came back with a request id or weight version other than the one it was queued with."""
+
+
+@dataclass
+class RolloutBatch:
+    """One step's rollouts, tagged with the weights that sampled them.
+
+    Rows are prompt-major: row ``i`` is sample ``i % n`` of prompt ``i // n``. The token tensors are
+    ``tokenize_prompt_and_output(repeated prompts, responses)`` and ``old_log_probs`` is aligned with
+    ``labels``: log p(labels[i, t]) under ``weight_version`` (0 where the label is padding).
+    """
+
+    step: int
+    weight_version: int
+    request_id: int
+    prompts: list[str]
+    params: SamplingParams
+    completions: list[list[Completion]]
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    response_mask: torch.Tensor
+    old_log_probs: torch.Tensor
+    sync: dict = field(default_factory=dict)
+    """Metrics of the load that put ``weight_version`` on the worker (time/sync, sync/probe_max_abs_diff, ...)."""
+    timings: dict = field(default_factory=dict)
+    """time/generate and time/old_logprobs on the worker, time/queue (waiting behind earlier requests)."""
+
+    @property
+    def responses(self) -> list[str]:
+        return [c.text for group in self.completions for c in group]
+
+    @property
+    def flat_completions(self) -> list[Completion]:
+        return [c for group in self.completions for c in group]
+
+    def metrics(self, current_version: int | None = None) -> dict:
+        """Numbers to log for this batch; ``current_version`` (the trainer's) adds the staleness."""
+        out = {"rollout/weight_version": self.weight_version, **self.timings}
+        out.update({k: v for k, v in self.sync.items() if isinstance(v, (int, float))})
+        if current_version is not None:
+            out["rollout/staleness"] = current_version - self.weight_version
+        return out
+
+
+class AsyncRollouts:
+    """Queue weight loads and rollouts on a worker engine, in order, on one background thread.
+
+    ``max_staleness`` is how many steps rollouts may run ahead of the trainer (0: synchronous, 1:
+    one-step-async). ``logprob_batch_size`` bounds the rows per forward pass of the worker's old
+    log-prob computation. The caller keeps ownership of ``engine`` unless ``close_engine`` is set.
+    """
+
+    def __init__(self, engine, max_staleness: int = 0, logprob_batch_size: int = 16, close_engine: bool = False):
+        missing = [m for m in ("snapshot", "load_snapshot", "rollout") if not hasattr(engine, m)]
+        if missing:
+            raise TypeError(
+                f"{type(engine).__name__} cannot run rollouts ahead of the trainer (it lacks {', '.join(missing)}); "
+                "use the hf-worker engine, which holds its own copy of the weights in its own process"
+            )
+        if max_staleness not in (0, 1):
+            raise ValueError(f"max_staleness must be 0 (synchronous) or 1 (one-step-async), got {max_staleness}")
+        self.engine = engine
+        self.max_staleness = max_staleness
+        self.logprob_batch_size = logprob_batch_size
+        self.close_engine = close_engine
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlvr-rollouts")
+        self._lock = threading.Lock()
+        self._queued_version: int | None = None   # the version the next queued rollout will see
+        self._sync_meta: dict[int, Future] = {}   # version -> future of its load metrics
+        self._pending: dict[int, Future] = {}     # step -> future of its RolloutBatch
+        self._submitted = 0                       # highest step submitted by next_batch
+        self._next_request = 0
+        self._closed = False
+        self.events: list[tuple] = []
+        """What the background thread did, in order: ("sync", version) / ("rollout", step, version) pairs
+        of ``*_start``/``*_end`` entries, for tests and debugging."""
+
+    # -- the trainer's calls --------------------------------------------------------------------
+    def sync(self, model, version: int) -> Future:
+        """Snapshot ``model`` as weight version ``version`` now; load it on the worker after every
+        request already queued. Returns a future of the load's metrics (it raises ``WeightSyncError``
+        when the probe check fails). A version already queued is not sent again; an older one is an error.
+        """
+        self._check_open()
+        with self._lock:
+            if self._queued_version is not None and version < self._queued_version:
+                raise ValueError(f"weight version {version} is older than version {self._queued_version}, already "
+                                 "queued; versions must not go backwards")
+            fut = self._sync_meta.get(version)
+            if fut is not None and not (fut.done() and fut.exception() is not None):
+                return fut
+            snap = self.engine.snapshot(model, version)
+            fut = self._pool.submit(self._load, snap, time.perf_counter())
+            self._sync_meta[version] = fut
+            self._queued_version = version
+            for old in [v for v in self._sync_meta if v < version]:
+                if self._sync_meta[old].done():
+                    del self._sync_meta[old]
+        return fut
+
+    def submit(self, step: int, prompts: list[str], params: SamplingParams) -> Future:
+        """Queue step ``step``'s rollouts with the latest queued weight version."""
+        self._check_open()
+        with self._lock:
+            if self._queued_version is None:
+                raise RuntimeError("no weights queued yet: call sync(model, version) before submit")
+            if step in self._pending:
+                raise ValueError(f"step {step} was already submitted; collect it first")
+            self._next_request += 1
+            version = self._queued_version
+            fut = self._pool.submit(self._rollout, step, self._next_request, version, list(prompts), params,
+                                    self._sync_meta[version], time.perf_counter())
+            self._pending[step] = fut
+        return fut
+
+    def collect(self, step: int, timeout: float | None = None) -> RolloutBatch:
+        """Wait for step ``step``'s batch and hand it over (once). Raises whatever the worker raised."""
+        with self._lock:
+            fut = self._pending.pop(step, None)
+        if fut is None:
+            raise KeyError(f"no rollouts were submitted for step {step}")
+        return fut.result(timeout)
+
+    def next_batch(self, step: int, model, request: Callable[[int], tuple[list[str], SamplingParams]]) -> RolloutBatch:
+        """The whole schedule for 1-based trainer step ``step``, whose weights are version ``step - 1``.
+
+        Queues the load of version ``step - 1``, submits every step up to ``step + max_staleness`` not
+        yet submitted (``request(s)`` gives step s's prompts and sampling parameters), and returns
+        batch ``step``. Call it once per step, before training on the batch.
+        """
+        self.sync(model, step - 1)
+        for s in range(max(self._submitted + 1, step), step + self.max_staleness + 1):
+            prompts, params = request(s)
+            self.submit(s, prompts, params)
+            self._submitted = s
+        return self.collect(step)
+
+    def generate(self, prompts: list[str], params: SamplingParams, timeout: float | None = None) -> list[list[Completion]]:
+        """A plain generation (validation) queued behind the pending work, with the weights then loaded;
+        ``sync`` first to evaluate the newest weights."""
+        self._check_open()
+        return self._pool.submit(self.engine.generate, list(prompts), params).result(timeout)
+
+    def close(self) -> None:
+        """Drop queued work, wait for the request in flight, stop the thread (and the engine if owned)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pending.clear()
+        if self.close_engine:
+            self.engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- the background thread ------------------------------------------------------------------
+    def _check_open(self):
+        if self._closed:
+            raise RuntimeError("these rollouts are closed; build a new AsyncRollouts")
+
+    def _log(self, *event):
+        self.events.append(event)
+
+    def _load(self, snap, queued_at: float) -> dict:
+        start = time.perf_counter()
+        self._log("sync_start", snap.version)
+        try:
+            meta = self.engine.load_snapshot(snap)
+        finally:
+            self._log("sync_end", snap.version)
+        meta["time/sync_queue"] = start - queued_at
+        return meta
+
+    def _rollout(self, step: int, request_id: int, version: int, prompts, params, load: Future,
+                 queued_at: float) -> RolloutBatch:
+        start = time.perf_counter()
+        # The load ran earlier on this same thread; if it failed, the worker holds unverified weights.
+        load_meta = load.result()
+        self._log("rollout_start", step, version)
+        try:
+            out = self.engine.rollout(prompts, params, request_id, self.logprob_batch_size)
+        finally:
+            self._log("rollout_end", step, version)
+        if out["request_id"] != request_id or out["version"] != version:
+            raise RolloutOrderError(
+                f"rollouts for step {step} were queued as request {request_id} with weight version {version}, but the "
+                f"worker answered request {out['request_id']} with version {out['version']}. Something else loaded "
+                "weights into the engine (e.g. engine.sync_weights) or used its pipe; while AsyncRollouts drives "
+                "an engine, sync and generate only through it."
+            )
+        n_rows = len(prompts) * params.n
+        if len(out["completions"]) != len(prompts) or out["old_log_probs"].shape[0] != n_rows:
+            raise RolloutOrderError(f"the worker returned {len(out['completions'])} groups and "
+                                    f"{out['old_log_probs'].shape[0]} scored rows for {len(prompts)} prompts x {params.n}")
+        return RolloutBatch(
+            step=step, weight_version=version, request_id=request_id, prompts=prompts, params=params,
+            completions=out["completions"], input_ids=out["input_ids"], labels=out["labels"],
+            response_mask=out["response_mask"], old_log_probs=out["old_log_probs"], sync=dict(load_meta),
+            timings={"time/generate": out["time/generate"], "time/old_logprobs": out["time/old_logprobs"],
+                     "time/queue": start - queued_at},
+        )
