@@ -80,3 +80,24 @@ def test_report_on_runs_without_sweep_record(tmp_path):
     assert report_main([str(tmp_path / "r1"), "--out", str(out), "--title", "One run"]) == 0
     text = out.read_text()
     assert text.startswith("# One run") and "| solo | 0.200 | – | 0.200 – 0.200 | 1 |" in text
+
+
+def test_one_report_for_two_sweeps(tmp_path):
+    """The on-policy and off-policy studies in one report: one table, a figure section per sweep, and
+    settings with the same name in both told apart by their directory."""
+    hand_sweep(tmp_path / "onpolicy")
+    hand_sweep(tmp_path / "offpolicy")
+    for name in ("onpolicy", "offpolicy"):
+        (tmp_path / name / "sweep.json").write_text(json.dumps({"name": name, "settings": {"a": {"x": 1}, "b": {}},
+                                                                "invocations": [{"command": f"rlvr sweep {name}.yaml"}]}))
+    out = tmp_path / "both.md"
+    assert report_main([str(tmp_path / "onpolicy"), str(tmp_path / "offpolicy"), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert text.startswith("# onpolicy + offpolicy")
+    assert "rlvr sweep onpolicy.yaml" in text and "rlvr sweep offpolicy.yaml" in text
+    assert "| onpolicy/a | 0.600 ± 0.100 |" in text and "| offpolicy/a | 0.600 ± 0.100 |" in text
+    assert "| onpolicy/a | `x=1` |" in text
+    assert "## Figures: onpolicy" in text and "## Figures: offpolicy" in text
+    for link in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text):
+        assert (out.parent / link).is_file(), link
+    assert "both_figures/0_onpolicy/overview.png" in text and "both_figures/1_offpolicy/overview.png" in text

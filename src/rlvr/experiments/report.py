@@ -152,49 +152,83 @@ def _flat(d: dict, prefix: str = "") -> dict:
     return out
 
 
+def _figures_md(rel: dict[str, str], level: str) -> list[str]:
+    """Markdown for one set of figures: overview, lr, clip fractions, then every other metric."""
+    md = []
+    if "overview" in rel:
+        md += [f"{level} Overview", "", f"![overview]({rel['overview']})", ""]
+    if "final_vs_lr" in rel:
+        md += [f"{level} Final validation reward vs learning rate", "", f"![final reward vs lr]({rel['final_vs_lr']})", ""]
+    clip = [m for m in rel if "clip_fraction" in m]
+    if clip:
+        md += [f"{level} Clip fractions (off-policy settings)", ""]
+        md += [f"![{m}]({rel[m]})" for m in clip] + [""]
+    shown = {"overview", "final_vs_lr", *clip}
+    rest = [m for m in rel if m not in shown]
+    if rest:
+        md += [f"{level} All metrics", ""]
+        for m in rest:
+            md += [f"{level}# {m}", "", f"![{m}]({rel[m]})", ""]
+    return md
+
+
+def _slug(text: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in text).strip("_") or "part"
+
+
 def write_report(paths: Sequence[str | Path], out: str | Path, band: str = "minmax", metrics: Sequence[str] | None = None,
                  smoothing: int = 1, samples: int = 2, title: str | None = None, command: str | None = None) -> Path:
-    """Write the Markdown report for the runs under ``paths`` to ``out`` (figures alongside); returns ``out``."""
-    out = Path(out)
-    runs = load_runs(paths)
-    fig_dir = out.parent / f"{out.stem}_figures"
-    figures = plot_runs(runs, fig_dir, metrics=metrics, band=band, smoothing=smoothing)
-    rel = {name: f"{fig_dir.name}/{p.name}" for name, p in figures.items()}
-    sweep = None
-    if len(paths) == 1 and (Path(paths[0]) / "sweep.json").is_file():
-        sweep = json.loads((Path(paths[0]) / "sweep.json").read_text())
-    groups = group_runs(runs)
+    """Write the Markdown report for the runs under ``paths`` to ``out`` (figures alongside); returns ``out``.
 
-    md = [f"# {title or (sweep or {}).get('name') or 'rlvr report'}", ""]
+    With several sweep directories (say the on-policy and the off-policy study) the table, settings
+    and rollouts cover all of them, and each directory gets its own section of figures. Settings
+    with the same name in two directories are told apart as ``<dir>/<setting>``.
+    """
+    out = Path(out)
+    paths = [Path(p) for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
+    parts = [(p, load_runs(p)) for p in paths]
+    names = [r.setting for _, runs in parts for r in {r.setting: r for r in runs}.values()]
+    prefixed = len(names) != len(set(names))
+    if prefixed:
+        for p, part in parts:
+            for r in part:
+                r.setting = f"{p.name}/{r.setting}"
+    runs = [r for _, part in parts for r in part]
+    sweeps = []
+    for p in paths:
+        if (p / "sweep.json").is_file():
+            record = json.loads((p / "sweep.json").read_text())
+            if prefixed:
+                record["settings"] = {f"{p.name}/{k}": v for k, v in record.get("settings", {}).items()}
+            sweeps.append(record)
+    groups = group_runs(runs)
+    fig_dir = out.parent / f"{out.stem}_figures"
+
+    sweep_names = [s.get("name") for s in sweeps if s.get("name")]
+    md = [f"# {title or ' + '.join(sweep_names) or 'rlvr report'}", ""]
     md.append(f"{len(runs)} runs in {len(groups)} settings. Generated "
               f"{_dt.date.today().isoformat()} by `{command or 'rlvr report'}`.")
-    if sweep and sweep.get("invocations"):
-        cmds = list(dict.fromkeys(inv["command"] for inv in sweep["invocations"]))
+    cmds = list(dict.fromkeys(inv["command"] for s in sweeps for inv in s.get("invocations", [])))
+    if cmds:
         md += ["", "Sweep command(s):", "", "```", *cmds, "```"]
     md += ["", f"Bands in every figure: {BAND_LABEL[band]}; thin faint lines are the individual seeds.", ""]
 
     md += ["## Final validation reward", "", final_table(runs), "",
            "sd is the sample standard deviation across seeds; the 95 % interval is Student-t on the mean. "
            "When two settings' min–max ranges overlap, these seeds do not separate them.", ""]
-    settings_md = _settings_section(sweep)
+    settings_md = _settings_section({"settings": {k: v for s in sweeps for k, v in s.get("settings", {}).items()}})
     if settings_md:
         md += ["## Settings", "", settings_md, ""]
     md += ["## Runs", "", status_table(runs), ""]
 
-    if "overview" in rel:
-        md += ["## Overview", "", f"![overview]({rel['overview']})", ""]
-    if "final_vs_lr" in rel:
-        md += ["## Final validation reward vs learning rate", "", f"![final reward vs lr]({rel['final_vs_lr']})", ""]
-    clip = [m for m in rel if "clip_fraction" in m]
-    if clip:
-        md += ["## Clip fractions (off-policy settings)", ""]
-        md += [f"![{m}]({rel[m]})" for m in clip] + [""]
-    shown = {"overview", "final_vs_lr", *clip}
-    rest = [m for m in rel if m not in shown]
-    if rest:
-        md += ["## All metrics", ""]
-        for m in rest:
-            md += [f"### {m}", "", f"![{m}]({rel[m]})", ""]
+    for i, (path, part) in enumerate(parts):
+        sub = fig_dir if len(parts) == 1 else fig_dir / _slug(f"{i}_{path.name}")
+        figures = plot_runs(part, sub, metrics=metrics, band=band, smoothing=smoothing)
+        rel = {name: p.relative_to(out.parent).as_posix() for name, p in figures.items()}
+        if len(parts) == 1:
+            md += _figures_md(rel, "##")
+        else:
+            md += [f"## Figures: {path.name}", ""] + _figures_md(rel, "###")
     md += ["## Sample rollouts: before and after training", "",
            "From each setting's best seed (by final validation reward): its first and last dumps of validation "
            "samples (step 0 is the untrained policy), or of training rollouts when it wrote no validation samples.", "",
