@@ -14,7 +14,9 @@ rollouts need:
 * **Per-sequence stops.** EOS ends a row. Stop strings are checked on the decoded *tail* of each row's
   new tokens (enough tokens to hold the longest stop string), so the check costs O(1) per token; on a
   hit the text is cut right after (or before, when ``include_stop_str_in_output`` is off) the first
-  occurrence, and the token ids keep every token up to the one that completed the stop string.
+  occurrence. Only rows whose newest token holds the last character of a stop string are decoded at
+  all, which keeps the host-side work small for stops such as ``</answer>``. The token ids keep every
+  token up to the one that completed the stop string.
 * **Retiring finished rows.** Finished rows are dropped from the batch and the cache once they make up
   ``compact_fraction`` of the rows being computed, and the loop ends when every row has finished.
 * **Log-probs for free.** Each sampled token's log-probability is the log-softmax of the
@@ -134,6 +136,24 @@ class HFEngine:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    def _stop_candidates(self, stops: tuple[str, ...]) -> set[int] | None:
+        """Ids of the tokens that can complete one of ``stops``, or None to check every token.
+
+        A stop string is completed by the token that produced its last character, so only rows whose
+        newest token decodes to text holding that character need the (host-side) tail decode. This
+        holds when every stop string ends in an ASCII character, which one byte-level token cannot
+        split; otherwise every row is checked.
+        """
+        if not stops or any(not s[-1].isascii() for s in stops):
+            return None
+        key = tuple(sorted(stops))
+        cache = self.__dict__.setdefault("_candidate_cache", {})
+        if key not in cache:
+            last = {s[-1] for s in stops}
+            pieces = self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))], skip_special_tokens=True)
+            cache[key] = {i for i, piece in enumerate(pieces) if any(c in piece for c in last)}
+        return cache[key]
+
     def sync_weights(self, model) -> dict:
         self.model = model
         return {"time/sync": 0.0}
@@ -201,6 +221,7 @@ class HFEngine:
         vocab_limit = len(tok) if self.mask_unused_vocab else None
         stops = tuple(s for s in params.stop if s)
         window = _stop_window_tokens(stops)
+        candidates = self._stop_candidates(stops)
         lp_buf = torch.zeros((R, T), dtype=torch.float32, device=device)
         rows = torch.arange(R, device=device)  # global row id of each batch row
         live = list(range(R))                   # global row ids, aligned with the batch
@@ -222,7 +243,7 @@ class HFEngine:
                 generated[g].append(t)
                 if t in self.eos_ids:
                     finish[g] = "stop"
-                elif stops:
+                elif stops and (candidates is None or t in candidates):
                     check_rows.append(b)
                     continue
                 elif step + 1 == T:
