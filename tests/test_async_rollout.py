@@ -8,6 +8,8 @@ layout) and no other, and its old log-probs equal a teacher-forced recomputation
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -114,6 +116,7 @@ def test_one_step_async_schedule_tags_versions_and_old_log_probs(engine, trainer
             assert torch.equal(mine["input_ids"], batch.input_ids) and torch.equal(mine["response_mask"], mask)
             set_version(trainer_model, base_state, step)  # "train" on the batch: version step
         syncs = [e[1] for e in rollouts.events if e[0] == "sync_start"]
+        assert [e[1] for e in rollouts.events if e[0] == "sync_requested"] == [0, 1, 2, 3]
         assert syncs == [0, 1, 2, 3]  # versions 0..3 loaded once each, in order
         # every rollout ran between the load of its version and the next load
         loaded = None
@@ -139,10 +142,12 @@ def test_synchronous_mode_is_on_policy(engine, trainer_model, base_state, versio
 def test_sync_requested_during_generation_is_queued_after_it(engine, trainer_model, base_state, versions,
                                                               tiny_tokenizer):
     set_version(trainer_model, base_state, 0)
-    long = SamplingParams(n=4, temperature=1.0, max_new_tokens=64, seed=3)
+    long = SamplingParams(n=4, temperature=1.0, max_new_tokens=48, seed=3)
     with AsyncRollouts(engine, max_staleness=1) as rollouts:
         rollouts.sync(trainer_model, 0).result()
-        rollouts.submit(1, PROMPTS * 2, long)  # a long generation, in flight on the worker
+        rollouts.submit(1, PROMPTS, long)
+        while ("rollout_start", 1, 0) not in rollouts.events:  # the request is on its way to the worker
+            time.sleep(0.001)
         set_version(trainer_model, base_state, 1)
         load = rollouts.sync(trainer_model, 1)  # asked for while step 1 is generating
         set_version(trainer_model, base_state, 2)  # the trainer moves on: the snapshot must not see this
@@ -155,7 +160,9 @@ def test_sync_requested_during_generation_is_queued_after_it(engine, trainer_mod
             ref = compute_log_probs_batched(versions[batch.weight_version], batch.input_ids, batch.labels, 16)
             assert masked_max_diff(batch.old_log_probs, ref, batch.response_mask) <= 1e-5
         kinds = [(e[0], e[1]) for e in rollouts.events]
-        assert kinds.index(("rollout_end", 1)) < kinds.index(("sync_start", 1)) < kinds.index(("rollout_start", 2))
+        assert (kinds.index(("rollout_start", 1)) < kinds.index(("sync_requested", 1)) < kinds.index(("sync_start", 1))
+                < kinds.index(("rollout_start", 2)))
+        assert kinds.index(("rollout_end", 1)) < kinds.index(("sync_start", 1))
         with pytest.raises(ValueError, match="older"):
             rollouts.sync(trainer_model, 0)
         with pytest.raises(KeyError):

@@ -117,8 +117,9 @@ class AsyncRollouts:
         self._next_request = 0
         self._closed = False
         self.events: list[tuple] = []
-        """What the background thread did, in order: ("sync", version) / ("rollout", step, version) pairs
-        of ``*_start``/``*_end`` entries, for tests and debugging."""
+        """What happened, in order: ``("sync_requested", version)`` from the caller, then from the
+        background thread ``("sync_start"|"sync_end", version)`` and ``("rollout_start"|"rollout_end",
+        step, version)``; for tests and debugging."""
 
     # -- the trainer's calls --------------------------------------------------------------------
     def sync(self, model, version: int) -> Future:
@@ -127,6 +128,7 @@ class AsyncRollouts:
         when the probe check fails). A version already queued is not sent again; an older one is an error.
         """
         self._check_open()
+        self._log("sync_requested", version)
         with self._lock:
             if self._queued_version is not None and version < self._queued_version:
                 raise ValueError(f"weight version {version} is older than version {self._queued_version}, already "
