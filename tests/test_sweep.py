@@ -19,7 +19,7 @@ from rlvr.experiments.sweep import (
 # A stand-in trainer with the real one's run-directory contract. Used in-process (exec'd) and as a
 # plugin file in subprocesses, where it replaces the `train` command of `rlvr`.
 FAKE_TRAINER = '''
-import argparse, builtins, json, sys
+import argparse, builtins, json, sys, time
 from pathlib import Path
 
 import yaml
@@ -45,6 +45,7 @@ def fake_train(config_path, out_dir, resume, stop_at=None):
             f.write(json.dumps({"step": step, "train/reward": cfg["seed"] + step * cfg["optim"]["lr"],
                                 "val/reward": 0.1 * cfg["seed"]}) + "\\n")
             f.flush()
+            time.sleep(cfg.get("sleep", 0))
     (out / "summary.json").write_text(json.dumps({"status": "finished", "marker": getattr(builtins, "_sweep_marker", None),
                                                   "resumed_from": start}))
 
@@ -55,7 +56,12 @@ def main(argv):
     p.add_argument("--out")
     p.add_argument("--resume")
     a = p.parse_args(argv)
-    fake_train(a.config, a.resume or a.out, bool(a.resume))
+    out = Path(a.resume or a.out)
+    try:
+        fake_train(a.config, out, bool(a.resume))
+    except KeyboardInterrupt:  # as the real trainer: record the interruption, exit 130
+        (out / "summary.json").write_text(json.dumps({"status": "interrupted"}))
+        return 130
     return 0
 
 
@@ -220,6 +226,39 @@ def test_parallel_subprocesses_import_plugins(tmp_path):
     assert not (out / "a").exists()
     log = (out / "_sweep" / "logs" / "b" / "seed_3.log").read_text()
     assert "rlvr.experiments.plugins --plugin" in log and sys.executable in log
+
+
+def test_sigterm_interrupts_children_cleanly(tmp_path):
+    """A sweep stopped by SIGTERM (a `timeout`) Ctrl-Cs its subprocess runs, which record the
+    interruption, and none outlives it; the next call resumes them."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    (tmp_path / "fake_trainer.py").write_text(FAKE_TRAINER)
+    spec = write_spec(tmp_path / "s.yaml", plugins=["fake_trainer.py"],
+                      base={"n_steps": 10_000, "sleep": 0.05, "optim": {"lr": 1.0}})
+    out = tmp_path / "out"
+    sweep = subprocess.Popen([sys.executable, "-m", "rlvr", "sweep", str(spec), "--out", str(out), "--max-parallel", "2",
+                              "--seeds", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    metrics = [out / s / "seed_0" / "metrics.jsonl" for s in ("a", "b")]
+    deadline = time.time() + 60
+    while not all(m.is_file() and m.stat().st_size for m in metrics) and time.time() < deadline:
+        time.sleep(0.1)
+    sweep.send_signal(signal.SIGTERM)
+    output, _ = sweep.communicate(timeout=60)
+    assert sweep.returncode != 0
+    assert "interrupting a/seed_0" in output and "interrupting b/seed_0" in output, output
+    for s in ("a", "b"):
+        assert json.loads((out / s / "seed_0" / "summary.json").read_text())["status"] == "interrupted"
+    pids = [int(line.rsplit("pid ", 1)[1].rstrip(")")) for line in output.splitlines() if line.startswith("started")]
+    assert len(pids) == 2
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+    planned = plan(SweepSpec.from_file(spec), out, seeds=[0])
+    assert [p.action for p in planned] == [RESUME, RESUME]
 
 
 # -------------------------------------------------------------------------------------------------

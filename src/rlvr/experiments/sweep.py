@@ -27,7 +27,9 @@ reported, since resuming it would mix two experiments under one name.
 
 ``--max-parallel N`` runs up to N runs at once as subprocesses (``python -m rlvr train ...``), which
 is how several small runs share one GPU; ``--devices 0 1`` spreads them over GPUs round-robin. With
-N = 1 runs go one after another in this process. ``--dry-run`` prints the plan and touches nothing.
+N = 1 runs go one after another in this process. Ctrl-C (or SIGTERM, e.g. from ``timeout``) stops
+the sweep and lets each running trainer save a checkpoint, so the same command later resumes where
+it stopped. ``--dry-run`` prints the plan and touches nothing.
 ``--set KEY=VALUE`` changes the base config of every setting (a model path, an engine), and
 ``--seeds`` / ``--settings`` select part of the grid.
 """
@@ -43,8 +45,10 @@ import json
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -447,6 +451,11 @@ def _execute_parallel(todo, out, plugins, max_parallel, devices, python, echo) -
     free_slots = list(range(max_parallel))
     outcomes: list[Outcome] = []
     env_base = dict(os.environ)
+    previous_term = None
+    if threading.current_thread() is threading.main_thread():
+        # A `timeout` or job scheduler stops us with SIGTERM: children run in their own sessions and
+        # would outlive us, so treat it as Ctrl-C and stop them cleanly.
+        previous_term = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         while pending or running:
             while pending and free_slots:
@@ -476,16 +485,34 @@ def _execute_parallel(todo, out, plugins, max_parallel, devices, python, echo) -
                 echo(f"{'finished' if ok else 'FAILED'} {p.label} in {time.time() - start:.0f}s {msg}".rstrip())
                 outcomes.append(Outcome(p, ok, time.time() - start, msg))
     except KeyboardInterrupt:
-        for proc, p, _, log in running.values():
-            proc.terminate()
-        for proc, p, _, log in running.values():
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            log.close()
+        _stop_children(running.values(), echo)
         raise
+    finally:
+        if previous_term is not None:
+            signal.signal(signal.SIGTERM, previous_term)
     return outcomes
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def _stop_children(running, echo, grace_s: float = 120.0) -> None:
+    """Ctrl-C each child (the trainer then finishes its step and saves a checkpoint, so the next
+    sweep resumes it), wait up to ``grace_s``, then kill what is left."""
+    running = list(running)
+    for proc, p, _, _ in running:
+        if proc.poll() is None:
+            echo(f"interrupting {p.label} (pid {proc.pid}); it saves a checkpoint and is resumed next time")
+            proc.send_signal(signal.SIGINT)
+    deadline = time.time() + grace_s
+    for proc, p, _, log in running:
+        try:
+            proc.wait(timeout=max(0.0, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
 
 
 def record_sweep(spec: SweepSpec, out: Path, planned: Sequence[PlannedRun], argv: Sequence[str]) -> None:
