@@ -43,6 +43,17 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 512):
     return PreTrainedTokenizerFast(tokenizer_object=tok, **SPECIAL_TOKENS)
 
 
+# Named sizes for fresh models (OLMo-2 architecture; the vocabulary comes from the tokenizer).
+# Parameter counts below are for a 512-token vocabulary.
+MODEL_SIZES: dict[str, dict] = {
+    "tiny": dict(hidden_size=64, num_layers=2, num_heads=4),  # 0.2 M: unit tests
+    "small": dict(hidden_size=128, num_layers=4, num_heads=4),  # 1.2 M: the CPU learning demo
+    "20m": dict(hidden_size=384, num_layers=8, num_heads=8),  # 19.3 M: the GPU proof
+    "olmo2-1b": dict(hidden_size=OLMO2_1B["hidden_size"], num_layers=OLMO2_1B["num_hidden_layers"],
+                     num_heads=OLMO2_1B["num_attention_heads"], intermediate_size=OLMO2_1B["intermediate_size"]),
+}
+
+
 def small_olmo2_config(tokenizer, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
                        intermediate_size: int | None = None, max_position_embeddings: int = 2048):
     from transformers import Olmo2Config
@@ -64,6 +75,48 @@ def build_model(config, seed: int = 0, dtype: torch.dtype = torch.float32):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model
+
+
+def fresh_model(size: str, tokenizer, seed: int = 0, dtype: torch.dtype = torch.float32,
+                max_position_embeddings: int = 2048):
+    """A randomly initialised OLMo-2 model of named ``size`` (see ``MODEL_SIZES``) for ``tokenizer``."""
+    if size not in MODEL_SIZES:
+        raise ValueError(f"unknown model size {size!r}; choose one of {sorted(MODEL_SIZES)}")
+    config = small_olmo2_config(tokenizer, max_position_embeddings=max_position_embeddings, **MODEL_SIZES[size])
+    if size == "olmo2-1b":
+        config.rope_theta = OLMO2_1B["rope_theta"]
+        config.rms_norm_eps = OLMO2_1B["rms_norm_eps"]
+    return build_model(config, seed=seed, dtype=dtype)
+
+
+def tokenizer_corpus(examples, prompt_name: str | None = "r1_zero") -> list[str]:
+    """Texts to train a tokenizer on: each example's rendered prompt and its solution.
+
+    The prompt template repeats in every text, so BPE learns it as a few long tokens and prompts
+    stay short.
+    """
+    from rlvr.prompts import render
+
+    texts = []
+    for ex in examples:
+        texts.append(render(prompt_name, ex.question) if prompt_name else ex.question)
+        if ex.solution:
+            texts.append(ex.solution)
+        texts.append(f" </think> <answer> {ex.ground_truth} </answer>")
+    return texts
+
+
+def save_model_and_tokenizer(model, tokenizer, out_dir: str | Path) -> Path:
+    """Write ``model`` and ``tokenizer`` to ``out_dir`` so that ``load_model_and_tokenizer`` reads them back."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out_dir))
+    tokenizer.save_pretrained(str(out_dir))
+    return out_dir
+
+
+def count_parameters(model) -> int:
+    return sum(p.numel() for p in model.parameters())
 
 
 def load_model_and_tokenizer(name_or_path: str | Path, device: str | torch.device = "cpu",

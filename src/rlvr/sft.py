@@ -1,0 +1,200 @@
+"""`rlvr sft`: supervised fine-tuning on prompt/response pairs, the warm start before RL.
+
+Each example becomes the pair (rendered prompt, reference response). The loss is the mean negative
+log-likelihood of the response tokens only: prompt and padding tokens carry no loss. Tokenisation is
+GRPO's own (``tokenize_prompt_and_output``, ``get_response_log_probs``), so what SFT teaches is
+exactly what the policy gradient later scores.
+
+Responses in the r1_zero format:
+
+- a synthetic task (``--data arith:steps=2``) ships complete responses
+  (``" ... </think> <answer> N </answer>"``);
+- GSM8K (a directory or JSONL path, or ``openai/gsm8k``) ships rationales; the response is the
+  rationale (calculator annotations removed) followed by ``" </think> <answer> {ground_truth} </answer>"``.
+
+The model is a local checkpoint directory, a hub id, or a fresh OLMo-2 model of a named size
+(``tiny``, ``small``, ``20m``, ``olmo2-1b``); a fresh model gets a byte-level BPE tokenizer trained on
+the training prompts and responses first. The output directory holds the model and tokenizer
+(``save_pretrained``), loadable by ``rlvr eval`` and ``rlvr train`` as a base model, plus
+``sft_config.json`` and ``sft_log.jsonl`` (loss and learning rate per step).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from rlvr.data import Example, load_examples
+from rlvr.prompts import render
+
+
+@dataclass
+class SFTConfig:
+    """Supervised fine-tuning of a causal LM on prompt/response pairs (loss on response tokens only)."""
+
+    data: str = "arith:steps=2,max_value=20"
+    """Training data: a task spec (``arith:steps=2,max_value=20``), a GSM8K directory or JSONL file, or ``openai/gsm8k``."""
+    model: str = "small"
+    """A named size for a fresh model (tiny, small, 20m, olmo2-1b), a local checkpoint directory, or a hub id."""
+    out: Path = Path("runs/sft")
+    """Directory for the checkpoint (model + tokenizer), config and log."""
+    prompt: str = "r1_zero"
+    """Prompt template that wraps each question (see ``rlvr.prompts``)."""
+    split: str = "train"
+    """Which split of ``data`` to train on."""
+    max_examples: int | None = None
+    """Use at most this many training examples (the first ones of the split)."""
+    steps: int | None = None
+    """Optimizer steps; when unset, ``epochs`` passes over the data decide."""
+    epochs: float = 1.0
+    """Passes over the training examples (used when ``steps`` is unset)."""
+    batch_size: int = 32
+    """Examples per optimizer step."""
+    lr: float = 1e-3
+    """Peak learning rate (AdamW)."""
+    warmup_steps: int = 10
+    """Linear warm-up steps from 0 to ``lr``."""
+    min_lr_ratio: float = 0.1
+    """The cosine decay ends at ``lr * min_lr_ratio``."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this value."""
+    seed: int = 0
+    """Seed for model initialisation and data order."""
+    data_seed: int = 0
+    """Seed of the synthetic task's generator (ignored for GSM8K)."""
+    vocab_size: int = 640
+    """Vocabulary of the tokenizer trained for a fresh model (at 640 every word of ``arith`` is one token)."""
+    device: str = "cpu"
+    """Torch device (``cpu``, ``cuda``, ``cuda:1``)."""
+    progress: bool = True
+    """Show a progress bar with the loss."""
+
+
+def sft_response(example: Example) -> str:
+    """The r1_zero response that SFT teaches for ``example``.
+
+    A solution that already holds ``</answer>`` is used as is; otherwise it is a rationale and gets
+    the final answer appended in the r1_zero format.
+    """
+    if not example.solution:
+        raise ValueError(
+            f"example {example.question[:60]!r} has no solution to learn from; SFT needs data with worked "
+            "solutions (GSM8K rationales or a synthetic task)"
+        )
+    if "</answer>" in example.solution:
+        return example.solution
+    return f"{example.solution.strip()} </think> <answer> {example.ground_truth} </answer>"
+
+
+def sft_pairs(examples: list[Example], prompt: str = "r1_zero") -> tuple[list[str], list[str]]:
+    """``(prompts, responses)`` for SFT: each question rendered with ``prompt``, and its response."""
+    return [render(prompt, ex.question) for ex in examples], [sft_response(ex) for ex in examples]
+
+
+def response_nll(model, input_ids: torch.Tensor, labels: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """Mean negative log-likelihood of the labels where ``response_mask`` is True; (B, T) inputs."""
+    from rlvr.grpo import get_response_log_probs
+
+    mask = response_mask.to(next(model.parameters()).device)
+    log_probs = get_response_log_probs(model, input_ids, labels)["log_probs"]
+    return -(log_probs * mask).sum() / mask.sum().clamp(min=1)
+
+
+def sft_loss(model, tokenizer, prompts: list[str], responses: list[str]) -> tuple[torch.Tensor, int]:
+    """Mean NLL over the response tokens of the batch, and the number of those tokens."""
+    from rlvr.grpo import tokenize_prompt_and_output
+
+    batch = tokenize_prompt_and_output(prompts, responses, tokenizer)
+    loss = response_nll(model, batch["input_ids"], batch["labels"], batch["response_mask"])
+    return loss, int(batch["response_mask"].sum())
+
+
+def lr_at(step: int, total: int, warmup: int, min_ratio: float) -> float:
+    """Multiplier of the peak learning rate at ``step`` (0-based): linear warm-up, then cosine decay."""
+    if warmup > 0 and step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, total - warmup)
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def init_model(config: SFTConfig, examples: list[Example]):
+    """``(model, tokenizer)``: a fresh model of a named size (with a tokenizer trained on ``examples``),
+    or a checkpoint from a local directory or the hub."""
+    from rlvr import modeling
+
+    if config.model in modeling.MODEL_SIZES:
+        tokenizer = modeling.train_tokenizer(modeling.tokenizer_corpus(examples, config.prompt), config.vocab_size)
+        model = modeling.fresh_model(config.model, tokenizer, seed=config.seed).to(config.device)
+        return model, tokenizer
+    if not Path(config.model).exists() and "/" not in config.model:
+        raise ValueError(
+            f"--model {config.model!r} is neither a named size ({', '.join(modeling.MODEL_SIZES)}), "
+            "a local directory, nor a hub id (owner/name)"
+        )
+    return modeling.load_model_and_tokenizer(config.model, device=config.device, dtype=torch.float32)
+
+
+def run_sft(config: SFTConfig) -> Path:
+    """Fine-tune per ``config`` and save the checkpoint; returns the output directory."""
+    from tqdm.auto import tqdm
+
+    from rlvr.modeling import save_model_and_tokenizer
+
+    examples = load_examples(config.data, split=config.split, limit=config.max_examples, seed=config.data_seed)
+    if not examples:
+        raise ValueError(f"no training examples in {config.data!r} (split {config.split!r})")
+    prompts, responses = sft_pairs(examples, config.prompt)
+    torch.manual_seed(config.seed)
+    model, tokenizer = init_model(config, examples)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
+
+    batch_size = min(config.batch_size, len(examples))
+    total = config.steps if config.steps is not None else max(1, math.ceil(config.epochs * len(examples) / batch_size))
+    rng = random.Random(config.seed)
+    order: list[int] = []
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log_path = out / "sft_log.jsonl"
+    start = time.time()
+    with log_path.open("w") as log, tqdm(range(total), desc="sft", disable=not config.progress) as bar:
+        for step in bar:
+            if len(order) < batch_size:
+                perm = list(range(len(examples)))
+                rng.shuffle(perm)
+                order += perm
+            idx, order = order[:batch_size], order[batch_size:]
+            scale = lr_at(step, total, config.warmup_steps, config.min_lr_ratio)
+            for group in optimizer.param_groups:
+                group["lr"] = config.lr * scale
+            loss, n_tokens = sft_loss(model, tokenizer, [prompts[i] for i in idx], [responses[i] for i in idx])
+            loss.backward()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm))
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            record = {"step": step + 1, "loss": loss.item(), "lr": config.lr * scale, "grad_norm": grad_norm,
+                      "n_tokens": n_tokens, "time": round(time.time() - start, 3)}
+            log.write(json.dumps(record) + "\n")
+            bar.set_postfix(loss=f"{record['loss']:.3f}")
+    model.eval()
+    save_model_and_tokenizer(model, tokenizer, out)
+    (out / "sft_config.json").write_text(json.dumps({k: str(v) if isinstance(v, Path) else v
+                                                     for k, v in asdict(config).items()}, indent=2) + "\n")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import tyro
+
+    config = tyro.cli(SFTConfig, args=argv, description=__doc__.split("\n\n")[0])
+    out = run_sft(config)
+    print(f"saved the fine-tuned model and tokenizer to {out}")
+    return 0

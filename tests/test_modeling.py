@@ -1,0 +1,57 @@
+"""Local tokenizers and models: round-trips, named sizes, save/load."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlvr.data import load_examples
+from rlvr.modeling import (MODEL_SIZES, count_parameters, fresh_model, load_model_and_tokenizer,
+                           save_model_and_tokenizer, tokenizer_corpus, train_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def arith_tokenizer():
+    return train_tokenizer(tokenizer_corpus(load_examples("arith:steps=2,max_value=20", limit=300)), vocab_size=640)
+
+
+@pytest.mark.parametrize("text", [
+    "Mia has 7 apples. 7 + 5 = 12. </think> <answer> 12 </answer>",
+    "  leading and trailing spaces  ", "tabs\tand\nnew lines\n\n", "ünïcödé — ✓ 数学 🙂", "a . b , c", "2,125 $18.00 \\boxed{3}",
+    "",
+])
+def test_tokenizer_round_trips_any_text(arith_tokenizer, text):
+    ids = arith_tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert arith_tokenizer.decode(ids) == text
+
+
+def test_tokenizer_learns_task_words_and_has_special_tokens(arith_tokenizer):
+    assert len(arith_tokenizer) <= 640
+    assert arith_tokenizer.pad_token == "<|pad|>" and arith_tokenizer.eos_token == "<|endoftext|>"
+    assert arith_tokenizer.pad_token_id != arith_tokenizer.eos_token_id
+    # Frequent task words and small numbers are single tokens, so responses stay short.
+    for word in (" Mia", " apples", " starts", " 12", " </"):
+        assert len(arith_tokenizer(word, add_special_tokens=False)["input_ids"]) == 1, word
+
+
+def test_named_sizes(arith_tokenizer):
+    with pytest.raises(ValueError, match="unknown model size"):
+        fresh_model("huge", arith_tokenizer)
+    tiny = fresh_model("tiny", arith_tokenizer, seed=0)
+    assert tiny.config.hidden_size == MODEL_SIZES["tiny"]["hidden_size"]
+    assert tiny.config.vocab_size == len(arith_tokenizer)
+    assert count_parameters(tiny) < count_parameters(fresh_model("small", arith_tokenizer))
+    again = fresh_model("tiny", arith_tokenizer, seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(tiny.parameters(), again.parameters()))
+
+
+def test_save_and_load_round_trip(arith_tokenizer, tmp_path):
+    model = fresh_model("tiny", arith_tokenizer, seed=1).eval()
+    out = save_model_and_tokenizer(model, arith_tokenizer, tmp_path / "ckpt")
+    loaded, tok = load_model_and_tokenizer(out)
+    text = "Mia has 7 apples. How many? 7 + 5 = 12."
+    assert tok(text)["input_ids"] == arith_tokenizer(text)["input_ids"]
+    assert tok.pad_token_id == arith_tokenizer.pad_token_id and tok.eos_token_id == arith_tokenizer.eos_token_id
+    ids = torch.tensor([arith_tokenizer(text, add_special_tokens=False)["input_ids"]])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, loaded.eval()(ids).logits)

@@ -1,0 +1,121 @@
+"""SFT: the loss sees response tokens only, training lowers it, the checkpoint reloads exactly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rlvr.data import Example, load_examples
+from rlvr.sft import SFTConfig, lr_at, run_sft, sft_loss, sft_pairs, sft_response
+
+SPEC = "arith:steps=1,max_value=10"
+
+
+def test_responses_in_r1_zero_format():
+    ex = Example("q?", "18", "Half of 36 is 36/2 = 18.")
+    assert sft_response(ex) == "Half of 36 is 36/2 = 18. </think> <answer> 18 </answer>"
+    full = Example("q?", "3", " 1 + 2 = 3. </think> <answer> 3 </answer>")
+    assert sft_response(full) == full.solution
+    with pytest.raises(ValueError, match="no solution"):
+        sft_response(Example("q?", "3"))
+
+
+def test_gsm8k_rationales_become_r1_zero(gsm8k_path):
+    from rlvr.rewards import r1_zero_reward_fn
+
+    examples = load_examples(str(gsm8k_path), "train", limit=20)
+    _, responses = sft_pairs(examples)
+    for ex, response in zip(examples, responses):
+        assert "<<" not in response and response.endswith(f" </think> <answer> {ex.ground_truth} </answer>")
+        assert r1_zero_reward_fn(response, ex.ground_truth)["reward"] == 1.0
+
+
+def test_loss_is_mean_nll_of_response_tokens_only(tiny_model, tiny_tokenizer):
+    from rlvr.grpo import get_response_log_probs, tokenize_prompt_and_output
+    from rlvr.sft import response_nll
+
+    prompts = ["User: 2 + 3?\nAssistant: <think>", "A longer prompt here. User: 9?"]
+    responses = [" 5 </think>", " 9 </think> <answer> 9 </answer>"]
+    loss, n_tokens = sft_loss(tiny_model, tiny_tokenizer, prompts, responses)
+    batch = tokenize_prompt_and_output(prompts, responses, tiny_tokenizer)
+    lp = get_response_log_probs(tiny_model, batch["input_ids"], batch["labels"])["log_probs"]
+    mask = batch["response_mask"]
+    assert n_tokens == int(mask.sum()) == sum(len(tiny_tokenizer(r, add_special_tokens=False)["input_ids"]) for r in responses)
+    assert torch.allclose(loss, -lp[mask].sum() / n_tokens)
+
+    # Changing the labels at prompt and padding positions leaves the loss and its gradient unchanged.
+    scrambled = batch["labels"].clone()
+    scrambled[~mask] = (scrambled[~mask] + 7) % len(tiny_tokenizer)
+    assert not torch.equal(scrambled, batch["labels"])
+    grads = []
+    for labels in (batch["labels"], scrambled):
+        tiny_model.zero_grad()
+        value = response_nll(tiny_model, batch["input_ids"], labels, mask)
+        value.backward()
+        grads.append((value.detach(), [p.grad.clone() for p in tiny_model.parameters()]))
+    assert torch.equal(grads[0][0], grads[1][0])
+    assert all(torch.equal(a, b) for a, b in zip(grads[0][1], grads[1][1]))
+
+
+def test_lr_schedule_hand_values():
+    assert lr_at(0, 100, 10, 0.1) == pytest.approx(0.1)
+    assert lr_at(9, 100, 10, 0.1) == pytest.approx(1.0)
+    assert lr_at(10, 100, 10, 0.1) == pytest.approx(1.0)
+    assert lr_at(55, 100, 10, 0.1) == pytest.approx(0.55)  # halfway through the cosine: (1 + 0.1) / 2
+    assert lr_at(100, 100, 10, 0.1) == pytest.approx(0.1)
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("sft") / "ckpt"
+    config = SFTConfig(data=SPEC, model="tiny", out=out, steps=40, batch_size=16, lr=3e-3, warmup_steps=4,
+                       max_examples=400, progress=False, seed=0)
+    return config, run_sft(config)
+
+
+def test_sft_lowers_response_loss_on_held_out(sft_run):
+    from rlvr.modeling import fresh_model, load_model_and_tokenizer
+
+    config, out = sft_run
+    model, tokenizer = load_model_and_tokenizer(out)
+    val = load_examples(SPEC, "validation", limit=64)
+    prompts, responses = sft_pairs(val)
+    untrained = fresh_model("tiny", tokenizer, seed=config.seed)
+    with torch.no_grad():
+        before, _ = sft_loss(untrained, tokenizer, prompts, responses)
+        after, _ = sft_loss(model, tokenizer, prompts, responses)
+    assert after < 0.6 * before
+    log = [json.loads(line) for line in (out / "sft_log.jsonl").read_text().splitlines()]
+    assert len(log) == 40 and log[-1]["loss"] < log[0]["loss"]
+    assert json.loads((out / "sft_config.json").read_text())["steps"] == 40
+
+
+def test_checkpoint_reloads_with_identical_log_probs(sft_run, tmp_path):
+    from rlvr.grpo import get_response_log_probs, tokenize_prompt_and_output
+    from rlvr.modeling import load_model_and_tokenizer, save_model_and_tokenizer
+
+    _, out = sft_run
+    model, tokenizer = load_model_and_tokenizer(out)
+    again, tokenizer2 = load_model_and_tokenizer(save_model_and_tokenizer(model, tokenizer, tmp_path / "copy"))
+    prompts, responses = sft_pairs(load_examples(SPEC, "test", limit=8))
+    batch = tokenize_prompt_and_output(prompts, responses, tokenizer)
+    assert torch.equal(batch["input_ids"], tokenize_prompt_and_output(prompts, responses, tokenizer2)["input_ids"])
+    with torch.no_grad():
+        a = get_response_log_probs(model, batch["input_ids"], batch["labels"])["log_probs"]
+        b = get_response_log_probs(again, batch["input_ids"], batch["labels"])["log_probs"]
+    assert torch.equal(a, b)
+
+
+def test_cli_parses_options(tmp_path):
+    import tyro
+
+    config = tyro.cli(SFTConfig, args=["--data", "arith:steps=3", "--model", "tiny", "--steps", "5", "--lr", "1e-4",
+                                       "--out", str(tmp_path)])
+    assert (config.data, config.model, config.steps, config.lr) == ("arith:steps=3", "tiny", 5, 1e-4)
+
+
+def test_unknown_model_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="named size"):
+        run_sft(SFTConfig(data=SPEC, model="not-a-size", out=tmp_path, steps=1, max_examples=4, progress=False))
