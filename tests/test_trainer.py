@@ -96,7 +96,8 @@ def test_every_reweighting_off_policy(method, gsm8k_path, tiny_model, tiny_token
     real = trainer_mod.compute_log_probs_batched
     monkeypatch.setattr(trainer_mod, "compute_log_probs_batched", lambda *a, **k: calls.append(1) or real(*a, **k))
     cfg = tiny_config(gsm8k_path, algorithm=AlgorithmConfig(preset="dr_grpo", reweighting=method),
-                      optim=OptimConfig(lr=3e-3, train_batch_size=4, gradient_accumulation_steps=2, epochs_per_rollout_batch=2))
+                      optim=OptimConfig(lr=3e-3, train_batch_size=4, gradient_accumulation_steps=2, epochs_per_rollout_batch=2,
+                                        logprob_batch_size=8))
     run(cfg, tmp_path, tiny_model, tiny_tokenizer)
     rows = read_metrics(tmp_path / "metrics.jsonl")
     check_sane(rows, clipping=method != "noclip")
