@@ -139,6 +139,8 @@ def _make_engine(config: TrainConfig, model, tokenizer):
     if e.name == "hf-worker":
         dtype = None if e.dtype == "auto" else e.dtype
         return make_engine("hf-worker", model, tokenizer, device=e.device, dtype=dtype, max_batch_size=e.max_batch_size)
+    if e.name != "vllm":  # an engine registered later: its own defaults
+        return make_engine(e.name, model, tokenizer)
     gpu = e.device.split(":")[-1] if e.device.startswith("cuda") else "0"
     return make_engine("vllm", model, tokenizer, served_model=config.model.name_or_path, base_url=e.vllm_base_url,
                        port=e.vllm_port, gpu=gpu, start_server=e.vllm_base_url is None)
