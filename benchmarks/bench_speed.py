@@ -11,7 +11,7 @@ decode are masked out of sampling, never out of the log-probs).
    prefix, kernels differ), and its sampled log-probs against a teacher-forced pass.
 3. Forced length, 256 prompts of 128 tokens x 512 new tokens (EOS ignored), temperature 1:
    (a) ``model.generate`` with a dynamic cache (the baseline); (b) ``HFEngine``; (c) ``FastHFEngine``
-   cold (graph capture included) and warm.
+   cold (graph capture included) and warm, for each of its attention / norm variants.
 4. A realistic rollout batch: 32 GSM8K r1_zero prompts x 8 samples, stop ``</answer>``. With random
    weights nothing stops by itself, so each row is given a length drawn uniformly in [50, 512] via
    the fast engine's per-row length caps (``row_max_new_tokens``): a row retires at its drawn length
@@ -53,6 +53,14 @@ from rlvr.modeling import OLMO2_1B, build_model, train_tokenizer, tokenizer_corp
 from rlvr.prompts import render
 
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, datasheet
+# FastHFEngine settings compared: attention through SDPA or two batched matmuls; HF's RMSNorm modules
+# or one fused F.rms_norm call each.
+VARIANTS = (dict(attention="sdpa", fused_norms=False), dict(attention="matmul", fused_norms=False),
+            dict(attention="sdpa", fused_norms=True), dict(attention="matmul", fused_norms=True))
+
+
+def variant_name(v: dict) -> str:
+    return f"{v['attention']}{', fused norms' if v['fused_norms'] else ''}"
 
 
 # ---------------------------------------------------------------- 1. set-up
@@ -246,18 +254,22 @@ class Bench:
                      f"{base_t / t:.1f}x", "own decode loop, dynamic cache")
             del hf
             self.free()
-        fast = FastHFEngine(self.model, self.tok, max_batch_size=P)
-        _, cold = self.timed(lambda: fast.generate(prompts, params))
-        cap = fast.stats["capture_time"]
-        out, warm = self.timed(lambda: fast.generate(prompts, params))
-        assert all(len(c.token_ids) == T for g in out for c in g)
-        ratio = f"{base_t / warm:.1f}x" if base_t else ""
-        self.row("(c) FastHFEngine, same batch, warm", f"{warm:.2f} s ({tokens / warm:,.0f} tok/s)", f"{floor:.2f} s",
-                 ratio, f"goal <= 6 s; {warm / floor:.1f}x the floor")
-        self.row("(c') FastHFEngine, cold (first call)", f"{cold:.2f} s", "", "",
-                 f"{fast.stats['graphs_captured']} graphs captured in {cap:.1f} s")
-        self.log["fast_stats_forced"] = dict(fast.stats)
-        self.fast = fast
+        self.forced_prompts = prompts
+        for variant in VARIANTS:
+            fast = FastHFEngine(self.model, self.tok, max_batch_size=P, **variant)
+            _, cold = self.timed(lambda: fast.generate(prompts, params))
+            cap = fast.stats["capture_time"]
+            out, warm = self.timed(lambda: fast.generate(prompts, params))
+            assert all(len(c.token_ids) == T for g in out for c in g)
+            ratio = f"{base_t / warm:.1f}x" if base_t else ""
+            name = variant_name(variant)
+            self.row(f"(c) FastHFEngine [{name}], same batch, warm", f"{warm:.2f} s ({tokens / warm:,.0f} tok/s)",
+                     f"{floor:.2f} s", ratio, f"goal <= 6 s; {warm / floor:.1f}x the floor; cold (first call) {cold:.2f} s, "
+                     f"{fast.stats['graphs_captured']} graphs captured in {cap:.1f} s")
+            self.log[f"fast_stats_forced[{name}]"] = dict(fast.stats)
+            fast.close()
+            del fast, out
+            self.free()
 
     # ------------------------------------------------------------ 4. realistic batch
     def realistic(self):
@@ -267,7 +279,11 @@ class Bench:
         lens = [[rng.randint(self.len_lo, self.len_hi) for _ in range(self.group)] for _ in prompts]
         params = SamplingParams(n=self.group, temperature=1.0, top_p=1.0, max_new_tokens=self.len_hi,
                                 stop=("</answer>",), seed=2, ignore_eos=True)
-        fast = getattr(self, "fast", None) or FastHFEngine(self.model, self.tok, max_batch_size=self.rl_prompts * self.group)
+        for variant in VARIANTS:
+            self.realistic_one(prompts, params, lens, variant)
+
+    def realistic_one(self, prompts, params, lens, variant):
+        fast = FastHFEngine(self.model, self.tok, max_batch_size=self.rl_prompts * self.group, **variant)
         before = dict(fast.stats)
         fast.generate(prompts, params, row_max_new_tokens=lens)  # captures the graphs of smaller buckets
         cold_graphs = fast.stats["graphs_captured"] - before["graphs_captured"]
@@ -277,17 +293,18 @@ class Bench:
         p_lens = [len(self.tok(p, add_special_tokens=False)["input_ids"]) for p in prompts]
         floor = self.decode_floor([p for p in p_lens for _ in range(self.group)], [x for row in lens for x in row])
         stopped = sum(c.finish_reason == "stop" for g in out for c in g)
-        self.row(f"(d) realistic: {self.rl_prompts} r1_zero prompts x {self.group}, lengths U[{self.len_lo},{self.len_hi}]",
+        self.row(f"(d) realistic [{variant_name(variant)}]: {self.rl_prompts} r1_zero prompts x {self.group}, "
+                 f"lengths U[{self.len_lo},{self.len_hi}]",
                  f"{t:.2f} s ({real / t:,.0f} real tok/s)", f"{floor:.2f} s", "",
                  f"{real} tokens, mean prompt {statistics.mean(p_lens):.0f} tok; {fast.stats['compactions'] - comp0} "
                  f"compactions, {fast.stats['host_syncs'] - syncs0} host checks, {cold_graphs} extra graphs on first call,"
                  f" {stopped} rows hit </answer> by chance")
-        self.log["fast_stats_realistic"] = dict(fast.stats)
-        self.rollout_time = t
+        self.log[f"fast_stats_realistic[{variant_name(variant)}]"] = dict(fast.stats)
+        self.rollout_time = min(t, getattr(self, "rollout_time", float("inf")))
         self.rl = dict(prompts=prompts, p_ids=[self.tok(p, add_special_tokens=False)["input_ids"] for p in prompts],
                        out=out, lens=lens)
         fast.close()
-        self.fast = None
+        del fast, out
         self.free()
 
     # ------------------------------------------------------------ 5. training

@@ -132,12 +132,17 @@ class FastHFEngine:
 
     def __init__(self, model, tokenizer, max_batch_size: int = 256, batch_buckets=DEFAULT_BATCH_BUCKETS,
                  length_bucket: int = 128, sync_every: int = 8, use_cuda_graphs: bool | None = None,
-                 mask_unused_vocab: bool = True, prefill_tokens: int = 32768):
+                 mask_unused_vocab: bool = True, prefill_tokens: int = 32768, attention: str = "sdpa",
+                 fused_norms: bool = False):
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token = tokenizer.eos_token")
         _check_architecture(model)
         if max_batch_size < 1 or length_bucket < 1 or sync_every < 1:
             raise ValueError("max_batch_size, length_bucket and sync_every must all be >= 1")
+        if attention not in ("sdpa", "matmul"):
+            raise ValueError(f"attention must be 'sdpa' or 'matmul', got {attention!r}")
+        self.attention = attention
+        self.fused_norms = fused_norms
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -260,19 +265,27 @@ class FastHFEngine:
         scale = getattr(rot, "attention_scaling", 1.0)
         return emb.cos() * scale, emb.sin() * scale
 
+    def _norm(self, module, x: torch.Tensor) -> torch.Tensor:
+        if not self.fused_norms:
+            return module(x)
+        # One fused kernel instead of the module's seven elementwise ones; same float32 math
+        # (the module multiplies its weight into the float32 normalised values, then casts).
+        return F.rms_norm(x.float(), (x.shape[-1],), module.weight.float(), module.variance_epsilon).to(x.dtype)
+
     def _layers(self, x: torch.Tensor, cos, sin, attend):
         """Run every decoder layer on x (B, Q, hidden); ``attend(i, q, k, v)`` returns (B, H, Q, D)."""
+        norm = self._norm
         for i, layer in enumerate(self.model.model.layers):
             attn = layer.self_attn
             B, Q, _ = x.shape
-            q = attn.q_norm(attn.q_proj(x)).view(B, Q, -1, attn.head_dim).transpose(1, 2)
-            k = attn.k_norm(attn.k_proj(x)).view(B, Q, -1, attn.head_dim).transpose(1, 2)
+            q = norm(attn.q_norm, attn.q_proj(x)).view(B, Q, -1, attn.head_dim).transpose(1, 2)
+            k = norm(attn.k_norm, attn.k_proj(x)).view(B, Q, -1, attn.head_dim).transpose(1, 2)
             v = attn.v_proj(x).view(B, Q, -1, attn.head_dim).transpose(1, 2)
             q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
             o = attend(i, q, k, v).transpose(1, 2).reshape(B, Q, -1)
-            x = x + layer.post_attention_layernorm(attn.o_proj(o))
-            x = x + layer.post_feedforward_layernorm(layer.mlp(x))
-        return self.model.model.norm(x)
+            x = x + norm(layer.post_attention_layernorm, attn.o_proj(o))
+            x = x + norm(layer.post_feedforward_layernorm, layer.mlp(x))
+        return norm(self.model.model.norm, x)
 
     def _prefill(self, st: _State, row0: int, input_ids: torch.Tensor, starts: torch.Tensor, n: int) -> torch.Tensor:
         """Prefill left-padded prompts (P, L); write K/V to cache rows [row0, row0 + P*n) (each prompt's
@@ -332,7 +345,13 @@ class FastHFEngine:
             kb, vb = st.k[i][:b], st.v[i][:b]
             kb.index_copy_(2, st.slot, k)
             vb.index_copy_(2, st.slot, v)
-            return F.scaled_dot_product_attention(q, kb[:, :, :slots], vb[:, :, :slots], attn_mask=mask)
+            kb, vb = kb[:, :, :slots], vb[:, :, :slots]
+            if self.attention == "sdpa":
+                return F.scaled_dot_product_attention(q, kb, vb, attn_mask=mask)
+            # One query per row: two batched matrix-vector products and a float32 softmax.
+            scores = torch.matmul(q, kb.transpose(-1, -2)).float() * (q.shape[-1] ** -0.5)
+            weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1).to(q.dtype)
+            return torch.matmul(weights, vb)
 
         x = self.model.model.embed_tokens(tok)[:, None]
         h = self._layers(x, cos, sin, attend)
