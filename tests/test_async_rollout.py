@@ -137,6 +137,10 @@ def test_synchronous_mode_is_on_policy(engine, trainer_model, base_state, versio
             current = compute_log_probs_batched(versions[step - 1], batch.input_ids, batch.labels, 16)
             assert masked_max_diff(batch.old_log_probs, current, batch.response_mask) <= 1e-5
             set_version(trainer_model, base_state, step)
+    with AsyncRollouts(engine, max_staleness=0, old_log_probs=False) as rollouts:  # on-policy, no reweighting
+        batch = rollouts.next_batch(4, trainer_model, request)
+        assert batch.weight_version == 3 and batch.old_log_probs is None
+        assert sampled_by(batch, versions, tiny_tokenizer) == [3]
 
 
 def test_sync_requested_during_generation_is_queued_after_it(engine, trainer_model, base_state, versions,
@@ -201,6 +205,11 @@ def test_a_load_behind_its_back_is_detected(engine, trainer_model, base_state):
 def test_in_process_engine_is_refused(trainer_model, tiny_tokenizer):
     with pytest.raises(TypeError, match="hf-worker"):
         AsyncRollouts(HFEngine(trainer_model, tiny_tokenizer))
+
+
+def test_async_without_old_log_probs_is_refused(engine):
+    with pytest.raises(ValueError, match="old log-probs"):
+        AsyncRollouts(engine, max_staleness=1, old_log_probs=False)
 
 
 def test_close_with_work_queued_is_clean(trainer_model, base_state, tiny_tokenizer):

@@ -64,7 +64,7 @@ class RolloutBatch:
     input_ids: torch.Tensor
     labels: torch.Tensor
     response_mask: torch.Tensor
-    old_log_probs: torch.Tensor
+    old_log_probs: torch.Tensor | None
     sync: dict = field(default_factory=dict)
     """Metrics of the load that put ``weight_version`` on the worker (time/sync, sync/probe_max_abs_diff, ...)."""
     timings: dict = field(default_factory=dict)
@@ -92,10 +92,13 @@ class AsyncRollouts:
 
     ``max_staleness`` is how many steps rollouts may run ahead of the trainer (0: synchronous, 1:
     one-step-async). ``logprob_batch_size`` bounds the rows per forward pass of the worker's old
-    log-prob computation. The caller keeps ownership of ``engine`` unless ``close_engine`` is set.
+    log-prob computation; ``old_log_probs=False`` skips it (synchronous on-policy training without
+    reweighting; batches then carry None). The caller keeps ownership of ``engine`` unless
+    ``close_engine`` is set.
     """
 
-    def __init__(self, engine, max_staleness: int = 0, logprob_batch_size: int = 16, close_engine: bool = False):
+    def __init__(self, engine, max_staleness: int = 0, logprob_batch_size: int = 16, old_log_probs: bool = True,
+                 close_engine: bool = False):
         missing = [m for m in ("snapshot", "load_snapshot", "rollout") if not hasattr(engine, m)]
         if missing:
             raise TypeError(
@@ -107,6 +110,9 @@ class AsyncRollouts:
         self.engine = engine
         self.max_staleness = max_staleness
         self.logprob_batch_size = logprob_batch_size
+        self.old_log_probs = old_log_probs
+        if max_staleness and not old_log_probs:
+            raise ValueError("asynchronous rollouts need old log-probs: the trainer must reweight stale samples")
         self.close_engine = close_engine
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlvr-rollouts")
         self._lock = threading.Lock()
@@ -229,7 +235,7 @@ class AsyncRollouts:
         load_meta = load.result()
         self._log("rollout_start", step, version)
         try:
-            out = self.engine.rollout(prompts, params, request_id, self.logprob_batch_size)
+            out = self.engine.rollout(prompts, params, request_id, self.logprob_batch_size, self.old_log_probs)
         finally:
             self._log("rollout_end", step, version)
         if out["request_id"] != request_id or out["version"] != version:
@@ -240,9 +246,9 @@ class AsyncRollouts:
                 "an engine, sync and generate only through it."
             )
         n_rows = len(prompts) * params.n
-        if len(out["completions"]) != len(prompts) or out["old_log_probs"].shape[0] != n_rows:
+        if len(out["completions"]) != len(prompts) or out["input_ids"].shape[0] != n_rows:
             raise RolloutOrderError(f"the worker returned {len(out['completions'])} groups and "
-                                    f"{out['old_log_probs'].shape[0]} scored rows for {len(prompts)} prompts x {params.n}")
+                                    f"{out['input_ids'].shape[0]} rows for {len(prompts)} prompts x {params.n}")
         return RolloutBatch(
             step=step, weight_version=version, request_id=request_id, prompts=prompts, params=params,
             completions=out["completions"], input_ids=out["input_ids"], labels=out["labels"],

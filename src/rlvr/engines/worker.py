@@ -143,7 +143,7 @@ def _probe(model, input_ids, mask) -> torch.Tensor:
 
 
 def _rollout(engine, model, tokenizer, version, request_id: int, prompts: list[str], params: SamplingParams,
-             logprob_batch_size: int) -> dict:
+             logprob_batch_size: int, score: bool = True) -> dict:
     """Generate, retokenise like the trainer, and score the batch with the weights that sampled it."""
     from rlvr.grpo.logprobs import compute_log_probs_batched
     from rlvr.grpo.tokenize import pad_token_id, tokenize_from_ids
@@ -156,13 +156,14 @@ def _rollout(engine, model, tokenizer, version, request_id: int, prompts: list[s
     prompt_ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
     output_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
     batch = tokenize_from_ids([prompt_ids[i // n] for i in range(len(responses))], output_ids, pad_token_id(tokenizer))
-    was_training = model.training
-    model.eval()
-    try:
-        old = compute_log_probs_batched(model, batch["input_ids"], batch["labels"], logprob_batch_size)
-    finally:
-        model.train(was_training)
-    old = old.float().cpu()
+    old = None
+    if score:
+        was_training = model.training
+        model.eval()
+        try:
+            old = compute_log_probs_batched(model, batch["input_ids"], batch["labels"], logprob_batch_size).float().cpu()
+        finally:
+            model.train(was_training)
     return {"request_id": request_id, "version": version, "completions": groups, **batch, "old_log_probs": old,
             "time/generate": t1 - t0, "time/old_logprobs": time.perf_counter() - t1}
 
@@ -409,17 +410,18 @@ class HFWorkerEngine:
                 "time/sync_with_probe": time.perf_counter() - t0, "sync/bytes": snap.nbytes}
 
     def rollout(self, prompts: list[str], params: SamplingParams, request_id: int,
-                logprob_batch_size: int = 16) -> dict:
+                logprob_batch_size: int = 16, score: bool = True) -> dict:
         """Generate for ``prompts`` and score the result with the same weights, in one request.
 
         Returns ``request_id`` and ``version`` (the worker's weight version, None when untagged),
         ``completions`` (per prompt, ``params.n`` each), the trainer's tokenisation of the flattened
         prompt/response pairs (``input_ids``, ``labels``, ``response_mask``, as
         ``rlvr.grpo.tokenize_prompt_and_output``), ``old_log_probs`` (B, T) float32 on CPU, and the
-        worker's ``time/generate`` and ``time/old_logprobs``.
+        worker's ``time/generate`` and ``time/old_logprobs``. ``score=False`` skips the log-probs
+        (``old_log_probs`` is None): on-policy training without reweighting does not need them.
         """
         return self._call("rollout", {"request_id": request_id, "prompts": list(prompts), "params": params,
-                                      "logprob_batch_size": logprob_batch_size})
+                                      "logprob_batch_size": logprob_batch_size, "score": score})
 
     def probe_diff(self, model) -> float:
         """Max absolute difference of the probe batch's log-probs between trainer and worker."""
