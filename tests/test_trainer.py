@@ -311,3 +311,15 @@ def test_cli_trains_from_a_config_file_and_resumes(gsm8k_path, tmp_path):
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2]
     assert main(["train", "--config", str(cfg_file), "--out", str(tmp_path / "bad"), "--optim.train_batch_size", "3"]) == 2
     assert not (tmp_path / "bad" / "config.json").exists()  # rejected before anything was written
+
+
+def test_plugins_field_makes_a_custom_estimator_selectable(gsm8k_path, tiny_model, tiny_tokenizer, tmp_path):
+    from pathlib import Path
+
+    plugin = Path(__file__).resolve().parents[1] / "examples" / "my_estimator.py"
+    cfg = tiny_config(gsm8k_path, plugins=(str(plugin),), algorithm=AlgorithmConfig(reweighting="clip_higher", cliprange=0.2),
+                      optim=OptimConfig(lr=1e-3, gradient_accumulation_steps=1, train_batch_size=4))
+    run(cfg, tmp_path, tiny_model, tiny_tokenizer)
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert all(0 <= r["train/clip_fraction"] <= 1 for r in rows if r["step"] > 0)
+    assert json.loads((tmp_path / "config.json").read_text())["plugins"] == [str(plugin)]

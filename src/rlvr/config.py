@@ -183,6 +183,8 @@ class TrainConfig:
     """Device of the policy and optimizer (auto: cuda:0 when available, else cpu)."""
     max_consecutive_nonfinite: int = 3
     """Stop the run after this many optimizer steps in a row with a non-finite loss or gradient norm."""
+    plugins: tuple[str, ...] = ()
+    """Modules or .py files imported before the config is resolved (they register custom estimators)."""
 
     # -- derived quantities -------------------------------------------------------------------
     @property

@@ -289,6 +289,10 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False, *, mod
     saving.
     """
     run_dir = Path(out_dir)
+    if config.plugins:
+        from rlvr.experiments.plugins import import_plugins
+
+        import_plugins(config.plugins)
     config = config.resolve()
     config.validate()
     summary = read_summary(run_dir)

@@ -133,7 +133,9 @@ def policy_gradient_update(model, optimizer, input_ids: torch.Tensor, labels: to
     grad_norm = float(grad_norm)
     loss_value = float(total_loss)
     nonfinite = not (math.isfinite(grad_norm) and math.isfinite(loss_value))
-    if step and have_grads and not nonfinite:
+    if step and not nonfinite:
+        # With no gradients (every advantage zero) this changes no parameter, but it keeps the
+        # optimizer's step count in line with the learning-rate scheduler's.
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     for p in params:  # optimizers may be given only a subset of the parameters
