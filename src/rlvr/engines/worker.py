@@ -34,6 +34,7 @@ cannot interleave requests and replies.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import socket
 import threading
@@ -393,7 +394,9 @@ class HFWorkerEngine:
         """Send a snapshot to the worker, check its probe log-probs against the snapshot's, and on
         success tag the worker with ``snap.version``. Raises ``WeightSyncError`` on a mismatch (the
         worker then stays untagged)."""
-        with self._lock:
+        # May run on a background thread, whose current CUDA device is not the caller's.
+        device_ctx = torch.cuda.device(self.comm_device) if self.comm_device.type == "cuda" else contextlib.nullcontext()
+        with self._lock, device_ctx:
             t0 = time.perf_counter()
             self.weight_version = None
             self._call("sync", snap.plan)
