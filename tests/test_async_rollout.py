@@ -141,6 +141,12 @@ def test_synchronous_mode_is_on_policy(engine, trainer_model, base_state, versio
         batch = rollouts.next_batch(4, trainer_model, request)
         assert batch.weight_version == 3 and batch.old_log_probs is None
         assert sampled_by(batch, versions, tiny_tokenizer) == [3]
+        # validation after "training" step 4 sees version 4, through the same queue
+        set_version(trainer_model, base_state, 4)
+        greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+        evaluated = rollouts.engine_for_eval(trainer_model, 4).generate(PROMPTS, greedy)
+        assert _ids(evaluated) == _ids(HFEngine(versions[4], tiny_tokenizer, max_batch_size=MAX_BATCH).generate(PROMPTS, greedy))
+        assert rollouts.events[-2:] == [("sync_start", 4), ("sync_end", 4)]
 
 
 def test_sync_requested_during_generation_is_queued_after_it(engine, trainer_model, base_state, versions,

@@ -194,6 +194,13 @@ class AsyncRollouts:
         self._check_open()
         return self._pool.submit(self.engine.generate, list(prompts), params).result(timeout)
 
+    def engine_for_eval(self, model, version: int) -> "QueuedEngine":
+        """Queue the load of ``model`` as ``version`` and return an ``Engine`` whose ``generate`` runs
+        through this queue (after that load): validation sees the newest weights and never races
+        the rollouts for the worker."""
+        self.sync(model, version)
+        return QueuedEngine(self)
+
     def close(self) -> None:
         """Drop queued work, wait for the request in flight, stop the thread (and the engine if owned)."""
         if self._closed:
@@ -256,3 +263,23 @@ class AsyncRollouts:
             timings={"time/generate": out["time/generate"], "time/old_logprobs": out["time/old_logprobs"],
                      "time/queue": start - queued_at},
         )
+
+
+class QueuedEngine:
+    """The ``Engine`` interface over an ``AsyncRollouts`` queue (for validation during async training).
+
+    ``sync_weights`` does nothing: weights reach the worker through ``AsyncRollouts.sync``.
+    ``close`` does nothing: the ``AsyncRollouts`` owns the engine's lifetime.
+    """
+
+    def __init__(self, rollouts: AsyncRollouts):
+        self.rollouts = rollouts
+
+    def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:
+        return self.rollouts.generate(prompts, params)
+
+    def sync_weights(self, model) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
