@@ -13,7 +13,8 @@ else on synthetic word problems). The trainer (policy + fused AdamW) lives on GP
    extra time. Goal: under 100 ms.
 2. **Seconds per step**, ``--steps`` measured steps after ``--warmup`` per mode, each step being
    rollouts (``--n-prompts`` r1_zero prompts x ``--group-size`` samples, temperature 1, exactly
-   ``--max-new-tokens`` new tokens: EOS is ignored so every mode does the same work), grading, and
+   ``--max-new-tokens`` new tokens: the hf-fast engine ignores EOS so every mode does the same work;
+   ``hf`` cannot, but random weights rarely sample it), grading, and
    one ``policy_gradient_update`` (fused AdamW, token-budget microbatches, chunked log-probs):
 
    (a) ``colocated``: one GPU; the engine runs in the trainer's process on the policy's weights;
@@ -31,7 +32,7 @@ else on synthetic word problems). The trainer (policy + fused AdamW) lives on GP
 A Markdown table is printed last. ``NCCL_NVLS_ENABLE=0`` is set for this process and the worker
 (NVLink multicast stays off).
 
-GPU (2 GPUs, about 5-6 minutes at the defaults):
+GPU (2 GPUs; about 3-6 minutes at the defaults, most of it start-up and graph capture):
 
     PYTHONPATH=src PYTHONUNBUFFERED=1 python benchmarks/bench_two_gpu.py --data-dir DIR
 
