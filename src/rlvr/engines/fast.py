@@ -127,13 +127,16 @@ class FastHFEngine:
 
     ``max_batch_size`` bounds the rows decoded together (prompts × n); ``batch_buckets`` are the
     batch sizes graphs are captured for; ``length_bucket`` rounds the attended cache length;
-    ``sync_every`` is how many steps run between host checks of EOS / stop strings.
+    ``sync_every`` is how many steps run between host checks of EOS / stop strings. ``attention``
+    is ``"sdpa"`` (default) or ``"matmul"`` (two batched matrix-vector products); ``fused_norms``
+    replaces each RMSNorm module call by one ``F.rms_norm`` on the same float32 values (fewer kernels
+    per step). Both defaults were the fastest on an H200 (docs/benchmarks_speed.md).
     """
 
     def __init__(self, model, tokenizer, max_batch_size: int = 256, batch_buckets=DEFAULT_BATCH_BUCKETS,
                  length_bucket: int = 128, sync_every: int = 8, use_cuda_graphs: bool | None = None,
                  mask_unused_vocab: bool = True, prefill_tokens: int = 32768, attention: str = "sdpa",
-                 fused_norms: bool = False):
+                 fused_norms: bool = True):
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token = tokenizer.eos_token")
         _check_architecture(model)
