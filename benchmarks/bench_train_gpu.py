@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import zlib
 import statistics
 import sys
 import tempfile
@@ -45,18 +46,28 @@ def build_policy(args, train_examples, device: torch.device):
     return model, tokenizer
 
 
+def coin_reward(response: str, ground_truth: str) -> dict:
+    """A fair coin per response (a stable hash), standing in for the grader: with random weights every
+    graded reward is 0, every advantage is 0, and the train step would skip every sequence."""
+    r = float(zlib.crc32(response.encode("utf-8")) % 2)
+    return {"reward": r, "answer_reward": r, "format_reward": 0.0}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--data-dir", required=True, help="directory holding GSM8K train.jsonl")
     p.add_argument("--steps", type=int, default=20, help="rollout steps to time")
     p.add_argument("--max-new-tokens", type=int, default=512, help="response cap (random weights always hit it)")
-    p.add_argument("--engine", default="hf", choices=["hf", "hf-worker"], help="hf: one GPU; hf-worker: engine on cuda:1")
+    p.add_argument("--engine", default="hf", choices=["hf", "hf-fast", "hf-worker"], help="hf or hf-fast: one GPU, in-process; hf-worker: engine on cuda:1")
     p.add_argument("--n-prompts", type=int, default=32)
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--grad-accum", type=int, default=32)
     p.add_argument("--gradient-checkpointing", action="store_true")
     p.add_argument("--tokenizer-vocab", type=int, default=4096, help="size of the locally trained tokenizer")
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, tiny batch, 2 steps")
+    p.add_argument("--reward", default="coin", choices=["coin", "grader"],
+                   help="coin: a deterministic hash of the response decides 0/1, so groups carry signal and the "
+                        "train step does real work (random weights never answer right); grader: the r1_zero grader")
     p.add_argument("--out", default=None, help="run directory (default: a temporary one)")
     args = p.parse_args(argv)
 
@@ -102,7 +113,7 @@ def main(argv=None) -> int:
 
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="bench_train_"))
     t0 = time.perf_counter()
-    train(config, out, model=model, tokenizer=tokenizer)
+    train(config, out, model=model, tokenizer=tokenizer, reward_fn=coin_reward if args.reward == "coin" else None)
     wall = time.perf_counter() - t0
     rows = [r for r in read_metrics(out / "metrics.jsonl") if r.get("step", 0) > 0]
     peak_gb = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else float("nan")

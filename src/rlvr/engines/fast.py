@@ -164,6 +164,7 @@ class FastHFEngine:
         self._state: _State | None = None
         self._graphs: dict = {}
         self._pool = None
+        self._captured_signature = None
 
     # ------------------------------------------------------------------ engine interface
     @property
@@ -174,12 +175,25 @@ class FastHFEngine:
         if model is not self.model:
             _check_architecture(model)
             self.model = model
-        self._graphs.clear()  # parameters may be new tensors; captured graphs would read the old ones
+        # Optimizers update parameters in place, so captured graphs stay valid; only new parameter
+        # tensors (a new model, a reloaded state) make them read stale memory.
+        if self._param_signature() != self._captured_signature:
+            self._drop_graphs()
         return {"time/sync": 0.0}
 
     def close(self) -> None:
-        self._graphs.clear()
+        self._drop_graphs()
         self._state = None
+
+    def _param_signature(self) -> tuple:
+        return tuple(p.data_ptr() for p in self.model.parameters())
+
+    def _drop_graphs(self) -> None:
+        # A memory pool must not outlive the graphs it served: capturing new graphs into the pool of
+        # destroyed ones trips the caching allocator, so every drop starts a fresh pool.
+        self._graphs.clear()
+        self._pool = None
+        self._captured_signature = None
 
     def _graphs_enabled(self) -> bool:
         if self.use_cuda_graphs is None:
@@ -233,7 +247,7 @@ class FastHFEngine:
         if st is not None:  # grow to cover both the old and the new request
             rows, slots, steps = max(rows, st.rows_cap), max(slots, st.slots_cap), max(steps, st.steps_cap)
             del st  # let the old buffers go before the new ones are allocated
-        self._graphs.clear()
+        self._drop_graphs()
         self._state = None
         cfg = model.config
         heads = cfg.num_attention_heads
@@ -377,8 +391,11 @@ class FastHFEngine:
         key = (b, slots, mode)
         graph = self._graphs.get(key)
         if graph is None:
+            if self._param_signature() != self._captured_signature:
+                self._drop_graphs()
             graph = self._capture(st, b, slots, mode)
             self._graphs[key] = graph
+            self._captured_signature = self._param_signature()
         graph.replay()
 
     def _capture(self, st: _State, b: int, slots: int, mode: str):
