@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from rlvr.config import (
-    AlgorithmConfig, ConfigError, DataConfig, OptimConfig, RolloutConfig, TrainConfig, load_config_file,
+    AlgorithmConfig, ConfigError, DataConfig, EngineConfig, OptimConfig, RolloutConfig, TrainConfig, load_config_file,
     parse_overrides, save_config,
 )
 
@@ -72,6 +72,10 @@ def test_cliprange_defaults_per_method_and_off_policy_32x():
     (dict(prompt="cot"), "unknown prompt 'cot'"),
     (dict(optim=OptimConfig(schedule="step")), "unknown optim.schedule"),
     (dict(data=DataConfig(train_size=16)), "smaller than one rollout batch"),
+    (dict(engine=EngineConfig(max_staleness=2)), "engine.max_staleness must be 0"),
+    (dict(engine=EngineConfig(name="hf", max_staleness=1), algorithm=AlgorithmConfig(reweighting="grpo")),
+     "Set engine.name=hf-worker"),
+    (dict(engine=EngineConfig(name="hf-worker", max_staleness=1)), "Set algorithm.reweighting to grpo"),
 ])
 def test_impossible_settings_name_the_fix(kw, fix):
     with pytest.raises(ConfigError, match=fix.replace("(", r"\(").replace(".", r"\.")):
@@ -126,12 +130,27 @@ def test_config_json_round_trips(tmp_path):
     assert back == c
 
 
-@pytest.mark.parametrize("name", ["gsm8k_olmo2_1b_grpo.yaml", "gsm8k_olmo2_1b_offpolicy_32x.toml", "tiny_cpu.yaml"])
+@pytest.mark.parametrize("name", ["gsm8k_olmo2_1b_grpo.yaml", "gsm8k_olmo2_1b_offpolicy_32x.toml", "tiny_cpu.yaml",
+                                  "gsm8k_olmo2_1b_async_2gpu.yaml"])
 def test_example_configs_validate(name):
     c = load_config_file(CONFIGS / name).resolve()
-    c.validate()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c.validate()
+    if "async" in name:
+        assert c.engine.max_staleness == 1 and c.engine.name == "hf-worker" and c.engine.device != c.policy_device
+        assert c.algorithm.reweighting == "grpo" and c.algorithm.cliprange == 0.2 and not c.off_policy
     if "32x" in name:
         assert c.updates_per_rollout_batch == 32 and c.algorithm.cliprange == 0.2
     if "olmo2_1b_grpo" in name:
         defaults = TrainConfig().resolve()
         assert dataclasses.replace(c, engine=defaults.engine, policy_device=defaults.policy_device, save_every=defaults.save_every) == defaults
+
+
+def test_async_on_the_policy_gpu_warns_that_nothing_overlaps():
+    kw = dict(algorithm=AlgorithmConfig(reweighting="grpo"), policy_device="cuda:0")
+    with pytest.warns(UserWarning, match="barely overlap"):
+        resolved(engine=EngineConfig(name="hf-worker", device="cuda:0", max_staleness=1), **kw).validate()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolved(engine=EngineConfig(name="hf-worker", device="cuda:1", max_staleness=1), **kw).validate() == []

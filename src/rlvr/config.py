@@ -136,6 +136,8 @@ class EngineConfig:
     """URL of a running vLLM server (None: the engine starts ``vllm serve`` itself)."""
     vllm_port: int = 8000
     """Port of the vLLM server the engine starts."""
+    max_staleness: int = 0
+    """0: synchronous (every batch sampled by the current weights); 1: one-step-async (hf-worker only): the engine samples batch t+1 while the trainer trains on batch t, and the configured importance reweighting corrects the one step of staleness."""
 
 
 @dataclass(frozen=True)
@@ -311,6 +313,17 @@ class TrainConfig:
         need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), f"optim.betas must be two numbers in [0, 1), got {o.betas}")
 
         need(self.engine.name in ENGINES, f"unknown engine.name {self.engine.name!r}: choose one of {', '.join(ENGINES)}")
+        need(self.engine.max_staleness in (0, 1),
+             f"engine.max_staleness must be 0 (synchronous) or 1 (one-step-async), got {self.engine.max_staleness}")
+        if self.engine.max_staleness == 1:
+            need(self.engine.name == "hf-worker",
+                 "engine.max_staleness=1 needs an engine with its own copy of the weights that can run ahead of the "
+                 f"trainer; engine.name={self.engine.name!r} cannot. Set engine.name=hf-worker (or max_staleness=0)")
+            if a.reweighting in REWEIGHTINGS:
+                need(REWEIGHTINGS[a.reweighting].needs_old_log_probs,
+                     "engine.max_staleness=1 samples every batch with weights one step old, and "
+                     f"algorithm.reweighting={a.reweighting!r} does not correct for that. Set algorithm.reweighting to "
+                     "grpo (PPO token clip, cliprange 0.2), noclip, gspo or cispo (or max_staleness=0)")
         need(self.model.dtype in DTYPES, f"unknown model.dtype {self.model.dtype!r}: choose one of {DTYPES}")
         need(self.engine.dtype in DTYPES, f"unknown engine.dtype {self.engine.dtype!r}: choose one of {DTYPES}")
         if self.model.fresh is not None:
@@ -339,6 +352,10 @@ class TrainConfig:
         if r.temperature != 1.0 and a.reweighting != "none":
             warns.append("rollout.temperature != 1 with importance reweighting: the old log-probs are at temperature 1, "
                          "not the sampling distribution")
+        e = self.engine
+        if e.max_staleness and e.device == self.policy_device and e.device.startswith("cuda"):
+            warns.append(f"engine.max_staleness=1 with the engine on the policy's device ({e.device}): generation and "
+                         "training share one GPU, so they barely overlap; put the engine on another GPU (engine.device)")
         if self.data.val_size < 1024 and self.data.val_size > 0 and self.model.fresh is None:
             warns.append(f"data.val_size={self.data.val_size} < 1024: CoT evaluations are noisy (SPEC asks for >= 1024)")
         for w in warns:

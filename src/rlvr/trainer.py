@@ -17,6 +17,22 @@ One rollout step (SPEC, "The training loop"):
 7. **evaluate** every ``eval_every`` steps, **log** one line to ``metrics.jsonl``, **dump** rollouts,
    **checkpoint** every ``save_every`` steps.
 
+**Worker engines** (``hf-worker``: their own process and copy of the weights) run steps 1-3 and 5
+through ``rlvr.engines.async_rollout.AsyncRollouts``: versioned weight loads with the probe check,
+and the old log-probs computed on the worker in the same request as the generation, under the
+weights that sampled the batch (so that forward leaves the trainer's GPU). ``engine.max_staleness``
+says how far rollouts run ahead:
+
+* ``0`` (default): synchronous; batch s is sampled by the weights after step s-1 (on-policy).
+* ``1``: one-step-async; the worker generates batch s+1 while the trainer trains on batch s, so batch
+  s is sampled by the weights after step s-2 (batches 1 and 2 both by the initial weights) and the
+  configured importance reweighting corrects the one step of staleness. On resume from a checkpoint
+  at step k, batch k+1 is sampled by the checkpoint's weights (on-policy, staleness 0) because the
+  weights of step k-1 are not saved; from batch k+2 on the schedule is the usual one.
+
+Every step logs ``rollout/weight_version`` (optimizer steps behind the weights that sampled the batch)
+and ``rollout/staleness`` (the trainer's version minus that one).
+
 The math lives in ``rlvr.grpo``; this module only moves data between the pieces, times them and
 keeps the run recoverable: non-finite updates are skipped and counted (too many in a row stop the
 run), engine and grader failures stop it with the last checkpoint intact, Ctrl-C finishes or abandons
@@ -202,6 +218,88 @@ def _engine_agreement(completions, output_ids, old_log_probs, response_mask, eos
     return out
 
 
+def _step_examples(config: TrainConfig, train_examples, step: int) -> list:
+    return [train_examples[i] for i in batch_indices(len(train_examples), config.rollout.n_prompts_per_rollout_batch,
+                                                     step - 1, config.seed)]
+
+
+def _sampling_params(config: TrainConfig, step: int):
+    from rlvr.engines.base import SamplingParams
+    from rlvr.prompts import stop_strings
+
+    r = config.rollout
+    return SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                          stop=tuple(stop_strings(config.prompt)), include_stop_str_in_output=True,
+                          seed=derive_seed(config.seed, "rollout", step))
+
+
+def _rollout_request(config: TrainConfig, train_examples):
+    """``request(s)``: the prompts and sampling parameters of 1-based step s (a pure function of the seed and s)."""
+    from rlvr.prompts import render
+
+    def request(s: int):
+        prompts = [render(config.prompt, ex.question) for ex in _step_examples(config, train_examples, s)]
+        return prompts, _sampling_params(config, s)
+
+    return request
+
+
+def _make_rollouts(config: TrainConfig, engine):
+    """An ``AsyncRollouts`` over an engine that holds its own copy of the weights (hf-worker), else None."""
+    from rlvr.engines.async_rollout import AsyncRollouts
+
+    capable = all(hasattr(engine, m) for m in ("snapshot", "load_snapshot", "rollout"))
+    if not capable and not config.engine.max_staleness:
+        return None
+    try:
+        return AsyncRollouts(engine, max_staleness=config.engine.max_staleness,
+                             logprob_batch_size=config.optim.logprob_batch_size,
+                             old_log_probs=REWEIGHTINGS[config.algorithm.reweighting].needs_old_log_probs)
+    except (TypeError, ValueError) as e:
+        raise EngineError(f"engine.max_staleness={config.engine.max_staleness} cannot run on this engine: {e}") from e
+
+
+def _sample_in_process(config: TrainConfig, step: int, model, engine, train_examples, metrics: dict):
+    """Sync the engine, generate step ``step``'s batch; returns (prompts, groups, None)."""
+    t0 = time.perf_counter()
+    try:
+        sync_meta = engine.sync_weights(model) or {}
+    except Exception as e:  # noqa: BLE001
+        raise EngineError(f"the engine failed to take new weights at step {step}: {type(e).__name__}: {e}. "
+                          "The last checkpoint is intact; resume with `rlvr train --resume DIR`.") from e
+    metrics["time/sync"] = time.perf_counter() - t0
+    metrics.update({k: v for k, v in sync_meta.items() if k != "time/sync" and isinstance(v, (int, float))})
+    prompts, params = _rollout_request(config, train_examples)(step)
+    t0 = time.perf_counter()
+    try:
+        groups = engine.generate(prompts, params)
+    except Exception as e:  # noqa: BLE001
+        raise EngineError(f"the engine failed to generate at step {step}: {type(e).__name__}: {e}. "
+                          "The last checkpoint is intact; resume with `rlvr train --resume DIR`.") from e
+    metrics["time/generate"] = time.perf_counter() - t0
+    metrics.update({"rollout/weight_version": step - 1, "rollout/staleness": 0})
+    return prompts, groups, None
+
+
+def _sample_from_rollouts(config: TrainConfig, step: int, model, rollouts, train_examples, metrics: dict):
+    """Step ``step``'s batch from the rollout queue (sampled ``max_staleness`` steps ago at most);
+    returns (prompts, groups, RolloutBatch)."""
+    request = _rollout_request(config, train_examples)
+    t0 = time.perf_counter()
+    try:
+        rb = rollouts.next_batch(step, model, request, last_step=config.n_steps)
+    except Exception as e:  # noqa: BLE001
+        raise EngineError(f"the rollout engine failed at step {step}: {type(e).__name__}: {e}. "
+                          "The last checkpoint is intact; resume with `rlvr train --resume DIR`.") from e
+    metrics["time/rollout_wait"] = time.perf_counter() - t0  # what the trainer waited; the rest overlapped
+    metrics.update(rb.metrics(current_version=step - 1))
+    prompts = request(step)[0]
+    if rb.step != step or rb.prompts != prompts:
+        raise EngineError(f"the rollout queue handed over batch {rb.step} with other prompts at step {step}; this is "
+                          "a bug in the rollout bookkeeping: please report it")
+    return prompts, rb.completions, rb
+
+
 def _minibatches(n_rows: int, train_batch: int, shuffle: bool, seed: int, step: int, epoch: int) -> list[list[int]]:
     if shuffle:
         order = torch.randperm(n_rows, generator=torch.Generator().manual_seed(derive_seed(seed, "minibatch", step, epoch))).tolist()
@@ -356,6 +454,7 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False, *, mod
         truncate_metrics(run_dir / "metrics.jsonl", start_step)
 
     own_engine = engine is None
+    rollouts = None
     logger = None
     step = completed = start_step
     saved_step = start_step if ckpt is not None else None
@@ -382,6 +481,12 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False, *, mod
                 engine = _make_engine(config, model, tokenizer)
             except Exception as e:  # noqa: BLE001
                 raise EngineError(f"could not start the {config.engine.name} engine: {type(e).__name__}: {e}") from e
+        rollouts = _make_rollouts(config, engine)
+
+        def eval_engine(version: int):
+            # Through the rollout queue, after a load of the current weights: never racing a rollout.
+            return engine if rollouts is None else rollouts.engine_for_eval(model, version)
+
         logger = MetricsLogger(run_dir, config.to_dict(), wandb=config.log.wandb, wandb_project=config.log.wandb_project,
                                tensorboard=config.log.tensorboard)
         from tqdm.auto import tqdm
@@ -389,16 +494,18 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False, *, mod
         bar = tqdm(total=config.n_steps, initial=start_step, desc="train", unit="step", disable=not config.log.progress,
                    dynamic_ncols=True)
         if start_step == 0 and config.eval_at_start and val_examples:
-            loop["last_val"] = {k: v for k, v in _validate(model, tokenizer, engine, config, val_examples, 0, run_dir).items()
+            loop["last_val"] = {k: v for k, v in _validate(model, tokenizer, eval_engine(0), config, val_examples, 0,
+                                                           run_dir).items()
                                 if k.startswith("val/")}
             logger.log({"step": 0, **loop["last_val"]})
         for step in range(start_step + 1, config.n_steps + 1):
             with _DeferInterrupt() as deferred:
                 metrics = _rollout_step(config, step, model, tokenizer, engine, optimizer, scheduler, reward_fn,
-                                        train_examples, loop, run_dir, mark_dirty=lambda: progress.update(dirty=True))
+                                        train_examples, loop, run_dir, mark_dirty=lambda: progress.update(dirty=True),
+                                        rollouts=rollouts)
                 if (config.eval_every and step % config.eval_every == 0) or step == config.n_steps:
                     if val_examples:
-                        val = _validate(model, tokenizer, engine, config, val_examples, step, run_dir)
+                        val = _validate(model, tokenizer, eval_engine(step), config, val_examples, step, run_dir)
                         metrics.update(val)
                         loop["last_val"] = {k: v for k, v in val.items() if k.startswith("val/")}
                 logger.log(metrics)
@@ -437,43 +544,28 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False, *, mod
     finally:
         if logger is not None:
             logger.close()
+        if rollouts is not None:  # before the engine: it waits for the request in flight
+            rollouts.close()
         if own_engine and engine is not None:
             engine.close()
 
 
 def _rollout_step(config: TrainConfig, step: int, model, tokenizer, engine, optimizer, scheduler, reward_fn,
-                  train_examples, loop: dict, run_dir: Path, mark_dirty) -> dict:
-    """Steps 1-6 of the module docstring for 1-based rollout step ``step``; returns its metrics."""
-    from rlvr.engines.base import SamplingParams
-    from rlvr.prompts import render, stop_strings
+                  train_examples, loop: dict, run_dir: Path, mark_dirty, rollouts=None) -> dict:
+    """Steps 1-6 of the module docstring for 1-based rollout step ``step``; returns its metrics.
 
+    With ``rollouts`` (an ``AsyncRollouts``) the batch, its tokenisation and its old log-probs come
+    from the rollout queue instead of ``engine``."""
     r, a, o = config.rollout, config.algorithm, config.optim
     G, P = r.group_size, r.n_prompts_per_rollout_batch
     metrics: dict = {"step": step}
     t_step = time.perf_counter()
 
-    t0 = time.perf_counter()
-    try:
-        sync_meta = engine.sync_weights(model) or {}
-    except Exception as e:  # noqa: BLE001
-        raise EngineError(f"the engine failed to take new weights at step {step}: {type(e).__name__}: {e}. "
-                          "The last checkpoint is intact; resume with `rlvr train --resume DIR`.") from e
-    metrics["time/sync"] = time.perf_counter() - t0
-    metrics.update({k: v for k, v in sync_meta.items() if k != "time/sync" and isinstance(v, (int, float))})
-
-    idx = batch_indices(len(train_examples), P, step - 1, config.seed)
-    examples = [train_examples[i] for i in idx]
-    prompts = [render(config.prompt, ex.question) for ex in examples]
-    params = SamplingParams(n=G, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                            stop=tuple(stop_strings(config.prompt)), include_stop_str_in_output=True,
-                            seed=derive_seed(config.seed, "rollout", step))
-    t0 = time.perf_counter()
-    try:
-        groups = engine.generate(prompts, params)
-    except Exception as e:  # noqa: BLE001
-        raise EngineError(f"the engine failed to generate at step {step}: {type(e).__name__}: {e}. "
-                          "The last checkpoint is intact; resume with `rlvr train --resume DIR`.") from e
-    metrics["time/generate"] = time.perf_counter() - t0
+    if rollouts is None:
+        prompts, groups, rb = _sample_in_process(config, step, model, engine, train_examples, metrics)
+    else:
+        prompts, groups, rb = _sample_from_rollouts(config, step, model, rollouts, train_examples, metrics)
+    examples = _step_examples(config, train_examples, step)
     if len(groups) != P or any(len(g) != G for g in groups):
         raise EngineError(f"the engine returned {[len(g) for g in groups]} completions for {P} prompts x {G} samples at step {step}")
     completions = [c for g in groups for c in g]
@@ -497,26 +589,35 @@ def _rollout_step(config: TrainConfig, step: int, model, tokenizer, engine, opti
         **{f"train/pass@{k}": v for k, v in pass_at_k(raw_rewards > 0.5, G, ks).items()},
     })
 
-    # Tokenise from text (what every engine returns) so that training sees the same ids whatever the engine.
-    prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+    # Tokenise from text (what every engine returns) so that training sees the same ids whatever the
+    # engine; the rollout queue's worker did exactly this, next to the old log-probs it computed.
     output_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
-    batch = tokenize_from_ids([prompt_ids[i // G] for i in range(len(responses))], output_ids, pad_token_id(tokenizer))
+    if rb is None:
+        prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        batch = tokenize_from_ids([prompt_ids[i // G] for i in range(len(responses))], output_ids, pad_token_id(tokenizer))
+    else:
+        batch = {"input_ids": rb.input_ids, "labels": rb.labels, "response_mask": rb.response_mask}
 
     method = REWEIGHTINGS[a.reweighting]
     check_every = config.log.engine_logprob_check_every
     engine_has_logprobs = any(c.logprobs is not None for c in completions)
     need_old = method.needs_old_log_probs  # off-policy by design; on-policy only when the method demands them
     check = engine_has_logprobs and (config.off_policy or (check_every and step % check_every == 0))
-    old_log_probs = None
+    # Old log-probs must be those of the weights that sampled the batch: the worker's when it sent
+    # them, else the trainer's own, which are the sampling weights only when nothing ran ahead.
+    old_log_probs = rb.old_log_probs if rb is not None else None
+    if old_log_probs is None and rb is not None and rb.weight_version != step - 1 and (need_old or check):
+        raise EngineError(f"batch {step} was sampled by weight version {rb.weight_version} but came without old "
+                          "log-probs; the trainer's weights cannot stand in for them")
     t0 = time.perf_counter()
-    if need_old or check:
+    if old_log_probs is None and (need_old or check):
         was_training = model.training
         model.eval()
         old_log_probs = compute_log_probs_batched(model, batch["input_ids"], batch["labels"], o.logprob_batch_size)
         model.train(was_training)
-        if check:
-            metrics.update(_engine_agreement(completions, output_ids, old_log_probs, batch["response_mask"],
-                                             tokenizer.eos_token_id))
+    if check:
+        metrics.update(_engine_agreement(completions, output_ids, old_log_probs, batch["response_mask"],
+                                         tokenizer.eos_token_id))
     metrics["time/logprobs"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
@@ -579,7 +680,8 @@ def _rollout_step(config: TrainConfig, step: int, model, tokenizer, engine, opti
 
     if config.dump_every and step % config.dump_every == 0:
         write_jsonl(run_dir / "rollouts" / f"step_{step}.jsonl", [
-            {"step": step, "group": i // G, "prompt": prompts[i // G], "response": responses[i], "ground_truth": truths[i],
+            {"step": step, "weight_version": metrics["rollout/weight_version"], "group": i // G,
+             "prompt": prompts[i // G], "response": responses[i], "ground_truth": truths[i],
              "reward": float(raw_rewards[i]), "format_reward": float(reward_meta["format_rewards"][i]),
              "advantage": float(advantages[i]), "finish_reason": completions[i].finish_reason,
              "n_tokens": len(completions[i].token_ids)}

@@ -174,15 +174,20 @@ class AsyncRollouts:
             raise KeyError(f"no rollouts were submitted for step {step}")
         return fut.result(timeout)
 
-    def next_batch(self, step: int, model, request: Callable[[int], tuple[list[str], SamplingParams]]) -> RolloutBatch:
+    def next_batch(self, step: int, model, request: Callable[[int], tuple[list[str], SamplingParams]],
+                   last_step: int | None = None) -> RolloutBatch:
         """The whole schedule for 1-based trainer step ``step``, whose weights are version ``step - 1``.
 
         Queues the load of version ``step - 1``, submits every step up to ``step + max_staleness`` not
         yet submitted (``request(s)`` gives step s's prompts and sampling parameters), and returns
-        batch ``step``. Call it once per step, before training on the batch.
+        batch ``step``. Call it once per step, before training on the batch. Steps after
+        ``last_step`` (the run's final step) are never submitted, so no generation is wasted at the end.
         """
         self.sync(model, step - 1)
-        for s in range(max(self._submitted + 1, step), step + self.max_staleness + 1):
+        ahead = step + self.max_staleness
+        if last_step is not None:
+            ahead = min(ahead, max(last_step, step))
+        for s in range(max(self._submitted + 1, step), ahead + 1):
             prompts, params = request(s)
             self.submit(s, prompts, params)
             self._submitted = s
@@ -198,8 +203,7 @@ class AsyncRollouts:
         """Queue the load of ``model`` as ``version`` and return an ``Engine`` whose ``generate`` runs
         through this queue (after that load): validation sees the newest weights and never races
         the rollouts for the worker."""
-        self.sync(model, version)
-        return QueuedEngine(self)
+        return QueuedEngine(self, self.sync(model, version))
 
     def close(self) -> None:
         """Drop queued work, wait for the request in flight, stop the thread (and the engine if owned)."""
@@ -269,13 +273,18 @@ class QueuedEngine:
     """The ``Engine`` interface over an ``AsyncRollouts`` queue (for validation during async training).
 
     ``sync_weights`` does nothing: weights reach the worker through ``AsyncRollouts.sync``.
-    ``close`` does nothing: the ``AsyncRollouts`` owns the engine's lifetime.
+    ``close`` does nothing: the ``AsyncRollouts`` owns the engine's lifetime. With ``load`` (the
+    future of the load this engine should see), ``generate`` first waits for it and raises its
+    ``WeightSyncError``: a failed probe check must not let validation run on unverified weights.
     """
 
-    def __init__(self, rollouts: AsyncRollouts):
+    def __init__(self, rollouts: AsyncRollouts, load: Future | None = None):
         self.rollouts = rollouts
+        self.load = load
 
     def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:
+        if self.load is not None:
+            self.load.result()
         return self.rollouts.generate(prompts, params)
 
     def sync_weights(self, model) -> dict:
