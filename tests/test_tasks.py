@@ -43,17 +43,16 @@ def test_deterministic_per_seed_and_prefix_stable():
     assert [ex.question for ex in a] != [ex.question for ex in load_examples(SPEC, "train", limit=100, seed=4)]
 
 
-def test_splits_are_disjoint_in_text_and_arithmetic():
+def test_splits_are_disjoint():
     splits = {s: load_examples(SPEC, s, limit=n) for s, n in (("train", 2000), ("validation", 300), ("test", 300))}
-    for s, examples in splits.items():
-        assert len({ex.question for ex in examples}) == len(examples)  # no duplicates inside a split
-    keys = {s: {Problem(ex.meta["start"], tuple(ex.meta["ops"])).key() for ex in exs} for s, exs in splits.items()}
-    texts = {s: {ex.question for ex in exs} for s, exs in splits.items()}
-    assert not keys["train"] & keys["validation"] and not keys["train"] & keys["test"] and not keys["validation"] & keys["test"]
-    assert not texts["train"] & texts["validation"] and not texts["train"] & texts["test"]
-    # Disjoint whatever the seeds: the split is a function of the arithmetic alone.
-    other_seed = load_examples(SPEC, "validation", limit=300, seed=7)
-    assert all(split_of(Problem(ex.meta["start"], tuple(ex.meta["ops"]))) == "validation" for ex in other_seed)
+    texts = {s: [ex.question for ex in exs] for s, exs in splits.items()}
+    for s in texts:
+        assert len(set(texts[s])) == len(texts[s])  # no duplicates inside a split
+        assert all(split_of(q) == s for q in texts[s])
+    assert not set(texts["train"]) & set(texts["validation"])
+    assert not set(texts["train"]) & set(texts["test"]) and not set(texts["validation"]) & set(texts["test"])
+    # Disjoint whatever the seeds: the split is a function of the question alone.
+    assert not set(texts["train"]) & {ex.question for ex in load_examples(SPEC, "validation", limit=300, seed=7)}
 
 
 def test_hand_worked_problem():
