@@ -71,7 +71,12 @@ rlvr.cli.COMMANDS["train"] = (__name__, "fake trainer for tests")
 
 
 @pytest.fixture()
-def fake():
+def fake(monkeypatch):
+    import rlvr.cli
+
+    # The fake module re-points `rlvr train` (for subprocesses that import it as a plugin); in this
+    # process the real command must come back after the test.
+    monkeypatch.setitem(rlvr.cli.COMMANDS, "train", rlvr.cli.COMMANDS["train"])
     namespace: dict = {"__name__": "fake_trainer_inline"}
     exec(FAKE_TRAINER, namespace)
     return namespace["fake_train"]
