@@ -9,7 +9,10 @@
    normalisation, on-policy), rollouts from ``rlvr.engines.hf.HFEngine``.
 4. Validation again; prints accuracy before/after and the wall time of each phase.
 
-Run: ``python scripts/cpu_learning_probe.py`` (``--help`` lists the knobs).
+Run: ``python scripts/cpu_learning_probe.py`` (``--help`` lists the knobs). Status: the defaults are
+the best setting measured so far and are bit-for-bit reproducible for a seed, but they do not yet
+reach the +20-point target (they gave +15.5 points from 12.5 % in 60 steps from one SFT checkpoint,
+and less from others); see the issue thread for the numbers and the next things to try.
 """
 
 from __future__ import annotations
@@ -29,20 +32,20 @@ import torch
 class ProbeConfig:
     """Warm start a small model with SFT, then GRPO on the arithmetic task; report validation accuracy."""
 
-    data: str = "arith:steps=2,max_value=20"
+    data: str = "arith:steps=2,max_value=10"
     """Task spec (train split for SFT and GRPO, validation split for evaluation)."""
     size: str = "small"
     """Named model size (rlvr.modeling.MODEL_SIZES)."""
     vocab_size: int = 640
     """Tokenizer vocabulary."""
-    sft_steps: int = 60
+    sft_steps: int = 160
     """SFT optimizer steps (few on purpose: partial competence leaves room for RL)."""
     sft_batch_size: int = 32
-    sft_lr: float = 3e-3
+    sft_lr: float = 1e-2
     sft_examples: int | None = None
     """SFT on only the first N training examples (None: all)."""
-    grpo_steps: int = 40
-    n_prompts: int = 4
+    grpo_steps: int = 60
+    n_prompts: int = 8
     """Prompts per GRPO step."""
     group_size: int = 8
     grpo_lr: float = 3e-4
