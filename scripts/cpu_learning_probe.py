@@ -9,10 +9,11 @@
    normalisation, on-policy), rollouts from ``rlvr.engines.hf.HFEngine``.
 4. Validation again; prints accuracy before/after and the wall time of each phase.
 
-Run: ``python scripts/cpu_learning_probe.py`` (``--help`` lists the knobs). Status: the defaults are
-the best setting measured so far and are bit-for-bit reproducible for a seed, but they do not yet
-reach the +20-point target (they gave +15.5 points from 12.5 % in 60 steps from one SFT checkpoint,
-and less from others); see the issue thread for the numbers and the next things to try.
+Run: ``python scripts/cpu_learning_probe.py`` (``--help`` lists the knobs). Status: runs are bit-for-bit reproducible for a seed, but no
+setting measured yet reaches the +20-point target. Seed 0, arith:steps=2,max_value=10, small model,
+GRPO 60 steps × 8 prompts × 8 samples at lr 3e-4 (T=1 validation on 200 problems):
+SFT 160 steps: 12.5 % -> 12.0 %; SFT 240 steps: 21.0 % -> 32.5 % (steady climb);
+SFT 320 steps: 75.0 % -> 83.0 % (greedy 97 %). Competence jumps between 160 and 320 SFT steps.
 """
 
 from __future__ import annotations
