@@ -109,3 +109,27 @@ def test_solutions_are_r1_zero_responses_graded_correct():
         wrong = str(int(ex.ground_truth) + 1)
         assert r1_zero_reward_fn(ex.solution.replace(f"<answer> {ex.ground_truth} <", f"<answer> {wrong} <"),
                                  ex.ground_truth)["reward"] == 0.0
+
+
+def test_noise_knobs_change_only_solutions():
+    from rlvr.rewards import r1_zero_reward_fn
+
+    clean = load_examples("arith:steps=2,max_value=12", limit=300)
+    slips = load_examples("arith:steps=2,max_value=12,noise=0.5", limit=300)
+    near = load_examples("arith:steps=2,max_value=12,format_noise=0.5", limit=300)
+    for other in (slips, near):
+        assert [e.question for e in other] == [e.question for e in clean]
+        assert [e.ground_truth for e in other] == [e.ground_truth for e in clean]
+    slip_scores = [r1_zero_reward_fn(e.solution, e.ground_truth) for e in slips]
+    near_scores = [r1_zero_reward_fn(e.solution, e.ground_truth) for e in near]
+    wrong = sum(s["reward"] == 0 for s in slip_scores) / 300
+    unformatted = sum(s["format_reward"] == 0 for s in near_scores) / 300
+    assert 0.35 < wrong < 0.65 and all(s["format_reward"] == 1 for s in slip_scores)
+    assert 0.35 < unformatted < 0.65
+    # a near-miss solution is right in content: with the space restored it scores 1
+    for e, s in zip(near, near_scores):
+        if s["format_reward"] == 0:
+            fixed = e.solution.replace("</think><answer>", "</think> <answer>")
+            assert r1_zero_reward_fn(fixed, e.ground_truth)["reward"] == 1.0
+    with pytest.raises(Exception, match="noise"):
+        load_examples("arith:noise=1.5", limit=2)

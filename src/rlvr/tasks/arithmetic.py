@@ -15,6 +15,16 @@ Knobs (``arith:steps=2,max_value=20,ops=+-``; values may arrive as strings):
 - ``max_value``: the largest number any amount or operand may take (>= 4): the size of the numbers.
 - ``ops``: which operations may appear, a subset of ``+-*/``.
 - ``size``: problems per split when no ``limit`` is given.
+- ``noise``: the share of reference solutions (0 to 1, default 0) that contain one slip: one
+  intermediate result off by 1 or 2, carried through to a wrong final answer. The question and the
+  ground truth never change. Supervised training on noisy solutions gives a model that usually knows
+  the right step (greedy decoding is mostly right) but often samples a wrong one: the situation in
+  which RL on the verified answer has the most to fix, as with a base model trained on imperfect
+  rationales.
+- ``format_noise``: the share of reference solutions (0 to 1, default 0) written with a near-miss
+  format, ``</think><answer>`` without the space, which the r1_zero format rule rejects (reward 0)
+  although the arithmetic is right. A model trained on them knows the answers but often writes them
+  in a form the grader refuses: the first thing RL with a format-strict reward teaches.
 
 Splits never overlap, whatever the seeds: a problem belongs to ``train``, ``validation`` or ``test``
 by a hash of its question text, so no question appears under two splits. As in GSM8K, the same
@@ -165,6 +175,22 @@ def render_problem(problem: Problem, rng: random.Random) -> tuple[str, str]:
     return question, solution
 
 
+def slipped_solution(problem: Problem, solution: str, rng: random.Random) -> str:
+    """``solution`` with one intermediate result off by 1 or 2, carried to the answer."""
+    values = problem.values()
+    i = rng.randrange(1, len(values))
+    wrong = values[:i] + [max(0, values[i] + rng.choice((-2, -1, 1, 2)))]
+    if wrong[i] == values[i]:
+        wrong[i] = values[i] + 1
+    for op, k in problem.ops[i:]:
+        x = wrong[-1]
+        wrong.append(x // k if op == "/" else apply_op(x, op, k))
+    lines = [solution.strip().split(". ", 1)[0] + "."]  # "Mia starts with 7 apples."
+    for (op, k), before, after in zip(problem.ops, wrong, wrong[1:]):
+        lines.append(f"{before} {op} {k} = {after}.")
+    return " " + " ".join(lines) + f" </think> <answer> {wrong[-1]} </answer>"
+
+
 def _as_int(name: str, value) -> int:
     try:
         return int(value)
@@ -173,7 +199,7 @@ def _as_int(name: str, value) -> int:
 
 
 def load_arithmetic(split: str = "train", limit: int | None = None, seed: int = 0, steps=2, max_value=20,
-                    ops="+-", size=None) -> list[Example]:
+                    ops="+-", size=None, noise=0.0, format_noise=0.0) -> list[Example]:
     """The ``split`` of the arithmetic task: ``limit`` (or ``size``, or the split's default) problems.
 
     Deterministic in ``(split, seed, steps, max_value, ops)``; a smaller ``limit`` gives a prefix of
@@ -189,10 +215,23 @@ def load_arithmetic(split: str = "train", limit: int | None = None, seed: int = 
         raise DataError(f"arith: max_value must be >= 4 so that every operation has room, got {max_value}")
     if not ops or set(ops) - set(ALL_OPS) or not set(ops) & set("+-"):
         raise DataError(f"arith: ops must be a subset of {ALL_OPS!r} holding '+' or '-', got {ops!r}")
+    try:
+        noise = float(noise)
+    except (TypeError, ValueError):
+        raise DataError(f"arith: noise must be a number in [0, 1], got {noise!r}") from None
+    if not 0.0 <= noise <= 1.0:
+        raise DataError(f"arith: noise must be in [0, 1], got {noise}")
+    try:
+        format_noise = float(format_noise)
+    except (TypeError, ValueError):
+        raise DataError(f"arith: format_noise must be a number in [0, 1], got {format_noise!r}") from None
+    if not 0.0 <= format_noise <= 1.0:
+        raise DataError(f"arith: format_noise must be in [0, 1], got {format_noise}")
     n = _as_int("limit", limit) if limit is not None else _as_int("size", size) if size is not None else DEFAULT_SIZES[split]
 
     split_seed = int(hashlib.sha256(f"arith|{seed}|{split}|{steps}|{max_value}|{ops}".encode()).hexdigest()[:16], 16)
     rng = random.Random(split_seed)
+    noise_rng = random.Random(split_seed ^ 0x5EED)  # its own stream: noise never changes the questions
     examples: list[Example] = []
     seen: set[str] = set()
     attempts = 0
@@ -206,6 +245,10 @@ def load_arithmetic(split: str = "train", limit: int | None = None, seed: int = 
         if split_of(question) != split or question in seen:
             continue
         seen.add(question)
+        if noise and noise_rng.random() < noise:
+            solution = slipped_solution(problem, solution, noise_rng)
+        if format_noise and noise_rng.random() < format_noise:
+            solution = solution.replace("</think> <answer>", "</think><answer>")
         examples.append(Example(question, str(problem.answer), solution,
                                 meta={"task": "arith", "start": problem.start, "ops": list(problem.ops),
                                       "values": problem.values()}))
