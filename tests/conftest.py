@@ -60,3 +60,23 @@ def tiny_model(tiny_tokenizer):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+def greedy_generate_reference(model, tok, prompts, max_new_tokens):
+    """Greedy ``model.generate`` on a left-padded batch: new tokens per prompt, cut after EOS (the
+    reference that the engines' greedy decoding must equal)."""
+    enc = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
+    L = max(map(len, enc))
+    ids = torch.full((len(enc), L), tok.pad_token_id)
+    mask = torch.zeros((len(enc), L), dtype=torch.long)
+    for r, e in enumerate(enc):
+        ids[r, L - len(e):] = torch.tensor(e)
+        mask[r, L - len(e):] = 1
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    refs = []
+    for row in out[:, L:].tolist():
+        if tok.eos_token_id in row:
+            row = row[: row.index(tok.eos_token_id) + 1]
+        refs.append(row)
+    return refs

@@ -9,6 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import greedy_generate_reference
+
 from rlvr.engines import make_engine
 from rlvr.engines.base import SamplingParams
 from rlvr.engines.fast import FastHFEngine
@@ -34,22 +36,6 @@ def _ids(out):
     return [[c.token_ids for c in group] for group in out]
 
 
-def _generate_reference(model, tok, prompts, max_new_tokens):
-    enc = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    L = max(map(len, enc))
-    ids = torch.full((len(enc), L), tok.pad_token_id)
-    mask = torch.zeros((len(enc), L), dtype=torch.long)
-    for r, e in enumerate(enc):
-        ids[r, L - len(e):] = torch.tensor(e)
-        mask[r, L - len(e):] = 1
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    refs = []
-    for row in out[:, L:].tolist():
-        if tok.eos_token_id in row:
-            row = row[: row.index(tok.eos_token_id) + 1]
-        refs.append(row)
-    return refs
 
 
 def _eos_prone(model, tok, boost: float):
@@ -67,7 +53,7 @@ def test_make_engine_builds_fast(tiny_model, tiny_tokenizer):
 def test_greedy_equals_model_generate_and_hf_engine(tiny_model, tiny_tokenizer, variant):
     params = SamplingParams(temperature=0.0, max_new_tokens=30)
     fast = _fast(tiny_model, tiny_tokenizer, **variant).generate(PROMPTS, params)
-    refs = _generate_reference(tiny_model, tiny_tokenizer, PROMPTS, 30)
+    refs = greedy_generate_reference(tiny_model, tiny_tokenizer, PROMPTS, 30)
     hf = HFEngine(tiny_model, tiny_tokenizer, max_batch_size=16).generate(PROMPTS, params)
     assert [g[0].token_ids for g in fast] == refs
     assert _ids(fast) == _ids(hf)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import greedy_generate_reference
+
 from rlvr.engines import make_engine
 from rlvr.engines.base import SamplingParams
 from rlvr.engines.hf import HFEngine, find_stop, sample_next, sequence_logprobs, truncate_at_stop
@@ -17,29 +19,12 @@ PROMPTS = [
 ]
 
 
-def _generate_reference(model, tok, prompts, max_new_tokens):
-    """Greedy ``model.generate`` on a left-padded batch: new tokens per prompt, cut after EOS."""
-    enc = [tok(p, add_special_tokens=False)["input_ids"] for p in prompts]
-    L = max(map(len, enc))
-    ids = torch.full((len(enc), L), tok.pad_token_id)
-    mask = torch.zeros((len(enc), L), dtype=torch.long)
-    for r, e in enumerate(enc):
-        ids[r, L - len(e):] = torch.tensor(e)
-        mask[r, L - len(e):] = 1
-    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-    refs = []
-    for row in out[:, L:].tolist():
-        if tok.eos_token_id in row:
-            row = row[: row.index(tok.eos_token_id) + 1]
-        refs.append(row)
-    return refs
 
 
 def test_greedy_equals_model_generate_on_left_padded_batch(tiny_model, tiny_tokenizer):
     engine = HFEngine(tiny_model, tiny_tokenizer, max_batch_size=8)
     got = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=24))
-    refs = _generate_reference(tiny_model, tiny_tokenizer, PROMPTS, 24)
+    refs = greedy_generate_reference(tiny_model, tiny_tokenizer, PROMPTS, 24)
     assert [g[0].token_ids for g in got] == refs
     for g, ref in zip(got, refs):
         assert g[0].finish_reason == ("stop" if ref[-1] == tiny_tokenizer.eos_token_id else "length")

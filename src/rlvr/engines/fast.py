@@ -47,7 +47,8 @@ import torch
 import torch.nn.functional as F
 
 from rlvr.engines.base import Completion, SamplingParams
-from rlvr.engines.hf import _stop_window_tokens, find_stop, truncate_at_stop
+from rlvr.engines.hf import (_stop_window_tokens, encode_prompts, eos_token_ids, find_stop, longest_first,
+                             seeded_generator, truncate_at_stop)
 
 DEFAULT_BATCH_BUCKETS = (256, 192, 128, 96, 64, 48, 32, 24, 16, 8, 4, 2, 1)
 
@@ -155,10 +156,7 @@ class FastHFEngine:
         self.use_cuda_graphs = use_cuda_graphs
         self.mask_unused_vocab = mask_unused_vocab
         self.prefill_tokens = prefill_tokens
-        eos = getattr(model.generation_config, "eos_token_id", None) if getattr(model, "generation_config", None) else None
-        if eos is None:
-            eos = tokenizer.eos_token_id
-        self.eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
+        self.eos_ids = eos_token_ids(model, tokenizer)
         self.stats = {"tokens": 0, "time": 0.0, "graphs_captured": 0, "capture_time": 0.0, "host_syncs": 0,
                       "compactions": 0}
         self._state: _State | None = None
@@ -208,17 +206,11 @@ class FastHFEngine:
         if not prompts:
             return []
         t0 = time.perf_counter()
-        device = self.device
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-        generator = torch.Generator(device=device)
-        generator.manual_seed(seed)
-        encoded = self.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
-        for i, ids in enumerate(encoded):
-            if not ids:
-                raise ValueError(f"prompt {i} tokenizes to nothing; every prompt needs at least one token")
+        generator = seeded_generator(params.seed, self.device)
+        encoded = encode_prompts(self.tokenizer, prompts)
         if params.n > self.max_batch_size:
             raise ValueError(f"n={params.n} exceeds max_batch_size={self.max_batch_size}; raise max_batch_size")
-        order = sorted(range(len(prompts)), key=lambda i: -len(encoded[i]))
+        order = longest_first(encoded)
         per_chunk = max(1, self.max_batch_size // params.n)
         results: list[list[Completion] | None] = [None] * len(prompts)
         was_training = self.model.training

@@ -103,6 +103,38 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     return lp * attention_mask[:, 1:].to(lp.dtype)
 
 
+def seeded_generator(seed: int | None, device) -> torch.Generator:
+    """A generator on ``device`` seeded with ``seed`` (a fresh random seed when None)."""
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
+    """Token ids of each prompt (no special tokens); an empty prompt is an error."""
+    encoded = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    for i, ids in enumerate(encoded):
+        if not ids:
+            raise ValueError(f"prompt {i} tokenizes to nothing; every prompt needs at least one token")
+    return encoded
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """The ids that end a sequence: the model's generation config, else the tokenizer's EOS."""
+    config = getattr(model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None) if config is not None else None
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    return set([eos] if isinstance(eos, int) else (eos or []))
+
+
+def longest_first(encoded: list[list[int]]) -> list[int]:
+    """Prompt indices, longest first, so that chunks hold prompts of similar length (less padding)."""
+    return sorted(range(len(encoded)), key=lambda i: -len(encoded[i]))
+
+
 def _stop_window_tokens(stops) -> int:
     # Every token decodes to at least one byte, so the last len(stop in bytes) tokens hold any
     # occurrence that the newest token completed; +2 leaves room for a split multi-byte character.
@@ -126,10 +158,7 @@ class HFEngine:
         self.max_batch_size = max_batch_size
         self.compact_fraction = compact_fraction
         self.mask_unused_vocab = mask_unused_vocab
-        eos = getattr(model.generation_config, "eos_token_id", None) if getattr(model, "generation_config", None) else None
-        if eos is None:
-            eos = tokenizer.eos_token_id
-        self.eos_ids = set([eos] if isinstance(eos, int) else (eos or []))
+        self.eos_ids = eos_token_ids(model, tokenizer)
         self.stats = {"tokens": 0, "time": 0.0}
 
     @property
@@ -165,16 +194,9 @@ class HFEngine:
         if not prompts:
             return []
         t0 = time.perf_counter()
-        device = self.device
-        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
-        generator = torch.Generator(device=device)
-        generator.manual_seed(seed)
-        encoded = self.tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
-        for i, ids in enumerate(encoded):
-            if not ids:
-                raise ValueError(f"prompt {i} tokenizes to nothing; every prompt needs at least one token")
-        # Longest first so chunks hold prompts of similar length (less padding).
-        order = sorted(range(len(prompts)), key=lambda i: -len(encoded[i]))
+        generator = seeded_generator(params.seed, self.device)
+        encoded = encode_prompts(self.tokenizer, prompts)
+        order = longest_first(encoded)
         per_chunk = max(1, self.max_batch_size // params.n)
         results: list[list[Completion] | None] = [None] * len(prompts)
         was_training = self.model.training

@@ -112,13 +112,17 @@ def plot_metric(groups: dict[str, list[Run]], metric: str, path: str | Path, ban
         ax.set_ylabel(metric)
         ax.grid(alpha=0.3)
         _legend(ax, band, len(groups))
-        fig.tight_layout()
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path)
-        return path
+        return _save(fig, path)
     finally:
         plt.close(fig)
+
+
+def _save(fig, path: str | Path) -> Path:
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    return path
 
 
 def plot_overview(groups: dict[str, list[Run]], path: str | Path, metrics: Sequence[str] = OVERVIEW,
@@ -142,11 +146,7 @@ def plot_overview(groups: dict[str, list[Run]], path: str | Path, metrics: Seque
             ax.axis("off")
         _legend(axes.flat[0], band, len(groups))
         fig.suptitle(f"mean across seeds, band = {BAND_LABEL[band]}, seeds faint", fontsize=11)
-        fig.tight_layout()
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path)
-        return path
+        return _save(fig, path)
     finally:
         plt.close(fig)
 
@@ -214,11 +214,7 @@ def plot_final_vs_lr(runs: Sequence[Run], path: str | Path, metric: str = VAL_RE
         ax.set_title(f"final {metric} vs learning rate (dots: seeds; bars: {BAND_LABEL[band]})", fontsize=10)
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(path)
-        return path
+        return _save(fig, path)
     finally:
         plt.close(fig)
 

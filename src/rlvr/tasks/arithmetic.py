@@ -198,6 +198,16 @@ def _as_int(name: str, value) -> int:
         raise DataError(f"arith: {name} must be an integer, got {value!r}") from None
 
 
+def _as_share(name: str, value) -> float:
+    try:
+        share = float(value)
+    except (TypeError, ValueError):
+        raise DataError(f"arith: {name} must be a number in [0, 1], got {value!r}") from None
+    if not 0.0 <= share <= 1.0:
+        raise DataError(f"arith: {name} must be in [0, 1], got {share}")
+    return share
+
+
 def load_arithmetic(split: str = "train", limit: int | None = None, seed: int = 0, steps=2, max_value=20,
                     ops="+-", size=None, noise=0.0, format_noise=0.0) -> list[Example]:
     """The ``split`` of the arithmetic task: ``limit`` (or ``size``, or the split's default) problems.
@@ -215,18 +225,7 @@ def load_arithmetic(split: str = "train", limit: int | None = None, seed: int = 
         raise DataError(f"arith: max_value must be >= 4 so that every operation has room, got {max_value}")
     if not ops or set(ops) - set(ALL_OPS) or not set(ops) & set("+-"):
         raise DataError(f"arith: ops must be a subset of {ALL_OPS!r} holding '+' or '-', got {ops!r}")
-    try:
-        noise = float(noise)
-    except (TypeError, ValueError):
-        raise DataError(f"arith: noise must be a number in [0, 1], got {noise!r}") from None
-    if not 0.0 <= noise <= 1.0:
-        raise DataError(f"arith: noise must be in [0, 1], got {noise}")
-    try:
-        format_noise = float(format_noise)
-    except (TypeError, ValueError):
-        raise DataError(f"arith: format_noise must be a number in [0, 1], got {format_noise!r}") from None
-    if not 0.0 <= format_noise <= 1.0:
-        raise DataError(f"arith: format_noise must be in [0, 1], got {format_noise}")
+    noise, format_noise = _as_share("noise", noise), _as_share("format_noise", format_noise)
     n = _as_int("limit", limit) if limit is not None else _as_int("size", size) if size is not None else DEFAULT_SIZES[split]
 
     split_seed = int(hashlib.sha256(f"arith|{seed}|{split}|{steps}|{max_value}|{ops}".encode()).hexdigest()[:16], 16)
