@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Issue 6's GPU study on one H200, in one command (about 7 minutes):
+#   1. the warm start of issue 5's proof (fresh ~19 M OLMo-2 '20m', `rlvr sft` on
+#      arith:steps=2,max_value=20,format_noise=0.8), and `rlvr eval` of it;
+#   2. the five on-policy presets (configs/sweeps/onpolicy_arith.yaml: grpo, grpo_constant, dr_grpo,
+#      rft, maxrl), 4 seeds each: 16 prompts x 8 samples, one optimizer step per rollout batch,
+#      lr 1e-4, 50 steps (the proof's settings);
+#   3. at the same time, the off-policy comparison at 32x (configs/sweeps/offpolicy_arith.yaml:
+#      none, noclip, grpo_clip, gspo, cispo and the user-registered clip_higher), 4 seeds each:
+#      rollout batch 256 = 32 prompts x 8, train batch 8 -> 32 optimizer steps per rollout batch,
+#      lr 1e-5, 40 rollout steps;
+#   4. `rlvr report` of each suite.
+# Runs share the one GPU: 4 at a time per suite, both suites at once (8 processes).
+# Usage: scripts/gpu_variant_study.sh OUT_DIR [DEVICE] [SCALE]
+#   SCALE=tiny runs the same pipeline on a CPU in a few minutes (plumbing check, no learning claim).
+set -euo pipefail
+OUT=${1:?usage: gpu_variant_study.sh OUT_DIR [DEVICE] [SCALE]}
+DEVICE=${2:-cuda}
+SCALE=${3:-full}
+TASK="arith:steps=2,max_value=20,format_noise=0.8"
+if [ "$SCALE" = tiny ]; then
+  SIZE=tiny; SFT_STEPS=20; ON_STEPS=3; OFF_STEPS=2; VAL=16; ON_PROMPTS=4; OFF_PROMPTS=4; ENGINE=hf; PAR=2
+  SEEDS="0 1"; EVAL_EVERY=1
+else
+  SIZE=20m; SFT_STEPS=600; ON_STEPS=50; OFF_STEPS=40; VAL=500; ON_PROMPTS=16; OFF_PROMPTS=32; ENGINE=hf-fast; PAR=4
+  SEEDS="0 1 2 3"; EVAL_EVERY=10
+fi
+PY=${PYTHON:-python}
+mkdir -p "$OUT"
+if [ ! -f "$OUT/warm/model/config.json" ] && [ ! -f "$OUT/warm/config.json" ]; then
+  $PY -m rlvr sft --data "$TASK" --model $SIZE --out "$OUT/warm" --device "$DEVICE" --steps $SFT_STEPS \
+      --batch-size 64 --lr 1e-3 --vocab-size 1024 --no-progress
+fi
+$PY -m rlvr eval --model "$OUT/warm" --data "$TASK" --split validation --limit $VAL --max-tokens 64 \
+    --device "$DEVICE" --out "$OUT/warm_eval" > "$OUT/warm_eval.txt" 2>&1 || true
+COMMON=(model.name_or_path="$OUT/warm" data.train_source="$TASK" data.val_size=$VAL rollout.max_new_tokens=64
+        engine.name=$ENGINE policy_device="$DEVICE" engine.device="$DEVICE" save_every=0 eval_every=$EVAL_EVERY)
+$PY -m rlvr sweep configs/sweeps/onpolicy_arith.yaml --out "$OUT/onpolicy" --max-parallel $PAR --seeds $SEEDS \
+    --set "${COMMON[@]}" n_steps=$ON_STEPS rollout.n_prompts_per_rollout_batch=$ON_PROMPTS \
+          optim.gradient_accumulation_steps=1 > "$OUT/onpolicy.log" 2>&1 &
+ON_PID=$!
+$PY -m rlvr sweep configs/sweeps/offpolicy_arith.yaml --out "$OUT/offpolicy" --max-parallel $PAR --seeds $SEEDS \
+    --set "${COMMON[@]}" n_steps=$OFF_STEPS rollout.n_prompts_per_rollout_batch=$OFF_PROMPTS optim.lr=1e-5 \
+    > "$OUT/offpolicy.log" 2>&1 &
+OFF_PID=$!
+STATUS=0
+wait $ON_PID || STATUS=$?
+wait $OFF_PID || STATUS=$?
+tail -n 5 "$OUT/onpolicy.log" "$OUT/offpolicy.log"
+$PY -m rlvr report "$OUT/onpolicy" --out "$OUT/onpolicy_report.md" || STATUS=$?
+$PY -m rlvr report "$OUT/offpolicy" --out "$OUT/offpolicy_report.md" || STATUS=$?
+exit $STATUS
