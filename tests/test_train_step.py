@@ -11,7 +11,7 @@ from rlvr import (
     aggregate_loss_across_microbatch, compute_group_normalized_rewards, compute_policy_gradient_loss,
     get_response_log_probs, grpo_train_step, tokenize_prompt_and_output,
 )
-from rlvr.grpo import compute_rollout_rewards, policy_gradient_update
+from rlvr.grpo import compile_backbone, compute_rollout_rewards, microbatch_plan, policy_gradient_update
 
 
 # --- tokenisation -----------------------------------------------------------------------------------
@@ -241,3 +241,76 @@ def test_train_step_argument_errors(tiny_model, tiny_tokenizer, gsm8k_path):
     with pytest.raises(ValueError, match="normalization_constant"):
         grpo_train_step(tiny_model, tiny_tokenizer, opt, 1, 1.0, _reward_fn, prompts, responses, truths, 4,
                         loss_normalization="constant")
+
+
+# --- token-budget microbatches and the compiled backbone ---------------------------------------------
+
+def test_microbatch_plan_token_budget_by_hand():
+    # lengths 10, 3, 7, 2, 9; row 1 is skipped. Longest first: rows 0 (10), 4 (9), 2 (7), 3 (2).
+    # Budget 20 padded tokens: [0] alone would pad to 10 per row, adding row 4 makes 2 x 10 = 20 (fits),
+    # adding row 2 would make 3 x 10 = 30 > 20 -> cut; [2, 3]: 2 x 7 = 14 fits.
+    keep = [True, False, True, True, True]
+    assert microbatch_plan([10, 3, 7, 2, 9], keep, 8, 20) == [[0, 4], [2, 3]]
+    # the row cap still applies under the token budget
+    assert microbatch_plan([10, 3, 7, 2, 9], keep, 1, 20) == [[0], [4], [2], [3]]
+    # no budget: rows only
+    assert microbatch_plan([10, 3, 7, 2, 9], keep, 8) == [[0, 4, 2, 3]]
+    # a row longer than the budget still gets a microbatch of its own
+    assert microbatch_plan([50, 3], [True, True], 8, 20) == [[0], [1]]
+
+
+@pytest.mark.parametrize("loss_norm", ["sequence", "constant"])
+@pytest.mark.parametrize("method,eps", [("none", None), ("grpo", 0.2), ("gspo", 0.05)])
+def test_token_budget_gradient_equals_full_batch(tiny_model, tiny_tokenizer, gsm8k_path, loss_norm, method, eps):
+    prompts, responses, truths = _rollouts(gsm8k_path)
+    const = 12 * 16.0 if loss_norm == "constant" else None
+    old = _old_log_probs(tiny_model, tiny_tokenizer, prompts, responses) if method != "none" else None
+    ref_loss, ref_grads = _reference_grads(tiny_model, tiny_tokenizer, prompts, responses, truths, 4, "mean", "std",
+                                           method, old[:, :-3] if old is not None else None, eps, loss_norm, const)
+    rewards, _ = compute_rollout_rewards(_reward_fn, responses, truths)
+    adv, _ = compute_group_normalized_rewards(rewards, 4)
+    tok = tokenize_prompt_and_output(prompts, responses, tiny_tokenizer)
+    longest = int((tok["response_mask"].long().cumsum(1).argmax(1) + 1).max())
+    opt = RecordingSGD(tiny_model.parameters())
+    loss, meta = policy_gradient_update(tiny_model, opt, tok["input_ids"], tok["labels"], tok["response_mask"], adv, 1, 1e9,
+                                        method, old, eps, loss_norm, const, max_tokens_per_microbatch=2 * longest)
+    assert meta["n_microbatches"] >= 4  # 8 kept rows, at most 2 of the longest per microbatch
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-7)
+    for got, want in zip(opt.recorded, ref_grads):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-7)
+
+
+def test_compiled_backbone_matches_eager(tiny_model, tiny_tokenizer):
+    """``model.compile``'s path (``torch.compile(base_model, dynamic=True)``, inductor on the CPU here):
+    the same log-probs and the same gradients as the eager model, for two different microbatch shapes
+    (dynamic shapes: no recompile per shape)."""
+    pytest.importorskip("torch._inductor")
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    backbone = compile_backbone(tiny_model)
+    shapes = [(["What is 2+3?", "Say hi"], [" It is 5.", " hi hi hi"]),
+              (["A longer question about apples and pears?", "Q", "Why?"], [" 7", " it is 12 and more", " no"])]
+    for prompts, responses in shapes:
+        tok = tokenize_prompt_and_output(prompts, responses, tiny_tokenizer)
+        w = torch.randn(tok["labels"].shape)
+        results = []
+        for bb in (None, backbone):
+            out = get_response_log_probs(tiny_model, tok["input_ids"], tok["labels"], True, backbone=bb)
+            out["log_probs"].mul(w).sum().backward()
+            results.append((out, [p.grad.clone() for p in tiny_model.parameters()]))
+            tiny_model.zero_grad(set_to_none=True)
+        (eager, g_eager), (comp, g_comp) = results
+        torch.testing.assert_close(comp["log_probs"], eager["log_probs"], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(comp["token_entropy"], eager["token_entropy"], rtol=1e-4, atol=1e-5)
+        for a, b in zip(g_comp, g_eager):
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+    torch._dynamo.reset()
+
+
+def test_compile_backbone_refuses_models_without_a_plain_head():
+    class Wrapped(torch.nn.Module):
+        config = None
+
+    with pytest.raises(ValueError, match="model.compile"):
+        compile_backbone(Wrapped())

@@ -323,3 +323,30 @@ def test_plugins_field_makes_a_custom_estimator_selectable(gsm8k_path, tiny_mode
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert all(0 <= r["train/clip_fraction"] <= 1 for r in rows if r["step"] > 0)
     assert json.loads((tmp_path / "config.json").read_text())["plugins"] == [str(plugin)]
+
+
+def test_token_budget_microbatches_train_the_same_model(gsm8k_path, tiny_model, tiny_tokenizer, tmp_path):
+    """``optim.max_tokens_per_microbatch`` changes how the batch is cut, not the update: after two steps
+    the weights equal those of the row-count microbatches (up to float summation order)."""
+    import copy
+
+    results = []
+    for name, optim in [("rows", OptimConfig(lr=1e-3, gradient_accumulation_steps=2)),
+                        ("budget", OptimConfig(lr=1e-3, gradient_accumulation_steps=1, max_tokens_per_microbatch=24))]:
+        model = copy.deepcopy(tiny_model)
+        run(tiny_config(gsm8k_path, optim=optim), tmp_path / name, model, tiny_tokenizer)
+        rows = [r for r in read_metrics(tmp_path / name / "metrics.jsonl") if r["step"] > 0]
+        results.append((model, rows))
+    (m_rows, r_rows), (m_budget, r_budget) = results
+    assert [r["train/loss"] for r in r_rows] == pytest.approx([r["train/loss"] for r in r_budget], rel=1e-4, abs=1e-6)
+    for a, b in zip(m_rows.parameters(), m_budget.parameters()):  # Adam moves each weight by about lr = 1e-3 a step
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    moved = sum(float((a - b).abs().sum()) for a, b in zip(m_rows.parameters(), tiny_model.parameters()))
+    assert moved > 0  # the runs did train
+
+
+def test_token_budget_must_be_positive(gsm8k_path):
+    from rlvr.config import ConfigError
+
+    with pytest.raises(ConfigError, match="max_tokens_per_microbatch must be >= 1"):
+        tiny_config(gsm8k_path, optim=OptimConfig(max_tokens_per_microbatch=0)).resolve().validate()

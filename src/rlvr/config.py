@@ -40,6 +40,8 @@ class ModelConfig:
     """Policy dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16."""
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory (slower training step)."""
+    compile: bool = False
+    """Train through ``torch.compile(model.base_model, dynamic=True)``: fuses the norms, rotary embeddings and activations of the training forward and backward (rollout engines keep the eager model). The first steps pay the compile time."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,8 @@ class OptimConfig:
     """Passes over each rollout batch; more than one makes the later steps off-policy."""
     logprob_batch_size: int | None = None
     """Rows per forward when computing old log-probs (default: the microbatch size)."""
+    max_tokens_per_microbatch: int | None = None
+    """Also cap every microbatch at this many tokens (rows x longest row, rows sorted by length): with gradient_accumulation_steps 1 the token budget alone cuts the batch, so short rollouts share big microbatches and long ones get small ones. The gradient is the same either way."""
 
 
 @dataclass(frozen=True)
@@ -306,6 +310,8 @@ class TrainConfig:
         need(tb <= rb, f"optim.train_batch_size={tb} exceeds the rollout batch ({rb}); lower it")
         need(o.epochs_per_rollout_batch >= 1, f"optim.epochs_per_rollout_batch must be >= 1, got {o.epochs_per_rollout_batch}")
         need(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
+        need(o.max_tokens_per_microbatch is None or o.max_tokens_per_microbatch >= 1,
+             f"optim.max_tokens_per_microbatch must be >= 1 (or null for no token cap), got {o.max_tokens_per_microbatch}")
         need(o.schedule in SCHEDULES, f"unknown optim.schedule {o.schedule!r}: choose one of {SCHEDULES}")
         need(o.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
         need(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio must be in [0, 1]")

@@ -59,8 +59,8 @@ from rlvr.config import (
     RESUMABLE_CHANGES, ConfigError, TrainConfig, config_differences, load_config_file, parse_overrides, save_config,
 )
 from rlvr.grpo import (
-    REWEIGHTINGS, compute_group_normalized_rewards, compute_log_probs_batched, compute_rollout_rewards, pass_at_k,
-    policy_gradient_update, tokenize_from_ids,
+    REWEIGHTINGS, compile_backbone, compute_group_normalized_rewards, compute_log_probs_batched, compute_rollout_rewards,
+    pass_at_k, policy_gradient_update, tokenize_from_ids,
 )
 from rlvr.grpo.tokenize import pad_token_id
 from rlvr.logging_utils import MetricsLogger, truncate_metrics, write_jsonl
@@ -445,6 +445,7 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False, *, mod
             load_model_weights(model, ckpt / "model")
     if config.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    backbone = compile_backbone(model) if config.model.compile else None
     optimizer, scheduler = _optimizer_and_scheduler(config, model, device)
     loop = {"nonfinite_total": 0, "nonfinite_consecutive": 0, "last_val": {}, "last_train_reward": None}
     start_step = 0
@@ -502,7 +503,7 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False, *, mod
             with _DeferInterrupt() as deferred:
                 metrics = _rollout_step(config, step, model, tokenizer, engine, optimizer, scheduler, reward_fn,
                                         train_examples, loop, run_dir, mark_dirty=lambda: progress.update(dirty=True),
-                                        rollouts=rollouts)
+                                        rollouts=rollouts, backbone=backbone)
                 if (config.eval_every and step % config.eval_every == 0) or step == config.n_steps:
                     if val_examples:
                         val = _validate(model, tokenizer, eval_engine(step), config, val_examples, step, run_dir)
@@ -551,7 +552,7 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False, *, mod
 
 
 def _rollout_step(config: TrainConfig, step: int, model, tokenizer, engine, optimizer, scheduler, reward_fn,
-                  train_examples, loop: dict, run_dir: Path, mark_dirty, rollouts=None) -> dict:
+                  train_examples, loop: dict, run_dir: Path, mark_dirty, rollouts=None, backbone=None) -> dict:
     """Steps 1-6 of the module docstring for 1-based rollout step ``step``; returns its metrics.
 
     With ``rollouts`` (an ``AsyncRollouts``) the batch, its tokenisation and its old log-probs come
@@ -634,6 +635,7 @@ def _rollout_step(config: TrainConfig, step: int, model, tokenizer, engine, opti
                 advantages[rows_t], o.gradient_accumulation_steps, o.max_grad_norm, a.reweighting,
                 old_log_probs[rows_t] if (old_log_probs is not None and need_old) else None, a.cliprange,
                 a.loss_normalization, a.normalization_constant, skip_zero_advantage=a.skip_zero_advantage,
+                max_tokens_per_microbatch=o.max_tokens_per_microbatch, backbone=backbone,
             )
             with warnings.catch_warnings():
                 # A step whose rollouts all had zero advantage takes no optimizer step; the schedule

@@ -6,7 +6,7 @@ from rlvr.grpo.advantages import (
     register_baseline, register_normalizer,
 )
 from rlvr.grpo.aggregate import aggregate_loss_across_microbatch
-from rlvr.grpo.logprobs import compute_log_probs_batched, get_response_log_probs
+from rlvr.grpo.logprobs import compile_backbone, compute_log_probs_batched, get_response_log_probs
 from rlvr.grpo.losses import REWEIGHTINGS, compute_policy_gradient_loss, register_reweighting
 from rlvr.grpo.presets import DEFAULT_CLIPRANGE, PRESETS, Preset, get_preset
 from rlvr.grpo.tokenize import tokenize_from_ids, tokenize_prompt_and_output
@@ -15,7 +15,7 @@ from rlvr.grpo.train_step import grpo_train_step, microbatch_plan, policy_gradie
 __all__ = [
     "BASELINES", "NORMALIZERS", "REWEIGHTINGS", "PRESETS", "DEFAULT_CLIPRANGE", "Preset", "get_preset",
     "compute_group_normalized_rewards", "compute_rollout_rewards", "pass_at_k", "register_baseline",
-    "register_normalizer", "register_reweighting", "aggregate_loss_across_microbatch", "compute_log_probs_batched",
+    "register_normalizer", "register_reweighting", "aggregate_loss_across_microbatch", "compile_backbone", "compute_log_probs_batched",
     "get_response_log_probs", "compute_policy_gradient_loss", "tokenize_from_ids", "tokenize_prompt_and_output",
     "grpo_train_step", "microbatch_plan", "policy_gradient_update",
 ]

@@ -51,13 +51,29 @@ def _lm_head(model):
     return head
 
 
+def compile_backbone(model, dynamic: bool = True):
+    """``torch.compile`` of the model's backbone (``model.base_model``), for ``backbone=`` below.
+
+    The model itself is left as it is (the rollout engines keep calling the eager modules); the
+    compiled wrapper shares its parameters, so optimizer steps are seen by both. ``dynamic=True``
+    compiles for symbolic batch and sequence sizes once, instead of once per microbatch shape.
+    """
+    if _lm_head(model) is None:
+        raise ValueError(
+            f"model.compile needs a model whose logits are a plain Linear of model.base_model's output; "
+            f"{type(model).__name__} is not one (wrapped, soft-capped or scaled logits): set model.compile to false"
+        )
+    return torch.compile(model.base_model, dynamic=dynamic)
+
+
 def get_response_log_probs(model, input_ids: torch.Tensor, labels: torch.Tensor, return_token_entropy: bool = False,
                            attention_mask: torch.Tensor | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                           position_ids: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                           position_ids: torch.Tensor | None = None, backbone=None) -> dict[str, torch.Tensor]:
     """``log_probs`` (B, T): log p(labels[b, t] | input_ids[b, :t+1]); with the flag, ``token_entropy``
     (B, T): entropy of the next-token distribution at t (detached: it is a diagnostic).
 
     Numerically stable (logsumexp in float32). Gradients flow into ``log_probs`` when grad is enabled.
+    ``backbone``: a stand-in for ``model.base_model`` with the same parameters (``compile_backbone``).
     """
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
@@ -69,7 +85,7 @@ def get_response_log_probs(model, input_ids: torch.Tensor, labels: torch.Tensor,
         kwargs["position_ids"] = position_ids.to(device)
     head = _lm_head(model)
     if head is not None:
-        hidden = model.base_model(input_ids=input_ids, use_cache=False, **kwargs).last_hidden_state
+        hidden = (model.base_model if backbone is None else backbone)(input_ids=input_ids, use_cache=False, **kwargs).last_hidden_state
         flat_h = hidden.reshape(-1, hidden.shape[-1])
         compute = lambda h, y: _chunk_stats(h, head.weight, head.bias, y, return_token_entropy)  # noqa: E731
     else:

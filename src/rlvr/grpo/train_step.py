@@ -70,7 +70,7 @@ def policy_gradient_update(model, optimizer, input_ids: torch.Tensor, labels: to
                            cliprange: float | None = None, loss_normalization: str = "sequence",
                            normalization_constant: float | None = None, skip_zero_advantage: bool = True,
                            max_tokens_per_microbatch: int | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                           step: bool = True):
+                           step: bool = True, backbone=None):
     """Accumulate the policy-gradient of a tokenised batch, clip, step once, clear grads.
 
     Returns ``(loss, metadata)``: ``loss`` is the aggregated loss of the whole batch (detached);
@@ -78,6 +78,9 @@ def policy_gradient_update(model, optimizer, input_ids: torch.Tensor, labels: to
     sequences that went through the model), ``clip_fraction`` (clipping methods; over those same
     tokens), ``n_sequences``/``n_tokens`` trained, and ``skipped_nonfinite`` when a non-finite loss or
     gradient norm made it skip the optimizer step.
+
+    ``max_tokens_per_microbatch`` additionally caps each microbatch at that many tokens (rows ×
+    longest row); ``backbone`` is a compiled stand-in for ``model.base_model`` (``compile_backbone``).
     """
     batch = input_ids.shape[0]
     _check_divisible(batch, gradient_accumulation_steps)
@@ -107,7 +110,7 @@ def policy_gradient_update(model, optimizer, input_ids: torch.Tensor, labels: to
         width = max(lengths[i] for i in rows)
         mb_mask = response_mask[idx, :width].to(device)
         out = get_response_log_probs(model, input_ids[idx, :width], labels[idx, :width], return_token_entropy=True,
-                                     chunk_tokens=chunk_tokens)
+                                     chunk_tokens=chunk_tokens, backbone=backbone)
         old = old_log_probs[idx, :width].to(device) if (old_log_probs is not None and method.needs_old_log_probs) else None
         per_token, meta = compute_policy_gradient_loss(advantages[idx].to(device), out["log_probs"], importance_reweighting_method,
                                                        old, cliprange, mb_mask)
