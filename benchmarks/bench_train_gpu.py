@@ -63,6 +63,9 @@ def main(argv=None) -> int:
     p.add_argument("--group-size", type=int, default=8)
     p.add_argument("--grad-accum", type=int, default=32)
     p.add_argument("--gradient-checkpointing", action="store_true")
+    p.add_argument("--max-tokens-per-microbatch", type=int, default=None,
+                   help="optim.max_tokens_per_microbatch (use with --grad-accum 1)")
+    p.add_argument("--compile", action="store_true", help="model.compile: torch.compile of the backbone for training")
     p.add_argument("--tokenizer-vocab", type=int, default=4096, help="size of the locally trained tokenizer")
     p.add_argument("--tiny", action="store_true", help="CPU smoke test: tiny model, tiny batch, 2 steps")
     p.add_argument("--reward", default="coin", choices=["coin", "grader"],
@@ -92,7 +95,7 @@ def main(argv=None) -> int:
         algorithm=AlgorithmConfig(preset="grpo"),
         rollout=RolloutConfig(n_prompts_per_rollout_batch=args.n_prompts, group_size=args.group_size,
                               max_new_tokens=args.max_new_tokens),
-        optim=OptimConfig(gradient_accumulation_steps=args.grad_accum),
+        optim=OptimConfig(gradient_accumulation_steps=args.grad_accum, max_tokens_per_microbatch=args.max_tokens_per_microbatch),
         engine=EngineConfig(name=args.engine, device=engine_device, max_batch_size=args.n_prompts * args.group_size),
         log=LogConfig(progress=True, engine_logprob_check_every=0, val_samples=0),
         n_steps=args.steps, eval_every=0, eval_at_start=False, dump_every=0, save_every=0,
@@ -103,8 +106,9 @@ def main(argv=None) -> int:
     train_examples = load_examples(args.data_dir, "train", limit=6400)
     t0 = time.perf_counter()
     model, tokenizer = build_policy(args, train_examples, device)
-    if args.gradient_checkpointing:
-        config = dataclasses.replace(config, model=dataclasses.replace(config.model, gradient_checkpointing=True))
+    if args.gradient_checkpointing or args.compile:
+        config = dataclasses.replace(config, model=dataclasses.replace(
+            config.model, gradient_checkpointing=args.gradient_checkpointing, compile=args.compile))
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e9:.3f} B parameters, built in {time.perf_counter() - t0:.1f} s; "
           f"tokenizer vocab {len(tokenizer)}", flush=True)
@@ -135,6 +139,8 @@ def main(argv=None) -> int:
           f"random weights, {'bf16' if cuda else 'fp32'}), {gpu}, engine `{args.engine}` on {engine_device}; "
           f"rollout {args.n_prompts} x {args.group_size}, max {args.max_new_tokens} new tokens "
           f"(mean response {col('train/response_length', rows):.0f} tokens), grad accumulation {args.grad_accum}"
+          f"{f', token budget {args.max_tokens_per_microbatch}' if args.max_tokens_per_microbatch else ''}"
+          f"{', model.compile' if args.compile else ''}"
           f"{', gradient checkpointing' if args.gradient_checkpointing else ''}; {len(rows)} steps.")
     print()
     print("| phase | step 1 (s) | mean of steps 2+ (s) |")
