@@ -112,6 +112,8 @@ class OptimConfig:
     """AdamW betas."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    master_weights: bool = True
+    """With a bfloat16/float16 policy, step float32 copies of the weights (float32 AdamW moments) and write the rounded result back: pure bfloat16 AdamW drops every update below half a bfloat16 ulp, i.e. most updates at lr 1e-5. Costs 8 more bytes per parameter. No effect on float32 policies."""
     max_grad_norm: float = 1.0
     """Clip the global gradient norm to this before every optimizer step."""
     train_batch_size: int | None = None

@@ -64,6 +64,7 @@ from rlvr.grpo import (
 )
 from rlvr.grpo.tokenize import pad_token_id
 from rlvr.logging_utils import MetricsLogger, truncate_metrics, write_jsonl
+from rlvr.optim import make_adamw
 
 
 class TrainingError(RuntimeError):
@@ -164,9 +165,8 @@ def _make_engine(config: TrainConfig, model, tokenizer):
 
 def _optimizer_and_scheduler(config: TrainConfig, model, device: torch.device):
     o = config.optim
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=o.lr, betas=tuple(o.betas), weight_decay=o.weight_decay,
-                                  fused=device.type == "cuda")
+    optimizer = make_adamw(model.parameters(), master_weights=o.master_weights, lr=o.lr, betas=tuple(o.betas),
+                           weight_decay=o.weight_decay, fused=device.type == "cuda")
     total = config.n_steps * config.updates_per_rollout_batch
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda u: lr_factor(u, total, o.schedule, o.warmup_steps, o.min_lr_ratio))
