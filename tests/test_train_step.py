@@ -282,16 +282,19 @@ def test_token_budget_gradient_equals_full_batch(tiny_model, tiny_tokenizer, gsm
 
 def test_compiled_backbone_matches_eager(tiny_model, tiny_tokenizer):
     """``model.compile``'s path (``torch.compile(base_model, dynamic=True)``, inductor on the CPU here):
-    the same log-probs and the same gradients as the eager model, for two different microbatch shapes
-    (dynamic shapes: no recompile per shape)."""
+    the same log-probs and the same gradients as the eager model, for three microbatch shapes, one of
+    them a single row, compiled once (dynamic shapes; a recompile would add a graph)."""
     pytest.importorskip("torch._inductor")
     import torch._dynamo
+    from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
+    counters.clear()
     backbone = compile_backbone(tiny_model)
     shapes = [(["What is 2+3?", "Say hi"], [" It is 5.", " hi hi hi"]),
-              (["A longer question about apples and pears?", "Q", "Why?"], [" 7", " it is 12 and more", " no"])]
-    for prompts, responses in shapes:
+              (["A longer question about apples and pears?", "Q", "Why?"], [" 7", " it is 12 and more", " no"]),
+              (["One row alone?"], [" yes, one row"])]
+    for k, (prompts, responses) in enumerate(shapes):
         tok = tokenize_prompt_and_output(prompts, responses, tiny_tokenizer)
         w = torch.randn(tok["labels"].shape)
         results = []
@@ -301,10 +304,12 @@ def test_compiled_backbone_matches_eager(tiny_model, tiny_tokenizer):
             results.append((out, [p.grad.clone() for p in tiny_model.parameters()]))
             tiny_model.zero_grad(set_to_none=True)
         (eager, g_eager), (comp, g_comp) = results
+        assert comp["log_probs"].shape == eager["log_probs"].shape
         torch.testing.assert_close(comp["log_probs"], eager["log_probs"], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(comp["token_entropy"], eager["token_entropy"], rtol=1e-4, atol=1e-5)
         for a, b in zip(g_comp, g_eager):
             torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+        assert counters["stats"]["unique_graphs"] == 1, f"recompiled for shape {tuple(tok['input_ids'].shape)}"
     torch._dynamo.reset()
 
 

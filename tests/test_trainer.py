@@ -350,3 +350,24 @@ def test_token_budget_must_be_positive(gsm8k_path):
 
     with pytest.raises(ConfigError, match="max_tokens_per_microbatch must be >= 1"):
         tiny_config(gsm8k_path, optim=OptimConfig(max_tokens_per_microbatch=0)).resolve().validate()
+
+
+def test_model_compile_trains_on_one_graph(gsm8k_path, tiny_model, tiny_tokenizer, tmp_path):
+    """``model.compile``: three steps with microbatches of changing shapes (a token budget, a lone row
+    possible) and eager rollouts, old log-probs and validation in between, on one compiled graph."""
+    pytest.importorskip("torch._inductor")
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from rlvr.config import ModelConfig
+
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = tiny_config(gsm8k_path, n_steps=3, eval_every=2, model=ModelConfig(compile=True),
+                      optim=OptimConfig(lr=1e-3, gradient_accumulation_steps=1, max_tokens_per_microbatch=40),
+                      algorithm=AlgorithmConfig(reweighting="grpo", cliprange=0.2))
+    run(cfg, tmp_path, tiny_model, tiny_tokenizer)
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    check_sane(rows, clipping=True)
+    assert counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()

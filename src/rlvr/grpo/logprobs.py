@@ -85,7 +85,16 @@ def get_response_log_probs(model, input_ids: torch.Tensor, labels: torch.Tensor,
         kwargs["position_ids"] = position_ids.to(device)
     head = _lm_head(model)
     if head is not None:
-        hidden = (model.base_model if backbone is None else backbone)(input_ids=input_ids, use_cache=False, **kwargs).last_hidden_state
+        rows = input_ids.shape[0]
+        if backbone is not None:
+            # A compiled backbone guards on its inputs' layout (a view of a larger tensor and a fresh one
+            # compile differently) and specialises on a batch of one (PyTorch's 0/1 specialisation): fresh
+            # contiguous inputs, and a second, discarded copy of a lone row, keep it on one graph.
+            copies = 2 if rows == 1 else 1
+            input_ids = input_ids.repeat(copies, 1)
+            kwargs = {k: v.repeat(copies, 1) for k, v in kwargs.items()}
+        hidden = (model.base_model if backbone is None else backbone)(input_ids=input_ids, use_cache=False,
+                                                                       **kwargs).last_hidden_state[:rows]
         flat_h = hidden.reshape(-1, hidden.shape[-1])
         compute = lambda h, y: _chunk_stats(h, head.weight, head.bias, y, return_token_entropy)  # noqa: E731
     else:
