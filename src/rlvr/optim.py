@@ -23,7 +23,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
     """
 
     def __init__(self, params, **kwargs):
-        self.model_params = [p for p in params]
+        self.model_params = list(params)
         self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.model_params]
         super().__init__(self.masters, **kwargs)
 

@@ -47,8 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from rlvr.engines.base import Completion, SamplingParams
-from rlvr.engines.hf import (_stop_window_tokens, encode_prompts, eos_token_ids, find_stop, longest_first,
-                             seeded_generator, truncate_at_stop)
+from rlvr.engines.hf import _stop_window_tokens, eos_token_ids, find_stop, generate_in_chunks, truncate_at_stop
 
 DEFAULT_BATCH_BUCKETS = (256, 192, 128, 96, 64, 48, 32, 24, 16, 8, 4, 2, 1)
 
@@ -203,31 +202,16 @@ class FastHFEngine:
         """``row_max_new_tokens[i][j]`` (optional, for benchmarks) caps sample j of prompt i below
         ``params.max_new_tokens``: that row finishes with reason ``"length"`` there, as if it had
         reached its own limit, so a batch can retire rows at chosen lengths."""
-        if not prompts:
-            return []
-        t0 = time.perf_counter()
-        generator = seeded_generator(params.seed, self.device)
-        encoded = encode_prompts(self.tokenizer, prompts)
-        if params.n > self.max_batch_size:
+        if prompts and params.n > self.max_batch_size:
             raise ValueError(f"n={params.n} exceeds max_batch_size={self.max_batch_size}; raise max_batch_size")
-        order = longest_first(encoded)
-        per_chunk = max(1, self.max_batch_size // params.n)
-        results: list[list[Completion] | None] = [None] * len(prompts)
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            for start in range(0, len(order), per_chunk):
-                idx = order[start:start + per_chunk]
-                limits = None
-                if row_max_new_tokens is not None:
-                    limits = [min(int(x), params.max_new_tokens) for i in idx for x in row_max_new_tokens[i]]
-                for i, comps in zip(idx, self._generate_chunk([encoded[i] for i in idx], params, generator, limits)):
-                    results[i] = comps
-        finally:
-            self.model.train(was_training)
-        self.stats["tokens"] += sum(len(c.token_ids) for group in results for c in group)
-        self.stats["time"] += time.perf_counter() - t0
-        return results
+
+        def run_chunk(idx, prompt_ids, generator):
+            limits = None
+            if row_max_new_tokens is not None:
+                limits = [min(int(x), params.max_new_tokens) for i in idx for x in row_max_new_tokens[i]]
+            return self._generate_chunk(prompt_ids, params, generator, limits)
+
+        return generate_in_chunks(self, prompts, params, run_chunk)
 
     # ------------------------------------------------------------------ buffers
     def _ensure_state(self, rows: int, slots: int, steps: int):

@@ -135,6 +135,33 @@ def longest_first(encoded: list[list[int]]) -> list[int]:
     return sorted(range(len(encoded)), key=lambda i: -len(encoded[i]))
 
 
+def generate_in_chunks(engine, prompts: list[str], params: SamplingParams, run_chunk) -> list[list[Completion]]:
+    """The driver both in-process engines share: encode the prompts, cut them longest first into
+    chunks of at most ``engine.max_batch_size`` rows (prompts x samples), call
+    ``run_chunk(prompt_indices, prompt_ids, generator)`` for each in eval mode, restore the model's
+    mode, and count tokens and time in ``engine.stats``. Results come back in the prompts' order."""
+    if not prompts:
+        return []
+    t0 = time.perf_counter()
+    generator = seeded_generator(params.seed, engine.device)
+    encoded = encode_prompts(engine.tokenizer, prompts)
+    order = longest_first(encoded)
+    per_chunk = max(1, engine.max_batch_size // params.n)
+    results: list[list[Completion] | None] = [None] * len(prompts)
+    was_training = engine.model.training
+    engine.model.eval()
+    try:
+        for start in range(0, len(order), per_chunk):
+            idx = order[start:start + per_chunk]
+            for i, comps in zip(idx, run_chunk(idx, [encoded[i] for i in idx], generator)):
+                results[i] = comps
+    finally:
+        engine.model.train(was_training)
+    engine.stats["tokens"] += sum(len(c.token_ids) for group in results for c in group)
+    engine.stats["time"] += time.perf_counter() - t0
+    return results
+
+
 def _stop_window_tokens(stops) -> int:
     # Every token decodes to at least one byte, so the last len(stop in bytes) tokens hold any
     # occurrence that the newest token completed; +2 leaves room for a split multi-byte character.
@@ -191,27 +218,8 @@ class HFEngine:
         pass
 
     def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:
-        if not prompts:
-            return []
-        t0 = time.perf_counter()
-        generator = seeded_generator(params.seed, self.device)
-        encoded = encode_prompts(self.tokenizer, prompts)
-        order = longest_first(encoded)
-        per_chunk = max(1, self.max_batch_size // params.n)
-        results: list[list[Completion] | None] = [None] * len(prompts)
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            for start in range(0, len(order), per_chunk):
-                idx = order[start:start + per_chunk]
-                chunk_out = self._generate_chunk([encoded[i] for i in idx], params, generator)
-                for i, comps in zip(idx, chunk_out):
-                    results[i] = comps
-        finally:
-            self.model.train(was_training)
-        self.stats["tokens"] += sum(len(c.token_ids) for group in results for c in group)
-        self.stats["time"] += time.perf_counter() - t0
-        return results
+        return generate_in_chunks(self, prompts, params,
+                                  lambda idx, prompt_ids, generator: self._generate_chunk(prompt_ids, params, generator))
 
     @torch.inference_mode()
     def _generate_chunk(self, prompt_ids: list[list[int]], params: SamplingParams,
