@@ -11,7 +11,8 @@ decode are masked out of sampling, never out of the log-probs).
    prefix, kernels differ), and its sampled log-probs against a teacher-forced pass.
 3. Forced length, 256 prompts of 128 tokens x 512 new tokens (EOS ignored), temperature 1:
    (a) ``model.generate`` with a dynamic cache (the baseline); (b) ``HFEngine``; (c) ``FastHFEngine``
-   cold (graph capture included) and warm, for each of its attention / norm variants.
+   cold (compile and graph capture included) and warm, in its default configuration (``--all-variants``:
+   also its attention / norm / eager-step variants).
 4. A realistic rollout batch: 32 GSM8K r1_zero prompts x 8 samples, stop ``</answer>``. With random
    weights nothing stops by itself, so each row is given a length drawn uniformly in [50, 512] via
    the fast engine's per-row length caps (``row_max_new_tokens``): a row retires at its drawn length
@@ -24,13 +25,14 @@ decode are masked out of sampling, never out of the log-probs).
    the matmul rate measured in step 1. "Real tokens" are prompt + response tokens of the sequences
    that went through the model (no padding). A stricter MFU counts matmul parameters only (no input
    embedding) plus causal attention FLOPs.
-6. ``rlvr.trainer.train`` itself, whole steps of SPEC's suggested configuration (32 GSM8K prompts x 8,
-   r1_zero, 512 new tokens, hf-fast, token-budget microbatches), a coin reward standing in for the
-   grader: generate / train / sync / reward seconds and peak memory.
-7. TRL's ``GRPOTrainer`` without vLLM on the same model, tokenizer, prompts, batch, lengths, reward and
+6. The training step of 5 through ``model.compile`` (one compiled decoder-layer forward shared by
+   all layers, and the fused log-prob's float32 passes compiled), compile time reported as the first
+   step.
+7. ``rlvr.trainer.train`` itself, whole steps of SPEC's suggested configuration (32 GSM8K prompts x 8,
+   r1_zero, 512 new tokens, hf-fast, token-budget microbatches, ``model.compile``), a coin reward
+   standing in for the grader: generate / train / sync / reward seconds and peak memory.
+8. TRL's ``GRPOTrainer`` without vLLM on the same model, tokenizer, prompts, batch, lengths, reward and
    sampling distribution (needs ``trl`` and ``datasets`` importable; ``--no-trl`` skips it).
-8. The training step of 5 through ``torch.compile`` of the backbone (``model.compile``), compile time
-   reported as the first step.
 
 Sections that would start after ``--deadline-s`` are skipped; a failing section prints its error and
 the others still run; the table is printed last.
@@ -65,14 +67,18 @@ from rlvr.prompts import render
 
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, datasheet
 
-# FastHFEngine settings compared: attention through SDPA or two batched matmuls; HF's RMSNorm modules
-# or one fused F.rms_norm call each.
-VARIANTS = (dict(attention="sdpa", fused_norms=False), dict(attention="matmul", fused_norms=False),
-            dict(attention="sdpa", fused_norms=True), dict(attention="matmul", fused_norms=True))
+# FastHFEngine settings compared (``--all-variants``): attention through SDPA or two batched matmuls;
+# HF's RMSNorm modules or one fused F.rms_norm call each; the decode step's pieces through
+# torch.compile or eager. The first is the engine's default on a GPU.
+VARIANTS = (dict(attention="sdpa", fused_norms=True, compile_step=True),
+            dict(attention="sdpa", fused_norms=True, compile_step=False),
+            dict(attention="matmul", fused_norms=True, compile_step=True),
+            dict(attention="sdpa", fused_norms=False, compile_step=False))
 
 
 def variant_name(v: dict) -> str:
-    return f"{v['attention']}{', fused norms' if v['fused_norms'] else ''}"
+    return (f"{v['attention']}{', fused norms' if v['fused_norms'] else ''}"
+            f"{', compiled step' if v.get('compile_step') else ', eager step'}")
 
 
 # ---------------------------------------------------------------- 1. set-up
@@ -86,8 +92,12 @@ def parse_args(argv=None):
     ap.add_argument("--all-variants", action="store_true",
                     help="time every FastHFEngine attention/norm variant (default: only the defaults, sdpa + fused norms)")
     ap.add_argument("--no-trl", action="store_true", help="skip the TRL GRPOTrainer side-by-side")
+    ap.add_argument("--sections", default=None,
+                    help="comma-separated subset of: checks, forced_length, realistic, training, compiled, "
+                         "trainer_step, trl (default: all; ceilings always run; compiled needs training)")
     ap.add_argument("--trl-steps", type=int, default=2, help="TRL optimizer steps (the last one is timed)")
-    ap.add_argument("--trainer-steps", type=int, default=3, help="rlvr trainer steps (steps 2+ are averaged)")
+    ap.add_argument("--trainer-steps", type=int, default=4,
+                    help="rlvr trainer steps (model.compile: steps 3+ are averaged; 1 and 2 compile)")
     ap.add_argument("--deadline-s", type=float, default=570.0,
                     help="skip the sections that would start after this many seconds (the table is printed anyway)")
     return ap.parse_args(argv)
@@ -100,7 +110,7 @@ class Bench:
         self.device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
         self.dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
         self.engine_name = "hf-fast" if self.device.type == "cuda" else "hf"
-        self.variants = VARIANTS if args.all_variants else (dict(attention="sdpa", fused_norms=True),)
+        self.variants = VARIANTS if args.all_variants else VARIANTS[:1]
         self.rows: list[dict] = []   # the table
         self.log: dict = {"argv": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
         if self.tiny:
@@ -419,7 +429,6 @@ class Bench:
                             max_tokens_per_microbatch=self.best_budget, backbone=backbone)
         self.row("(e'') compiled vs eager, same budget", f"{self.train_time / t:.2f}x", "", "", "")
         del backbone
-        torch._dynamo.reset()
         self.free()
 
     # ------------------------------------------------------------ 6. the trainer, whole steps
@@ -430,7 +439,7 @@ class Bench:
         and the zero-advantage skip would then make training free)."""
         import tempfile
 
-        from rlvr.config import DataConfig, EngineConfig, LogConfig, OptimConfig, RolloutConfig, TrainConfig
+        from rlvr.config import DataConfig, EngineConfig, LogConfig, ModelConfig, OptimConfig, RolloutConfig, TrainConfig
         from rlvr.logging_utils import read_metrics
         from rlvr.trainer import train
 
@@ -441,6 +450,7 @@ class Bench:
             prompt="r1_zero",
             rollout=RolloutConfig(n_prompts_per_rollout_batch=n_prompts, group_size=group, max_new_tokens=new),
             optim=OptimConfig(lr=1e-5, gradient_accumulation_steps=1, max_tokens_per_microbatch=budget),
+            model=ModelConfig(compile=True),
             engine=EngineConfig(name=self.engine_name, max_batch_size=n_prompts * group),
             log=LogConfig(progress=False, engine_logprob_check_every=0, val_samples=0),
             n_steps=self.args.trainer_steps, eval_every=0, eval_at_start=False, dump_every=0, save_every=0,
@@ -452,17 +462,22 @@ class Bench:
         train(config, out, model=self.model, tokenizer=self.tok, reward_fn=coin_reward)
         peak = torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else float("nan")
         rows = [r for r in read_metrics(out / "metrics.jsonl") if r.get("step", 0) > 0]
-        later = rows[1:] or rows
+        # Step 1 compiles the training graphs; a microbatch under inductor's size threshold recompiles
+        # once more (usually in step 2). Steps 3+ are the steady state.
+        first_steady = 2 if len(rows) >= 3 else (1 if len(rows) == 2 else 0)
+        later = rows[first_steady:]
         mean = lambda k: statistics.mean(r.get(k, 0.0) or 0.0 for r in later)  # noqa: E731
         self.trainer = dict(step=mean("time/step"), generate=mean("time/generate"), train=mean("time/train"),
                             sync=mean("time/sync"), reward=mean("time/reward"), peak_gb=peak,
                             response_length=mean("train/response_length"))
         self.log["trainer_rows"] = rows
+        steps_s = ", ".join(f"{r['time/step']:.2f}" for r in rows)
         self.row(f"(f) rlvr trainer, whole step: {n_prompts} GSM8K r1_zero prompts x {group}, {new} new tokens, "
                  f"{self.engine_name}, token budget {budget:,}", f"{self.trainer['step']:.2f} s/step, peak {peak:.1f} GiB", "", "",
                  f"goal <= 10 s; generate {self.trainer['generate']:.2f} s, train {self.trainer['train']:.2f} s, sync "
                  f"{self.trainer['sync']:.2f} s, reward {self.trainer['reward']:.2f} s; mean response "
-                 f"{self.trainer['response_length']:.0f} tokens; mean of steps 2-{len(rows)}")
+                 f"{self.trainer['response_length']:.0f} tokens; model.compile; mean of steps {first_steady + 1}-{len(rows)}"
+                 f" (all steps: {steps_s} s)")
         self.model.eval()
         self.free()
 
@@ -568,8 +583,11 @@ def main(argv=None):
     bench = Bench(args)
     t_start = time.perf_counter()
     bench.setup()
-    sections = (bench.ceilings, bench.checks, bench.forced_length, bench.realistic, bench.training, bench.trainer_step,
-                bench.trl, bench.compiled)
+    sections = (bench.ceilings, bench.checks, bench.forced_length, bench.realistic, bench.training, bench.compiled,
+                bench.trainer_step, bench.trl)
+    if args.sections:
+        wanted = {"ceilings", *args.sections.split(",")}
+        sections = tuple(s for s in sections if s.__name__ in wanted)
     for section in sections:
         if time.perf_counter() - t_start > args.deadline_s:
             bench.row(f"{section.__name__} SKIPPED", f"past the {args.deadline_s:.0f} s deadline")

@@ -149,6 +149,9 @@ def main(argv=None) -> int:
         print(f"| {name} | {rows[0].get(key, 0.0):.2f} | {col(key, later):.2f} |")
     print(f"| generation throughput (tokens/s) | {rows[0].get('tokens_per_s', 0.0):.0f} | {col('tokens_per_s', later):.0f} |")
     print(f"| peak GPU memory allocated / reserved (GiB) | {peak_gb:.1f} / {reserved_gb:.1f} | |")
+    print()
+    print("per step (s): " + "; ".join(f"{r['step']}: generate {r.get('time/generate', 0):.2f}, train "
+                                      f"{r.get('time/train', 0):.2f}" for r in rows))
     return 0
 
 

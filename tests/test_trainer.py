@@ -369,5 +369,7 @@ def test_model_compile_trains_on_one_graph(gsm8k_path, tiny_model, tiny_tokenize
     run(cfg, tmp_path, tiny_model, tiny_tokenizer)
     rows = read_metrics(tmp_path / "metrics.jsonl")
     check_sane(rows, clipping=True)
-    assert counters["stats"]["unique_graphs"] == 1
+    # one decoder-layer forward shared by every layer, plus the fused log-prob's two float32 passes
+    # (forward with entropy, gradient); a recompile for some microbatch shape would add to these
+    assert counters["stats"]["unique_graphs"] == 3
     torch._dynamo.reset()

@@ -62,6 +62,63 @@ def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
     return ((x * cos) + (_rotate_half(x) * sin)).to(x.dtype)
 
 
+# --- the decode step's pieces as pure functions of tensors (``compile_step``) --------------------------
+# Each decoder layer's step is: projections, q/k norms and rotary embedding (``_pre_attention``), the
+# cache write and attention (left eager: in-place writes into the static cache), then the output
+# projection, norms, residuals and MLP (``_post_attention``). Written over plain tensors, so one
+# compiled graph serves all layers (the weights are its inputs); inductor fuses each piece's
+# elementwise work into a few kernels. At a 2,048-wide model a decode step is mostly kernel count:
+# eager it is about 50 kernels per layer, each a few microseconds even inside a CUDA graph.
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+
+
+def _pre_attention(x, wq, wk, wv, wqn, wkn, eps: float, cos, sin, heads: int):
+    B, Q, _ = x.shape
+    q = _rms(F.linear(x, wq), wqn, eps).view(B, Q, heads, -1).transpose(1, 2)
+    k = _rms(F.linear(x, wk), wkn, eps).view(B, Q, heads, -1).transpose(1, 2)
+    v = F.linear(x, wv).view(B, Q, heads, -1).transpose(1, 2)
+    return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
+
+
+def _post_attention(x, o, wo, wpan, wgate, wup, wdown, wpfn, eps: float):
+    B, Q, _ = x.shape
+    x = x + _rms(F.linear(o.transpose(1, 2).reshape(B, Q, -1), wo), wpan, eps)
+    return x + _rms(F.linear(F.silu(F.linear(x, wgate)) * F.linear(x, wup), wdown), wpfn, eps)
+
+
+def _sample_math(logits, vocab_bias, temperature, top_p, noise, mode: str):
+    """Tokens and their temperature-1 log-probs for logits (b, vocab); ``noise`` holds Exp(1) draws."""
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    scores = logits + vocab_bias
+    if mode == "greedy":
+        tokens = scores.argmax(dim=-1)
+    else:
+        scores = scores / temperature
+        if mode == "top_p":
+            sorted_scores, order = scores.sort(dim=-1, descending=True)
+            p_sorted = sorted_scores.softmax(dim=-1)
+            drop = (p_sorted.cumsum(dim=-1) - p_sorted) >= top_p
+            sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+            scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
+        probs = scores.softmax(dim=-1)
+        tokens = (probs / noise.clamp_min(1e-30)).argmax(dim=-1)
+    lp = logits.gather(-1, tokens[:, None]).squeeze(-1) - lse
+    return tokens, lp
+
+
+_COMPILED: dict = {}
+
+
+def _compiled(fn):
+    """``torch.compile(fn, dynamic=True)``, once per process (batch size and length stay symbolic)."""
+    if fn.__name__ not in _COMPILED:
+        _COMPILED[fn.__name__] = torch.compile(fn, dynamic=True)
+    return _COMPILED[fn.__name__]
+
+
 def _check_architecture(model):
     backbone = getattr(model, "model", None)
     layers = getattr(backbone, "layers", None)
@@ -130,13 +187,16 @@ class FastHFEngine:
     ``sync_every`` is how many steps run between host checks of EOS / stop strings. ``attention``
     is ``"sdpa"`` (default) or ``"matmul"`` (two batched matrix-vector products); ``fused_norms``
     replaces each RMSNorm module call by one ``F.rms_norm`` on the same float32 values (fewer kernels
-    per step). Both defaults were the fastest on an H200 (docs/benchmarks_speed.md).
+    per step). Both defaults were the fastest on an H200 (docs/benchmarks.md). ``compile_step`` runs
+    the decode step's per-layer pieces and its sampling through ``torch.compile`` (fewer, fused
+    kernels per step; compiled once, on the first call); ``None`` means on for CUDA with CUDA graphs,
+    off elsewhere. It applies to OLMo-2's SiLU MLP without biases; other settings run eagerly.
     """
 
     def __init__(self, model, tokenizer, max_batch_size: int = 256, batch_buckets=DEFAULT_BATCH_BUCKETS,
                  length_bucket: int = 128, sync_every: int = 8, use_cuda_graphs: bool | None = None,
                  mask_unused_vocab: bool = True, prefill_tokens: int = 32768, attention: str = "sdpa",
-                 fused_norms: bool = True):
+                 fused_norms: bool = True, compile_step: bool | None = None):
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token = tokenizer.eos_token")
         _check_architecture(model)
@@ -144,8 +204,12 @@ class FastHFEngine:
             raise ValueError("max_batch_size, length_bucket and sync_every must all be >= 1")
         if attention not in ("sdpa", "matmul"):
             raise ValueError(f"attention must be 'sdpa' or 'matmul', got {attention!r}")
+        self.model = model
+        if compile_step and self._compilable() is not None:
+            raise ValueError(f"compile_step=True does not apply to this model: {self._compilable()}; leave it None")
         self.attention = attention
         self.fused_norms = fused_norms
+        self.compile_step = compile_step
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -304,25 +368,42 @@ class FastHFEngine:
         h = self._layers(x, cos, sin, attend)
         return self.model.lm_head(h[:, -1])
 
-    def _sample(self, st: _State, logits: torch.Tensor, b: int, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(self, st: _State, logits: torch.Tensor, b: int, mode: str, compiled: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens and their temperature-1 log-probs for logits (b, vocab); ``noise[:b]`` must hold Exp(1) draws."""
-        logits = logits.float()
-        lse = torch.logsumexp(logits, dim=-1)
-        scores = logits + st.vocab_bias
-        if mode == "greedy":
-            tokens = scores.argmax(dim=-1)
-        else:
-            scores = scores / st.temperature
-            if mode == "top_p":
-                sorted_scores, order = scores.sort(dim=-1, descending=True)
-                p_sorted = sorted_scores.softmax(dim=-1)
-                drop = (p_sorted.cumsum(dim=-1) - p_sorted) >= st.top_p
-                sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
-                scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
-            probs = scores.softmax(dim=-1)
-            tokens = (probs / st.noise[:b].clamp_min(1e-30)).argmax(dim=-1)
-        lp = logits.gather(-1, tokens[:, None]).squeeze(-1) - lse
-        return tokens, lp
+        fn = _compiled(_sample_math) if compiled else _sample_math
+        return fn(logits, st.vocab_bias, st.temperature, st.top_p, st.noise[:b], mode)
+
+    def _step_compiled(self) -> bool:
+        """Whether decode steps run the compiled pieces (``compile_step``, resolved for this model)."""
+        if self.compile_step is None:
+            return self._graphs_enabled() and self._compilable() is None
+        return bool(self.compile_step)
+
+    def _compilable(self) -> str | None:
+        """None when the compiled pieces apply to the model, else why not."""
+        layer = self.model.model.layers[0]
+        attn, mlp = layer.self_attn, layer.mlp
+        if getattr(self.model.config, "hidden_act", None) != "silu":
+            return f"hidden_act {getattr(self.model.config, 'hidden_act', None)!r} (the compiled step assumes silu)"
+        linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj] + [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if any(not isinstance(m, torch.nn.Linear) or m.bias is not None for m in linears):
+            return "projections with biases or of another kind"
+        return None
+
+    def _layers_compiled(self, x: torch.Tensor, cos, sin, attend):
+        """``_layers`` through the compiled pieces (same math as ``fused_norms``)."""
+        pre, post = _compiled(_pre_attention), _compiled(_post_attention)
+        for i, layer in enumerate(self.model.model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            eps = attn.q_norm.variance_epsilon
+            q, k, v = pre(x, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.q_norm.weight,
+                          attn.k_norm.weight, eps, cos, sin, self.model.config.num_attention_heads)
+            o = attend(i, q, k, v)
+            x = post(x, o, attn.o_proj.weight, layer.post_attention_layernorm.weight, mlp.gate_proj.weight,
+                     mlp.up_proj.weight, mlp.down_proj.weight, layer.post_feedforward_layernorm.weight,
+                     layer.post_attention_layernorm.variance_epsilon)
+        return _rms(x, self.model.model.norm.weight, self.model.model.norm.variance_epsilon)
 
     def _decode_step(self, st: _State, b: int, slots: int, mode: str):
         """One step for batch rows [0, b): feed ``tok``, write K/V at ``slot``, sample, record, advance.
@@ -347,9 +428,10 @@ class FastHFEngine:
             return torch.matmul(weights, vb)
 
         x = self.model.model.embed_tokens(tok)[:, None]
-        h = self._layers(x, cos, sin, attend)
+        compiled = self._step_compiled()
+        h = (self._layers_compiled if compiled else self._layers)(x, cos, sin, attend)
         logits = self.model.lm_head(h[:, 0])
-        tokens, lp = self._sample(st, logits, b, mode)
+        tokens, lp = self._sample(st, logits, b, mode, compiled)
         rid = st.row_id[:b]
         col = st.step.expand(b)
         st.out_tok.index_put_((rid, col), tokens)

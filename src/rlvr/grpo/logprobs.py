@@ -1,25 +1,22 @@
 """Per-token log-probabilities and entropies of a causal LM, without a full float32 logits tensor.
 
 The vocabulary projection is applied to chunks of ``chunk_tokens`` hidden states at a time; each
-chunk is upcast to float32, reduced to (log-prob of the label, entropy) and dropped. Under autograd
-each chunk runs inside activation checkpointing, so backward recomputes the chunk's logits instead
-of keeping every chunk's float32 softmax alive. At OLMo-2-1B's vocabulary (100,352) one chunk of
-2,048 tokens is 0.8 GB in float32, against 13 GB for a 32-sequence × 1024-token microbatch.
+chunk is upcast to float32, reduced to (log-prob of the label, entropy) and dropped. For a plain
+``Linear`` head this is one fused autograd function (``fused_logprobs.linear_log_probs``) whose
+backward recomputes each chunk's logits from the saved hidden states; models with post-processed
+logits fall back to their own logits, reduced chunk by chunk under activation checkpointing. At
+OLMo-2-1B's vocabulary (100,352) one chunk of 2,048 tokens is 0.8 GB in float32, against 13 GB for
+a 32-sequence × 1024-token microbatch.
 """
 
 from __future__ import annotations
 
+import types
+
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-DEFAULT_CHUNK_TOKENS = 2048
-
-
-def _chunk_stats(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-                 want_entropy: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = F.linear(hidden, weight, bias).float()
-    return _stats_from_logits(logits, labels, want_entropy)
+from rlvr.grpo.fused_logprobs import DEFAULT_CHUNK_TOKENS, linear_log_probs
 
 
 def _stats_from_logits(logits: torch.Tensor, labels: torch.Tensor, want_entropy: bool):
@@ -51,18 +48,51 @@ def _lm_head(model):
     return head
 
 
-def compile_backbone(model, dynamic: bool = True):
-    """``torch.compile`` of the model's backbone (``model.base_model``), for ``backbone=`` below.
+class LayerwiseCompiledBackbone:
+    """``model.base_model`` with every decoder layer run through one ``torch.compile``d layer forward.
 
-    The model itself is left as it is (the rollout engines keep calling the eager modules); the
-    compiled wrapper shares its parameters, so optimizer steps are seen by both. ``dynamic=True``
-    compiles for symbolic batch and sequence sizes once, instead of once per microbatch shape.
+    The decoder layers share their code, so the layer forward is compiled once (parameters are graph
+    inputs) and reused by all of them: compiling takes about one layer's time instead of the whole
+    stack's, while the norms, rotary embeddings, attention glue and activations inside each layer are
+    still fused. During a call each layer's ``forward`` is pointed at the compiled function and put
+    back afterwards, so the model's modules, names and state dict never change and the rollout
+    engines, which call the same modules between training steps, run them eagerly.
+    """
+
+    def __init__(self, model, dynamic: bool = True):
+        self.base_model = model.base_model
+        self.layers = list(self.base_model.layers)
+        kinds = {type(layer) for layer in self.layers}
+        if len(kinds) != 1:
+            raise ValueError(f"layer-wise compile needs one decoder layer class, got {sorted(k.__name__ for k in kinds)}")
+        self.compiled_forward = torch.compile(kinds.pop().forward, dynamic=dynamic)
+
+    def __call__(self, *args, **kwargs):
+        for layer in self.layers:
+            layer.forward = types.MethodType(self.compiled_forward, layer)
+        try:
+            return self.base_model(*args, **kwargs)
+        finally:
+            for layer in self.layers:
+                del layer.forward
+
+
+def compile_backbone(model, dynamic: bool = True):
+    """A compiled stand-in for the model's backbone (``model.base_model``), for ``backbone=`` below.
+
+    Models whose backbone keeps its decoder layers in ``base_model.layers`` (OLMo-2, Llama, Qwen and
+    most causal LMs in transformers) get a ``LayerwiseCompiledBackbone``; others get
+    ``torch.compile(model.base_model)``. Either shares the model's parameters, so optimizer steps are
+    seen at once, and leaves the model itself as it is. ``dynamic=True`` compiles for symbolic batch
+    and sequence sizes once, instead of once per microbatch shape.
     """
     if _lm_head(model) is None:
         raise ValueError(
             f"model.compile needs a model whose logits are a plain Linear of model.base_model's output; "
             f"{type(model).__name__} is not one (wrapped, soft-capped or scaled logits): set model.compile to false"
         )
+    if isinstance(getattr(model.base_model, "layers", None), torch.nn.ModuleList) and len(model.base_model.layers):
+        return LayerwiseCompiledBackbone(model, dynamic=dynamic)
     return torch.compile(model.base_model, dynamic=dynamic)
 
 
@@ -96,20 +126,22 @@ def get_response_log_probs(model, input_ids: torch.Tensor, labels: torch.Tensor,
         hidden = (model.base_model if backbone is None else backbone)(input_ids=input_ids, use_cache=False,
                                                                        **kwargs).last_hidden_state[:rows]
         flat_h = hidden.reshape(-1, hidden.shape[-1])
-        compute = lambda h, y: _chunk_stats(h, head.weight, head.bias, y, return_token_entropy)  # noqa: E731
-    else:
-        logits = model(input_ids=input_ids, use_cache=False, **kwargs).logits
-        flat_h = logits.reshape(-1, logits.shape[-1])
-        compute = lambda z, y: _stats_from_logits(z, y, return_token_entropy)  # noqa: E731
-    flat_y = labels.reshape(-1)
-    use_ckpt = torch.is_grad_enabled() and flat_h.requires_grad
+        lp, ent = linear_log_probs(flat_h, head.weight, head.bias, labels.reshape(-1), chunk_tokens,
+                                   return_token_entropy, compiled=backbone is not None)
+        out = {"log_probs": lp.view_as(labels)}
+        if return_token_entropy:
+            out["token_entropy"] = ent.view_as(labels)
+        return out
+    logits = model(input_ids=input_ids, use_cache=False, **kwargs).logits
+    flat_z, flat_y = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    use_ckpt = torch.is_grad_enabled() and flat_z.requires_grad
     log_probs, entropies = [], []
     for start in range(0, flat_y.numel(), chunk_tokens):
-        h, y = flat_h[start : start + chunk_tokens], flat_y[start : start + chunk_tokens]
+        z, y = flat_z[start : start + chunk_tokens], flat_y[start : start + chunk_tokens]
         if use_ckpt:
-            lp, ent = checkpoint(compute, h, y, use_reentrant=False)
+            lp, ent = checkpoint(_stats_from_logits, z, y, return_token_entropy, use_reentrant=False)
         else:
-            lp, ent = compute(h, y)
+            lp, ent = _stats_from_logits(z, y, return_token_entropy)
         log_probs.append(lp)
         entropies.append(ent)
     out = {"log_probs": torch.cat(log_probs).view_as(labels)}

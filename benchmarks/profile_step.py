@@ -1,0 +1,160 @@
+"""Where the time of one decode step and one training step goes, at OLMo-2-0425-1B's size on a GPU.
+
+A diagnostic companion to ``bench_speed.py`` (which measures end to end): prints
+
+1. the replay time of the fast engine's captured decode step for several batch sizes and attended
+   lengths (the step's fixed cost against its per-row cost);
+2. a ``torch.profiler`` table of the eager decode step (graphs hide kernels from the profiler);
+3. the compile time and step time of the training step through ``compile_backbone`` and a
+   ``torch.profiler`` table of one compiled step.
+
+Usage: ``PYTHONPATH=src python benchmarks/profile_step.py --data-dir DIR [--tiny]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench_speed import Bench
+from rlvr.engines.base import SamplingParams
+from rlvr.engines.fast import FastHFEngine
+from rlvr.grpo.logprobs import compile_backbone
+from rlvr.grpo.train_step import policy_gradient_update
+
+
+def kernel_table(prof, rows: int = 25) -> str:
+    key = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70)
+
+
+@torch.inference_mode()
+def decode(bench: Bench):
+    prompts = bench.fixed_length_prompts()
+    params = SamplingParams(temperature=1.0, max_new_tokens=bench.new_tokens, seed=0, ignore_eos=True)
+    engine = FastHFEngine(bench.model, bench.tok, max_batch_size=len(prompts))
+    engine.generate(prompts, params)  # allocates the state at its full size
+    st = engine._state
+    print("\n## decode step: graph replay time (ms) by batch rows x attended slots", flush=True)
+    slots_list = [s for s in (128, 256, 384, 512, 640) if s <= st.slots_cap]
+    print("rows | " + " | ".join(str(s) for s in slots_list))
+    for b in [x for x in (256, 128, 64, 32, 8, 1) if x <= st.rows_cap]:
+        cells = []
+        for slots in slots_list:
+            reps = 20
+
+            def reset():  # every replay advances the slot and output column: keep both in bounds
+                st.slot.fill_(slots - reps - 2)
+                st.step.zero_()
+
+            reset()
+            engine._run_step(st, b, slots, "sample")  # captures
+            reset()
+            graph = engine._graphs.get((b, slots, "sample"))  # none on the CPU: the eager step
+            run = graph.replay if graph is not None else (lambda: engine._decode_step(st, b, slots, "sample"))
+            _, t = bench.timed(lambda: [run() for _ in range(reps)])
+            cells.append(f"{1e3 * t / reps:.2f}")
+        print(f"{b} | " + " | ".join(cells), flush=True)
+    b, slots = min(256, st.rows_cap), slots_list[len(slots_list) // 2]
+    st.slot.fill_(slots - 10)
+    st.step.zero_()
+    for _ in range(2):
+        engine._decode_step(st, b, slots, "sample")
+    bench.sync()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        for _ in range(5):
+            st.noise[:b].exponential_()
+            engine._decode_step(st, b, slots, "sample")
+        bench.sync()
+    print(f"\n## eager decode step, {b} rows, {slots} slots, 5 steps", flush=True)
+    print(kernel_table(prof), flush=True)
+    engine.close()
+    bench.free()
+
+
+@torch.inference_mode()
+def attention(bench: Bench):
+    """The decode step's attention alone (one query per row over the static cache, left-padding mask),
+    through each SDPA backend that accepts it."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cfg = bench.model.config
+    heads, dim = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
+    rows = 8 if bench.tiny else 256
+    print("\n## decode attention, one layer (us): rows x slots, by backend", flush=True)
+    for slots in ((32,) if bench.tiny else (384, 640)):
+        q = torch.randn(rows, heads, 1, dim, device=bench.device, dtype=bench.dtype)
+        k, v = (torch.randn(rows, heads, slots, dim, device=bench.device, dtype=bench.dtype) for _ in range(2))
+        mask = (torch.arange(slots, device=bench.device)[None, :] >= torch.randint(0, 30, (rows, 1), device=bench.device))
+        mask = mask[:, None, None, :]
+        cells = []
+        for name, backend, m in (("cudnn", SDPBackend.CUDNN_ATTENTION, mask), ("efficient", SDPBackend.EFFICIENT_ATTENTION, mask),
+                                 ("flash (no mask)", SDPBackend.FLASH_ATTENTION, None), ("math", SDPBackend.MATH, mask)):
+            try:
+                with sdpa_kernel(backend):
+                    fn = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m)  # noqa: E731
+                    fn()
+                    _, t = bench.timed(lambda: [fn() for _ in range(50)])
+                cells.append(f"{name} {1e6 * t / 50:.0f}")
+            except RuntimeError as e:
+                cells.append(f"{name} n/a ({str(e)[:40]})")
+        print(f"{rows} x {slots}: " + "; ".join(cells), flush=True)
+
+
+def training(bench: Bench):
+    if not hasattr(bench, "rl"):
+        bench.realistic()  # the training batch reuses its prompts and drawn lengths
+    batch, adv = bench.training_batch()
+    model = bench.model
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=torch.cuda.is_available())
+    budget = 2048 if bench.tiny else 16384
+    t0 = time.perf_counter()
+    backbone = compile_backbone(model)
+
+    def step():
+        return policy_gradient_update(model, opt, batch["input_ids"], batch["labels"], batch["response_mask"], adv, 1,
+                                      1.0, max_tokens_per_microbatch=budget, backbone=backbone)
+
+    step()
+    bench.sync()
+    first = time.perf_counter() - t0
+    times = []
+    for _ in range(3):
+        _, t = bench.timed(step)
+        times.append(t)
+    print(f"\n## compiled training step (layer-wise compile): first step {first:.1f} s, then "
+          f"{', '.join(f'{t:.3f}' for t in times)} s", flush=True)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        step()
+        bench.sync()
+    print(kernel_table(prof, 30), flush=True)
+    model.eval()
+    bench.free()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data-dir", required=True)
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--only", choices=("decode", "attention", "training"), default=None)
+    args = ap.parse_args()
+    args.seed, args.all_variants, args.skip_baselines = 0, False, True
+    bench = Bench(args)
+    bench.setup()
+    bench.ceilings()
+    if args.only in (None, "decode"):
+        decode(bench)
+    if args.only in (None, "attention"):
+        attention(bench)
+    if args.only in (None, "training"):
+        training(bench)
+
+
+if __name__ == "__main__":
+    main()
