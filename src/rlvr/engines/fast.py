@@ -27,8 +27,9 @@ distribution; it differs in how the work reaches the GPU:
   smallest set of tokens whose mass reaches p (same rule as ``hf.sample_next``). The sampled
   token's log-probability under the temperature-1 full-vocabulary distribution comes from the
   same logits.
-* **Few host syncs.** The host reads the new tokens every ``sync_every`` steps and checks EOS and
-  stop strings then, token by token as ``HFEngine`` does (a stop found in the decoded new span is
+* **Few host syncs, overlapped.** The host reads the new tokens every ``sync_every`` steps and checks
+  EOS and stop strings then, one sync period behind the device (the copy is asynchronous and the
+  device runs the next steps while the host examines), token by token as ``HFEngine`` does (a stop found in the decoded new span is
   located at the exact token that completed it), so rows that ran past their stop are cut on the host
   and text, token ids, log-probs and finish reasons equal per-token checking.
 * **Retiring rows.** When the rows still running fit a smaller batch bucket, they are compacted
@@ -552,19 +553,40 @@ class FastHFEngine:
         if len(limit) != R or min(limit) < 1:
             raise ValueError("row_max_new_tokens needs n limits >= 1 for every prompt")
 
-        def examine(upto: int):
-            """Read the new tokens [.., upto) of unfinished rows; apply EOS, stop strings and the length
-            limit exactly as checking after every token would."""
+        def fetch(upto: int):
+            """Start copying the sampled tokens [lo, upto) to the host, lo being the first token some
+            unfinished row has not examined; returns the pending read (None when every row is done)."""
+            live = [g for g in batch_rows if finish[g] is None]
+            if not live:
+                return None
+            lo = min(n_done[g] for g in live)
+            cols = st.out_tok[:R, lo:upto]
+            if cols.device.type != "cuda":
+                return lo, cols.clone(), None
+            host = torch.empty(cols.shape, dtype=cols.dtype, pin_memory=True)
+            host.copy_(cols, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            return lo, host, done
+
+        def examine(pending):
+            """Read a fetched span of new tokens of the unfinished rows; apply EOS, stop strings and the
+            length limit exactly as checking after every token would."""
+            if pending is None:
+                return
+            lo, host, done = pending
+            if done is not None:
+                done.synchronize()
             self.stats["host_syncs"] += 1
             live = [g for g in batch_rows if finish[g] is None]
             if not live:
                 return
-            lo = min(n_done[g] for g in live)
-            host = st.out_tok[:R, lo:upto].cpu().tolist()
+            upto = lo + host.shape[1]
+            host = host.tolist()
             spans = []  # (row, first new token, end of the tokens to stop-check)
             for g in live:
                 a = n_done[g]
-                new = host[g][a - lo:limit[g] - lo]
+                new = host[g][a - lo:min(limit[g], upto) - lo]
                 cut = next((a + j for j, t in enumerate(new) if t in eos_ids), None)
                 generated[g].extend(new if cut is None else new[: cut - a + 1])
                 n_done[g] = a + len(new)
@@ -592,11 +614,20 @@ class FastHFEngine:
                         finish[g], stop_hit[g], end[g] = "stop", True, s + 1
                         break
 
+        # Host checks run one sync period behind the device: at each sync point the tokens so far start
+        # copying to the host, and the copy started at the previous sync point is examined while the
+        # device runs the next steps (host work and device work overlap instead of taking turns). A row
+        # that finished meanwhile decodes a few steps more, which its result never includes.
         step = 1
         filled = L  # slots holding K/V
+        pending = None
         while True:
             if step >= T or (step % self.sync_every == 0):
-                examine(step)
+                latest = fetch(step)
+                examine(pending)
+                pending = latest
+                if step >= T:
+                    examine(pending)
                 if all(finish[g] is not None for g in batch_rows) or step >= T:
                     break
                 alive = [i for i, g in enumerate(batch_rows) if finish[g] is None]
