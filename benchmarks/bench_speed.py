@@ -30,7 +30,8 @@ decode are masked out of sampling, never out of the log-probs).
    step.
 7. ``rlvr.trainer.train`` itself, whole steps of SPEC's suggested configuration (32 GSM8K prompts x 8,
    r1_zero, 512 new tokens, hf-fast, token-budget microbatches, ``model.compile``), a coin reward
-   standing in for the grader: generate / train / sync / reward seconds and peak memory.
+   standing in for the grader: generate / train / sync / reward seconds and peak memory; then the
+   same configured for memory (half the engine rows at a time, smaller microbatches, bf16 AdamW).
 8. TRL's ``GRPOTrainer`` without vLLM on the same model, tokenizer, prompts, batch, lengths, reward and
    sampling distribution (needs ``trl`` and ``datasets`` importable; ``--no-trl`` skips it).
 
@@ -94,7 +95,8 @@ def parse_args(argv=None):
     ap.add_argument("--no-trl", action="store_true", help="skip the TRL GRPOTrainer side-by-side")
     ap.add_argument("--sections", default=None,
                     help="comma-separated subset of: checks, forced_length, realistic, training, compiled, "
-                         "trainer_step, trl (default: all; ceilings always run; compiled needs training)")
+                         "trainer_step, trainer_step_lean, trl (default: all; ceilings always run; compiled needs "
+                         "training)")
     ap.add_argument("--trl-steps", type=int, default=2, help="TRL optimizer steps (the last one is timed)")
     ap.add_argument("--trainer-steps", type=int, default=4,
                     help="rlvr trainer steps (model.compile: steps 3+ are averaged; 1 and 2 compile)")
@@ -222,8 +224,10 @@ class Bench:
         prompts = [render("r1_zero", ex.question) for ex in self.examples[:8]]
         T = 16 if self.tiny else 64
         greedy = SamplingParams(temperature=0.0, max_new_tokens=T, ignore_eos=True)
-        eager = FastHFEngine(self.model, self.tok, max_batch_size=64, use_cuda_graphs=False).generate(prompts, greedy)
+        # The same step (compiled pieces where the default uses them) without graphs: isolates the replay.
         fast = FastHFEngine(self.model, self.tok, max_batch_size=64)
+        eager = FastHFEngine(self.model, self.tok, max_batch_size=64, use_cuda_graphs=False,
+                             compile_step=fast._step_compiled()).generate(prompts, greedy)
         graphed = fast.generate(prompts, greedy)
         same = sum(a[0].token_ids == b[0].token_ids for a, b in zip(eager, graphed))
         self.row("check: graph replay = eager step (greedy tokens)", f"{same}/{len(prompts)} rows identical", "",
@@ -433,11 +437,15 @@ class Bench:
         self.free()
 
     # ------------------------------------------------------------ 6. the trainer, whole steps
-    def trainer_step(self):
+    def trainer_step(self, lean: bool = False):
         """``rlvr.trainer.train`` with SPEC's suggested configuration: 32 GSM8K prompts x 8 (r1_zero),
         512 new tokens, lr 1e-5, the hf-fast engine on the policy's GPU; microbatches under a token budget
         (gradient accumulation 1). A coin stands in for the grader (random weights earn 0 everywhere,
-        and the zero-advantage skip would then make training free)."""
+        and the zero-advantage skip would then make training free).
+
+        ``lean``: the same run configured for memory, to set beside TRL's peak: the engine decodes 128 rows
+        at a time (two chunks, half the static KV cache), 4,096-token microbatches, and bfloat16 AdamW
+        without float32 master weights (as TRL's bf16 runs step)."""
         import tempfile
 
         from rlvr.config import DataConfig, EngineConfig, LogConfig, ModelConfig, OptimConfig, RolloutConfig, TrainConfig
@@ -446,13 +454,17 @@ class Bench:
 
         n_prompts, group, new = (2, 4, 8) if self.tiny else (32, 8, 512)
         budget = 2048 if self.tiny else 16384  # leaves room for the engine's static KV cache beside training
+        engine_rows = n_prompts * group
+        if lean:
+            budget, engine_rows = budget // 4, engine_rows // 2
         config = TrainConfig(
             data=DataConfig(train_source=str(Path(self.args.data_dir)), train_size=6400, val_size=0),
             prompt="r1_zero",
             rollout=RolloutConfig(n_prompts_per_rollout_batch=n_prompts, group_size=group, max_new_tokens=new),
-            optim=OptimConfig(lr=1e-5, gradient_accumulation_steps=1, max_tokens_per_microbatch=budget),
+            optim=OptimConfig(lr=1e-5, gradient_accumulation_steps=1, max_tokens_per_microbatch=budget,
+                              master_weights=not lean),
             model=ModelConfig(compile=True),
-            engine=EngineConfig(name=self.engine_name, max_batch_size=n_prompts * group),
+            engine=EngineConfig(name=self.engine_name, max_batch_size=engine_rows),
             log=LogConfig(progress=False, engine_logprob_check_every=0, val_samples=0),
             n_steps=self.args.trainer_steps, eval_every=0, eval_at_start=False, dump_every=0, save_every=0,
             policy_device=str(self.device), seed=self.args.seed,
@@ -468,19 +480,25 @@ class Bench:
         first_steady = 2 if len(rows) >= 3 else (1 if len(rows) == 2 else 0)
         later = rows[first_steady:]
         mean = lambda k: statistics.mean(r.get(k, 0.0) or 0.0 for r in later)  # noqa: E731
-        self.trainer = dict(step=mean("time/step"), generate=mean("time/generate"), train=mean("time/train"),
-                            sync=mean("time/sync"), reward=mean("time/reward"), peak_gb=peak,
-                            response_length=mean("train/response_length"))
-        self.log["trainer_rows"] = rows
+        result = dict(step=mean("time/step"), generate=mean("time/generate"), train=mean("time/train"),
+                      sync=mean("time/sync"), reward=mean("time/reward"), peak_gb=peak,
+                      response_length=mean("train/response_length"))
+        setattr(self, "trainer_lean" if lean else "trainer", result)
+        self.log["trainer_lean_rows" if lean else "trainer_rows"] = rows
         steps_s = ", ".join(f"{r['time/step']:.2f}" for r in rows)
-        self.row(f"(f) rlvr trainer, whole step: {n_prompts} GSM8K r1_zero prompts x {group}, {new} new tokens, "
-                 f"{self.engine_name}, token budget {budget:,}", f"{self.trainer['step']:.2f} s/step, peak {peak:.1f} GiB", "", "",
-                 f"goal <= 10 s; generate {self.trainer['generate']:.2f} s, train {self.trainer['train']:.2f} s, sync "
-                 f"{self.trainer['sync']:.2f} s, reward {self.trainer['reward']:.2f} s; mean response "
-                 f"{self.trainer['response_length']:.0f} tokens; model.compile; mean of steps {first_steady + 1}-{len(rows)}"
+        what = (f"(f') rlvr trainer, memory-lean: engine {engine_rows} rows at a time, token budget {budget:,}, bf16 AdamW"
+                if lean else f"(f) rlvr trainer, whole step: {n_prompts} GSM8K r1_zero prompts x {group}, {new} new tokens, "
+                             f"{self.engine_name}, token budget {budget:,}")
+        self.row(what, f"{result['step']:.2f} s/step, peak {peak:.1f} GiB", "", "",
+                 f"goal <= 10 s; generate {result['generate']:.2f} s, train {result['train']:.2f} s, sync "
+                 f"{result['sync']:.2f} s, reward {result['reward']:.2f} s; mean response "
+                 f"{result['response_length']:.0f} tokens; model.compile; mean of steps {first_steady + 1}-{len(rows)}"
                  f" (all steps: {steps_s} s)")
         self.model.eval()
         self.free()
+
+    def trainer_step_lean(self):
+        self.trainer_step(lean=True)
 
     # ------------------------------------------------------------ 7. TRL side by side
     def trl(self):
@@ -559,10 +577,10 @@ class Bench:
                  f"{t_trl:.2f} s/step, peak {peak:.1f} GiB", "", "",
                  f"step {len(step_times)} of {len(step_times)} (step 1: {step_times[0]:.1f} s); generate "
                  f"{gen_times[-1] if gen_times else float('nan'):.2f} s of it; microbatch {per_device}, no checkpointing")
-        if getattr(self, "trainer", None):
-            r = self.trainer
-            self.row("(g') rlvr whole step (f) vs TRL (g)", f"{t_trl / r['step']:.2f}x faster",
-                     "", "", f"goal >= 3x with equal or lower peak memory: rlvr {r['peak_gb']:.1f} GiB vs TRL {peak:.1f} GiB")
+        for name, r in (("(f)", getattr(self, "trainer", None)), ("(f')", getattr(self, "trainer_lean", None))):
+            if r:
+                self.row(f"(g') rlvr whole step {name} vs TRL (g)", f"{t_trl / r['step']:.2f}x faster", "", "",
+                         f"goal >= 3x with equal or lower peak memory: rlvr {r['peak_gb']:.1f} GiB vs TRL {peak:.1f} GiB")
         del trainer
         model.eval()
         self.free()
@@ -585,7 +603,7 @@ def main(argv=None):
     t_start = time.perf_counter()
     bench.setup()
     sections = (bench.ceilings, bench.checks, bench.forced_length, bench.realistic, bench.training, bench.compiled,
-                bench.trainer_step, bench.trl)
+                bench.trainer_step, bench.trainer_step_lean, bench.trl)
     if args.sections:
         wanted = {"ceilings", *args.sections.split(",")}
         sections = tuple(s for s in sections if s.__name__ in wanted)
