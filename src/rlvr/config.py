@@ -41,7 +41,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory (slower training step)."""
     compile: bool = False
-    """Train through ``torch.compile(model.base_model, dynamic=True)``: fuses the norms, rotary embeddings and activations of the training forward and backward (rollout engines keep the eager model). The first steps pay the compile time."""
+    """Train through one ``torch.compile``d decoder-layer forward shared by every layer (dynamic shapes) and compiled float32 log-prob passes: fuses the norms, rotary embeddings and activations of the training forward and backward (rollout engines keep the eager model). The first steps pay the compile time (15-25 s for OLMo-2-1B on an H200)."""
 
 
 @dataclass(frozen=True)
