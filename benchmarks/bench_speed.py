@@ -31,7 +31,8 @@ decode are masked out of sampling, never out of the log-probs).
 7. ``rlvr.trainer.train`` itself, whole steps of SPEC's suggested configuration (32 GSM8K prompts x 8,
    r1_zero, 512 new tokens, hf-fast, token-budget microbatches, ``model.compile``), a coin reward
    standing in for the grader: generate / train / sync / reward seconds and peak memory; then the
-   same configured for memory (half the engine rows at a time, smaller microbatches, bf16 AdamW).
+   same configured for memory (half the engine rows at a time, the cache freed after generating,
+   smaller microbatches, bf16 AdamW).
 8. TRL's ``GRPOTrainer`` without vLLM on the same model, tokenizer, prompts, batch, lengths, reward and
    sampling distribution (needs ``trl`` and ``datasets`` importable; ``--no-trl`` skips it).
 
@@ -444,8 +445,9 @@ class Bench:
         and the zero-advantage skip would then make training free).
 
         ``lean``: the same run configured for memory, to set beside TRL's peak: the engine decodes 128 rows
-        at a time (two chunks, half the static KV cache), 4,096-token microbatches, and bfloat16 AdamW
-        without float32 master weights (as TRL's bf16 runs step)."""
+        at a time (two chunks, half the static KV cache) and frees its cache after every generation
+        (``engine.release_memory``), 8,192-token microbatches, and bfloat16 AdamW without float32 master
+        weights (as TRL's bf16 runs step)."""
         import tempfile
 
         from rlvr.config import DataConfig, EngineConfig, LogConfig, ModelConfig, OptimConfig, RolloutConfig, TrainConfig
@@ -456,7 +458,7 @@ class Bench:
         budget = 2048 if self.tiny else 16384  # leaves room for the engine's static KV cache beside training
         engine_rows = n_prompts * group
         if lean:
-            budget, engine_rows = budget // 4, engine_rows // 2
+            budget, engine_rows = budget // 2, engine_rows // 2
         config = TrainConfig(
             data=DataConfig(train_source=str(Path(self.args.data_dir)), train_size=6400, val_size=0),
             prompt="r1_zero",
@@ -464,7 +466,8 @@ class Bench:
             optim=OptimConfig(lr=1e-5, gradient_accumulation_steps=1, max_tokens_per_microbatch=budget,
                               master_weights=not lean),
             model=ModelConfig(compile=True),
-            engine=EngineConfig(name=self.engine_name, max_batch_size=engine_rows),
+            engine=EngineConfig(name=self.engine_name, max_batch_size=engine_rows,
+                                release_memory=lean and self.engine_name == "hf-fast"),
             log=LogConfig(progress=False, engine_logprob_check_every=0, val_samples=0),
             n_steps=self.args.trainer_steps, eval_every=0, eval_at_start=False, dump_every=0, save_every=0,
             policy_device=str(self.device), seed=self.args.seed,
@@ -486,7 +489,8 @@ class Bench:
         setattr(self, "trainer_lean" if lean else "trainer", result)
         self.log["trainer_lean_rows" if lean else "trainer_rows"] = rows
         steps_s = ", ".join(f"{r['time/step']:.2f}" for r in rows)
-        what = (f"(f') rlvr trainer, memory-lean: engine {engine_rows} rows at a time, token budget {budget:,}, bf16 AdamW"
+        what = (f"(f') rlvr trainer, memory-lean: engine {engine_rows} rows at a time, cache freed after generating, "
+                f"token budget {budget:,}, bf16 AdamW"
                 if lean else f"(f) rlvr trainer, whole step: {n_prompts} GSM8K r1_zero prompts x {group}, {new} new tokens, "
                              f"{self.engine_name}, token budget {budget:,}")
         self.row(what, f"{result['step']:.2f} s/step, peak {peak:.1f} GiB", "", "",

@@ -251,3 +251,17 @@ def test_compiled_step_refuses_models_it_does_not_cover(tiny_tokenizer):
     with pytest.raises(ValueError, match="compile_step=True does not apply.*hidden_act 'gelu'"):
         FastHFEngine(model, tiny_tokenizer, compile_step=True)
     assert FastHFEngine(model, tiny_tokenizer)._step_compiled() is False  # the default falls back quietly
+
+
+def test_release_memory_frees_the_cache_and_changes_nothing(tiny_model, tiny_tokenizer):
+    """``release_memory``: after every call the static cache and graphs are gone; the next call builds them
+    again and samples exactly what an engine that kept them samples."""
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=12, seed=4)
+    keep = _fast(tiny_model, tiny_tokenizer)
+    lean = _fast(tiny_model, tiny_tokenizer, release_memory=True)
+    for _ in range(2):
+        a, b = keep.generate(PROMPTS, params), lean.generate(PROMPTS, params)
+        assert _ids(a) == _ids(b)
+        assert [[c.logprobs for c in g] for g in a] == [[c.logprobs for c in g] for g in b]
+        assert keep._state is not None
+        assert lean._state is None and not lean._graphs

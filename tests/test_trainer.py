@@ -373,3 +373,19 @@ def test_model_compile_trains_on_one_graph(gsm8k_path, tiny_model, tiny_tokenize
     # (forward with entropy, gradient); a recompile for some microbatch shape would add to these
     assert counters["stats"]["unique_graphs"] == 3
     torch._dynamo.reset()
+
+
+def test_hf_fast_engine_gets_the_engine_config(gsm8k_path, tiny_model, tiny_tokenizer, tmp_path):
+    """``engine.max_batch_size`` and ``engine.release_memory`` reach the hf-fast engine (max_batch_size was
+    once dropped for it), and a run with the cache released after every generation trains as usual."""
+    from rlvr.config import ConfigError, EngineConfig
+    from rlvr.engines.fast import FastHFEngine
+
+    cfg = tiny_config(gsm8k_path, engine=EngineConfig(name="hf-fast", max_batch_size=4, release_memory=True))
+    engine = trainer_mod._make_engine(cfg, tiny_model, tiny_tokenizer)
+    assert isinstance(engine, FastHFEngine)
+    assert (engine.max_batch_size, engine.release_memory) == (4, True)
+    run(cfg, tmp_path, tiny_model, tiny_tokenizer)
+    check_sane(read_metrics(tmp_path / "metrics.jsonl"))
+    with pytest.raises(ConfigError, match="engine.release_memory applies to the hf-fast engine"):
+        tiny_config(gsm8k_path, engine=EngineConfig(name="hf", release_memory=True)).resolve().validate()

@@ -138,6 +138,8 @@ class EngineConfig:
     """Engine model dtype for hf-worker (auto: bfloat16 on CUDA, float32 on CPU)."""
     max_batch_size: int = 256
     """Rows (prompts x samples) decoded together by the hf engines."""
+    release_memory: bool = False
+    """hf-fast: free the static KV cache and CUDA graphs after every generation, so that the training step on the same GPU can use that memory (each generation then captures its graphs again, which costs time)."""
     vllm_base_url: str | None = None
     """URL of a running vLLM server (None: the engine starts ``vllm serve`` itself)."""
     vllm_port: int = 8000
@@ -321,6 +323,9 @@ class TrainConfig:
         need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), f"optim.betas must be two numbers in [0, 1), got {o.betas}")
 
         need(self.engine.name in ENGINES, f"unknown engine.name {self.engine.name!r}: choose one of {', '.join(ENGINES)}")
+        need(not self.engine.release_memory or self.engine.name == "hf-fast",
+             f"engine.release_memory applies to the hf-fast engine (its static KV cache), not to "
+             f"engine.name={self.engine.name!r}; set it to false or use engine.name=hf-fast")
         need(self.engine.max_staleness in (0, 1),
              f"engine.max_staleness must be 0 (synchronous) or 1 (one-step-async), got {self.engine.max_staleness}")
         if self.engine.max_staleness == 1:

@@ -192,12 +192,15 @@ class FastHFEngine:
     the decode step's per-layer pieces and its sampling through ``torch.compile`` (fewer, fused
     kernels per step; compiled once, on the first call); ``None`` means on for CUDA with CUDA graphs,
     off elsewhere. It applies to OLMo-2's SiLU MLP without biases; other settings run eagerly.
+    ``release_memory`` frees the static KV cache and the graphs after every ``generate`` call, so that a
+    training step on the same GPU can use that memory; each call then allocates the cache and captures
+    its graphs again (the compiled step is kept), which costs time (docs/benchmarks.md).
     """
 
     def __init__(self, model, tokenizer, max_batch_size: int = 256, batch_buckets=DEFAULT_BATCH_BUCKETS,
                  length_bucket: int = 128, sync_every: int = 8, use_cuda_graphs: bool | None = None,
                  mask_unused_vocab: bool = True, prefill_tokens: int = 32768, attention: str = "sdpa",
-                 fused_norms: bool = True, compile_step: bool | None = None):
+                 fused_norms: bool = True, compile_step: bool | None = None, release_memory: bool = False):
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token = tokenizer.eos_token")
         _check_architecture(model)
@@ -211,6 +214,7 @@ class FastHFEngine:
         self.attention = attention
         self.fused_norms = fused_norms
         self.compile_step = compile_step
+        self.release_memory = release_memory
         self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
@@ -276,7 +280,11 @@ class FastHFEngine:
                 limits = [min(int(x), params.max_new_tokens) for i in idx for x in row_max_new_tokens[i]]
             return self._generate_chunk(prompt_ids, params, generator, limits)
 
-        return generate_in_chunks(self, prompts, params, run_chunk)
+        try:
+            return generate_in_chunks(self, prompts, params, run_chunk)
+        finally:
+            if self.release_memory:
+                self.close()  # the trainer's step can use the cache's memory; the next call re-captures
 
     # ------------------------------------------------------------------ buffers
     def _ensure_state(self, rows: int, slots: int, steps: int):
