@@ -336,7 +336,7 @@ class FastHFEngine:
             return module(x)
         # One fused kernel instead of the module's seven elementwise ones; same float32 math
         # (the module multiplies its weight into the float32 normalised values, then casts).
-        return F.rms_norm(x.float(), (x.shape[-1],), module.weight.float(), module.variance_epsilon).to(x.dtype)
+        return _rms(x, module.weight, module.variance_epsilon)
 
     def _layers(self, x: torch.Tensor, cos, sin, attend):
         """Run every decoder layer on x (B, Q, hidden); ``attend(i, q, k, v)`` returns (B, H, Q, D)."""
