@@ -233,9 +233,10 @@ def test_parallel_subprocesses_import_plugins(tmp_path):
     assert "rlvr.experiments.plugins --plugin" in log and sys.executable in log
 
 
-def test_sigterm_interrupts_children_cleanly(tmp_path):
-    """A sweep stopped by SIGTERM (a `timeout`) Ctrl-Cs its subprocess runs, which record the
-    interruption, and none outlives it; the next call resumes them."""
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_sigterm_interrupts_children_cleanly(tmp_path, signame):
+    """A sweep stopped by SIGTERM (a `timeout`) or SIGINT (Ctrl-C) Ctrl-Cs its subprocess runs, which
+    record the interruption, and none outlives it; the next call resumes them."""
     import os
     import signal
     import subprocess
@@ -251,7 +252,7 @@ def test_sigterm_interrupts_children_cleanly(tmp_path):
     deadline = time.time() + 60
     while not all(m.is_file() and m.stat().st_size for m in metrics) and time.time() < deadline:
         time.sleep(0.1)
-    sweep.send_signal(signal.SIGTERM)
+    sweep.send_signal(getattr(signal, signame))
     output, _ = sweep.communicate(timeout=60)
     assert sweep.returncode != 0
     assert "interrupting a/seed_0" in output and "interrupting b/seed_0" in output, output

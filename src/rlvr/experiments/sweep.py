@@ -451,13 +451,19 @@ def _execute_parallel(todo, out, plugins, max_parallel, devices, python, echo) -
     free_slots = list(range(max_parallel))
     outcomes: list[Outcome] = []
     env_base = dict(os.environ)
-    previous_term = None
+    stop = threading.Event()
+    previous = {}
     if threading.current_thread() is threading.main_thread():
-        # A `timeout` or job scheduler stops us with SIGTERM: children run in their own sessions and
-        # would outlive us, so treat it as Ctrl-C and stop them cleanly.
-        previous_term = signal.signal(signal.SIGTERM, _raise_interrupt)
+        # Ctrl-C, or SIGTERM from a `timeout` or job scheduler: children run in their own sessions and
+        # would outlive us, so both stop them cleanly. The handler only sets a flag that the loop checks
+        # between polls: an exception raised at an arbitrary point could leave a Popen's internal lock
+        # taken (inside poll) and make the wait for that child hang.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            previous[sig] = signal.signal(sig, lambda signum, frame: stop.set())
     try:
         while pending or running:
+            if stop.is_set():
+                raise KeyboardInterrupt
             while pending and free_slots:
                 slot, p = free_slots.pop(0), pending.pop(0)
                 env = dict(env_base)
@@ -488,13 +494,9 @@ def _execute_parallel(todo, out, plugins, max_parallel, devices, python, echo) -
         _stop_children(running.values(), echo)
         raise
     finally:
-        if previous_term is not None:
-            signal.signal(signal.SIGTERM, previous_term)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     return outcomes
-
-
-def _raise_interrupt(signum, frame):
-    raise KeyboardInterrupt
 
 
 def _stop_children(running, echo, grace_s: float = 120.0) -> None:
