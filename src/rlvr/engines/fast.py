@@ -41,6 +41,7 @@ On CPU (or with ``use_cuda_graphs=False``) the same step runs eagerly; CPU tests
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 
@@ -110,14 +111,10 @@ def _sample_math(logits, vocab_bias, temperature, top_p, noise, mode: str):
     return tokens, lp
 
 
-_COMPILED: dict = {}
-
-
+@functools.cache
 def _compiled(fn):
     """``torch.compile(fn, dynamic=True)``, once per process (batch size and length stay symbolic)."""
-    if fn.__name__ not in _COMPILED:
-        _COMPILED[fn.__name__] = torch.compile(fn, dynamic=True)
-    return _COMPILED[fn.__name__]
+    return torch.compile(fn, dynamic=True)
 
 
 def _check_architecture(model):
@@ -215,7 +212,6 @@ class FastHFEngine:
         self.fused_norms = fused_norms
         self.compile_step = compile_step
         self.release_memory = release_memory
-        self.model = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.batch_buckets = tuple(sorted({b for b in batch_buckets if b < max_batch_size} | {max_batch_size}))
@@ -393,8 +389,9 @@ class FastHFEngine:
         """None when the compiled pieces apply to the model, else why not."""
         layer = self.model.model.layers[0]
         attn, mlp = layer.self_attn, layer.mlp
-        if getattr(self.model.config, "hidden_act", None) != "silu":
-            return f"hidden_act {getattr(self.model.config, 'hidden_act', None)!r} (the compiled step assumes silu)"
+        act = getattr(self.model.config, "hidden_act", None)
+        if act != "silu":
+            return f"hidden_act {act!r} (the compiled step assumes silu)"
         linears = [attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj] + [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
         if any(not isinstance(m, torch.nn.Linear) or m.bias is not None for m in linears):
             return "projections with biases or of another kind"

@@ -18,6 +18,7 @@ one or two kernels; the matmuls stay outside the compiled functions.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import torch
@@ -58,23 +59,24 @@ def _grad_logits(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, 
     return g.to(logits.dtype)
 
 
-_COMPILED: dict[str, Callable] = {}
-
-
 def _on_fresh_tensors(fn: Callable) -> Callable:
     """``fn`` called with copies of view arguments: dynamo guards on a view's base (whose size changes
     with the microbatch, not the chunk) and would recompile; the copies are (rows,) vectors."""
     return lambda *ts: fn(*(t.clone() if t._is_view() else t for t in ts))
 
 
+_PASSES = (_forward_stats, _forward_stats_entropy, _grad_logits)
+
+
+@functools.cache
+def _compiled_passes() -> tuple[Callable, Callable, Callable]:
+    """The three passes through ``torch.compile(dynamic=True)``, compiled once per process."""
+    return tuple(_on_fresh_tensors(torch.compile(fn, dynamic=True)) for fn in _PASSES)
+
+
 def _passes(compiled: bool) -> tuple[Callable, Callable, Callable]:
-    """The three elementwise passes, eager or ``torch.compile(dynamic=True)`` (compiled once per process)."""
-    fns = (_forward_stats, _forward_stats_entropy, _grad_logits)
-    if not compiled:
-        return fns
-    if not _COMPILED:
-        _COMPILED.update({fn.__name__: _on_fresh_tensors(torch.compile(fn, dynamic=True)) for fn in fns})
-    return tuple(_COMPILED[fn.__name__] for fn in fns)
+    """The three elementwise passes, eager or compiled."""
+    return _compiled_passes() if compiled else _PASSES
 
 
 def _chunks(n: int, chunk_tokens: int) -> list[slice]:
