@@ -31,8 +31,8 @@ decode are masked out of sampling, never out of the log-probs).
 7. ``rlvr.trainer.train`` itself, whole steps of SPEC's suggested configuration (32 GSM8K prompts x 8,
    r1_zero, 512 new tokens, hf-fast, token-budget microbatches, ``model.compile``), a coin reward
    standing in for the grader: generate / train / sync / reward seconds and peak memory; then the
-   same configured for memory (half the engine rows at a time, the cache freed after generating,
-   smaller microbatches, bf16 AdamW).
+   same configured for memory (the engine's cache freed after generating, 8,192-token microbatches,
+   bf16 AdamW without float32 master weights).
 8. TRL's ``GRPOTrainer`` without vLLM on the same model, tokenizer, prompts, batch, lengths, reward and
    sampling distribution (needs ``trl`` and ``datasets`` importable; ``--no-trl`` skips it).
 
@@ -69,12 +69,13 @@ from rlvr.prompts import render
 
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, datasheet
 
-# FastHFEngine settings compared (``--all-variants``): attention through SDPA or two batched matmuls;
-# HF's RMSNorm modules or one fused F.rms_norm call each; the decode step's pieces through
-# torch.compile or eager. The first is the engine's default on a GPU.
-VARIANTS = (dict(attention="sdpa", fused_norms=True, compile_step=True),
-            dict(attention="sdpa", fused_norms=True, compile_step=False),
-            dict(attention="matmul", fused_norms=True, compile_step=True),
+# FastHFEngine settings compared (``--all-variants``): attention through the Triton kernel over the
+# shared prompt cache, or by gathering each row's prompt K/V for SDPA; HF's RMSNorm modules or one
+# fused F.rms_norm call each; the decode step's pieces through torch.compile or eager. The first is
+# the engine's default on a GPU.
+VARIANTS = (dict(attention="triton", fused_norms=True, compile_step=True),
+            dict(attention="sdpa", fused_norms=True, compile_step=True),
+            dict(attention="triton", fused_norms=True, compile_step=False),
             dict(attention="sdpa", fused_norms=False, compile_step=False))
 
 
@@ -92,7 +93,7 @@ def parse_args(argv=None):
     ap.add_argument("--skip-baselines", action="store_true", help="skip model.generate and HFEngine (slow)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--all-variants", action="store_true",
-                    help="time every FastHFEngine attention/norm variant (default: only the defaults, sdpa + fused norms)")
+                    help="time every FastHFEngine attention/norm variant (default: only the defaults, triton + fused norms)")
     ap.add_argument("--no-trl", action="store_true", help="skip the TRL GRPOTrainer side-by-side")
     ap.add_argument("--sections", default=None,
                     help="comma-separated subset of: checks, forced_length, realistic, training, compiled, "
@@ -114,6 +115,8 @@ class Bench:
         self.dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
         self.engine_name = "hf-fast" if self.device.type == "cuda" else "hf"
         self.variants = VARIANTS if args.all_variants else VARIANTS[:1]
+        if self.device.type != "cuda":  # the Triton kernel needs CUDA: the CPU smoke test takes the SDPA path
+            self.variants = [dict(v, attention="sdpa") for v in self.variants]
         self.rows: list[dict] = []   # the table
         self.log: dict = {"argv": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
         if self.tiny:
@@ -190,14 +193,16 @@ class Bench:
         self.row("copy bandwidth (D2D, read+write)", f"{self.bw / 1e12:.2f} TB/s", "", "", "measured ceiling")
         self.row("bf16 matmul 8192^3", f"{self.mm / 1e12:.0f} TFLOP/s", "", "", "measured ceiling")
 
-    def decode_floor(self, prompt_lens: list[int], new_lens: list[int]) -> float:
-        """Seconds to read the weights once per step and each live row's K/V once per step, or to do
-        2 x params FLOPs per token, whichever is larger (prefill ignored: it is compute at full rate)."""
+    def decode_floor(self, prompt_lens: list[int], new_lens: list[int], group: int = 1) -> float:
+        """Seconds to read the weights once per step and the K/V of every live row once per step (a
+        group's shared prompt once while any of its ``group`` rows is live), or to do 2 x params FLOPs
+        per token, whichever is larger (prefill ignored: it is compute at full rate)."""
         cfg = self.model.config
         kv_per_token = 2 * cfg.num_hidden_layers * cfg.hidden_size * (2 if self.dtype == torch.bfloat16 else 4)
         weight_bytes = self.n_params * (2 if self.dtype == torch.bfloat16 else 4)
         steps = max(new_lens)
-        kv = sum(kv_per_token * (p * n + n * (n + 1) / 2) for p, n in zip(prompt_lens, new_lens))
+        kv = sum(kv_per_token * n * (n + 1) / 2 for n in new_lens)
+        kv += sum(kv_per_token * prompt_lens[i] * max(new_lens[i:i + group]) for i in range(0, len(new_lens), group))
         bytes_ = steps * weight_bytes + kv
         flops = 2 * self.n_matmul * sum(new_lens)
         return max(bytes_ / self.bw, flops / self.mm)
@@ -222,6 +227,8 @@ class Bench:
 
     # ------------------------------------------------------------ 2. correctness on the device
     def checks(self):
+        if self.device.type == "cuda":
+            self.check_kernel()
         prompts = [render("r1_zero", ex.question) for ex in self.examples[:8]]
         T = 16 if self.tiny else 64
         greedy = SamplingParams(temperature=0.0, max_new_tokens=T, ignore_eos=True)
@@ -258,6 +265,27 @@ class Bench:
                  "same model, different batch shapes (bf16)")
         fast.close()
         self.free()
+
+    def check_kernel(self):
+        """The Triton decode attention against the SDPA reference on the suggested config's shapes (32
+        prompts of up to 256 slots x 8 rows, some rows retired, 300 response slots filled), bf16."""
+        from rlvr.engines.decode_attention import reference_decode_attention, triton_decode_attention
+
+        cfg = self.model.config
+        H, D, G, n = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads, 32, 8
+        g = torch.Generator(device="cuda").manual_seed(0)
+        r = lambda *shape: torch.randn(*shape, device="cuda", generator=g).to(self.dtype)  # noqa: E731
+        pk, pv, rk, rv = r(G, H, 256, D), r(G, H, 256, D), r(G * n, H, 512, D), r(G * n, H, 512, D)
+        alive = torch.tensor([i for i in range(G * n) if i % 7], device="cuda")
+        grp = alive // n
+        start = torch.randint(0, 100, (G,), device="cuda", generator=g)[grp]
+        plen, rlen = torch.tensor([230], device="cuda"), torch.tensor([300], device="cuda")
+        q = r(len(alive), 1, H, D).transpose(1, 2)
+        ref = reference_decode_attention(q, pk, pv, rk[alive], rv[alive], grp, start, plen, rlen, 256, 512)
+        out = triton_decode_attention(q, pk, pv, rk[alive], rv[alive], grp, start, plen, rlen)
+        err = (out.float() - ref.float()).abs().max().item()
+        self.row("check: Triton decode attention vs SDPA reference", f"max abs diff {err:.3g}", "", "",
+                 f"{len(alive)} rows, bf16 outputs (one bf16 ulp at 1 is 0.0078)")
 
     # ------------------------------------------------------------ 3. forced length
     def forced_length(self):
@@ -327,7 +355,8 @@ class Bench:
         out, t = self.timed(lambda: fast.generate(prompts, params, row_max_new_tokens=lens))
         real = sum(len(c.token_ids) for g in out for c in g)
         p_lens = [len(self.tok(p, add_special_tokens=False)["input_ids"]) for p in prompts]
-        floor = self.decode_floor([p for p in p_lens for _ in range(self.group)], [x for row in lens for x in row])
+        floor = self.decode_floor([p for p in p_lens for _ in range(self.group)], [x for row in lens for x in row],
+                                  self.group)
         stopped = sum(c.finish_reason == "stop" for g in out for c in g)
         self.row(f"(d) realistic [{variant_name(variant)}]: {self.rl_prompts} r1_zero prompts x {self.group}, "
                  f"lengths U[{self.len_lo},{self.len_hi}]",
@@ -444,10 +473,10 @@ class Bench:
         (gradient accumulation 1). A coin stands in for the grader (random weights earn 0 everywhere,
         and the zero-advantage skip would then make training free).
 
-        ``lean``: the same run configured for memory, to set beside TRL's peak: the engine decodes 128 rows
-        at a time (two chunks, half the static KV cache) and frees its cache after every generation
-        (``engine.release_memory``), 8,192-token microbatches, and bfloat16 AdamW without float32 master
-        weights (as TRL's bf16 runs step)."""
+        ``lean``: the same run configured for memory, to set beside TRL's peak: the engine frees its cache
+        after every generation (``engine.release_memory``), microbatches of 8,192 tokens, and AdamW steps
+        the bfloat16 weights without float32 master copies (``optim.master_weights: false``, as TRL's bf16
+        runs step)."""
         import tempfile
 
         from rlvr.config import DataConfig, EngineConfig, LogConfig, ModelConfig, OptimConfig, RolloutConfig, TrainConfig
@@ -458,7 +487,7 @@ class Bench:
         budget = 2048 if self.tiny else 16384  # leaves room for the engine's static KV cache beside training
         engine_rows = n_prompts * group
         if lean:
-            budget, engine_rows = budget // 2, engine_rows // 2
+            budget //= 2
         config = TrainConfig(
             data=DataConfig(train_source=str(Path(self.args.data_dir)), train_size=6400, val_size=0),
             prompt="r1_zero",
@@ -484,17 +513,19 @@ class Bench:
         later = rows[first_steady:]
         mean = lambda k: statistics.mean(r.get(k, 0.0) or 0.0 for r in later)  # noqa: E731
         result = dict(step=mean("time/step"), generate=mean("time/generate"), train=mean("time/train"),
+                      tokenize=mean("time/tokenize"),
                       sync=mean("time/sync"), reward=mean("time/reward"), peak_gb=peak,
                       response_length=mean("train/response_length"))
         setattr(self, "trainer_lean" if lean else "trainer", result)
         self.log["trainer_lean_rows" if lean else "trainer_rows"] = rows
         steps_s = ", ".join(f"{r['time/step']:.2f}" for r in rows)
-        what = (f"(f') rlvr trainer, memory-lean: engine {engine_rows} rows at a time, cache freed after generating, "
-                f"token budget {budget:,}, bf16 AdamW"
+        what = (f"(f') rlvr trainer, memory-lean: (f) with the engine's cache freed after generating, token "
+                f"budget {budget:,}, bf16 AdamW (no float32 master weights)"
                 if lean else f"(f) rlvr trainer, whole step: {n_prompts} GSM8K r1_zero prompts x {group}, {new} new tokens, "
                              f"{self.engine_name}, token budget {budget:,}")
         self.row(what, f"{result['step']:.2f} s/step, peak {peak:.1f} GiB", "", "",
-                 f"goal <= 10 s; generate {result['generate']:.2f} s, train {result['train']:.2f} s, sync "
+                 f"goal <= 10 s; generate {result['generate']:.2f} s, train {result['train']:.2f} s, tokenize "
+                 f"{result['tokenize']:.2f} s, sync "
                  f"{result['sync']:.2f} s, reward {result['reward']:.2f} s; mean response "
                  f"{result['response_length']:.0f} tokens; model.compile; mean of steps {first_steady + 1}-{len(rows)}"
                  f" (all steps: {steps_s} s)")

@@ -38,8 +38,9 @@ def decode(bench: Bench):
     engine = FastHFEngine(bench.model, bench.tok, max_batch_size=len(prompts))
     engine.generate(prompts, params)  # allocates the state at its full size
     st = engine._state
-    print("\n## decode step: graph replay time (ms) by batch rows x attended slots", flush=True)
-    slots_list = [s for s in (128, 256, 384, 512, 640) if s <= st.slots_cap]
+    print(f"\n## decode step: graph replay time (ms) by batch rows x attended response slots (prompt "
+          f"{bench.prompt_len} slots)", flush=True)
+    slots_list = [s for s in (128, 256, 384, 512) if s <= st.slots_cap]
     print("rows | " + " | ".join(str(s) for s in slots_list))
     for b in [x for x in (256, 128, 64, 32, 8, 1) if x <= st.rows_cap]:
         cells = []
@@ -53,7 +54,8 @@ def decode(bench: Bench):
             reset()
             engine._run_step(st, b, slots, "sample")  # captures
             reset()
-            graph = engine._graphs.get((b, slots, "sample"))  # none on the CPU: the eager step
+            key = (b, st.slots_cap if engine._attention_kind() == "triton" else slots, "sample")
+            graph = engine._graphs.get(key)  # none on the CPU: the eager step
             run = graph.replay if graph is not None else (lambda: engine._decode_step(st, b, slots, "sample"))
             _, t = bench.timed(lambda: [run() for _ in range(reps)])
             cells.append(f"{1e3 * t / reps:.2f}")
@@ -78,14 +80,34 @@ def decode(bench: Bench):
 
 @torch.inference_mode()
 def attention(bench: Bench):
-    """The decode step's attention alone (one query per row over the static cache, left-padding mask),
-    through each SDPA backend that accepts it."""
+    """The decode step's attention alone, one layer: the engine's Triton kernel over a shared prompt cache
+    (32 prompts x 8 rows) against each SDPA backend over a per-row cache of the same slots (one query
+    per row, left-padding mask); the prompt is the first 160 slots."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from rlvr.engines.decode_attention import triton_available, triton_decode_attention
 
     cfg = bench.model.config
     heads, dim = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
     rows = 8 if bench.tiny else 256
     print("\n## decode attention, one layer (us): rows x slots, by backend", flush=True)
+    if triton_available() and bench.device.type == "cuda":
+        n, plen = 8, 160
+        for slots in (384, 672):
+            mk = lambda *s: torch.randn(*s, device=bench.device, dtype=bench.dtype)  # noqa: E731
+            q = mk(rows, 1, heads, dim).transpose(1, 2)
+            pk, pv = mk(rows // n, heads, plen, dim), mk(rows // n, heads, plen, dim)
+            rk, rv = mk(rows, heads, 512, dim), mk(rows, heads, 512, dim)
+            grp = torch.arange(rows, device=bench.device) // n
+            start = torch.randint(0, 30, (rows // n,), device=bench.device)[grp]
+            lens = torch.tensor([plen], device=bench.device), torch.tensor([slots - plen], device=bench.device)
+            cells = []
+            for block, warps in ((16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8)):
+                fn = lambda: triton_decode_attention(q, pk, pv, rk, rv, grp, start, *lens, block=block, num_warps=warps)  # noqa: E731
+                fn()
+                _, t = bench.timed(lambda: [fn() for _ in range(50)])
+                cells.append(f"block {block} warps {warps}: {1e6 * t / 50:.0f}")
+            print(f"{rows} x {slots} (shared prompt of {plen}), triton: " + "; ".join(cells), flush=True)
     for slots in ((32,) if bench.tiny else (384, 640)):
         q = torch.randn(rows, heads, 1, dim, device=bench.device, dtype=bench.dtype)
         k, v = (torch.randn(rows, heads, slots, dim, device=bench.device, dtype=bench.dtype) for _ in range(2))

@@ -594,12 +594,14 @@ def _rollout_step(config: TrainConfig, step: int, model, tokenizer, engine, opti
 
     # Tokenise from text (what every engine returns) so that training sees the same ids whatever the
     # engine; the rollout queue's worker did exactly this, next to the old log-probs it computed.
+    t0 = time.perf_counter()
     output_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
     if rb is None:
         prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
         batch = tokenize_from_ids([prompt_ids[i // G] for i in range(len(responses))], output_ids, pad_token_id(tokenizer))
     else:
         batch = {"input_ids": rb.input_ids, "labels": rb.labels, "response_mask": rb.response_mask}
+    metrics["time/tokenize"] = time.perf_counter() - t0
 
     method = REWEIGHTINGS[a.reweighting]
     check_every = config.log.engine_logprob_check_every

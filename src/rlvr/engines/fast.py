@@ -3,11 +3,14 @@
 ``FastHFEngine`` (engine name ``hf-fast``) has ``HFEngine``'s interface and samples from the same
 distribution; it differs in how the work reaches the GPU:
 
-* **Static KV cache.** One preallocated, zero-filled K and V buffer per layer, shape
-  (rows, heads, slots, head_dim). Prompts of a chunk are left-padded to a common length L; slot ``j``
-  holds the chunk's j-th column, so step ``s`` writes slot ``L + s`` for every row at once. Position
-  ids count only real tokens, exactly as ``HFEngine`` (a padded prompt sees the positions of an
-  unpadded one).
+* **Static KV cache, prompt stored once per group.** Two preallocated, zero-filled K and V buffers
+  per layer: the prompt cache (prompts, heads, prompt slots, head_dim), which holds each prompt once
+  however many samples it has, and the response cache (rows, heads, response slots, head_dim). The
+  prompts of a chunk are left-padded to a common length L; every row starts generating together, so
+  step ``s`` writes response slot ``s - 1`` for every row at once. Position ids count only real
+  tokens, exactly as ``HFEngine`` (a padded prompt sees the positions of an unpadded one). At the
+  suggested config (32 prompts of ~160 tokens x 8 samples, 512 new tokens) sharing the prompt saves
+  about a quarter of the cache.
 * **Own decode step over the model's weights.** The step calls the model's own submodules
   (projections, RMS norms, MLP, LM head) but does the attention itself against the static buffers,
   so there is no Python cache object and no data-dependent host sync in the step. That is what makes
@@ -16,9 +19,12 @@ distribution; it differs in how the work reaches the GPU:
 * **One CUDA graph per (batch bucket, length bucket, sampling mode).** A graph replays one whole
   step: embedding, 16 layers, LM head, sampling, log-prob, writing the token and log-prob to the
   output buffers and advancing the position/slot/step counters on the device. The host launches
-  replays back to back. Attention reads only the filled slots rounded up to ``length_bucket``.
-* **Prefill once per prompt.** The chunk's prompts are prefilled once (causal, padding-masked) and
-  their K/V rows are copied to the ``n`` rows of their samples.
+  replays back to back. Attention (``rlvr.engines.decode_attention``) reads each row's prompt slots
+  from its group's entry and its filled response slots: on CUDA one Triton kernel that reads the
+  lengths on the device (one graph per batch bucket), elsewhere a gather and SDPA over the filled
+  slots rounded up to ``length_bucket``.
+* **Prefill once per prompt.** The chunk's prompts are prefilled once (causal, padding-masked) into
+  the prompt cache; the ``n`` rows of a prompt's samples point at it.
 * **Sampling inside the graph.** Exponential race: with E_i ~ Exp(1) drawn from the caller's seeded
   generator, ``argmax_i p_i / E_i`` is distributed exactly as a draw from ``p`` (the same
   distribution as ``torch.multinomial``, not the same draws as ``HFEngine``). The noise buffer is
@@ -42,6 +48,7 @@ On CPU (or with ``use_cuda_graphs=False``) the same step runs eagerly; CPU tests
 from __future__ import annotations
 
 import functools
+import os
 import time
 from dataclasses import dataclass
 
@@ -49,6 +56,7 @@ import torch
 import torch.nn.functional as F
 
 from rlvr.engines.base import Completion, SamplingParams
+from rlvr.engines.decode_attention import reference_decode_attention, triton_available, triton_decode_attention
 from rlvr.engines.hf import _stop_window_tokens, eos_token_ids, find_stop, generate_in_chunks, truncate_at_stop
 
 DEFAULT_BATCH_BUCKETS = (256, 192, 128, 96, 64, 48, 32, 24, 16, 8, 4, 2, 1)
@@ -145,13 +153,17 @@ def _check_architecture(model):
 class _State:
     """Device buffers every graph reads and writes (fixed addresses for the graphs' lifetime)."""
 
-    k: list[torch.Tensor]      # per layer (rows_cap, heads, slots_cap, head_dim)
-    v: list[torch.Tensor]
+    pk: list[torch.Tensor]     # per layer (groups_cap, heads, prompt_slots_cap, head_dim): prompt K
+    pv: list[torch.Tensor]     # prompt V
+    rk: list[torch.Tensor]     # per layer (rows_cap, heads, response_slots_cap, head_dim): response K
+    rv: list[torch.Tensor]     # response V
     tok: torch.Tensor          # (rows_cap,) token fed to the next step
     pos: torch.Tensor          # (rows_cap,) its position id
-    start: torch.Tensor        # (rows_cap,) first real slot of the row (left padding before it)
+    grp: torch.Tensor          # (rows_cap,) prompt-cache entry of the row (its prompt)
+    start: torch.Tensor        # (rows_cap,) first real prompt slot of the row (left padding before it)
     row_id: torch.Tensor       # (rows_cap,) output row the batch row writes to (scratch row for fillers)
-    slot: torch.Tensor         # (1,) cache slot the next step writes
+    plen: torch.Tensor         # (1,) prompt slots in use (the chunk's padded prompt length)
+    slot: torch.Tensor         # (1,) response slot the next step writes
     step: torch.Tensor         # (1,) output column the next step writes
     noise: torch.Tensor        # (rows_cap, vocab) Exp(1) noise for the exponential race
     temperature: torch.Tensor  # (1,) float32
@@ -165,8 +177,17 @@ class _State:
         return self.tok.shape[0]
 
     @property
+    def groups_cap(self) -> int:
+        return self.pk[0].shape[0]
+
+    @property
+    def prompt_slots_cap(self) -> int:
+        return self.pk[0].shape[2]
+
+    @property
     def slots_cap(self) -> int:
-        return self.k[0].shape[2]
+        """Response slots."""
+        return self.rk[0].shape[2]
 
     @property
     def steps_cap(self) -> int:
@@ -183,7 +204,9 @@ class FastHFEngine:
     ``max_batch_size`` bounds the rows decoded together (prompts × n); ``batch_buckets`` are the
     batch sizes graphs are captured for; ``length_bucket`` rounds the attended cache length;
     ``sync_every`` is how many steps run between host checks of EOS / stop strings. ``attention``
-    is ``"sdpa"`` (default) or ``"matmul"`` (two batched matrix-vector products); ``fused_norms``
+    is ``"triton"`` (one kernel over the shared prompt and response caches; CUDA, or the Triton
+    interpreter), ``"sdpa"`` (gather each row's prompt K/V and call SDPA; any device) or ``"auto"``
+    (default: ``"triton"`` on CUDA when Triton is installed, else ``"sdpa"``); ``fused_norms``
     replaces each RMSNorm module call by one ``F.rms_norm`` on the same float32 values (fewer kernels
     per step). Both defaults were the fastest on an H200 (docs/benchmarks.md). ``compile_step`` runs
     the decode step's per-layer pieces and its sampling through ``torch.compile`` (fewer, fused
@@ -196,15 +219,18 @@ class FastHFEngine:
 
     def __init__(self, model, tokenizer, max_batch_size: int = 256, batch_buckets=DEFAULT_BATCH_BUCKETS,
                  length_bucket: int = 128, sync_every: int = 8, use_cuda_graphs: bool | None = None,
-                 mask_unused_vocab: bool = True, prefill_tokens: int = 32768, attention: str = "sdpa",
+                 mask_unused_vocab: bool = True, prefill_tokens: int = 32768, attention: str = "auto",
                  fused_norms: bool = True, compile_step: bool | None = None, release_memory: bool = False):
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token = tokenizer.eos_token")
         _check_architecture(model)
         if max_batch_size < 1 or length_bucket < 1 or sync_every < 1:
             raise ValueError("max_batch_size, length_bucket and sync_every must all be >= 1")
-        if attention not in ("sdpa", "matmul"):
-            raise ValueError(f"attention must be 'sdpa' or 'matmul', got {attention!r}")
+        if attention not in ("auto", "triton", "sdpa"):
+            raise ValueError(f"attention must be 'auto', 'triton' or 'sdpa', got {attention!r}")
+        if attention == "triton" and not triton_available():
+            raise ValueError("attention='triton' needs the triton package (it ships with CUDA builds of torch); "
+                             "use attention='sdpa'")
         self.model = model
         if compile_step and self._compilable() is not None:
             raise ValueError(f"compile_step=True does not apply to this model: {self._compilable()}; leave it None")
@@ -283,15 +309,18 @@ class FastHFEngine:
                 self.close()  # the trainer's step can use the cache's memory; the next call re-captures
 
     # ------------------------------------------------------------------ buffers
-    def _ensure_state(self, rows: int, slots: int, steps: int):
+    def _ensure_state(self, rows: int, groups: int, prompt_slots: int, slots: int, steps: int):
         st = self._state
         model, device = self.model, self.device
-        if st is not None and st.rows_cap >= rows and st.slots_cap >= slots and st.steps_cap >= steps \
-                and st.k[0].dtype == model.lm_head.weight.dtype and st.k[0].device == device:
-            return st
-        if st is not None:  # grow to cover both the old and the new request
-            rows, slots, steps = max(rows, st.rows_cap), max(slots, st.slots_cap), max(steps, st.steps_cap)
+        need = (rows, groups, prompt_slots, slots, steps)
+        if st is not None:
+            have = (st.rows_cap, st.groups_cap, st.prompt_slots_cap, st.slots_cap, st.steps_cap)
+            if all(h >= n for h, n in zip(have, need)) and st.rk[0].dtype == model.lm_head.weight.dtype \
+                    and st.rk[0].device == device:
+                return st
+            need = tuple(max(h, n) for h, n in zip(have, need))  # grow to cover the old and the new request
             del st  # let the old buffers go before the new ones are allocated
+        rows, groups, prompt_slots, slots, steps = need
         self._drop_graphs()
         self._state = None
         cfg = model.config
@@ -300,7 +329,7 @@ class FastHFEngine:
         dtype = model.lm_head.weight.dtype
         vocab = model.lm_head.weight.shape[0]
         # Zero-filled: masked slots get weight exactly 0 in attention, and 0 * (finite) stays 0.
-        zeros = lambda: torch.zeros((rows, heads, slots, head_dim), dtype=dtype, device=device)  # noqa: E731
+        zeros = lambda n, s: torch.zeros((n, heads, s, head_dim), dtype=dtype, device=device)  # noqa: E731
         layers = len(model.model.layers)
         bias = torch.zeros(vocab, dtype=torch.float32, device=device)
         limit = len(self.tokenizer)
@@ -308,9 +337,11 @@ class FastHFEngine:
             bias[limit:] = float("-inf")
         long = dict(dtype=torch.long, device=device)
         self._state = _State(
-            k=[zeros() for _ in range(layers)], v=[zeros() for _ in range(layers)],
-            tok=torch.zeros(rows, **long), pos=torch.zeros(rows, **long), start=torch.zeros(rows, **long),
-            row_id=torch.full((rows,), rows, **long), slot=torch.zeros(1, **long), step=torch.zeros(1, **long),
+            pk=[zeros(groups, prompt_slots) for _ in range(layers)], pv=[zeros(groups, prompt_slots) for _ in range(layers)],
+            rk=[zeros(rows, slots) for _ in range(layers)], rv=[zeros(rows, slots) for _ in range(layers)],
+            tok=torch.zeros(rows, **long), pos=torch.zeros(rows, **long), grp=torch.zeros(rows, **long),
+            start=torch.zeros(rows, **long), row_id=torch.full((rows,), rows, **long), plen=torch.zeros(1, **long),
+            slot=torch.zeros(1, **long), step=torch.zeros(1, **long),
             noise=torch.ones((rows, vocab), dtype=torch.float32, device=device),
             temperature=torch.ones(1, dtype=torch.float32, device=device),
             top_p=torch.ones(1, dtype=torch.float32, device=device), vocab_bias=bias,
@@ -349,9 +380,9 @@ class FastHFEngine:
             x = x + norm(layer.post_feedforward_layernorm, layer.mlp(x))
         return norm(self.model.model.norm, x)
 
-    def _prefill(self, st: _State, row0: int, input_ids: torch.Tensor, starts: torch.Tensor, n: int) -> torch.Tensor:
-        """Prefill left-padded prompts (P, L); write K/V to cache rows [row0, row0 + P*n) (each prompt's
-        n rows in turn), slots [0, L). Returns the last position's logits (P, vocab)."""
+    def _prefill(self, st: _State, group0: int, input_ids: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        """Prefill left-padded prompts (P, L); write their K/V to prompt-cache entries [group0, group0 + P),
+        slots [0, L). Returns the last position's logits (P, vocab)."""
         P, L = input_ids.shape
         device = input_ids.device
         cols = torch.arange(L, device=device)
@@ -362,11 +393,10 @@ class FastHFEngine:
         # A padding query attends to itself so that no row of the softmax is empty (no NaN in K/V).
         mask = causal[None] & (key_ok[:, None, :] | torch.eye(L, dtype=torch.bool, device=device)[None])
         mask = mask[:, None]                                                     # (P, 1, L, L)
-        rows = torch.arange(P, device=device).repeat_interleave(n)
 
         def attend(i, q, k, v):
-            st.k[i][row0:row0 + P * n, :, :L] = k[rows]
-            st.v[i][row0:row0 + P * n, :, :L] = v[rows]
+            st.pk[i][group0:group0 + P, :, :L] = k
+            st.pv[i][group0:group0 + P, :, :L] = v
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
         x = self.model.model.embed_tokens(input_ids)
@@ -411,27 +441,33 @@ class FastHFEngine:
                      layer.post_attention_layernorm.variance_epsilon)
         return _rms(x, self.model.model.norm.weight, self.model.model.norm.variance_epsilon)
 
+    def _attention_kind(self) -> str:
+        """``"triton"`` or ``"sdpa"``: ``attention`` resolved for this engine's device."""
+        if self.attention == "auto":
+            return "triton" if self.device.type == "cuda" and triton_available() else "sdpa"
+        if self.attention == "triton" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"attention='triton' runs on CUDA (or under TRITON_INTERPRET=1); the model is on "
+                             f"{self.device}: use attention='sdpa'")
+        return self.attention
+
     def _decode_step(self, st: _State, b: int, slots: int, mode: str):
-        """One step for batch rows [0, b): feed ``tok``, write K/V at ``slot``, sample, record, advance.
+        """One step for batch rows [0, b): feed ``tok``, write K/V at response ``slot``, sample, record,
+        advance. ``slots``: response slots the SDPA path reads (the Triton path reads the filled ones).
 
         Only fixed-shape tensor ops on ``st``'s buffers: capturable as a CUDA graph.
         """
-        tok, pos, start = st.tok[:b], st.pos[:b], st.start[:b]
+        tok, pos = st.tok[:b], st.pos[:b]
         cos, sin = self._rope(pos[:, None, None])                                 # (b, 1, 1, D)
-        cols = torch.arange(slots, device=tok.device)
-        mask = ((cols[None, :] >= start[:, None]) & (cols[None, :] <= st.slot))[:, None, None, :]
+        rlen = st.slot + 1  # response slots filled once this step has written its own
+        kind = self._attention_kind()
 
         def attend(i, q, k, v):
-            kb, vb = st.k[i][:b], st.v[i][:b]
-            kb.index_copy_(2, st.slot, k)
-            vb.index_copy_(2, st.slot, v)
-            kb, vb = kb[:, :, :slots], vb[:, :, :slots]
-            if self.attention == "sdpa":
-                return F.scaled_dot_product_attention(q, kb, vb, attn_mask=mask)
-            # One query per row: two batched matrix-vector products and a float32 softmax.
-            scores = torch.matmul(q, kb.transpose(-1, -2)).float() * (q.shape[-1] ** -0.5)
-            weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1).to(q.dtype)
-            return torch.matmul(weights, vb)
+            st.rk[i][:b].index_copy_(2, st.slot, k)
+            st.rv[i][:b].index_copy_(2, st.slot, v)
+            if kind == "triton":
+                return triton_decode_attention(q, st.pk[i], st.pv[i], st.rk[i], st.rv[i], st.grp, st.start, st.plen, rlen)
+            return reference_decode_attention(q, st.pk[i], st.pv[i], st.rk[i], st.rv[i], st.grp, st.start, st.plen, rlen,
+                                              st.prompt_slots_cap, slots)
 
         x = self.model.model.embed_tokens(tok)[:, None]
         compiled = self._step_compiled()
@@ -452,6 +488,8 @@ class FastHFEngine:
         if not self._graphs_enabled():
             self._decode_step(st, b, slots, mode)
             return
+        if self._attention_kind() == "triton":
+            slots = st.slots_cap  # the kernel reads the filled length on the device: one graph serves all
         key = (b, slots, mode)
         graph = self._graphs.get(key)
         if graph is None:
@@ -505,7 +543,8 @@ class FastHFEngine:
         tok, device, n = self.tokenizer, self.device, params.n
         P, L = len(prompt_ids), max(len(p) for p in prompt_ids)
         R, T = P * n, params.max_new_tokens
-        st = self._ensure_state(self._bucket(R), -(-(L + T) // self.length_bucket) * self.length_bucket, T)
+        lb = self.length_bucket
+        st = self._ensure_state(self._bucket(R), P, -(-L // lb) * lb, -(-T // lb) * lb, T)
         mode = "greedy" if params.temperature == 0 else ("top_p" if params.top_p < 1.0 else "sample")
         st.temperature.fill_(params.temperature if params.temperature > 0 else 1.0)
         st.top_p.fill_(params.top_p)
@@ -521,18 +560,21 @@ class FastHFEngine:
         logits = []
         for a in range(0, P, per):
             sub = slice(a, min(P, a + per))
-            logits.append(self._prefill(st, a * n, input_ids[sub], starts[sub], n))
+            logits.append(self._prefill(st, a, input_ids[sub], starts[sub]))
         logits = torch.cat(logits).repeat_interleave(n, dim=0)
 
+        # Batch rows [R, b) are fillers: they read prompt 0 and write to the scratch output row.
         b = self._bucket(R)
         rows = torch.arange(b, device=device)
         st.row_id[:b].copy_(torch.where(rows < R, rows, torch.full_like(rows, st.rows_cap)))
+        st.grp[:b].copy_(torch.where(rows < R, rows // n, torch.zeros_like(rows)))
         st.start[:b].zero_()
         st.start[:R].copy_(starts.repeat_interleave(n))
         lengths = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long, device=device).repeat_interleave(n)
         st.pos[:b].zero_()
         st.pos[:R].copy_(lengths)
-        st.slot.fill_(L)
+        st.plen.fill_(L)
+        st.slot.zero_()
         st.step.zero_()
 
         # Step 0 samples from the prefill logits, eagerly; every later step is _decode_step.
@@ -624,7 +666,7 @@ class FastHFEngine:
         # device runs the next steps (host work and device work overlap instead of taking turns). A row
         # that finished meanwhile decodes a few steps more, which its result never includes.
         step = 1
-        filled = L  # slots holding K/V
+        filled = 0  # response slots holding K/V
         pending = None
         while True:
             if step >= T or (step % self.sync_every == 0):
@@ -666,9 +708,10 @@ class FastHFEngine:
         device = st.tok.device
         idx = torch.tensor(alive, dtype=torch.long, device=device)
         na = len(alive)
-        for buf in st.k + st.v:
+        for buf in st.rk + st.rv:  # the prompt cache stays: rows keep pointing at their prompt
             buf[:na, :, :filled].copy_(buf[idx, :, :filled])
-        for t in (st.tok, st.pos, st.start, st.row_id):
+        for t in (st.tok, st.pos, st.grp, st.start, st.row_id):
             t[:na].copy_(t[idx])
         st.row_id[na:nb].fill_(st.rows_cap)
+        st.grp[na:nb].zero_()
         st.start[na:nb].zero_()

@@ -108,7 +108,9 @@ def policy_gradient_update(model, optimizer, input_ids: torch.Tensor, labels: to
     for rows in plan:
         idx = torch.tensor(rows)
         width = max(lengths[i] for i in rows)
-        mb_mask = response_mask[idx, :width].to(device)
+        host_mask = response_mask[idx, :width]
+        n_tokens += int(host_mask.sum())  # counted on the host: no device sync between microbatches
+        mb_mask = host_mask.to(device)
         out = get_response_log_probs(model, input_ids[idx, :width], labels[idx, :width], return_token_entropy=True,
                                      chunk_tokens=chunk_tokens, backbone=backbone)
         old = old_log_probs[idx, :width].to(device) if (old_log_probs is not None and method.needs_old_log_probs) else None
@@ -119,9 +121,7 @@ def policy_gradient_update(model, optimizer, input_ids: torch.Tensor, labels: to
             loss = loss * (len(rows) / batch)
         loss.backward()
         total_loss += loss.detach()
-        m = mb_mask.float()
-        ent_sum += (out["token_entropy"] * m).sum()
-        n_tokens += int(m.sum().item())
+        ent_sum += (out["token_entropy"] * mb_mask.float()).sum()
         if "clip_count" in meta:
             clip_count += meta["clip_count"]
             clip_total += meta["clip_total"]
