@@ -131,7 +131,8 @@ class OptimConfig:
 @dataclass(frozen=True)
 class EngineConfig:
     name: str = "hf"
-    """Rollout engine: hf (in-process, shares the policy), hf-worker (own process and device), vllm (server)."""
+    """Rollout engine: hf (in-process, shares the policy), hf-fast (the same with a static KV cache and CUDA
+    graphs: the fastest on a GPU), hf-worker (own process and device), vllm (server)."""
     device: str = "auto"
     """Engine device for hf-worker/vllm (auto: cuda:1 when two GPUs are visible, else the policy device)."""
     dtype: str = "auto"
