@@ -102,11 +102,12 @@ def attention(bench: Bench):
             start = torch.randint(0, 30, (rows // n,), device=bench.device)[grp]
             lens = torch.tensor([plen], device=bench.device), torch.tensor([slots - plen], device=bench.device)
             cells = []
-            for block, warps in ((16, 2), (16, 4), (32, 2), (32, 4), (32, 8), (64, 4), (64, 8)):
-                fn = lambda: triton_decode_attention(q, pk, pv, rk, rv, grp, start, *lens, block=block, num_warps=warps)  # noqa: E731
+            for block, warps, stages in ((16, 2, 2), (16, 2, 3), (32, 4, 2), (16, 2, 1), (32, 4, 1), (64, 4, 1)):
+                fn = lambda: triton_decode_attention(q, pk, pv, rk, rv, grp, start, *lens, block=block,  # noqa: E731
+                                                     num_warps=warps, num_stages=stages)
                 fn()
                 _, t = bench.timed(lambda: [fn() for _ in range(50)])
-                cells.append(f"block {block} warps {warps}: {1e6 * t / 50:.0f}")
+                cells.append(f"block {block} warps {warps} stages {stages}: {1e6 * t / 50:.0f}")
             print(f"{rows} x {slots} (shared prompt of {plen}), triton: " + "; ".join(cells), flush=True)
     for slots in ((32,) if bench.tiny else (384, 640)):
         q = torch.randn(rows, heads, 1, dim, device=bench.device, dtype=bench.dtype)

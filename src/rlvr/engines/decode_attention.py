@@ -62,12 +62,12 @@ def triton_available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _accumulate(kbase, vbase, lo, hi, first, stride_s, q, d, m, l, acc, BLOCK: tl.constexpr):
+    def _accumulate(kbase, vbase, lo, hi, first, stride_s, q, d, m, l, acc, BLOCK: tl.constexpr, STAGES: tl.constexpr):
         """Online softmax over slots [max(lo, first), hi) of one (row, head), kept per lane: lane j of
         the block sees slots j, j + BLOCK, ... and holds its own running max ``m``, sum ``l`` and
         weighted values ``acc`` (BLOCK, D). Every step is elementwise but the q.k dot; the lanes are
-        merged once, at the end."""
-        for s in range(lo, hi, BLOCK):
+        merged once, at the end. ``STAGES``: loads of the next blocks issued while this one is reduced."""
+        for s in tl.range(lo, hi, BLOCK, num_stages=STAGES):
             offs = s + tl.arange(0, BLOCK)
             ok = (offs >= first) & (offs < hi)
             k = tl.load(kbase + offs[:, None] * stride_s + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
@@ -84,7 +84,7 @@ if triton is not None:
     @triton.jit
     def _decode_attention_kernel(Q, PK, PV, RK, RV, GRP, START, PLEN, RLEN, OUT,
                                  sq_b, sq_h, sp_g, sp_h, sp_s, sr_b, sr_h, sr_s, so_b, so_h, scale,
-                                 D: tl.constexpr, BLOCK: tl.constexpr):
+                                 D: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
         d = tl.arange(0, D)
@@ -100,17 +100,21 @@ if triton is not None:
         acc = tl.zeros([BLOCK, D], tl.float32)
         # The prompt: blocks from the one holding the row's first real slot (every row has one).
         poff = grp * sp_g + head * sp_h
-        m, l, acc = _accumulate(PK + poff, PV + poff, (first // BLOCK) * BLOCK, plen, first, sp_s, q, d, m, l, acc, BLOCK)
+        m, l, acc = _accumulate(PK + poff, PV + poff, (first // BLOCK) * BLOCK, plen, first, sp_s, q, d, m, l, acc, BLOCK, STAGES)
         roff = row * sr_b + head * sr_h
-        m, l, acc = _accumulate(RK + roff, RV + roff, 0, rlen, 0, sr_s, q, d, m, l, acc, BLOCK)
+        m, l, acc = _accumulate(RK + roff, RV + roff, 0, rlen, 0, sr_s, q, d, m, l, acc, BLOCK, STAGES)
         top = tl.max(m, axis=0)
         w = tl.exp(m - top)
         out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
         tl.store(OUT + row * so_b + head * so_h + d, out.to(OUT.dtype.element_ty))
 
 
-def triton_decode_attention(q, pk, pv, rk, rv, grp, start, plen, rlen, block: int = 32, num_warps: int = 4):
-    """``reference_decode_attention`` as one Triton kernel (CUDA, or the Triton interpreter on CPU)."""
+def triton_decode_attention(q, pk, pv, rk, rv, grp, start, plen, rlen, block: int = 16, num_warps: int = 2,
+                            num_stages: int = 2):
+    """``reference_decode_attention`` as one Triton kernel (CUDA, or the Triton interpreter on CPU).
+
+    The defaults were the fastest of those timed on an H200 at the suggested config's shapes
+    (docs/benchmarks.md, "decode attention")."""
     if triton is None:
         raise RuntimeError("triton is not installed; use reference_decode_attention")
     b, heads, one, head_dim = q.shape
@@ -129,7 +133,7 @@ def triton_decode_attention(q, pk, pv, rk, rv, grp, start, plen, rlen, block: in
     _decode_attention_kernel[(b, heads)](
         q, pk, pv, rk, rv, grp, start, plen, rlen, out,
         q.stride(0), q.stride(1), pk.stride(0), pk.stride(1), pk.stride(2), rk.stride(0), rk.stride(1), rk.stride(2),
-        out.stride(0), out.stride(1), head_dim ** -0.5, D=head_dim, BLOCK=block, num_warps=num_warps,
+        out.stride(0), out.stride(1), head_dim ** -0.5, D=head_dim, BLOCK=block, STAGES=num_stages, num_warps=num_warps,
     )
     return out
 
