@@ -263,6 +263,14 @@ class Bench:
                 worst = max(worst, (lp - torch.tensor(c.logprobs)).abs().max().item())
         self.row("check: sampled log-probs vs teacher-forced", f"max abs diff {worst:.3g}", "", "",
                  "same model, different batch shapes (bf16)")
+        if self.device.type == "cuda":  # the SDPA (gather) path under CUDA graphs, against the kernel's tokens
+            sdpa = FastHFEngine(self.model, self.tok, max_batch_size=64, attention="sdpa")
+            other = sdpa.generate(prompts, greedy)
+            shared = [prefix(a[0].token_ids, b[0].token_ids) for a, b in zip(graphed, other)]
+            self.row("check: greedy fast [sdpa gather] vs fast [triton]",
+                     f"shared prefix {statistics.mean(shared):.1f}/{T} tokens (min {min(shared)})", "", "",
+                     "bf16: the two attention kernels round differently")
+            sdpa.close()
         fast.close()
         self.free()
 

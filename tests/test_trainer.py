@@ -381,11 +381,16 @@ def test_hf_fast_engine_gets_the_engine_config(gsm8k_path, tiny_model, tiny_toke
     from rlvr.config import ConfigError, EngineConfig
     from rlvr.engines.fast import FastHFEngine
 
-    cfg = tiny_config(gsm8k_path, engine=EngineConfig(name="hf-fast", max_batch_size=4, release_memory=True))
+    cfg = tiny_config(gsm8k_path, engine=EngineConfig(name="hf-fast", max_batch_size=4, release_memory=True,
+                                                      attention="sdpa"))
     engine = trainer_mod._make_engine(cfg, tiny_model, tiny_tokenizer)
     assert isinstance(engine, FastHFEngine)
-    assert (engine.max_batch_size, engine.release_memory) == (4, True)
+    assert (engine.max_batch_size, engine.release_memory, engine.attention) == (4, True, "sdpa")
     run(cfg, tmp_path, tiny_model, tiny_tokenizer)
     check_sane(read_metrics(tmp_path / "metrics.jsonl"))
     with pytest.raises(ConfigError, match="engine.release_memory applies to the hf-fast engine"):
         tiny_config(gsm8k_path, engine=EngineConfig(name="hf", release_memory=True)).resolve().validate()
+    with pytest.raises(ConfigError, match="engine.attention must be auto, triton or sdpa, got 'flash'"):
+        tiny_config(gsm8k_path, engine=EngineConfig(name="hf-fast", attention="flash")).resolve().validate()
+    with pytest.raises(ConfigError, match="engine.attention applies to the hf-fast engine"):
+        tiny_config(gsm8k_path, engine=EngineConfig(name="hf", attention="sdpa")).resolve().validate()

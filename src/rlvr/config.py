@@ -141,6 +141,8 @@ class EngineConfig:
     """Rows (prompts x samples) decoded together by the hf engines."""
     release_memory: bool = False
     """hf-fast: free the static KV cache and CUDA graphs after every generation, so that the training step on the same GPU can use that memory (each generation then captures its graphs again, which costs time)."""
+    attention: str = "auto"
+    """hf-fast decode attention: triton (one kernel over the shared prompt and response caches; CUDA), sdpa (gathers each row's prompt K/V for torch's SDPA; any device, slower) or auto (triton on CUDA when Triton is installed, else sdpa)."""
     vllm_base_url: str | None = None
     """URL of a running vLLM server (None: the engine starts ``vllm serve`` itself)."""
     vllm_port: int = 8000
@@ -327,6 +329,10 @@ class TrainConfig:
         need(not self.engine.release_memory or self.engine.name == "hf-fast",
              f"engine.release_memory applies to the hf-fast engine (its static KV cache), not to "
              f"engine.name={self.engine.name!r}; set it to false or use engine.name=hf-fast")
+        need(self.engine.attention in ("auto", "triton", "sdpa"),
+             f"engine.attention must be auto, triton or sdpa, got {self.engine.attention!r}")
+        need(self.engine.attention == "auto" or self.engine.name == "hf-fast",
+             f"engine.attention applies to the hf-fast engine, not to engine.name={self.engine.name!r}; leave it auto")
         need(self.engine.max_staleness in (0, 1),
              f"engine.max_staleness must be 0 (synchronous) or 1 (one-step-async), got {self.engine.max_staleness}")
         if self.engine.max_staleness == 1:

@@ -154,7 +154,8 @@ def _make_engine(config: TrainConfig, model, tokenizer):
     if e.name == "hf":
         return make_engine("hf", model, tokenizer, max_batch_size=e.max_batch_size)
     if e.name == "hf-fast":
-        return make_engine("hf-fast", model, tokenizer, max_batch_size=e.max_batch_size, release_memory=e.release_memory)
+        return make_engine("hf-fast", model, tokenizer, max_batch_size=e.max_batch_size, release_memory=e.release_memory,
+                           attention=e.attention)
     if e.name == "hf-worker":
         dtype = None if e.dtype == "auto" else e.dtype
         return make_engine("hf-worker", model, tokenizer, device=e.device, dtype=dtype, max_batch_size=e.max_batch_size)
