@@ -142,7 +142,7 @@ class EngineConfig:
     release_memory: bool = False
     """hf-fast: free the static KV cache and CUDA graphs after every generation, so that the training step on the same GPU can use that memory (each generation then captures its graphs again, which costs time)."""
     attention: str = "auto"
-    """hf-fast decode attention: triton (one kernel over the shared prompt and response caches; CUDA), sdpa (gathers each row's prompt K/V for torch's SDPA; any device, slower) or auto (triton on CUDA when Triton is installed, else sdpa)."""
+    """hf-fast decode attention: triton (one kernel over the shared prompt and response caches; CUDA), sdpa (gathers each row's prompt K/V for torch's SDPA; any device; the CPU tests' reference) or auto (triton on CUDA when Triton is installed, else sdpa)."""
     vllm_base_url: str | None = None
     """URL of a running vLLM server (None: the engine starts ``vllm serve`` itself)."""
     vllm_port: int = 8000
