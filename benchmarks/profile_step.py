@@ -51,11 +51,12 @@ def decode(bench: Bench):
                 st.slot.fill_(slots - reps - 2)
                 st.step.zero_()
 
+            # The Triton kernel's graph serves every length (the engine passes the cache's full size).
+            graph_slots = st.slots_cap if engine._attention_kind() == "triton" else slots
             reset()
-            engine._run_step(st, b, slots, "sample")  # captures
+            engine._run_step(st, b, graph_slots, "sample")  # captures
             reset()
-            key = (b, st.slots_cap if engine._attention_kind() == "triton" else slots, "sample")
-            graph = engine._graphs.get(key)  # none on the CPU: the eager step
+            graph = engine._graphs.get((b, graph_slots, "sample"))  # none on the CPU: the eager step
             run = graph.replay if graph is not None else (lambda: engine._decode_step(st, b, slots, "sample"))
             _, t = bench.timed(lambda: [run() for _ in range(reps)])
             cells.append(f"{1e3 * t / reps:.2f}")

@@ -36,6 +36,16 @@ def _ids(out):
     return [[c.token_ids for c in group] for group in out]
 
 
+def assert_logprobs_are_teacher_forced(model, tok, prompts, out, atol=1e-4):
+    """Every completion's sampled log-probs equal a teacher-forced pass over prompt + completion."""
+    for prompt, group in zip(prompts, out):
+        p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
+        for c in group:
+            ids = torch.tensor([p_ids + c.token_ids])
+            ref = sequence_logprobs(model, ids, torch.ones_like(ids))[0, len(p_ids) - 1:]
+            assert torch.allclose(torch.tensor(c.logprobs), ref, atol=atol), (c.logprobs, ref)
+
+
 
 
 def _eos_prone(model, tok, boost: float):
@@ -115,23 +125,13 @@ def test_stop_strings_and_finish_reasons_equal_hf_engine(tiny_model, tiny_tokeni
 def test_sampled_logprobs_equal_teacher_forced_recomputation(tiny_model, tiny_tokenizer):
     engine = _fast(tiny_model, tiny_tokenizer)
     out = engine.generate(PROMPTS, SamplingParams(n=3, temperature=1.0, max_new_tokens=15, seed=7))
-    for prompt, group in zip(PROMPTS, out):
-        p_ids = tiny_tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        for c in group:
-            ids = torch.tensor([p_ids + c.token_ids])
-            ref = sequence_logprobs(tiny_model, ids, torch.ones_like(ids))[0, len(p_ids) - 1:]
-            assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4), (c.logprobs, ref)
+    assert_logprobs_are_teacher_forced(tiny_model, tiny_tokenizer, PROMPTS, out)
 
 
 def test_logprobs_are_temperature_one_under_other_settings(tiny_model, tiny_tokenizer):
     out = _fast(tiny_model, tiny_tokenizer).generate(
         PROMPTS[:2], SamplingParams(n=2, temperature=0.7, top_p=0.9, max_new_tokens=10, seed=3))
-    for prompt, group in zip(PROMPTS, out):
-        p_ids = tiny_tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        for c in group:
-            ids = torch.tensor([p_ids + c.token_ids])
-            ref = sequence_logprobs(tiny_model, ids, torch.ones_like(ids))[0, len(p_ids) - 1:]
-            assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
+    assert_logprobs_are_teacher_forced(tiny_model, tiny_tokenizer, PROMPTS, out)
 
 
 def test_n_samples_differ_and_seed_reproduces(tiny_model, tiny_tokenizer):

@@ -8,11 +8,10 @@ import torch
 
 from conftest import greedy_generate_reference
 from test_decode_attention import per_row_softmax, random_case
-from test_engines_fast import PROMPTS, _eos_prone, _fast, _ids
+from test_engines_fast import PROMPTS, _eos_prone, _fast, _ids, assert_logprobs_are_teacher_forced
 
 from rlvr.engines.base import SamplingParams
 from rlvr.engines.decode_attention import reference_decode_attention, triton_decode_attention
-from rlvr.engines.hf import sequence_logprobs
 
 
 @pytest.fixture(autouse=True)
@@ -79,9 +78,4 @@ def test_engine_with_retired_rows_equals_sdpa_path(tiny_model, tiny_tokenizer):
 def test_engine_sampled_logprobs_equal_teacher_forced(tiny_model, tiny_tokenizer):
     out = _fast(tiny_model, tiny_tokenizer, attention="triton").generate(
         PROMPTS, SamplingParams(n=3, temperature=1.0, max_new_tokens=12, seed=7))
-    for prompt, group in zip(PROMPTS, out):
-        p_ids = tiny_tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        for c in group:
-            ids = torch.tensor([p_ids + c.token_ids])
-            ref = sequence_logprobs(tiny_model, ids, torch.ones_like(ids))[0, len(p_ids) - 1:]
-            assert torch.allclose(torch.tensor(c.logprobs), ref, atol=1e-4)
+    assert_logprobs_are_teacher_forced(tiny_model, tiny_tokenizer, PROMPTS, out)

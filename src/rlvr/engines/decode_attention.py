@@ -27,8 +27,6 @@ Both take the lengths as device tensors (``plen``, ``rlen``: shape (1,)), so nei
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
@@ -136,9 +134,3 @@ def triton_decode_attention(q, pk, pv, rk, rv, grp, start, plen, rlen, block: in
         out.stride(0), out.stride(1), head_dim ** -0.5, D=head_dim, BLOCK=block, STAGES=num_stages, num_warps=num_warps,
     )
     return out
-
-
-@functools.cache
-def default_kind(device_type: str) -> str:
-    """``"triton"`` on CUDA when Triton is importable, else ``"reference"``."""
-    return "triton" if device_type == "cuda" and triton is not None else "reference"

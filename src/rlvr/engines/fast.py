@@ -16,7 +16,8 @@ distribution; it differs in how the work reaches the GPU:
   so there is no Python cache object and no data-dependent host sync in the step. That is what makes
   it capturable. The cost is that only OLMo-2's layer layout is supported (post-norm blocks,
   q/k RMS norm over all heads); other architectures raise and should use ``hf``.
-* **One CUDA graph per (batch bucket, length bucket, sampling mode).** A graph replays one whole
+* **One CUDA graph per (batch bucket, sampling mode)**, and per length bucket on the SDPA path. A
+  graph replays one whole
   step: embedding, 16 layers, LM head, sampling, log-prob, writing the token and log-prob to the
   output buffers and advancing the position/slot/step counters on the device. The host launches
   replays back to back. Attention (``rlvr.engines.decode_attention``) reads each row's prompt slots
@@ -488,8 +489,6 @@ class FastHFEngine:
         if not self._graphs_enabled():
             self._decode_step(st, b, slots, mode)
             return
-        if self._attention_kind() == "triton":
-            slots = st.slots_cap  # the kernel reads the filled length on the device: one graph serves all
         key = (b, slots, mode)
         graph = self._graphs.get(key)
         if graph is None:
@@ -546,6 +545,8 @@ class FastHFEngine:
         lb = self.length_bucket
         st = self._ensure_state(self._bucket(R), P, -(-L // lb) * lb, -(-T // lb) * lb, T)
         mode = "greedy" if params.temperature == 0 else ("top_p" if params.top_p < 1.0 else "sample")
+        # The Triton kernel reads the filled length on the device, so one graph serves every length.
+        fixed_slots = st.slots_cap if self._attention_kind() == "triton" else None
         st.temperature.fill_(params.temperature if params.temperature > 0 else 1.0)
         st.top_p.fill_(params.top_p)
 
@@ -685,7 +686,7 @@ class FastHFEngine:
                     b = nb
             if mode != "greedy":
                 st.noise[:b].exponential_(generator=generator)
-            self._run_step(st, b, self._slots_for(filled + 1, st.slots_cap), mode)
+            self._run_step(st, b, fixed_slots or self._slots_for(filled + 1, st.slots_cap), mode)
             filled += 1
             step += 1
 
