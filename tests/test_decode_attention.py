@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlvr.engines.decode_attention import reference_decode_attention
+from rlvr.engines.decode_attention import default_splits, reference_decode_attention
 
 TESTS = Path(__file__).resolve().parent
 
@@ -90,6 +90,26 @@ def test_reading_fewer_slots_changes_nothing():
     full = reference_decode_attention(**c, rlen=torch.tensor([5]), prompt_slots=21, response_slots=19)
     few = reference_decode_attention(**c, rlen=torch.tensor([5]), prompt_slots=21, response_slots=5)
     assert torch.allclose(full, few, atol=1e-6)
+
+
+def test_reference_zeroes_finished_rows():
+    c = random_case(8)
+    live = torch.tensor([1, 0] * (c["q"].shape[0] // 2) + [1] * (c["q"].shape[0] % 2))
+    args = dict(c, rlen=torch.tensor([4]), prompt_slots=21, response_slots=19)
+    full, flagged = reference_decode_attention(**args), reference_decode_attention(**args, live=live)
+    assert torch.equal(flagged[live == 0], torch.zeros_like(flagged[live == 0]))
+    assert torch.equal(flagged[live == 1], full[live == 1])
+
+
+def test_default_splits_by_hand():
+    """Powers of two bringing rows x heads x splits to at most 1,024 programs, at most 16 splits."""
+    assert default_splits(256, 16) == 1   # 4,096 programs already
+    assert default_splits(64, 16) == 1    # 1,024
+    assert default_splits(32, 16) == 2    # 512 -> 1,024
+    assert default_splits(16, 16) == 4
+    assert default_splits(8, 16) == 8
+    assert default_splits(1, 16) == 16    # capped (64 would reach 1,024)
+    assert default_splits(3, 16, programs=100) == 2  # 48 -> 96
 
 
 def test_triton_kernel_and_engine_under_the_interpreter():

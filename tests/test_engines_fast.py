@@ -81,13 +81,17 @@ def test_greedy_with_early_eos_retires_rows_and_matches_hf(tiny_model, tiny_toke
     lengths = {len(g[0].token_ids) for g in hf}
     assert len(lengths) > 2, "the test needs rows that finish at different steps"
     assert any(g[0].finish_reason == "stop" for g in hf)
-    for engine in (_fast(model, tiny_tokenizer), _fast(model, tiny_tokenizer, sync_every=1),
-                   _fast(model, tiny_tokenizer, sync_every=7, length_bucket=5)):
+    engines = (_fast(model, tiny_tokenizer), _fast(model, tiny_tokenizer, sync_every=1),
+               _fast(model, tiny_tokenizer, sync_every=7, length_bucket=5))
+    for engine in engines:
         fast = engine.generate(prompts, params)
         assert _ids(fast) == _ids(hf)
         assert [g[0].finish_reason for g in fast] == [g[0].finish_reason for g in hf]
         assert [g[0].text for g in fast] == [g[0].text for g in hf]
         assert engine.stats["compactions"] > 0
+    # With a check every 3 steps a row finishes while its bucket still holds 15 rows: it is flagged (its
+    # attention skipped) and decodes on beside the others until the compaction.
+    assert engines[0].stats["rows_flagged"] > 0
 
 
 def test_ignore_eos_forces_the_length(tiny_model, tiny_tokenizer):
@@ -213,7 +217,7 @@ def test_compiled_step_equals_eager_step(tiny_model, tiny_tokenizer):
     """``compile_step=True`` (inductor on the CPU here) computes what the eager step computes: the same
     greedy tokens as ``model.generate``, the same sampled tokens for a seed (plain, temperature + top-p),
     log-probs within float32 rounding, across batch buckets that retire rows (compaction), without
-    compiling again for each bucket."""
+    compiling again for each bucket; and after in-place weight updates."""
     pytest.importorskip("torch._inductor")
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -237,6 +241,17 @@ def test_compiled_step_equals_eager_step(tiny_model, tiny_tokenizer):
     # pre-attention, post-attention and sampling (greedy, sample, top-p), each for b > 1 and for the
     # one-row bucket (PyTorch specialises a size of 1): a graph per bucket would be many more
     assert counters["stats"]["unique_graphs"] <= 10, counters["stats"]["unique_graphs"]
+    # The step reads stacked copies of the q/k/v and gate/up weights (fuse_projections, on by default);
+    # they follow in-place updates of the model's weights between calls, as a trainer's optimizer makes.
+    assert compiled._state.wqkv and compiled._state.wgate_up
+    before = [g[0].token_ids for g in out]
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.k_proj.weight.mul_(-2.0)
+            layer.mlp.up_proj.weight.mul_(-3.0)
+    after = [g[0].token_ids for g in compiled.generate(PROMPTS, greedy)]
+    assert after == greedy_generate_reference(model, tiny_tokenizer, PROMPTS, 25)
+    assert after != before
     torch._dynamo.reset()
 
 

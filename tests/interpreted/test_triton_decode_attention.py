@@ -45,6 +45,51 @@ def test_kernel_equals_reference(block, rlen):
         assert torch.allclose(out.double(), per_row_softmax(**c, rlen=rlen), atol=1e-5)
 
 
+@pytest.mark.parametrize("splits", [1, 2, 4, 8])
+@pytest.mark.parametrize("rlen", [1, 2, 9, 19])
+def test_kernel_writing_the_new_token_equals_copy_then_reference(splits, rlen):
+    """With ``k_new``/``v_new`` the kernel writes the current token's K/V to slot rlen - 1 itself and
+    attends to it from registers; the result and the cache equal ``index_copy_`` then the reference,
+    however the slots are split (more splits than blocks leaves some programs empty)."""
+    c = random_case(5)
+    g = torch.Generator().manual_seed(11)
+    k_new = torch.randn(c["q"].shape, generator=g)
+    v_new = torch.randn(c["q"].shape, generator=g)
+    slot = torch.tensor([rlen - 1])
+    rk, rv = c["rk"].clone(), c["rv"].clone()
+    rk.index_copy_(2, slot, k_new)
+    rv.index_copy_(2, slot, v_new)
+    ref = reference_decode_attention(**dict(c, rk=rk, rv=rv), rlen=torch.tensor([rlen]),
+                                     prompt_slots=c["pk"].shape[2], response_slots=c["rk"].shape[2])
+    out = triton_decode_attention(**c, rlen=torch.tensor([rlen]), k_new=k_new, v_new=v_new, splits=splits, block=4)
+    assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
+    assert torch.equal(c["rk"], rk) and torch.equal(c["rv"], rv)  # the kernel wrote the new slot, nothing else
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_finished_rows_read_nothing_and_return_zero(splits):
+    """Rows whose ``live`` flag is 0 return 0; the others are untouched by their neighbours' flags."""
+    c = random_case(6)
+    rlen = torch.tensor([7])
+    live = torch.tensor([i % 3 != 1 for i in range(c["q"].shape[0])], dtype=torch.int32)
+    ref = reference_decode_attention(**c, rlen=rlen, prompt_slots=c["pk"].shape[2],
+                                     response_slots=c["rk"].shape[2], live=live)
+    c["rk"][live == 0] = float("nan")  # a finished row's response is never read
+    out = triton_decode_attention(**c, rlen=rlen, live=live, splits=splits, block=8)
+    assert torch.equal(out[live == 0], torch.zeros_like(out[live == 0]))
+    assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
+
+
+@pytest.mark.parametrize("splits", [2, 16])
+def test_split_slots_equal_one_program(splits):
+    """Without the new token or flags, splitting the slots across programs changes nothing."""
+    c = random_case(7)
+    for rlen in (3, 19):
+        one = triton_decode_attention(**c, rlen=torch.tensor([rlen]), block=4)
+        split = triton_decode_attention(**c, rlen=torch.tensor([rlen]), splits=splits, block=4)
+        assert torch.allclose(one, split, atol=1e-5), (one - split).abs().max()
+
+
 def test_kernel_reads_rows_beyond_the_batch_never():
     """The kernel runs one program per batch row: rows of the cache past the batch may hold anything."""
     c = random_case(4)
@@ -57,7 +102,9 @@ def test_kernel_reads_rows_beyond_the_batch_never():
 
 def test_engine_greedy_equals_model_generate(tiny_model, tiny_tokenizer):
     params = SamplingParams(temperature=0.0, max_new_tokens=20)
-    fast = _fast(tiny_model, tiny_tokenizer, attention="triton").generate(PROMPTS, params)
+    # One program per (row, head) here and in the log-prob test (the interpreter runs programs one by one);
+    # the retired-rows test splits the slots.
+    fast = _fast(tiny_model, tiny_tokenizer, attention="triton", attention_splits=1).generate(PROMPTS, params)
     assert [g[0].token_ids for g in fast] == greedy_generate_reference(tiny_model, tiny_tokenizer, PROMPTS, 20)
     sdpa = _fast(tiny_model, tiny_tokenizer, attention="sdpa").generate(PROMPTS, params)
     for f, s in zip(fast, sdpa):
@@ -65,17 +112,18 @@ def test_engine_greedy_equals_model_generate(tiny_model, tiny_tokenizer):
 
 
 def test_engine_with_retired_rows_equals_sdpa_path(tiny_model, tiny_tokenizer):
-    """Rows finishing at different steps are compacted; the kernel then reads prompts through ``grp``."""
+    """Rows finishing at different steps are flagged finished, then compacted; the kernel then reads
+    prompts through ``grp``."""
     model = _eos_prone(tiny_model, tiny_tokenizer, boost=2.0)
     prompts = PROMPTS + ["Janet", "x"]
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=16)
-    engine = _fast(model, tiny_tokenizer, attention="triton")
+    engine = _fast(model, tiny_tokenizer, attention="triton", attention_splits=2)
     fast = engine.generate(prompts, params)
     assert engine.stats["compactions"] > 0
     assert _ids(fast) == _ids(_fast(model, tiny_tokenizer, attention="sdpa").generate(prompts, params))
 
 
 def test_engine_sampled_logprobs_equal_teacher_forced(tiny_model, tiny_tokenizer):
-    out = _fast(tiny_model, tiny_tokenizer, attention="triton").generate(
+    out = _fast(tiny_model, tiny_tokenizer, attention="triton", attention_splits=1).generate(
         PROMPTS, SamplingParams(n=3, temperature=1.0, max_new_tokens=12, seed=7))
     assert_logprobs_are_teacher_forced(tiny_model, tiny_tokenizer, PROMPTS, out)

@@ -20,7 +20,10 @@ Two implementations compute the same thing:
 * ``triton_decode_attention``: one Triton program per (row, head) streams the prompt blocks and then
   the response blocks with an online softmax in float32, kept per lane of the block so that the loop
   has no reduction across the block (merged once at the end). The lengths are read on the device, so
-  a CUDA graph captured once serves every step.
+  a CUDA graph captured once serves every step. It also takes over the step's other attention work:
+  it writes the current token's K/V into the response cache (no separate copy kernels), skips rows
+  the engine marks finished, and for few rows splits each row's slots across several programs
+  (flash-decoding style), since a lone program per (row, head) is a long chain of dependent loads.
 
 Both take the lengths as device tensors (``plen``, ``rlen``: shape (1,)), so neither syncs the host.
 """
@@ -37,11 +40,13 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 
-def reference_decode_attention(q, pk, pv, rk, rv, grp, start, plen, rlen, prompt_slots: int, response_slots: int):
+def reference_decode_attention(q, pk, pv, rk, rv, grp, start, plen, rlen, prompt_slots: int, response_slots: int,
+                               live=None):
     """Attention of one query per row, q (b, heads, 1, head_dim), over the row's prompt and response slots.
 
     ``prompt_slots`` / ``response_slots`` are how many leading slots of each cache to read (at least
-    ``plen`` / ``rlen``; masked beyond them). Returns (b, heads, 1, head_dim) in q's dtype.
+    ``plen`` / ``rlen``; masked beyond them). ``live`` (optional, (b,)): rows where it is 0 are finished;
+    their output is 0 (the engine skips their work). Returns (b, heads, 1, head_dim) in q's dtype.
     """
     b = q.shape[0]
     keys = torch.cat([pk[grp[:b], :, :prompt_slots], rk[:b, :, :response_slots]], dim=2)
@@ -50,7 +55,10 @@ def reference_decode_attention(q, pk, pv, rk, rv, grp, start, plen, rlen, prompt
     rcols = torch.arange(response_slots, device=q.device)
     mask = torch.cat([(pcols[None, :] >= start[:b, None]) & (pcols[None, :] < plen),
                       (rcols < rlen).expand(b, -1)], dim=1)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None, None, :])
+    out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None, None, :])
+    if live is not None:
+        out = out * (live[:b] != 0).to(out.dtype)[:, None, None, None]
+    return out
 
 
 def triton_available() -> bool:
@@ -60,14 +68,15 @@ def triton_available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _accumulate(kbase, vbase, lo, hi, first, stride_s, q, d, m, l, acc, BLOCK: tl.constexpr, STAGES: tl.constexpr):
-        """Online softmax over slots [max(lo, first), hi) of one (row, head), kept per lane: lane j of
-        the block sees slots j, j + BLOCK, ... and holds its own running max ``m``, sum ``l`` and
-        weighted values ``acc`` (BLOCK, D). Every step is elementwise but the q.k dot; the lanes are
-        merged once, at the end. ``STAGES``: loads of the next blocks issued while this one is reduced."""
-        for s in tl.range(lo, hi, BLOCK, num_stages=STAGES):
+    def _accumulate(kbase, vbase, lo, hi, stride_s, q, d, m, l, acc, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+        """Online softmax over slots [lo, hi) of one (row, head), kept per lane: lane j of the block sees
+        slots j, j + BLOCK, ... (from ``lo`` rounded down to a block) and holds its own running max ``m``,
+        sum ``l`` and weighted values ``acc`` (BLOCK, D). Every step is elementwise but the q.k dot; the
+        lanes are merged once, at the end. ``STAGES``: loads of the next blocks issued while this one is
+        reduced."""
+        for s in tl.range((lo // BLOCK) * BLOCK, hi, BLOCK, num_stages=STAGES):
             offs = s + tl.arange(0, BLOCK)
-            ok = (offs >= first) & (offs < hi)
+            ok = (offs >= lo) & (offs < hi)
             k = tl.load(kbase + offs[:, None] * stride_s + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
             x = tl.where(ok, tl.sum(k * q[None, :], axis=1), -float("inf"))
             m_new = tl.maximum(m, x)
@@ -80,39 +89,112 @@ if triton is not None:
         return m, l, acc
 
     @triton.jit
-    def _decode_attention_kernel(Q, PK, PV, RK, RV, GRP, START, PLEN, RLEN, OUT,
-                                 sq_b, sq_h, sp_g, sp_h, sp_s, sr_b, sr_h, sr_s, so_b, so_h, scale,
-                                 D: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    def _decode_attention_kernel(Q, KN, VN, PK, PV, RK, RV, GRP, START, PLEN, RLEN, LIVE, OUT, PART,
+                                 sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sp_g, sp_h, sp_s, sr_b, sr_h, sr_s,
+                                 so_b, so_h, scale, D: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
+                                 SPLITS: tl.constexpr, HAS_NEW: tl.constexpr, HAS_LIVE: tl.constexpr):
+        """Program (row, head, z). The row's slots, read in order (its prompt's slots [start, plen), then
+        its response slots [0, rlen), less the last one when HAS_NEW), are cut into SPLITS equal runs and
+        program z reduces run z. HAS_NEW: the current token's K/V (KN, VN) go to response slot rlen - 1
+        (program 0 writes them) and enter the softmax from registers (the last program adds them), so no
+        program reads a slot another one writes. One split writes the output; several write partial
+        results (max, sum, weighted values) that ``_combine_kernel`` merges."""
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
+        z = tl.program_id(2)
         d = tl.arange(0, D)
         q = tl.load(Q + row * sq_b + head * sq_h + d).to(tl.float32) * scale
         grp = tl.load(GRP + row).to(tl.int64)
         first = tl.load(START + row).to(tl.int32)
         plen = tl.load(PLEN).to(tl.int32)
         rlen = tl.load(RLEN).to(tl.int32)
+        live = rlen >= 0  # every row, unless LIVE says otherwise
+        if HAS_LIVE:
+            live = tl.load(LIVE + row) != 0
+        roff = row * sr_b + head * sr_h
+        cached = rlen
+        if HAS_NEW:
+            cached = rlen - 1
+            kn = tl.load(KN + row * skn_b + head * skn_h + d)
+            vn = tl.load(VN + row * svn_b + head * svn_h + d)
+            if z == 0:
+                tl.store(RK + roff + cached * sr_s + d, kn)
+                tl.store(RV + roff + cached * sr_s + d, vn)
+        n_p = tl.where(live, plen - first, 0)  # a finished row reads nothing
+        n = n_p + tl.where(live, cached, 0)
+        per = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK) * BLOCK
+        lo = tl.minimum(z * per, n)
+        hi = tl.minimum(lo + per, n)
         # A finite floor for the running max: a lane that has seen no slot yet rescales by exp(0) = 1
         # and contributes exp(-1e30 - max) = 0 at the merge.
         m = tl.full([BLOCK], -1e30, tl.float32)
         l = tl.zeros([BLOCK], tl.float32)
         acc = tl.zeros([BLOCK, D], tl.float32)
-        # The prompt: blocks from the one holding the row's first real slot (every row has one).
         poff = grp * sp_g + head * sp_h
-        m, l, acc = _accumulate(PK + poff, PV + poff, (first // BLOCK) * BLOCK, plen, first, sp_s, q, d, m, l, acc, BLOCK, STAGES)
-        roff = row * sr_b + head * sr_h
-        m, l, acc = _accumulate(RK + roff, RV + roff, 0, rlen, 0, sr_s, q, d, m, l, acc, BLOCK, STAGES)
+        m, l, acc = _accumulate(PK + poff, PV + poff, first + tl.minimum(lo, n_p), first + tl.minimum(hi, n_p), sp_s,
+                                q, d, m, l, acc, BLOCK, STAGES)
+        m, l, acc = _accumulate(RK + roff, RV + roff, tl.maximum(lo - n_p, 0), tl.maximum(hi - n_p, 0), sr_s,
+                                q, d, m, l, acc, BLOCK, STAGES)
         top = tl.max(m, axis=0)
         w = tl.exp(m - top)
-        out = tl.sum(acc * w[:, None], axis=0) / tl.sum(l * w, axis=0)
+        o = tl.sum(acc * w[:, None], axis=0)
+        total = tl.sum(l * w, axis=0)
+        if HAS_NEW:
+            x = tl.sum(kn.to(tl.float32) * q, axis=0)
+            x = tl.where(live & (z == SPLITS - 1), x, -float("inf"))
+            new_top = tl.maximum(top, x)
+            alpha = tl.exp(top - new_top)
+            p = tl.exp(x - new_top)
+            o = o * alpha + p * vn.to(tl.float32)
+            total = total * alpha + p
+            top = new_top
+        if SPLITS == 1:
+            out = o / tl.where(total > 0, total, 1.0)  # a finished row: 0
+            tl.store(OUT + row * so_b + head * so_h + d, out.to(OUT.dtype.element_ty))
+        else:
+            base = PART + ((row * tl.num_programs(1) + head) * SPLITS + z) * (D + 2)
+            tl.store(base + d, o)
+            tl.store(base + D, top)
+            tl.store(base + D + 1, total)
+
+    @triton.jit
+    def _combine_kernel(PART, OUT, so_b, so_h, D: tl.constexpr, SPLITS: tl.constexpr):
+        """Merge the SPLITS partial softmaxes of one (row, head): rescale each to the common max."""
+        row = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1).to(tl.int64)
+        d = tl.arange(0, D)
+        z = tl.arange(0, SPLITS)
+        base = PART + (row * tl.num_programs(1) + head) * SPLITS * (D + 2)
+        tops = tl.load(base + z * (D + 2) + D)
+        totals = tl.load(base + z * (D + 2) + D + 1)
+        w = tl.exp(tops - tl.max(tops, axis=0))
+        o = tl.sum(tl.load(base + z[:, None] * (D + 2) + d[None, :]) * w[:, None], axis=0)
+        total = tl.sum(totals * w, axis=0)
+        out = o / tl.where(total > 0, total, 1.0)
         tl.store(OUT + row * so_b + head * so_h + d, out.to(OUT.dtype.element_ty))
 
 
-def triton_decode_attention(q, pk, pv, rk, rv, grp, start, plen, rlen, block: int = 16, num_warps: int = 2,
-                            num_stages: int = 2):
+def default_splits(rows: int, heads: int, programs: int = 1024, most: int = 16) -> int:
+    """Splits per (row, head) for ``triton_decode_attention``: a power of two that brings the programs to
+    about ``programs``. Few rows leave most of the GPU idle and each program a long chain of dependent
+    block loads; splitting the slots shortens the chain (the value was chosen on an H200,
+    docs/benchmarks.md)."""
+    splits = 1
+    while rows * heads * splits * 2 <= programs and splits < most:
+        splits *= 2
+    return splits
+
+
+def triton_decode_attention(q, pk, pv, rk, rv, grp, start, plen, rlen, k_new=None, v_new=None, live=None,
+                            splits: int = 1, block: int = 16, num_warps: int = 2, num_stages: int = 2):
     """``reference_decode_attention`` as one Triton kernel (CUDA, or the Triton interpreter on CPU).
 
-    The defaults were the fastest of those timed on an H200 at the suggested config's shapes
-    (docs/benchmarks.md, "decode attention")."""
+    ``k_new``, ``v_new`` (b, heads, 1, head_dim), optional: the current token's K/V; the kernel writes
+    them to response slot ``rlen - 1`` of ``rk``/``rv`` itself, which equals ``index_copy_`` there
+    followed by the attention. ``live`` (b,), optional: rows where it is 0 read nothing and return 0.
+    ``splits`` > 1 cuts each row's slots into that many runs reduced by separate programs and merged by
+    a second kernel (for few rows; see ``default_splits``). The other defaults were the fastest of those
+    timed on an H200 at the suggested config's shapes (docs/benchmarks.md, "decode attention")."""
     if triton is None:
         raise RuntimeError("triton is not installed; use reference_decode_attention")
     b, heads, one, head_dim = q.shape
@@ -120,17 +202,33 @@ def triton_decode_attention(q, pk, pv, rk, rv, grp, start, plen, rlen, block: in
         raise ValueError(f"decode attention takes one query per row, got {one}")
     if head_dim & (head_dim - 1):
         raise ValueError(f"the Triton decode attention needs a power-of-two head_dim, got {head_dim}")
+    if splits < 1 or splits & (splits - 1):
+        raise ValueError(f"splits must be a power of two >= 1, got {splits}")
     for t in (pk, pv, rk, rv):
         if t.stride(-1) != 1:
             raise ValueError("the K/V caches must be contiguous in head_dim")
     if pk.stride() != pv.stride() or rk.stride() != rv.stride():
         raise ValueError("K and V caches must share their layout")
+    if (k_new is None) != (v_new is None):
+        raise ValueError("pass both k_new and v_new, or neither")
     if q.stride(-1) != 1:
         q = q.contiguous()
+    has_new = k_new is not None
+    if has_new:
+        if k_new.shape != q.shape or v_new.shape != q.shape:
+            raise ValueError(f"k_new and v_new must have q's shape {tuple(q.shape)}")
+        k_new = k_new if k_new.stride(-1) == 1 else k_new.contiguous()
+        v_new = v_new if v_new.stride(-1) == 1 else v_new.contiguous()
+    kn, vn = (k_new, v_new) if has_new else (q, q)  # unread placeholders without HAS_NEW
     out = torch.empty((b, heads, 1, head_dim), dtype=q.dtype, device=q.device)
-    _decode_attention_kernel[(b, heads)](
-        q, pk, pv, rk, rv, grp, start, plen, rlen, out,
-        q.stride(0), q.stride(1), pk.stride(0), pk.stride(1), pk.stride(2), rk.stride(0), rk.stride(1), rk.stride(2),
-        out.stride(0), out.stride(1), head_dim ** -0.5, D=head_dim, BLOCK=block, STAGES=num_stages, num_warps=num_warps,
+    part = out if splits == 1 else torch.empty((b, heads, splits, head_dim + 2), dtype=torch.float32, device=q.device)
+    _decode_attention_kernel[(b, heads, splits)](
+        q, kn, vn, pk, pv, rk, rv, grp, start, plen, rlen, live if live is not None else grp, out, part,
+        q.stride(0), q.stride(1), kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
+        pk.stride(0), pk.stride(1), pk.stride(2), rk.stride(0), rk.stride(1), rk.stride(2),
+        out.stride(0), out.stride(1), head_dim ** -0.5, D=head_dim, BLOCK=block, STAGES=num_stages, SPLITS=splits,
+        HAS_NEW=has_new, HAS_LIVE=live is not None, num_warps=num_warps,
     )
+    if splits > 1:
+        _combine_kernel[(b, heads)](part, out, out.stride(0), out.stride(1), D=head_dim, SPLITS=splits, num_warps=1)
     return out

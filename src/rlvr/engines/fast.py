@@ -57,7 +57,8 @@ import torch
 import torch.nn.functional as F
 
 from rlvr.engines.base import Completion, SamplingParams
-from rlvr.engines.decode_attention import reference_decode_attention, triton_available, triton_decode_attention
+from rlvr.engines.decode_attention import (default_splits, reference_decode_attention, triton_available,
+                                           triton_decode_attention)
 from rlvr.engines.hf import _stop_window_tokens, eos_token_ids, find_stop, generate_in_chunks, truncate_at_stop
 
 DEFAULT_BATCH_BUCKETS = (256, 192, 128, 96, 64, 48, 32, 24, 16, 8, 4, 2, 1)
@@ -85,18 +86,28 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
 
 
-def _pre_attention(x, wq, wk, wv, wqn, wkn, eps: float, cos, sin, heads: int):
+def _project(x, ws: tuple, parts: int):
+    """``parts`` projections of x: one matmul with the rows of the weights stacked (``ws`` = (stacked,)),
+    or one matmul per weight. Stacked, a decode step reads the same bytes in fewer, larger kernels."""
+    if len(ws) == 1:
+        return F.linear(x, ws[0]).chunk(parts, dim=-1)
+    return tuple(F.linear(x, w) for w in ws)
+
+
+def _pre_attention(x, wqkv: tuple, wqn, wkn, eps: float, cos, sin, heads: int):
     B, Q, _ = x.shape
-    q = _rms(F.linear(x, wq), wqn, eps).view(B, Q, heads, -1).transpose(1, 2)
-    k = _rms(F.linear(x, wk), wkn, eps).view(B, Q, heads, -1).transpose(1, 2)
-    v = F.linear(x, wv).view(B, Q, heads, -1).transpose(1, 2)
+    q, k, v = _project(x, wqkv, 3)
+    q = _rms(q, wqn, eps).view(B, Q, heads, -1).transpose(1, 2)
+    k = _rms(k, wkn, eps).view(B, Q, heads, -1).transpose(1, 2)
+    v = v.view(B, Q, heads, -1).transpose(1, 2)
     return _apply_rope(q, cos, sin), _apply_rope(k, cos, sin), v
 
 
-def _post_attention(x, o, wo, wpan, wgate, wup, wdown, wpfn, eps: float):
+def _post_attention(x, o, wo, wpan, wgate_up: tuple, wdown, wpfn, eps: float):
     B, Q, _ = x.shape
     x = x + _rms(F.linear(o.transpose(1, 2).reshape(B, Q, -1), wo), wpan, eps)
-    return x + _rms(F.linear(F.silu(F.linear(x, wgate)) * F.linear(x, wup), wdown), wpfn, eps)
+    gate, up = _project(x, wgate_up, 2)
+    return x + _rms(F.linear(F.silu(gate) * up, wdown), wpfn, eps)
 
 
 def _sample_math(logits, vocab_bias, temperature, top_p, noise, mode: str):
@@ -114,8 +125,9 @@ def _sample_math(logits, vocab_bias, temperature, top_p, noise, mode: str):
             drop = (p_sorted.cumsum(dim=-1) - p_sorted) >= top_p
             sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
             scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
-        probs = scores.softmax(dim=-1)
-        tokens = (probs / noise.clamp_min(1e-30)).argmax(dim=-1)
+        # argmax p_i / E_i = argmax (log p_i - log E_i) = argmax (score_i - log E_i): the normaliser is
+        # the same for every i, so no softmax pass is needed (-log E_i is Gumbel noise).
+        tokens = (scores - noise.clamp_min(1e-30).log()).argmax(dim=-1)
     lp = logits.gather(-1, tokens[:, None]).squeeze(-1) - lse
     return tokens, lp
 
@@ -163,6 +175,7 @@ class _State:
     grp: torch.Tensor          # (rows_cap,) prompt-cache entry of the row (its prompt)
     start: torch.Tensor        # (rows_cap,) first real prompt slot of the row (left padding before it)
     row_id: torch.Tensor       # (rows_cap,) output row the batch row writes to (scratch row for fillers)
+    live: torch.Tensor         # (rows_cap,) int32: 0 for fillers and rows the host found finished (attention skips them)
     plen: torch.Tensor         # (1,) prompt slots in use (the chunk's padded prompt length)
     slot: torch.Tensor         # (1,) response slot the next step writes
     step: torch.Tensor         # (1,) output column the next step writes
@@ -172,6 +185,8 @@ class _State:
     vocab_bias: torch.Tensor   # (vocab,) 0, or -inf on ids the tokenizer cannot decode
     out_tok: torch.Tensor      # (rows_cap + 1, steps_cap) sampled tokens; last row is scratch
     out_lp: torch.Tensor       # (rows_cap + 1, steps_cap) their log-probs
+    wqkv: list                 # per layer: (stacked q/k/v weight,), refreshed from the model every chunk; or []
+    wgate_up: list             # per layer: (stacked gate/up weight,); or []
 
     @property
     def rows_cap(self) -> int:
@@ -216,17 +231,25 @@ class FastHFEngine:
     ``release_memory`` frees the static KV cache and the graphs after every ``generate`` call, so that a
     training step on the same GPU can use that memory; each call then allocates the cache and captures
     its graphs again (the compiled step is kept), which costs time (docs/benchmarks.md).
+    ``fuse_projections`` (compiled step only) stacks each layer's q/k/v weights into one matrix and its
+    gate/up weights into another, so a step runs two large matmuls instead of five small ones; the
+    stacked copies (about half the model's weights) are refreshed from the model at the start of every
+    chunk, so in-place weight updates between calls are seen. ``attention_splits`` (Triton path) fixes
+    how many programs share a row's slots; ``None`` picks ``default_splits`` per batch bucket.
     """
 
     def __init__(self, model, tokenizer, max_batch_size: int = 256, batch_buckets=DEFAULT_BATCH_BUCKETS,
                  length_bucket: int = 128, sync_every: int = 8, use_cuda_graphs: bool | None = None,
                  mask_unused_vocab: bool = True, prefill_tokens: int = 32768, attention: str = "auto",
-                 fused_norms: bool = True, compile_step: bool | None = None, release_memory: bool = False):
+                 fused_norms: bool = True, compile_step: bool | None = None, release_memory: bool = False,
+                 fuse_projections: bool = True, attention_splits: int | None = None):
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token = tokenizer.eos_token")
         _check_architecture(model)
         if max_batch_size < 1 or length_bucket < 1 or sync_every < 1:
             raise ValueError("max_batch_size, length_bucket and sync_every must all be >= 1")
+        if attention_splits is not None and (attention_splits < 1 or attention_splits & (attention_splits - 1)):
+            raise ValueError(f"attention_splits must be a power of two >= 1 or None, got {attention_splits}")
         if attention not in ("auto", "triton", "sdpa"):
             raise ValueError(f"attention must be 'auto', 'triton' or 'sdpa', got {attention!r}")
         if attention == "triton" and not triton_available():
@@ -239,6 +262,8 @@ class FastHFEngine:
         self.fused_norms = fused_norms
         self.compile_step = compile_step
         self.release_memory = release_memory
+        self.fuse_projections = fuse_projections
+        self.attention_splits = attention_splits
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.batch_buckets = tuple(sorted({b for b in batch_buckets if b < max_batch_size} | {max_batch_size}))
@@ -249,7 +274,7 @@ class FastHFEngine:
         self.prefill_tokens = prefill_tokens
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.stats = {"tokens": 0, "time": 0.0, "graphs_captured": 0, "capture_time": 0.0, "host_syncs": 0,
-                      "compactions": 0}
+                      "compactions": 0, "rows_flagged": 0}
         self._state: _State | None = None
         self._graphs: dict = {}
         self._pool = None
@@ -337,19 +362,42 @@ class FastHFEngine:
         if self.mask_unused_vocab and limit < vocab:
             bias[limit:] = float("-inf")
         long = dict(dtype=torch.long, device=device)
+        wqkv, wgate_up = [], []
+        if self._stacked_weights():
+            for layer in model.model.layers:
+                attn, mlp = layer.self_attn, layer.mlp
+                stack = lambda *ws: (torch.empty((sum(w.shape[0] for w in ws), ws[0].shape[1]), dtype=ws[0].dtype,  # noqa: E731
+                                                 device=ws[0].device),)
+                wqkv.append(stack(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
+                wgate_up.append(stack(mlp.gate_proj.weight, mlp.up_proj.weight))
         self._state = _State(
             pk=[zeros(groups, prompt_slots) for _ in range(layers)], pv=[zeros(groups, prompt_slots) for _ in range(layers)],
             rk=[zeros(rows, slots) for _ in range(layers)], rv=[zeros(rows, slots) for _ in range(layers)],
             tok=torch.zeros(rows, **long), pos=torch.zeros(rows, **long), grp=torch.zeros(rows, **long),
-            start=torch.zeros(rows, **long), row_id=torch.full((rows,), rows, **long), plen=torch.zeros(1, **long),
+            start=torch.zeros(rows, **long), row_id=torch.full((rows,), rows, **long),
+            live=torch.zeros(rows, dtype=torch.int32, device=device), plen=torch.zeros(1, **long),
             slot=torch.zeros(1, **long), step=torch.zeros(1, **long),
             noise=torch.ones((rows, vocab), dtype=torch.float32, device=device),
             temperature=torch.ones(1, dtype=torch.float32, device=device),
             top_p=torch.ones(1, dtype=torch.float32, device=device), vocab_bias=bias,
             out_tok=torch.zeros((rows + 1, steps), **long),
             out_lp=torch.zeros((rows + 1, steps), dtype=torch.float32, device=device),
+            wqkv=wqkv, wgate_up=wgate_up,
         )
         return self._state
+
+    def _stacked_weights(self) -> bool:
+        """Whether decode steps use stacked q/k/v and gate/up weights (``fuse_projections``, compiled step)."""
+        return self.fuse_projections and self._step_compiled()
+
+    @torch.no_grad()
+    def _refresh_stacked(self, st: _State) -> None:
+        """Copy the model's current q/k/v and gate/up weights into the stacked buffers (in place: the
+        captured graphs keep reading the same memory)."""
+        for layer, (qkv,), (gate_up,) in zip(self.model.model.layers, st.wqkv, st.wgate_up):
+            attn, mlp = layer.self_attn, layer.mlp
+            torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], out=qkv)
+            torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight], out=gate_up)
 
     # ------------------------------------------------------------------ the model, by hand
     def _rope(self, pos: torch.Tensor):
@@ -431,15 +479,17 @@ class FastHFEngine:
     def _layers_compiled(self, x: torch.Tensor, cos, sin, attend):
         """``_layers`` through the compiled pieces (same math as ``fused_norms``)."""
         pre, post = _compiled(_pre_attention), _compiled(_post_attention)
+        st = self._state
         for i, layer in enumerate(self.model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             eps = attn.q_norm.variance_epsilon
-            q, k, v = pre(x, attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight, attn.q_norm.weight,
-                          attn.k_norm.weight, eps, cos, sin, self.model.config.num_attention_heads)
+            wqkv = st.wqkv[i] if st is not None and st.wqkv else (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
+            wgate_up = st.wgate_up[i] if st is not None and st.wgate_up else (mlp.gate_proj.weight, mlp.up_proj.weight)
+            q, k, v = pre(x, wqkv, attn.q_norm.weight, attn.k_norm.weight, eps, cos, sin,
+                          self.model.config.num_attention_heads)
             o = attend(i, q, k, v)
-            x = post(x, o, attn.o_proj.weight, layer.post_attention_layernorm.weight, mlp.gate_proj.weight,
-                     mlp.up_proj.weight, mlp.down_proj.weight, layer.post_feedforward_layernorm.weight,
-                     layer.post_attention_layernorm.variance_epsilon)
+            x = post(x, o, attn.o_proj.weight, layer.post_attention_layernorm.weight, wgate_up, mlp.down_proj.weight,
+                     layer.post_feedforward_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
         return _rms(x, self.model.model.norm.weight, self.model.model.norm.variance_epsilon)
 
     def _attention_kind(self) -> str:
@@ -461,14 +511,16 @@ class FastHFEngine:
         cos, sin = self._rope(pos[:, None, None])                                 # (b, 1, 1, D)
         rlen = st.slot + 1  # response slots filled once this step has written its own
         kind = self._attention_kind()
+        splits = self.attention_splits or default_splits(b, self.model.config.num_attention_heads)
 
         def attend(i, q, k, v):
+            if kind == "triton":  # the kernel writes this step's K/V at slot rlen - 1 itself
+                return triton_decode_attention(q, st.pk[i], st.pv[i], st.rk[i], st.rv[i], st.grp, st.start, st.plen,
+                                               rlen, k_new=k, v_new=v, live=st.live, splits=splits)
             st.rk[i][:b].index_copy_(2, st.slot, k)
             st.rv[i][:b].index_copy_(2, st.slot, v)
-            if kind == "triton":
-                return triton_decode_attention(q, st.pk[i], st.pv[i], st.rk[i], st.rv[i], st.grp, st.start, st.plen, rlen)
             return reference_decode_attention(q, st.pk[i], st.pv[i], st.rk[i], st.rv[i], st.grp, st.start, st.plen, rlen,
-                                              st.prompt_slots_cap, slots)
+                                              st.prompt_slots_cap, slots, live=st.live)
 
         x = self.model.model.embed_tokens(tok)[:, None]
         compiled = self._step_compiled()
@@ -544,6 +596,8 @@ class FastHFEngine:
         R, T = P * n, params.max_new_tokens
         lb = self.length_bucket
         st = self._ensure_state(self._bucket(R), P, -(-L // lb) * lb, -(-T // lb) * lb, T)
+        if st.wqkv:
+            self._refresh_stacked(st)
         mode = "greedy" if params.temperature == 0 else ("top_p" if params.top_p < 1.0 else "sample")
         # The Triton kernel reads the filled length on the device, so one graph serves every length.
         fixed_slots = st.slots_cap if self._attention_kind() == "triton" else None
@@ -568,6 +622,7 @@ class FastHFEngine:
         b = self._bucket(R)
         rows = torch.arange(b, device=device)
         st.row_id[:b].copy_(torch.where(rows < R, rows, torch.full_like(rows, st.rows_cap)))
+        st.live[:b].copy_(rows < R)
         st.grp[:b].copy_(torch.where(rows < R, rows // n, torch.zeros_like(rows)))
         st.start[:b].zero_()
         st.start[:R].copy_(starts.repeat_interleave(n))
@@ -600,6 +655,7 @@ class FastHFEngine:
         limit = list(limits) if limits is not None else [T] * R
         if len(limit) != R or min(limit) < 1:
             raise ValueError("row_max_new_tokens needs n limits >= 1 for every prompt")
+        flagged = [True] * R            # the device's live flag of each batch row, as last set
 
         def fetch(upto: int):
             """Start copying the sampled tokens [lo, upto) to the host, lo being the first token some
@@ -683,7 +739,12 @@ class FastHFEngine:
                 if nb < b:
                     self._compact(st, alive, b, nb, filled)
                     batch_rows = [batch_rows[i] for i in alive]
+                    flagged = [True] * len(batch_rows)
                     b = nb
+                elif len(alive) < sum(flagged):  # rows finished: the attention skips them from now on
+                    self.stats["rows_flagged"] += sum(flagged) - len(alive)
+                    flagged = [finish[g] is None for g in batch_rows]
+                    st.live[:len(flagged)].copy_(self._host_to_device(flagged, torch.int32), non_blocking=True)
             if mode != "greedy":
                 st.noise[:b].exponential_(generator=generator)
             self._run_step(st, b, fixed_slots or self._slots_for(filled + 1, st.slots_cap), mode)
@@ -703,16 +764,23 @@ class FastHFEngine:
                                                   logprobs=lps))
         return completions
 
+    def _host_to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A host list as a tensor ready for a non-blocking copy to the device: in pinned memory on CUDA
+        (a copy from pageable memory would wait for every queued step), plain elsewhere."""
+        t = torch.tensor(values, dtype=dtype)
+        return t.pin_memory() if self.device.type == "cuda" else t
+
     def _compact(self, st: _State, alive: list[int], b: int, nb: int, filled: int):
         """Move the alive batch rows to [0, len(alive)) and fill the rest of the new bucket with scratch rows."""
         self.stats["compactions"] += 1
-        device = st.tok.device
-        idx = torch.tensor(alive, dtype=torch.long, device=device)
+        idx = self._host_to_device(alive, torch.long).to(st.tok.device, non_blocking=True)
         na = len(alive)
         for buf in st.rk + st.rv:  # the prompt cache stays: rows keep pointing at their prompt
             buf[:na, :, :filled].copy_(buf[idx, :, :filled])
         for t in (st.tok, st.pos, st.grp, st.start, st.row_id):
             t[:na].copy_(t[idx])
+        st.live[:na].fill_(1)
+        st.live[na:nb].zero_()
         st.row_id[na:nb].fill_(st.rows_cap)
         st.grp[na:nb].zero_()
         st.start[na:nb].zero_()
