@@ -25,10 +25,12 @@ distribution; it differs in how the work reaches the GPU:
   lengths on the device (one graph per batch bucket), elsewhere a gather and SDPA over the filled
   slots rounded up to ``length_bucket``.
 * **Prefill once per prompt.** The chunk's prompts are prefilled once (causal, padding-masked) into
-  the prompt cache; the ``n`` rows of a prompt's samples point at it.
+  the prompt cache, through the same compiled pieces as the decode step; the ``n`` rows of a prompt's
+  samples point at it.
 * **Sampling inside the graph.** Exponential race: with E_i ~ Exp(1) drawn from the caller's seeded
   generator, ``argmax_i p_i / E_i`` is distributed exactly as a draw from ``p`` (the same
-  distribution as ``torch.multinomial``, not the same draws as ``HFEngine``). The noise buffer is
+  distribution as ``torch.multinomial``, not the same draws as ``HFEngine``); it is computed as
+  ``argmax_i (score_i - log E_i)``, which needs no softmax pass over the vocabulary. The noise buffer is
   filled outside the graph by one kernel per step, so the seeded generator needs no graph
   registration and the same seed reproduces the batch. Temperature 0 is argmax; top-p keeps the
   smallest set of tokens whose mass reaches p (same rule as ``hf.sample_next``). The sampled
@@ -39,8 +41,9 @@ distribution; it differs in how the work reaches the GPU:
   device runs the next steps while the host examines), token by token as ``HFEngine`` does (a stop found in the decoded new span is
   located at the exact token that completed it), so rows that ran past their stop are cut on the host
   and text, token ids, log-probs and finish reasons equal per-token checking.
-* **Retiring rows.** When the rows still running fit a smaller batch bucket, they are compacted
-  into the first rows of the cache and the smaller bucket's graph takes over.
+* **Retiring rows.** A row the host finds finished is flagged on the device at once, and the
+  attention skips it from the next step on; when the rows still running fit a smaller batch bucket,
+  they are compacted into the first rows of the cache and the smaller bucket's graph takes over.
 
 On CPU (or with ``use_cuda_graphs=False``) the same step runs eagerly; CPU tests prove it equals
 ``HFEngine`` and ``model.generate``.
@@ -449,7 +452,7 @@ class FastHFEngine:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
         x = self.model.model.embed_tokens(input_ids)
-        h = self._layers(x, cos, sin, attend)
+        h = (self._layers_compiled if self._step_compiled() else self._layers)(x, cos, sin, attend)
         return self.model.lm_head(h[:, -1])
 
     def _sample(self, st: _State, logits: torch.Tensor, b: int, mode: str, compiled: bool = False
@@ -636,7 +639,7 @@ class FastHFEngine:
         # Step 0 samples from the prefill logits, eagerly; every later step is _decode_step.
         if mode != "greedy":
             st.noise[:R].exponential_(generator=generator)
-        first, first_lp = self._sample(st, logits, R, mode)
+        first, first_lp = self._sample(st, logits, R, mode, self._step_compiled())
         st.out_tok[:R, 0] = first
         st.out_lp[:R, 0] = first_lp
         st.tok[:b].fill_(tok.pad_token_id)
@@ -752,16 +755,15 @@ class FastHFEngine:
             step += 1
 
         lp_host = st.out_lp[:R, :T].cpu()
+        kept = [generated[g][: end[g]] for g in range(R)]
+        texts = tok.batch_decode([ids[:-1] if ids and ids[-1] in eos_ids else ids for ids in kept],
+                                 skip_special_tokens=True)
         completions: list[list[Completion]] = [[] for _ in range(P)]
-        for g in range(R):
-            ids = generated[g][: end[g]]
-            lps = lp_host[g, : len(ids)].tolist()
-            body = ids[:-1] if ids and ids[-1] in eos_ids else ids
-            text = tok.decode(body, skip_special_tokens=True)
+        for g, (ids, text) in enumerate(zip(kept, texts)):
             if stop_hit[g]:
                 text, _ = truncate_at_stop(text, stops, params.include_stop_str_in_output)
-            completions[g // n].append(Completion(text=text, token_ids=list(ids), finish_reason=finish[g] or "length",
-                                                  logprobs=lps))
+            completions[g // n].append(Completion(text=text, token_ids=ids, finish_reason=finish[g] or "length",
+                                                  logprobs=lp_host[g, : len(ids)].tolist()))
         return completions
 
     def _host_to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
