@@ -275,9 +275,11 @@ class Bench:
         self.free()
 
     def check_kernel(self):
-        """The Triton decode attention against the SDPA reference on the suggested config's shapes (32
-        prompts of up to 256 slots x 8 rows, some rows retired, 300 response slots filled), bf16."""
-        from rlvr.engines.decode_attention import reference_decode_attention, triton_decode_attention
+        """The Triton decode attention as the engine calls it (writing the step's K/V, skipping rows flagged
+        finished) against index_copy_ + the SDPA reference, on the suggested config's shapes (32 prompts of
+        up to 256 slots x 8 rows, some rows retired, 300 response slots filled), bf16; once with one
+        program per (row, head) and once on 16 rows with the slots split as the engine splits them."""
+        from rlvr.engines.decode_attention import default_splits, reference_decode_attention, triton_decode_attention
 
         cfg = self.model.config
         H, D, G, n = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads, 32, 8
@@ -285,15 +287,28 @@ class Bench:
         r = lambda *shape: torch.randn(*shape, device="cuda", generator=g).to(self.dtype)  # noqa: E731
         pk, pv, rk, rv = r(G, H, 256, D), r(G, H, 256, D), r(G * n, H, 512, D), r(G * n, H, 512, D)
         alive = torch.tensor([i for i in range(G * n) if i % 7], device="cuda")
+        rk, rv = rk[alive], rv[alive]
+        b = len(alive)
         grp = alive // n
         start = torch.randint(0, 100, (G,), device="cuda", generator=g)[grp]
         plen, rlen = torch.tensor([230], device="cuda"), torch.tensor([300], device="cuda")
-        q = r(len(alive), 1, H, D).transpose(1, 2)
-        ref = reference_decode_attention(q, pk, pv, rk[alive], rv[alive], grp, start, plen, rlen, 256, 512)
-        out = triton_decode_attention(q, pk, pv, rk[alive], rv[alive], grp, start, plen, rlen)
-        err = (out.float() - ref.float()).abs().max().item()
-        self.row("check: Triton decode attention vs SDPA reference", f"max abs diff {err:.3g}", "", "",
-                 f"{len(alive)} rows, bf16 outputs (one bf16 ulp at 1 is 0.0078)")
+        q, kn, vn = (r(b, 1, H, D).transpose(1, 2) for _ in range(3))
+        live = (torch.arange(b, device="cuda") % 5 != 2).to(torch.int32)
+        ref_k, ref_v = rk.clone(), rv.clone()
+        ref_k.index_copy_(2, rlen - 1, kn)
+        ref_v.index_copy_(2, rlen - 1, vn)
+        ref = reference_decode_attention(q, pk, pv, ref_k, ref_v, grp, start, plen, rlen, 256, 512, live=live).float()
+        errs, cache_ok = [], True
+        for rows in (b, 16):
+            k2, v2 = rk.clone(), rv.clone()
+            out = triton_decode_attention(q[:rows], pk, pv, k2, v2, grp, start, plen, rlen, k_new=kn[:rows],
+                                          v_new=vn[:rows], live=live, splits=default_splits(rows, H))
+            errs.append((out.float() - ref[:rows]).abs().max().item())
+            cache_ok &= torch.equal(k2[:rows], ref_k[:rows]) and torch.equal(v2[:rows], ref_v[:rows])
+        self.row("check: Triton decode attention vs index_copy_ + SDPA reference",
+                 f"max abs diff {errs[0]:.3g} ({b} rows), {errs[1]:.3g} (16 rows, {default_splits(16, H)} splits); "
+                 f"cache {'identical' if cache_ok else 'DIFFERS'}", "", "",
+                 "every 5th row flagged finished (0); bf16 outputs (one bf16 ulp at 1 is 0.0078)")
 
     # ------------------------------------------------------------ 3. forced length
     def forced_length(self):

@@ -186,7 +186,7 @@ def default_splits(rows: int, heads: int, programs: int = 1024, most: int = 16) 
 
 
 def triton_decode_attention(q, pk, pv, rk, rv, grp, start, plen, rlen, k_new=None, v_new=None, live=None,
-                            splits: int = 1, block: int = 16, num_warps: int = 2, num_stages: int = 2):
+                            splits: int = 1, block: int = 16, num_warps: int = 2, num_stages: int = 3):
     """``reference_decode_attention`` as one Triton kernel (CUDA, or the Triton interpreter on CPU).
 
     ``k_new``, ``v_new`` (b, heads, 1, head_dim), optional: the current token's K/V; the kernel writes

@@ -222,7 +222,8 @@ class FastHFEngine:
 
     ``max_batch_size`` bounds the rows decoded together (prompts × n); ``batch_buckets`` are the
     batch sizes graphs are captured for; ``length_bucket`` rounds the attended cache length;
-    ``sync_every`` is how many steps run between host checks of EOS / stop strings. ``attention``
+    ``sync_every`` is how many steps run between host checks of EOS / stop strings (4 was faster than 8
+    on an H200: finished rows are flagged and retired sooner). ``attention``
     is ``"triton"`` (one kernel over the shared prompt and response caches; CUDA, or the Triton
     interpreter), ``"sdpa"`` (gather each row's prompt K/V and call SDPA; any device) or ``"auto"``
     (default: ``"triton"`` on CUDA when Triton is installed, else ``"sdpa"``); ``fused_norms``
@@ -242,7 +243,7 @@ class FastHFEngine:
     """
 
     def __init__(self, model, tokenizer, max_batch_size: int = 256, batch_buckets=DEFAULT_BATCH_BUCKETS,
-                 length_bucket: int = 128, sync_every: int = 8, use_cuda_graphs: bool | None = None,
+                 length_bucket: int = 128, sync_every: int = 4, use_cuda_graphs: bool | None = None,
                  mask_unused_vocab: bool = True, prefill_tokens: int = 32768, attention: str = "auto",
                  fused_norms: bool = True, compile_step: bool | None = None, release_memory: bool = False,
                  fuse_projections: bool = True, attention_splits: int | None = None):
