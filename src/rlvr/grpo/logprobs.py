@@ -48,6 +48,20 @@ def _lm_head(model):
     return head
 
 
+def inductor_options() -> dict | None:
+    """Inductor settings for the training compile. Inductor fuses a norm's backward row and column
+    reductions ("mix-order reduction") only above some microbatch sizes, and with dynamic shapes each
+    such decision becomes a guard on the size: a microbatch on the other side of a threshold compiles
+    the layer again in the middle of a run (on an H200, a 6 s stall in the third trainer step,
+    docs/benchmarks.md). The non-strict mode skips those size checks, so one graph serves every
+    microbatch. None where this torch has no such setting."""
+    import torch._inductor.config as config
+
+    if hasattr(config.triton, "mix_order_reduction_non_strict_mode"):
+        return {"triton.mix_order_reduction_non_strict_mode": True}
+    return None
+
+
 class LayerwiseCompiledBackbone:
     """``model.base_model`` with every decoder layer run through one ``torch.compile``d layer forward.
 
@@ -65,7 +79,7 @@ class LayerwiseCompiledBackbone:
         kinds = {type(layer) for layer in self.layers}
         if len(kinds) != 1:
             raise ValueError(f"layer-wise compile needs one decoder layer class, got {sorted(k.__name__ for k in kinds)}")
-        self.compiled_forward = torch.compile(kinds.pop().forward, dynamic=dynamic)
+        self.compiled_forward = torch.compile(kinds.pop().forward, dynamic=dynamic, options=inductor_options())
 
     def __call__(self, *args, **kwargs):
         for layer in self.layers:
@@ -93,7 +107,7 @@ def compile_backbone(model, dynamic: bool = True):
         )
     if isinstance(getattr(model.base_model, "layers", None), torch.nn.ModuleList) and len(model.base_model.layers):
         return LayerwiseCompiledBackbone(model, dynamic=dynamic)
-    return torch.compile(model.base_model, dynamic=dynamic)
+    return torch.compile(model.base_model, dynamic=dynamic, options=inductor_options())
 
 
 def get_response_log_probs(model, input_ids: torch.Tensor, labels: torch.Tensor, return_token_entropy: bool = False,
