@@ -376,16 +376,17 @@ def test_model_compile_trains_on_one_graph(gsm8k_path, tiny_model, tiny_tokenize
 
 
 def test_hf_fast_engine_gets_the_engine_config(gsm8k_path, tiny_model, tiny_tokenizer, tmp_path):
-    """``engine.max_batch_size`` and ``engine.release_memory`` reach the hf-fast engine (max_batch_size was
-    once dropped for it), and a run with the cache released after every generation trains as usual."""
+    """``engine.max_batch_size``, ``release_memory``, ``attention`` and ``fuse_projections`` reach the
+    hf-fast engine (max_batch_size was once dropped for it), and a run with the cache released after
+    every generation trains as usual."""
     from rlvr.config import ConfigError, EngineConfig
     from rlvr.engines.fast import FastHFEngine
 
     cfg = tiny_config(gsm8k_path, engine=EngineConfig(name="hf-fast", max_batch_size=4, release_memory=True,
-                                                      attention="sdpa"))
+                                                      attention="sdpa", fuse_projections=False))
     engine = trainer_mod._make_engine(cfg, tiny_model, tiny_tokenizer)
     assert isinstance(engine, FastHFEngine)
-    assert (engine.max_batch_size, engine.release_memory, engine.attention) == (4, True, "sdpa")
+    assert (engine.max_batch_size, engine.release_memory, engine.attention, engine.fuse_projections) == (4, True, "sdpa", False)
     run(cfg, tmp_path, tiny_model, tiny_tokenizer)
     check_sane(read_metrics(tmp_path / "metrics.jsonl"))
     with pytest.raises(ConfigError, match="engine.release_memory applies to the hf-fast engine"):
@@ -394,3 +395,5 @@ def test_hf_fast_engine_gets_the_engine_config(gsm8k_path, tiny_model, tiny_toke
         tiny_config(gsm8k_path, engine=EngineConfig(name="hf-fast", attention="flash")).resolve().validate()
     with pytest.raises(ConfigError, match="engine.attention applies to the hf-fast engine"):
         tiny_config(gsm8k_path, engine=EngineConfig(name="hf", attention="sdpa")).resolve().validate()
+    with pytest.raises(ConfigError, match="engine.fuse_projections applies to the hf-fast engine"):
+        tiny_config(gsm8k_path, engine=EngineConfig(name="hf", fuse_projections=False)).resolve().validate()

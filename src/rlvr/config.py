@@ -143,6 +143,8 @@ class EngineConfig:
     """hf-fast: free the static KV cache and CUDA graphs after every generation, so that the training step on the same GPU can use that memory (each generation then captures its graphs again, which costs time)."""
     attention: str = "auto"
     """hf-fast decode attention: triton (one kernel over the shared prompt and response caches; CUDA), sdpa (gathers each row's prompt K/V for torch's SDPA; any device; the CPU tests' reference) or auto (triton on CUDA when Triton is installed, else sdpa)."""
+    fuse_projections: bool = True
+    """hf-fast on a GPU (compiled decode step): multiply by one stacked q/k/v matrix and one stacked gate/up matrix per layer instead of five (faster decoding; the stacked copies hold about half the model's weights, refreshed from the policy at every generation)."""
     vllm_base_url: str | None = None
     """URL of a running vLLM server (None: the engine starts ``vllm serve`` itself)."""
     vllm_port: int = 8000
@@ -333,6 +335,8 @@ class TrainConfig:
              f"engine.attention must be auto, triton or sdpa, got {self.engine.attention!r}")
         need(self.engine.attention == "auto" or self.engine.name == "hf-fast",
              f"engine.attention applies to the hf-fast engine, not to engine.name={self.engine.name!r}; leave it auto")
+        need(self.engine.fuse_projections or self.engine.name == "hf-fast",
+             f"engine.fuse_projections applies to the hf-fast engine, not to engine.name={self.engine.name!r}; leave it true")
         need(self.engine.max_staleness in (0, 1),
              f"engine.max_staleness must be 0 (synchronous) or 1 (one-step-async), got {self.engine.max_staleness}")
         if self.engine.max_staleness == 1:
