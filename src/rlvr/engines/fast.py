@@ -366,12 +366,13 @@ class FastHFEngine:
         if self.mask_unused_vocab and limit < vocab:
             bias[limit:] = float("-inf")
         long = dict(dtype=torch.long, device=device)
+        def stack(*ws):  # room for the weights' rows one under another; _refresh_stacked fills it
+            return (torch.empty((sum(w.shape[0] for w in ws), ws[0].shape[1]), dtype=ws[0].dtype, device=ws[0].device),)
+
         wqkv, wgate_up = [], []
         if self._stacked_weights():
             for layer in model.model.layers:
                 attn, mlp = layer.self_attn, layer.mlp
-                stack = lambda *ws: (torch.empty((sum(w.shape[0] for w in ws), ws[0].shape[1]), dtype=ws[0].dtype,  # noqa: E731
-                                                 device=ws[0].device),)
                 wqkv.append(stack(attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight))
                 wgate_up.append(stack(mlp.gate_proj.weight, mlp.up_proj.weight))
         self._state = _State(
@@ -483,12 +484,15 @@ class FastHFEngine:
     def _layers_compiled(self, x: torch.Tensor, cos, sin, attend):
         """``_layers`` through the compiled pieces (same math as ``fused_norms``)."""
         pre, post = _compiled(_pre_attention), _compiled(_post_attention)
-        st = self._state
+        stacked = self._state is not None and bool(self._state.wqkv)
         for i, layer in enumerate(self.model.model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             eps = attn.q_norm.variance_epsilon
-            wqkv = st.wqkv[i] if st is not None and st.wqkv else (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
-            wgate_up = st.wgate_up[i] if st is not None and st.wgate_up else (mlp.gate_proj.weight, mlp.up_proj.weight)
+            if stacked:
+                wqkv, wgate_up = self._state.wqkv[i], self._state.wgate_up[i]
+            else:
+                wqkv = (attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight)
+                wgate_up = (mlp.gate_proj.weight, mlp.up_proj.weight)
             q, k, v = pre(x, wqkv, attn.q_norm.weight, attn.k_norm.weight, eps, cos, sin,
                           self.model.config.num_attention_heads)
             o = attend(i, q, k, v)
@@ -659,7 +663,7 @@ class FastHFEngine:
         limit = list(limits) if limits is not None else [T] * R
         if len(limit) != R or min(limit) < 1:
             raise ValueError("row_max_new_tokens needs n limits >= 1 for every prompt")
-        flagged = [True] * R            # the device's live flag of each batch row, as last set
+        live_rows = R                   # batch rows whose live flag on the device is 1
 
         def fetch(upto: int):
             """Start copying the sampled tokens [lo, upto) to the host, lo being the first token some
@@ -743,12 +747,13 @@ class FastHFEngine:
                 if nb < b:
                     self._compact(st, alive, b, nb, filled)
                     batch_rows = [batch_rows[i] for i in alive]
-                    flagged = [True] * len(batch_rows)
+                    live_rows = len(batch_rows)
                     b = nb
-                elif len(alive) < sum(flagged):  # rows finished: the attention skips them from now on
-                    self.stats["rows_flagged"] += sum(flagged) - len(alive)
-                    flagged = [finish[g] is None for g in batch_rows]
-                    st.live[:len(flagged)].copy_(self._host_to_device(flagged, torch.int32), non_blocking=True)
+                elif len(alive) < live_rows:  # rows finished: the attention skips them from now on
+                    self.stats["rows_flagged"] += live_rows - len(alive)
+                    live_rows = len(alive)
+                    flags = [finish[g] is None for g in batch_rows]
+                    st.live[:len(flags)].copy_(self._host_to_device(flags, torch.int32), non_blocking=True)
             if mode != "greedy":
                 st.noise[:b].exponential_(generator=generator)
             self._run_step(st, b, fixed_slots or self._slots_for(filled + 1, st.slots_cap), mode)
