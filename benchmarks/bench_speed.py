@@ -31,7 +31,7 @@ decode are masked out of sampling, never out of the log-probs).
 7. ``rlvr.trainer.train`` itself, whole steps of SPEC's suggested configuration (32 GSM8K prompts x 8,
    r1_zero, 512 new tokens, hf-fast, token-budget microbatches, ``model.compile``), a coin reward
    standing in for the grader: generate / train / sync / reward seconds and peak memory; then the
-   same configured for memory (the engine's cache freed after generating, 8,192-token microbatches,
+   same configured for memory (the engine's cache freed after generating, 10,240-token microbatches,
    bf16 AdamW without float32 master weights).
 8. TRL's ``GRPOTrainer`` without vLLM on the same model, tokenizer, prompts, batch, lengths, reward and
    sampling distribution (needs ``trl`` and ``datasets`` importable; ``--no-trl`` skips it).
@@ -94,6 +94,8 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--all-variants", action="store_true",
                     help="time every FastHFEngine attention/norm variant (default: only the defaults, triton + fused norms)")
+    ap.add_argument("--lean-budget", type=int, default=None,
+                    help="token budget of the memory-lean trainer run (default: 10,240 at full size, 1,024 with --tiny)")
     ap.add_argument("--no-trl", action="store_true", help="skip the TRL GRPOTrainer side-by-side")
     ap.add_argument("--sections", default=None,
                     help="comma-separated subset of: checks, forced_length, realistic, training, compiled, "
@@ -497,7 +499,8 @@ class Bench:
         and the zero-advantage skip would then make training free).
 
         ``lean``: the same run configured for memory, to set beside TRL's peak: the engine frees its cache
-        after every generation (``engine.release_memory``), microbatches of 8,192 tokens, and AdamW steps
+        after every generation (``engine.release_memory``), microbatches of 10,240 tokens (the largest
+        budget whose training peak stayed below the generation's, docs/benchmarks.md), and AdamW steps
         the bfloat16 weights without float32 master copies (``optim.master_weights: false``, as TRL's bf16
         runs step)."""
         import tempfile
@@ -510,7 +513,7 @@ class Bench:
         budget = 2048 if self.tiny else 16384  # leaves room for the engine's static KV cache beside training
         engine_rows = n_prompts * group
         if lean:
-            budget //= 2
+            budget = self.args.lean_budget or (1024 if self.tiny else 10240)
         config = TrainConfig(
             data=DataConfig(train_source=str(Path(self.args.data_dir)), train_size=6400, val_size=0),
             prompt="r1_zero",

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlvr.engines.decode_attention import default_splits, reference_decode_attention
+from rlvr.engines.decode_attention import default_splits, prompt_runs, reference_decode_attention
 
 TESTS = Path(__file__).resolve().parent
 
@@ -101,6 +101,21 @@ def test_reference_zeroes_finished_rows():
     assert torch.equal(flagged[live == 1], full[live == 1])
 
 
+def test_reference_reads_responses_through_cache_rows():
+    """``cache_rows`` names the cache row of each batch row: the responses scattered over a larger cache
+    in a shuffled order give what the rows in order give."""
+    c = random_case(8)
+    rows = c["q"].shape[0]
+    where = torch.randperm(rows + 3, generator=torch.Generator().manual_seed(1))[:rows]
+    rk = torch.full((rows + 3,) + c["rk"].shape[1:], 1e4)  # rows no batch row names: never read
+    rv = torch.full_like(rk, 1e4)
+    rk[where], rv[where] = c["rk"], c["rv"]
+    kw = dict(rlen=torch.tensor([7]), prompt_slots=c["pk"].shape[2], response_slots=c["rk"].shape[2])
+    ref = reference_decode_attention(**c, **kw)
+    out = reference_decode_attention(**dict(c, rk=rk, rv=rv), **kw, cache_rows=where)
+    assert torch.allclose(out, ref, atol=1e-6)
+
+
 def test_default_splits_by_hand():
     """Powers of two bringing rows x heads x splits to at most 1,024 programs, at most 16 splits."""
     assert default_splits(256, 16) == 1   # 4,096 programs already
@@ -110,6 +125,18 @@ def test_default_splits_by_hand():
     assert default_splits(8, 16) == 8
     assert default_splits(1, 16) == 16    # capped (64 would reach 1,024)
     assert default_splits(3, 16, programs=100) == 2  # 48 -> 96
+
+
+def test_prompt_runs_by_hand():
+    """Rows 0-2 share prompt 0, rows 3-7 prompt 1, row 8 prompt 2; row 1 and row 3 are finished, as is
+    row 8. A run starts and ends at live rows (row 1 inside run 0 stays, masked by the kernel; row 3
+    at the start of prompt 1's rows is left out), never mixes prompts, and is cut at ``most`` rows."""
+    groups = [0, 0, 0, 1, 1, 1, 1, 1, 2]
+    live = [True, False, True, False, True, True, True, True, False]
+    assert prompt_runs(groups, live, 16) == ([0, 4], [3, 4])
+    assert prompt_runs(groups, live, 2) == ([0, 2, 4, 6], [1, 1, 2, 2])
+    assert prompt_runs(groups, [True] * 9, 4) == ([0, 3, 7, 8], [3, 4, 1, 1])
+    assert prompt_runs([], [], 16) == ([], [])
 
 
 def test_triton_kernel_and_engine_under_the_interpreter():

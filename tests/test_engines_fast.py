@@ -197,6 +197,32 @@ def test_rejects_other_architectures(tiny_tokenizer):
         FastHFEngine(LlamaForCausalLM(cfg), tiny_tokenizer)
 
 
+def test_rejects_bad_settings(tiny_model, tiny_tokenizer):
+    with pytest.raises(ValueError, match="attention_splits must be a power of two"):
+        FastHFEngine(tiny_model, tiny_tokenizer, attention_splits=3)
+    with pytest.raises(ValueError, match="cascade_min_rows must be >= 1, or None"):
+        FastHFEngine(tiny_model, tiny_tokenizer, cascade_min_rows=0)
+
+
+def test_cascade_runs_only_where_it_applies(tiny_model, tiny_tokenizer, monkeypatch):
+    """Cascade attention needs the Triton path, several samples per prompt and a bucket of at least
+    ``cascade_min_rows`` rows; its run table is as long as the bucket's possible runs."""
+    engine = FastHFEngine(tiny_model, tiny_tokenizer, attention="sdpa", cascade_min_rows=64)
+    engine.attention = "triton"  # what _runs_for consults; no kernel runs here
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # lets the Triton path resolve on the CPU
+    engine._chunk_shape = (32, 8)
+    assert [engine._runs_for(b) for b in (256, 128, 64, 48)] == [32, 32, 32, 0]
+    engine._chunk_shape = (4, 40)  # runs of at most 32 rows: two per prompt
+    assert engine._run_rows() == 32 and engine._runs_for(160) == 8
+    engine._chunk_shape = (256, 1)
+    assert engine._runs_for(256) == 0
+    engine.cascade_min_rows = None
+    engine._chunk_shape = (32, 8)
+    assert engine._runs_for(256) == 0
+    engine.cascade_min_rows, engine.attention = 64, "sdpa"
+    assert engine._runs_for(256) == 0
+
+
 def test_row_limits_cut_greedy_rows_where_asked(tiny_model, tiny_tokenizer):
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=20, ignore_eos=True)
     engine = _fast(tiny_model, tiny_tokenizer)

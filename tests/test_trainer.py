@@ -376,17 +376,19 @@ def test_model_compile_trains_on_one_graph(gsm8k_path, tiny_model, tiny_tokenize
 
 
 def test_hf_fast_engine_gets_the_engine_config(gsm8k_path, tiny_model, tiny_tokenizer, tmp_path):
-    """``engine.max_batch_size``, ``release_memory``, ``attention`` and ``fuse_projections`` reach the
+    """``engine.max_batch_size``, ``release_memory``, ``attention``, ``fuse_projections`` and ``cascade_min_rows`` reach the
     hf-fast engine (max_batch_size was once dropped for it), and a run with the cache released after
     every generation trains as usual."""
     from rlvr.config import ConfigError, EngineConfig
     from rlvr.engines.fast import FastHFEngine
 
     cfg = tiny_config(gsm8k_path, engine=EngineConfig(name="hf-fast", max_batch_size=4, release_memory=True,
-                                                      attention="sdpa", fuse_projections=False))
+                                                      attention="sdpa", fuse_projections=False,
+                                                      cascade_min_rows=None))
     engine = trainer_mod._make_engine(cfg, tiny_model, tiny_tokenizer)
     assert isinstance(engine, FastHFEngine)
-    assert (engine.max_batch_size, engine.release_memory, engine.attention, engine.fuse_projections) == (4, True, "sdpa", False)
+    assert (engine.max_batch_size, engine.release_memory, engine.attention, engine.fuse_projections,
+            engine.cascade_min_rows) == (4, True, "sdpa", False, None)
     run(cfg, tmp_path, tiny_model, tiny_tokenizer)
     check_sane(read_metrics(tmp_path / "metrics.jsonl"))
     with pytest.raises(ConfigError, match="engine.release_memory applies to the hf-fast engine"):
@@ -397,3 +399,7 @@ def test_hf_fast_engine_gets_the_engine_config(gsm8k_path, tiny_model, tiny_toke
         tiny_config(gsm8k_path, engine=EngineConfig(name="hf", attention="sdpa")).resolve().validate()
     with pytest.raises(ConfigError, match="engine.fuse_projections applies to the hf-fast engine"):
         tiny_config(gsm8k_path, engine=EngineConfig(name="hf", fuse_projections=False)).resolve().validate()
+    with pytest.raises(ConfigError, match="engine.cascade_min_rows applies to the hf-fast engine"):
+        tiny_config(gsm8k_path, engine=EngineConfig(name="hf", cascade_min_rows=8)).resolve().validate()
+    with pytest.raises(ConfigError, match="engine.cascade_min_rows must be >= 1"):
+        tiny_config(gsm8k_path, engine=EngineConfig(name="hf-fast", cascade_min_rows=0)).resolve().validate()

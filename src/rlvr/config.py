@@ -145,6 +145,8 @@ class EngineConfig:
     """hf-fast decode attention: triton (one kernel over the shared prompt and response caches; CUDA), sdpa (gathers each row's prompt K/V for torch's SDPA; any device; the CPU tests' reference) or auto (triton on CUDA when Triton is installed, else sdpa)."""
     fuse_projections: bool = True
     """hf-fast on a GPU (compiled decode step): multiply by one stacked q/k/v matrix and one stacked gate/up matrix per layer instead of five (faster decoding; the stacked copies hold about half the model's weights, refreshed from the policy at every generation)."""
+    cascade_min_rows: int | None = 64
+    """hf-fast with Triton attention and several samples per prompt: batch buckets of at least this many rows read each group's shared prompt once per step for all of its rows (cascade attention), instead of once per row; None turns it off. 64 was the fastest of those timed on an H200 (docs/benchmarks.md)."""
     vllm_base_url: str | None = None
     """URL of a running vLLM server (None: the engine starts ``vllm serve`` itself)."""
     vllm_port: int = 8000
@@ -337,6 +339,10 @@ class TrainConfig:
              f"engine.attention applies to the hf-fast engine, not to engine.name={self.engine.name!r}; leave it auto")
         need(self.engine.fuse_projections or self.engine.name == "hf-fast",
              f"engine.fuse_projections applies to the hf-fast engine, not to engine.name={self.engine.name!r}; leave it true")
+        need(self.engine.cascade_min_rows == 64 or self.engine.name == "hf-fast",
+             f"engine.cascade_min_rows applies to the hf-fast engine, not to engine.name={self.engine.name!r}; leave it 64")
+        need(self.engine.cascade_min_rows is None or self.engine.cascade_min_rows >= 1,
+             f"engine.cascade_min_rows must be >= 1, or null to turn cascade attention off; got {self.engine.cascade_min_rows}")
         need(self.engine.max_staleness in (0, 1),
              f"engine.max_staleness must be 0 (synchronous) or 1 (one-step-async), got {self.engine.max_staleness}")
         if self.engine.max_staleness == 1:

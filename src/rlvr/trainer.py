@@ -155,7 +155,8 @@ def _make_engine(config: TrainConfig, model, tokenizer):
         return make_engine("hf", model, tokenizer, max_batch_size=e.max_batch_size)
     if e.name == "hf-fast":
         return make_engine("hf-fast", model, tokenizer, max_batch_size=e.max_batch_size, release_memory=e.release_memory,
-                           attention=e.attention, fuse_projections=e.fuse_projections)
+                           attention=e.attention, fuse_projections=e.fuse_projections,
+                           cascade_min_rows=e.cascade_min_rows)
     if e.name == "hf-worker":
         dtype = None if e.dtype == "auto" else e.dtype
         return make_engine("hf-worker", model, tokenizer, device=e.device, dtype=dtype, max_batch_size=e.max_batch_size)

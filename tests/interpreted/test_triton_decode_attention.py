@@ -11,7 +11,7 @@ from test_decode_attention import per_row_softmax, random_case
 from test_engines_fast import PROMPTS, _eos_prone, _fast, _ids, assert_logprobs_are_teacher_forced
 
 from rlvr.engines.base import SamplingParams
-from rlvr.engines.decode_attention import reference_decode_attention, triton_decode_attention
+from rlvr.engines.decode_attention import prompt_runs, reference_decode_attention, triton_decode_attention
 
 
 @pytest.fixture(autouse=True)
@@ -90,6 +90,88 @@ def test_split_slots_equal_one_program(splits):
         assert torch.allclose(one, split, atol=1e-5), (one - split).abs().max()
 
 
+@pytest.mark.parametrize("splits", [1, 2, 4])
+@pytest.mark.parametrize("most", [2, 4, 16])
+def test_cascade_over_shared_prompts_equals_reference(splits, most):
+    """With ``runs`` one program per (run, head) reduces a prompt's slots for all the rows of the run and
+    each row merges that partial in: the result equals the per-row reference however the rows are cut
+    into runs (``most`` rows at most, some runs of one row), with finished rows inside and at the ends
+    of runs, padding runs of count 0, the new token written by the kernel and the slots split."""
+    c = random_case(5)
+    rows = c["q"].shape[0]
+    flags = [i % 7 != 2 and i != rows - 1 for i in range(rows)]  # row 2 inside a run, the last row at an end
+    first, count = prompt_runs(c["grp"].tolist(), flags, most)
+    assert max(count) <= most and sum(count) < rows
+    live = torch.tensor(flags, dtype=torch.int32)
+    g = torch.Generator().manual_seed(11)
+    k_new, v_new = torch.randn(c["q"].shape, generator=g), torch.randn(c["q"].shape, generator=g)
+    for rlen in (1, 9):
+        slot = torch.tensor([rlen - 1])
+        rk, rv = c["rk"].clone(), c["rv"].clone()
+        rk.index_copy_(2, slot, k_new)
+        rv.index_copy_(2, slot, v_new)
+        ref = reference_decode_attention(**dict(c, rk=rk, rv=rv), rlen=torch.tensor([rlen]), live=live,
+                                         prompt_slots=c["pk"].shape[2], response_slots=c["rk"].shape[2])
+        case = dict(c, rk=c["rk"].clone(), rv=c["rv"].clone())
+        case["q"] = case["q"].clone()
+        case["q"][live == 0] = float("nan")  # a finished row's query is never read
+        runs = (torch.tensor(first + [0, 0], dtype=torch.int32), torch.tensor(count + [0, 0], dtype=torch.int32))
+        out = triton_decode_attention(**case, rlen=torch.tensor([rlen]), k_new=k_new, v_new=v_new, live=live,
+                                      splits=splits, block=4, runs=runs, run_rows=16, run_block=4)
+        assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
+        assert torch.equal(case["rk"], rk) and torch.equal(case["rv"], rv)
+
+
+def test_cascade_reads_each_prompt_through_its_run():
+    """A run's program reads the prompt of the run's first row: rows sent to the wrong run get the
+    wrong prompt, so the runs really carry the prompt part (the check above cannot pass by accident)."""
+    c = random_case(3, groups=2, n=4)
+    rows = c["q"].shape[0]
+    rlen = torch.tensor([5])
+    live = torch.ones(rows, dtype=torch.int32)
+    right = prompt_runs(c["grp"].tolist(), [True] * rows, 16)
+    ok = triton_decode_attention(**c, rlen=rlen, live=live, block=4, run_block=4,
+                                 runs=tuple(torch.tensor(x, dtype=torch.int32) for x in right))
+    ref = reference_decode_attention(**c, rlen=rlen, prompt_slots=c["pk"].shape[2], response_slots=c["rk"].shape[2])
+    assert torch.allclose(ok, ref, atol=1e-5)
+    wrong = (torch.tensor([0], dtype=torch.int32), torch.tensor([rows], dtype=torch.int32))  # one run over both prompts
+    bad = triton_decode_attention(**c, rlen=rlen, live=live, block=4, run_block=4, runs=wrong)
+    in_second = c["grp"] == 1
+    assert torch.allclose(bad[~in_second], ref[~in_second], atol=1e-5)
+    assert not torch.allclose(bad[in_second], ref[in_second], atol=1e-3)
+
+
+@pytest.mark.parametrize("cascade", [False, True])
+@pytest.mark.parametrize("splits", [1, 4])
+def test_kernel_reads_and_writes_responses_through_cache_rows(splits, cascade):
+    """With ``cache_rows`` the kernel reads batch row i's response from cache row cache_rows[i] and
+    writes the new token there: the same output as the rows in order, and exactly the named cache
+    rows change (at slot rlen - 1)."""
+    c = random_case(9)
+    rows = c["q"].shape[0]
+    g = torch.Generator().manual_seed(2)
+    where = torch.randperm(rows + 3, generator=g)[:rows]
+    k_new, v_new = torch.randn(c["q"].shape, generator=g), torch.randn(c["q"].shape, generator=g)
+    rlen = torch.tensor([6])
+    runs = None
+    if cascade:
+        first, count = prompt_runs(c["grp"].tolist(), [True] * rows, 16)
+        runs = (torch.tensor(first, dtype=torch.int32), torch.tensor(count, dtype=torch.int32))
+    kw = dict(rlen=rlen, k_new=k_new, v_new=v_new, splits=splits, block=4, runs=runs, run_block=4)
+    in_order = dict(c, rk=c["rk"].clone(), rv=c["rv"].clone())
+    ref = triton_decode_attention(**in_order, **kw)
+    rk = torch.randn((rows + 3,) + c["rk"].shape[1:], generator=g)
+    rv = torch.randn_like(rk)
+    rk[where], rv[where] = c["rk"], c["rv"]
+    rk0, rv0 = rk.clone(), rv.clone()
+    out = triton_decode_attention(**dict(c, rk=rk, rv=rv), **kw, cache_rows=where)
+    assert torch.allclose(out, ref, atol=1e-6), (out - ref).abs().max()
+    assert torch.equal(rk[where], in_order["rk"]) and torch.equal(rv[where], in_order["rv"])
+    others = torch.ones(rows + 3, dtype=torch.bool)
+    others[where] = False
+    assert torch.equal(rk[others], rk0[others]) and torch.equal(rv[others], rv0[others])
+
+
 def test_kernel_reads_rows_beyond_the_batch_never():
     """The kernel runs one program per batch row: rows of the cache past the batch may hold anything."""
     c = random_case(4)
@@ -127,3 +209,25 @@ def test_engine_sampled_logprobs_equal_teacher_forced(tiny_model, tiny_tokenizer
     out = _fast(tiny_model, tiny_tokenizer, attention="triton", attention_splits=1).generate(
         PROMPTS, SamplingParams(n=3, temperature=1.0, max_new_tokens=12, seed=7))
     assert_logprobs_are_teacher_forced(tiny_model, tiny_tokenizer, PROMPTS, out)
+
+
+def test_engine_with_cascade_equals_sdpa_path(tiny_model, tiny_tokenizer):
+    """Cascade attention in every bucket (``cascade_min_rows=1``) while rows finish, are flagged (also in
+    the middle of a run) and compacted: with the same seed, the same sampled tokens and log-probs as the
+    SDPA path, and the cascade steps did run."""
+    model = _eos_prone(tiny_model, tiny_tokenizer, boost=40.0)  # sampled rows end at many lengths
+    prompts = PROMPTS[:3] + ["Janet", "x"]
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=14, seed=3)
+    kw = dict(batch_buckets=(16, 12, 1), max_batch_size=15)  # one chunk: rows are flagged, then compacted
+    engine = _fast(model, tiny_tokenizer, attention="triton", attention_splits=2, cascade_min_rows=1, **kw)
+    steps, run_step = [], engine._run_step
+    engine._run_step = lambda *a: (steps.append(a[1]), run_step(*a))
+    fast = engine.generate(prompts, params)
+    assert any(len({len(c.token_ids) for c in g}) == 3 for g in fast)  # a group's rows end at three lengths
+    assert engine.stats["compactions"] > 0 and engine.stats["rows_flagged"] > 0
+    assert engine.stats["cascade_steps"] == len(steps) > 10  # every step, in every bucket
+    sdpa = _fast(model, tiny_tokenizer, attention="sdpa", **kw).generate(prompts, params)
+    assert _ids(fast) == _ids(sdpa)
+    for f, s in zip(fast, sdpa):
+        for a, b in zip(f, s):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)

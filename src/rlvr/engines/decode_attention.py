@@ -7,11 +7,15 @@ response K/V on its own:
   ``[start, plen)`` (left-padded to the chunk's longest prompt, ``plen``);
 * ``rk``, ``rv``: (rows, heads, response_slots, head_dim); every row of a chunk starts generating at
   the same step, so response slot j holds every row's j-th new token and slots ``[0, rlen)`` are
-  filled.
+  filled. Batch row r's response sits in cache row ``cache_rows[r]`` (default r): when finished rows
+  retire, the live ones move to the front of the batch and only this index changes, never the cache.
 
 Row r attends to its group's prompt slots ``[start[r], plen)`` and its response slots ``[0, rlen)``.
-Sharing the prompt cuts the cache by (n - 1) x prompt length per group, and the samples of a group,
-decoded side by side, read their prompt K/V from the GPU's L2 cache instead of from memory.
+Sharing the prompt cuts the cache by (n - 1) x prompt length per group. The samples of a group,
+decoded side by side, can also share the reads: with ``runs`` (cascade attention) one program per
+run of rows with one prompt loads each prompt block once for all of them, then every row reads only
+its own response and merges the two partial softmaxes; without, each row reads its prompt itself
+(mostly from the GPU's L2 cache).
 
 Two implementations compute the same thing:
 
@@ -41,16 +45,19 @@ except ImportError:  # pragma: no cover - depends on the install
 
 
 def reference_decode_attention(q, pk, pv, rk, rv, grp, start, plen, rlen, prompt_slots: int, response_slots: int,
-                               live=None):
+                               live=None, cache_rows=None):
     """Attention of one query per row, q (b, heads, 1, head_dim), over the row's prompt and response slots.
 
     ``prompt_slots`` / ``response_slots`` are how many leading slots of each cache to read (at least
     ``plen`` / ``rlen``; masked beyond them). ``live`` (optional, (b,)): rows where it is 0 are finished;
-    their output is 0 (the engine skips their work). Returns (b, heads, 1, head_dim) in q's dtype.
+    their output is 0 (the engine skips their work). ``cache_rows`` (optional, (b,)): the row of
+    ``rk``/``rv`` that holds batch row i's response is ``cache_rows[i]`` (default: i). Returns
+    (b, heads, 1, head_dim) in q's dtype.
     """
     b = q.shape[0]
-    keys = torch.cat([pk[grp[:b], :, :prompt_slots], rk[:b, :, :response_slots]], dim=2)
-    values = torch.cat([pv[grp[:b], :, :prompt_slots], rv[:b, :, :response_slots]], dim=2)
+    crow = cache_rows[:b] if cache_rows is not None else slice(0, b)
+    keys = torch.cat([pk[grp[:b], :, :prompt_slots], rk[crow, :, :response_slots]], dim=2)
+    values = torch.cat([pv[grp[:b], :, :prompt_slots], rv[crow, :, :response_slots]], dim=2)
     pcols = torch.arange(prompt_slots, device=q.device)
     rcols = torch.arange(response_slots, device=q.device)
     mask = torch.cat([(pcols[None, :] >= start[:b, None]) & (pcols[None, :] < plen),
@@ -89,16 +96,20 @@ if triton is not None:
         return m, l, acc
 
     @triton.jit
-    def _decode_attention_kernel(Q, KN, VN, PK, PV, RK, RV, GRP, START, PLEN, RLEN, LIVE, OUT, PART,
+    def _decode_attention_kernel(Q, KN, VN, PK, PV, RK, RV, GRP, START, PLEN, RLEN, LIVE, CROW, OUT, PART, PPART,
                                  sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sp_g, sp_h, sp_s, sr_b, sr_h, sr_s,
                                  so_b, so_h, scale, D: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
-                                 SPLITS: tl.constexpr, HAS_NEW: tl.constexpr, HAS_LIVE: tl.constexpr):
+                                 SPLITS: tl.constexpr, HAS_NEW: tl.constexpr, HAS_LIVE: tl.constexpr,
+                                 CASCADE: tl.constexpr, HAS_CROW: tl.constexpr):
         """Program (row, head, z). The row's slots, read in order (its prompt's slots [start, plen), then
         its response slots [0, rlen), less the last one when HAS_NEW), are cut into SPLITS equal runs and
         program z reduces run z. HAS_NEW: the current token's K/V (KN, VN) go to response slot rlen - 1
         (program 0 writes them) and enter the softmax from registers (the last program adds them), so no
         program reads a slot another one writes. One split writes the output; several write partial
-        results (max, sum, weighted values) that ``_combine_kernel`` merges."""
+        results (max, sum, weighted values) that ``_combine_kernel`` merges. CASCADE: the prompt slots
+        were reduced by ``_prompt_attention_kernel`` into PPART; the row reads only its response slots
+        and the last program merges PPART's partial in. HAS_CROW: the row's response K/V live in cache row
+        CROW[row] (else in row ``row``), so retiring rows never moves a cache."""
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
         z = tl.program_id(2)
@@ -111,7 +122,10 @@ if triton is not None:
         live = rlen >= 0  # every row, unless LIVE says otherwise
         if HAS_LIVE:
             live = tl.load(LIVE + row) != 0
-        roff = row * sr_b + head * sr_h
+        crow = row
+        if HAS_CROW:
+            crow = tl.load(CROW + row).to(tl.int64)
+        roff = crow * sr_b + head * sr_h
         cached = rlen
         if HAS_NEW:
             cached = rlen - 1
@@ -121,6 +135,8 @@ if triton is not None:
                 tl.store(RK + roff + cached * sr_s + d, kn)
                 tl.store(RV + roff + cached * sr_s + d, vn)
         n_p = tl.where(live, plen - first, 0)  # a finished row reads nothing
+        if CASCADE:
+            n_p = 0  # the group's program read the prompt
         n = n_p + tl.where(live, cached, 0)
         per = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK) * BLOCK
         lo = tl.minimum(z * per, n)
@@ -148,6 +164,17 @@ if triton is not None:
             o = o * alpha + p * vn.to(tl.float32)
             total = total * alpha + p
             top = new_top
+        if CASCADE:
+            last = live & (z == SPLITS - 1)
+            pbase = PPART + (row * tl.num_programs(1) + head) * (D + 2)
+            po = tl.load(pbase + d, mask=last & (d < D), other=0.0)
+            ptop = tl.load(pbase + D, mask=last, other=-1e30)
+            ptotal = tl.load(pbase + D + 1, mask=last, other=0.0)
+            new_top = tl.maximum(top, ptop)
+            alpha, beta = tl.exp(top - new_top), tl.exp(ptop - new_top)
+            o = o * alpha + po * beta
+            total = total * alpha + ptotal * beta
+            top = new_top
         if SPLITS == 1:
             out = o / tl.where(total > 0, total, 1.0)  # a finished row: 0
             tl.store(OUT + row * so_b + head * so_h + d, out.to(OUT.dtype.element_ty))
@@ -156,6 +183,58 @@ if triton is not None:
             tl.store(base + d, o)
             tl.store(base + D, top)
             tl.store(base + D + 1, total)
+
+    @triton.jit
+    def _prompt_attention_kernel(Q, PK, PV, GRP, START, PLEN, LIVE, FIRST, COUNT, PPART, sq_b, sq_h, sp_g, sp_h, sp_s,
+                                 scale, D: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                                 STAGES: tl.constexpr, HAS_LIVE: tl.constexpr, IEEE: tl.constexpr):
+        """Program (run, head): the rows [FIRST[run], FIRST[run] + COUNT[run]) share one prompt; their
+        queries (ROWS at most) go through its slots together, so each prompt block is loaded once for
+        all of them, and q.k and p.v are small matrix products. Writes each live row's partial softmax
+        (weighted values, max, sum) to PPART for ``_decode_attention_kernel`` to merge."""
+        run = tl.program_id(0)
+        head = tl.program_id(1).to(tl.int64)
+        count = tl.load(COUNT + run)
+        if count > 0:
+            first = tl.load(FIRST + run).to(tl.int64)
+            r = tl.arange(0, ROWS)
+            rows = first + r
+            live = r < count
+            if HAS_LIVE:
+                live = live & (tl.load(LIVE + rows, mask=live, other=0) != 0)
+            d = tl.arange(0, D)
+            q = tl.load(Q + rows[:, None] * sq_b + head * sq_h + d[None, :], mask=live[:, None], other=0.0)
+            grp = tl.load(GRP + first).to(tl.int64)
+            lo = tl.load(START + first).to(tl.int32)
+            plen = tl.load(PLEN).to(tl.int32)
+            base = grp * sp_g + head * sp_h
+            m = tl.full([ROWS], -1e30, tl.float32)
+            l = tl.zeros([ROWS], tl.float32)
+            acc = tl.zeros([ROWS, D], tl.float32)
+            for s in tl.range((lo // BLOCK) * BLOCK, plen, BLOCK, num_stages=STAGES):
+                offs = s + tl.arange(0, BLOCK)
+                ok = (offs >= lo) & (offs < plen)
+                k = tl.load(PK + base + offs[:, None] * sp_s + d[None, :], mask=ok[:, None], other=0.0)
+                if IEEE:
+                    x = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    x = tl.dot(q, tl.trans(k))
+                x = tl.where(ok[None, :], x * scale, -float("inf"))
+                m_new = tl.maximum(m, tl.max(x, axis=1))
+                alpha = tl.exp(m - m_new)
+                p = tl.exp(x - m_new[:, None])
+                v = tl.load(PV + base + offs[:, None] * sp_s + d[None, :], mask=ok[:, None], other=0.0)
+                if IEEE:
+                    pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                else:
+                    pv = tl.dot(p.to(v.dtype), v)
+                acc = acc * alpha[:, None] + pv
+                l = l * alpha + tl.sum(p, axis=1)
+                m = m_new
+            out = PPART + (rows * tl.num_programs(1) + head) * (D + 2)
+            tl.store(out[:, None] + d[None, :], acc, mask=live[:, None])
+            tl.store(out + D, m, mask=live)
+            tl.store(out + D + 1, l, mask=live)
 
     @triton.jit
     def _combine_kernel(PART, OUT, so_b, so_h, D: tl.constexpr, SPLITS: tl.constexpr):
@@ -174,6 +253,23 @@ if triton is not None:
         tl.store(OUT + row * so_b + head * so_h + d, out.to(OUT.dtype.element_ty))
 
 
+def prompt_runs(groups: list[int], live: list[bool], most: int) -> tuple[list[int], list[int]]:
+    """The ``runs`` of ``triton_decode_attention`` for batch rows whose prompts are ``groups`` (one entry
+    per row) and live flags ``live``: maximal stretches of consecutive rows with one prompt, at most
+    ``most`` rows long, starting and ending at live rows (finished rows inside a stretch are masked by
+    the kernel). Returns (first rows, row counts)."""
+    firsts, counts = [], []
+    for r, (g, ok) in enumerate(zip(groups, live)):
+        if not ok:
+            continue
+        if firsts and groups[firsts[-1]] == g and r - firsts[-1] < most:
+            counts[-1] = r - firsts[-1] + 1
+        else:
+            firsts.append(r)
+            counts.append(1)
+    return firsts, counts
+
+
 def default_splits(rows: int, heads: int, programs: int = 1024, most: int = 16) -> int:
     """Splits per (row, head) for ``triton_decode_attention``: a power of two that brings the programs to
     about ``programs``. Few rows leave most of the GPU idle and each program a long chain of dependent
@@ -186,7 +282,8 @@ def default_splits(rows: int, heads: int, programs: int = 1024, most: int = 16) 
 
 
 def triton_decode_attention(q, pk, pv, rk, rv, grp, start, plen, rlen, k_new=None, v_new=None, live=None,
-                            splits: int = 1, block: int = 16, num_warps: int = 2, num_stages: int = 3):
+                            splits: int = 1, block: int = 16, num_warps: int = 2, num_stages: int = 3,
+                            runs=None, run_rows: int = 16, run_block: int = 32, run_warps: int = 4, cache_rows=None):
     """``reference_decode_attention`` as one Triton kernel (CUDA, or the Triton interpreter on CPU).
 
     ``k_new``, ``v_new`` (b, heads, 1, head_dim), optional: the current token's K/V; the kernel writes
@@ -194,7 +291,16 @@ def triton_decode_attention(q, pk, pv, rk, rv, grp, start, plen, rlen, k_new=Non
     followed by the attention. ``live`` (b,), optional: rows where it is 0 read nothing and return 0.
     ``splits`` > 1 cuts each row's slots into that many runs reduced by separate programs and merged by
     a second kernel (for few rows; see ``default_splits``). The other defaults were the fastest of those
-    timed on an H200 at the suggested config's shapes (docs/benchmarks.md, "decode attention")."""
+    timed on an H200 at the suggested config's shapes (docs/benchmarks.md, "decode attention").
+
+    ``runs`` = (first, count), optional int tensors of one entry per run: batch rows
+    [first, first + count) share a prompt (the same ``grp`` and ``start``) and have their prompt slots
+    reduced together by one program per (run, head), which loads each prompt block once for the whole
+    run instead of once per row (cascade attention: a group's samples share their prompt). Then every
+    row whose ``live`` flag is set must lie in exactly one run; runs with count 0 do nothing; a run
+    holds at most ``run_rows`` rows (a power of two, at least 16 on a GPU). ``run_block`` slots are
+    loaded per iteration by ``run_warps`` warps. ``cache_rows`` (b,), optional: batch row i's response K/V
+    are row ``cache_rows[i]`` of ``rk``/``rv`` (read and written there; default: row i)."""
     if triton is None:
         raise RuntimeError("triton is not installed; use reference_decode_attention")
     b, heads, one, head_dim = q.shape
@@ -222,12 +328,28 @@ def triton_decode_attention(q, pk, pv, rk, rv, grp, start, plen, rlen, k_new=Non
     kn, vn = (k_new, v_new) if has_new else (q, q)  # unread placeholders without HAS_NEW
     out = torch.empty((b, heads, 1, head_dim), dtype=q.dtype, device=q.device)
     part = out if splits == 1 else torch.empty((b, heads, splits, head_dim + 2), dtype=torch.float32, device=q.device)
+    ppart = out
+    if runs is not None:
+        first, count = runs
+        if first.shape != count.shape or first.dim() != 1:
+            raise ValueError("runs must be two 1-d tensors (first row, row count) of equal length")
+        if run_rows < 1 or run_rows & (run_rows - 1) or run_block < 1 or run_block & (run_block - 1):
+            raise ValueError(f"run_rows and run_block must be powers of two, got {run_rows} and {run_block}")
+        ppart = torch.empty((b, heads, head_dim + 2), dtype=torch.float32, device=q.device)
+        _prompt_attention_kernel[(first.shape[0], heads)](
+            q, pk, pv, grp, start, plen, live if live is not None else grp, first, count, ppart,
+            q.stride(0), q.stride(1), pk.stride(0), pk.stride(1), pk.stride(2), head_dim ** -0.5, D=head_dim,
+            ROWS=run_rows, BLOCK=run_block, STAGES=num_stages, HAS_LIVE=live is not None,
+            IEEE=q.dtype == torch.float32, num_warps=run_warps,
+        )
     _decode_attention_kernel[(b, heads, splits)](
-        q, kn, vn, pk, pv, rk, rv, grp, start, plen, rlen, live if live is not None else grp, out, part,
+        q, kn, vn, pk, pv, rk, rv, grp, start, plen, rlen, live if live is not None else grp,
+        cache_rows if cache_rows is not None else grp, out, part, ppart,
         q.stride(0), q.stride(1), kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
         pk.stride(0), pk.stride(1), pk.stride(2), rk.stride(0), rk.stride(1), rk.stride(2),
         out.stride(0), out.stride(1), head_dim ** -0.5, D=head_dim, BLOCK=block, STAGES=num_stages, SPLITS=splits,
-        HAS_NEW=has_new, HAS_LIVE=live is not None, num_warps=num_warps,
+        HAS_NEW=has_new, HAS_LIVE=live is not None, CASCADE=runs is not None, HAS_CROW=cache_rows is not None,
+        num_warps=num_warps,
     )
     if splits > 1:
         _combine_kernel[(b, heads)](part, out, out.stride(0), out.stride(1), D=head_dim, SPLITS=splits, num_warps=1)

@@ -23,7 +23,9 @@ distribution; it differs in how the work reaches the GPU:
   replays back to back. Attention (``rlvr.engines.decode_attention``) reads each row's prompt slots
   from its group's entry and its filled response slots: on CUDA one Triton kernel that reads the
   lengths on the device (one graph per batch bucket), elsewhere a gather and SDPA over the filled
-  slots rounded up to ``length_bucket``.
+  slots rounded up to ``length_bucket``. With several samples per prompt and a large enough batch
+  bucket (``cascade_min_rows``), the Triton path reads each shared prompt once per step for all of
+  its rows (cascade attention) and each row then reads only its response.
 * **Prefill once per prompt.** The chunk's prompts are prefilled once (causal, padding-masked) into
   the prompt cache, through the same compiled pieces as the decode step; the ``n`` rows of a prompt's
   samples point at it.
@@ -43,7 +45,8 @@ distribution; it differs in how the work reaches the GPU:
   and text, token ids, log-probs and finish reasons equal per-token checking.
 * **Retiring rows.** A row the host finds finished is flagged on the device at once, and the
   attention skips it from the next step on; when the rows still running fit a smaller batch bucket,
-  they are compacted into the first rows of the cache and the smaller bucket's graph takes over.
+  they move to the first batch rows and the smaller bucket's graph takes over. Only the per-row
+  indices move: each row keeps its response cache row (``_State.crow``), so no K/V is copied.
 
 On CPU (or with ``use_cuda_graphs=False``) the same step runs eagerly; CPU tests prove it equals
 ``HFEngine`` and ``model.generate``.
@@ -60,8 +63,8 @@ import torch
 import torch.nn.functional as F
 
 from rlvr.engines.base import Completion, SamplingParams
-from rlvr.engines.decode_attention import (default_splits, reference_decode_attention, triton_available,
-                                           triton_decode_attention)
+from rlvr.engines.decode_attention import (default_splits, prompt_runs, reference_decode_attention,
+                                           triton_available, triton_decode_attention)
 from rlvr.engines.hf import _stop_window_tokens, eos_token_ids, find_stop, generate_in_chunks, truncate_at_stop
 
 DEFAULT_BATCH_BUCKETS = (256, 192, 128, 96, 64, 48, 32, 24, 16, 8, 4, 2, 1)
@@ -179,6 +182,8 @@ class _State:
     start: torch.Tensor        # (rows_cap,) first real prompt slot of the row (left padding before it)
     row_id: torch.Tensor       # (rows_cap,) output row the batch row writes to (scratch row for fillers)
     live: torch.Tensor         # (rows_cap,) int32: 0 for fillers and rows the host found finished (attention skips them)
+    runs: torch.Tensor         # (2, rows_cap) int32: first row and row count of each run of rows sharing a prompt
+    crow: torch.Tensor         # (rows_cap,) cache row of rk/rv holding the batch row's response K/V
     plen: torch.Tensor         # (1,) prompt slots in use (the chunk's padded prompt length)
     slot: torch.Tensor         # (1,) response slot the next step writes
     step: torch.Tensor         # (1,) output column the next step writes
@@ -240,18 +245,25 @@ class FastHFEngine:
     stacked copies (about half the model's weights) are refreshed from the model at the start of every
     chunk, so in-place weight updates between calls are seen. ``attention_splits`` (Triton path) fixes
     how many programs share a row's slots; ``None`` picks ``default_splits`` per batch bucket.
+    ``cascade_min_rows`` (Triton path, ``n >= 2``): batch buckets of at least this many rows read each
+    group's shared prompt once per step for all of the group's rows (one program per run of rows with
+    one prompt, then each row reads only its own response slots); smaller buckets, where few rows share
+    a prompt, read it per row. ``None`` turns this off.
     """
 
     def __init__(self, model, tokenizer, max_batch_size: int = 256, batch_buckets=DEFAULT_BATCH_BUCKETS,
                  length_bucket: int = 128, sync_every: int = 4, use_cuda_graphs: bool | None = None,
                  mask_unused_vocab: bool = True, prefill_tokens: int = 32768, attention: str = "auto",
                  fused_norms: bool = True, compile_step: bool | None = None, release_memory: bool = False,
-                 fuse_projections: bool = True, attention_splits: int | None = None):
+                 fuse_projections: bool = True, attention_splits: int | None = None,
+                 cascade_min_rows: int | None = 64):
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token = tokenizer.eos_token")
         _check_architecture(model)
         if max_batch_size < 1 or length_bucket < 1 or sync_every < 1:
             raise ValueError("max_batch_size, length_bucket and sync_every must all be >= 1")
+        if cascade_min_rows is not None and cascade_min_rows < 1:
+            raise ValueError(f"cascade_min_rows must be >= 1, or None to turn cascade attention off; got {cascade_min_rows}")
         if attention_splits is not None and (attention_splits < 1 or attention_splits & (attention_splits - 1)):
             raise ValueError(f"attention_splits must be a power of two >= 1 or None, got {attention_splits}")
         if attention not in ("auto", "triton", "sdpa"):
@@ -268,6 +280,8 @@ class FastHFEngine:
         self.release_memory = release_memory
         self.fuse_projections = fuse_projections
         self.attention_splits = attention_splits
+        self.cascade_min_rows = cascade_min_rows
+        self._chunk_shape = (0, 1)  # (prompts, samples per prompt) of the chunk being decoded
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.batch_buckets = tuple(sorted({b for b in batch_buckets if b < max_batch_size} | {max_batch_size}))
@@ -278,7 +292,7 @@ class FastHFEngine:
         self.prefill_tokens = prefill_tokens
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.stats = {"tokens": 0, "time": 0.0, "graphs_captured": 0, "capture_time": 0.0, "host_syncs": 0,
-                      "compactions": 0, "rows_flagged": 0}
+                      "compactions": 0, "rows_flagged": 0, "cascade_steps": 0}
         self._state: _State | None = None
         self._graphs: dict = {}
         self._pool = None
@@ -380,7 +394,9 @@ class FastHFEngine:
             rk=[zeros(rows, slots) for _ in range(layers)], rv=[zeros(rows, slots) for _ in range(layers)],
             tok=torch.zeros(rows, **long), pos=torch.zeros(rows, **long), grp=torch.zeros(rows, **long),
             start=torch.zeros(rows, **long), row_id=torch.full((rows,), rows, **long),
-            live=torch.zeros(rows, dtype=torch.int32, device=device), plen=torch.zeros(1, **long),
+            live=torch.zeros(rows, dtype=torch.int32, device=device),
+            runs=torch.zeros((2, rows), dtype=torch.int32, device=device), crow=torch.arange(rows, **long),
+            plen=torch.zeros(1, **long),
             slot=torch.zeros(1, **long), step=torch.zeros(1, **long),
             noise=torch.ones((rows, vocab), dtype=torch.float32, device=device),
             temperature=torch.ones(1, dtype=torch.float32, device=device),
@@ -520,15 +536,19 @@ class FastHFEngine:
         rlen = st.slot + 1  # response slots filled once this step has written its own
         kind = self._attention_kind()
         splits = self.attention_splits or default_splits(b, self.model.config.num_attention_heads)
+        nruns = self._runs_for(b)
+        runs = (st.runs[0, :nruns], st.runs[1, :nruns]) if nruns else None
 
         def attend(i, q, k, v):
             if kind == "triton":  # the kernel writes this step's K/V at slot rlen - 1 itself
                 return triton_decode_attention(q, st.pk[i], st.pv[i], st.rk[i], st.rv[i], st.grp, st.start, st.plen,
-                                               rlen, k_new=k, v_new=v, live=st.live, splits=splits)
-            st.rk[i][:b].index_copy_(2, st.slot, k)
-            st.rv[i][:b].index_copy_(2, st.slot, v)
+                                               rlen, k_new=k, v_new=v, live=st.live, splits=splits, runs=runs,
+                                               run_rows=self._run_rows(), cache_rows=st.crow)
+            crow = st.crow[:b]
+            st.rk[i][crow, :, st.slot] = k[:, :, 0]  # (b, heads, head_dim) at (cache row, slot)
+            st.rv[i][crow, :, st.slot] = v[:, :, 0]
             return reference_decode_attention(q, st.pk[i], st.pv[i], st.rk[i], st.rv[i], st.grp, st.start, st.plen, rlen,
-                                              st.prompt_slots_cap, slots, live=st.live)
+                                              st.prompt_slots_cap, slots, live=st.live, cache_rows=st.crow)
 
         x = self.model.model.embed_tokens(tok)[:, None]
         compiled = self._step_compiled()
@@ -546,10 +566,12 @@ class FastHFEngine:
 
     # ------------------------------------------------------------------ graphs
     def _run_step(self, st: _State, b: int, slots: int, mode: str):
+        if self._runs_for(b):
+            self.stats["cascade_steps"] += 1
         if not self._graphs_enabled():
             self._decode_step(st, b, slots, mode)
             return
-        key = (b, slots, mode)
+        key = (b, slots, mode, self._runs_for(b))
         graph = self._graphs.get(key)
         if graph is None:
             if self._param_signature() != self._captured_signature:
@@ -585,6 +607,27 @@ class FastHFEngine:
         self.stats["capture_time"] += time.perf_counter() - t0
         return graph
 
+    def _run_rows(self) -> int:
+        """Rows one cascade program takes (a power of two, at least 16 for the GPU's matrix units)."""
+        n = self._chunk_shape[1]
+        return min(32, max(16, 1 << (n - 1).bit_length()))
+
+    def _runs_for(self, b: int) -> int:
+        """Run-table entries the attention of batch bucket ``b`` reads: 0 (no cascade) unless the chunk
+        has several samples per prompt, the path is Triton's and ``b >= cascade_min_rows``."""
+        prompts, n = self._chunk_shape
+        if n < 2 or self.cascade_min_rows is None or b < self.cascade_min_rows or self._attention_kind() != "triton":
+            return 0
+        return min(b, prompts * -(-n // self._run_rows()))
+
+    def _set_runs(self, st: _State, groups: list[int], live: list[bool]) -> None:
+        """Write the runs of batch rows sharing a prompt (``groups[i]``: batch row i's prompt) to the device."""
+        if not self._runs_for(self.max_batch_size):
+            return
+        first, count = prompt_runs(groups, live, self._run_rows())
+        pad = [0] * (st.rows_cap - len(first))
+        st.runs.copy_(self._host_to_device([first + pad, count + pad], torch.int32), non_blocking=True)
+
     def _bucket(self, rows: int) -> int:
         for b in self.batch_buckets:
             if b >= rows:
@@ -604,6 +647,7 @@ class FastHFEngine:
         R, T = P * n, params.max_new_tokens
         lb = self.length_bucket
         st = self._ensure_state(self._bucket(R), P, -(-L // lb) * lb, -(-T // lb) * lb, T)
+        self._chunk_shape = (P, n)
         if st.wqkv:
             self._refresh_stacked(st)
         mode = "greedy" if params.temperature == 0 else ("top_p" if params.top_p < 1.0 else "sample")
@@ -630,6 +674,7 @@ class FastHFEngine:
         b = self._bucket(R)
         rows = torch.arange(b, device=device)
         st.row_id[:b].copy_(torch.where(rows < R, rows, torch.full_like(rows, st.rows_cap)))
+        st.crow[:b].copy_(rows)
         st.live[:b].copy_(rows < R)
         st.grp[:b].copy_(torch.where(rows < R, rows // n, torch.zeros_like(rows)))
         st.start[:b].zero_()
@@ -638,6 +683,7 @@ class FastHFEngine:
         st.pos[:b].zero_()
         st.pos[:R].copy_(lengths)
         st.plen.fill_(L)
+        self._set_runs(st, [r // n for r in range(R)], [True] * R)
         st.slot.zero_()
         st.step.zero_()
 
@@ -745,15 +791,17 @@ class FastHFEngine:
                 alive = [i for i, g in enumerate(batch_rows) if finish[g] is None]
                 nb = self._bucket(len(alive))
                 if nb < b:
-                    self._compact(st, alive, b, nb, filled)
+                    self._compact(st, alive, b, nb)
                     batch_rows = [batch_rows[i] for i in alive]
                     live_rows = len(batch_rows)
                     b = nb
+                    self._set_runs(st, [g // n for g in batch_rows], [True] * live_rows)
                 elif len(alive) < live_rows:  # rows finished: the attention skips them from now on
                     self.stats["rows_flagged"] += live_rows - len(alive)
                     live_rows = len(alive)
                     flags = [finish[g] is None for g in batch_rows]
                     st.live[:len(flags)].copy_(self._host_to_device(flags, torch.int32), non_blocking=True)
+                    self._set_runs(st, [g // n for g in batch_rows], flags)
             if mode != "greedy":
                 st.noise[:b].exponential_(generator=generator)
             self._run_step(st, b, fixed_slots or self._slots_for(filled + 1, st.slots_cap), mode)
@@ -778,15 +826,18 @@ class FastHFEngine:
         t = torch.tensor(values, dtype=dtype)
         return t.pin_memory() if self.device.type == "cuda" else t
 
-    def _compact(self, st: _State, alive: list[int], b: int, nb: int, filled: int):
-        """Move the alive batch rows to [0, len(alive)) and fill the rest of the new bucket with scratch rows."""
+    def _compact(self, st: _State, alive: list[int], b: int, nb: int):
+        """Move the alive batch rows to [0, len(alive)) and fill the rest of the new bucket with scratch rows.
+
+        The K/V caches stay where they are: a row takes its cache row along (``crow``), and the scratch
+        rows get cache rows of finished ones (they write there, and nothing reads them)."""
         self.stats["compactions"] += 1
-        idx = self._host_to_device(alive, torch.long).to(st.tok.device, non_blocking=True)
+        kept = set(alive)
+        order = alive + [i for i in range(b) if i not in kept]  # every batch row once, the alive ones first
+        idx = self._host_to_device(order, torch.long).to(st.tok.device, non_blocking=True)
         na = len(alive)
-        for buf in st.rk + st.rv:  # the prompt cache stays: rows keep pointing at their prompt
-            buf[:na, :, :filled].copy_(buf[idx, :, :filled])
-        for t in (st.tok, st.pos, st.grp, st.start, st.row_id):
-            t[:na].copy_(t[idx])
+        for t in (st.tok, st.pos, st.grp, st.start, st.row_id, st.crow):
+            t[:b].copy_(t[idx])
         st.live[:na].fill_(1)
         st.live[na:nb].zero_()
         st.row_id[na:nb].fill_(st.rows_cap)
