@@ -376,7 +376,7 @@ class Bench:
         before = dict(fast.stats)
         fast.generate(prompts, params, row_max_new_tokens=lens)  # captures the graphs of smaller buckets
         cold_graphs = fast.stats["graphs_captured"] - before["graphs_captured"]
-        syncs0, comp0 = fast.stats["host_syncs"], fast.stats["compactions"]
+        syncs0, comp0, casc0 = fast.stats["host_syncs"], fast.stats["compactions"], fast.stats["cascade_steps"]
         out, t = self.timed(lambda: fast.generate(prompts, params, row_max_new_tokens=lens))
         real = sum(len(c.token_ids) for g in out for c in g)
         p_lens = [len(self.tok(p, add_special_tokens=False)["input_ids"]) for p in prompts]
@@ -387,7 +387,8 @@ class Bench:
                  f"lengths U[{self.len_lo},{self.len_hi}]",
                  f"{t:.2f} s ({real / t:,.0f} real tok/s)", f"{floor:.2f} s", "",
                  f"{real} tokens, mean prompt {statistics.mean(p_lens):.0f} tok; {fast.stats['compactions'] - comp0} "
-                 f"compactions, {fast.stats['host_syncs'] - syncs0} host checks, {cold_graphs} extra graphs on first call,"
+                 f"compactions, {fast.stats['host_syncs'] - syncs0} host checks, {fast.stats['cascade_steps'] - casc0} "
+                 f"steps with cascade attention, {cold_graphs} extra graphs on first call,"
                  f" {stopped} rows hit </answer> by chance")
         self.log[f"fast_stats_realistic[{variant_name(variant)}]"] = dict(fast.stats)
         self.rollout_time = min(t, getattr(self, "rollout_time", float("inf")))
