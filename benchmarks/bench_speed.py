@@ -143,6 +143,15 @@ class Bench:
         self.sync()
         return out, time.perf_counter() - t0
 
+    def best_of(self, fn, calls: int = 3):
+        """The last output and the shortest time of ``calls`` timed calls (warm calls of one engine differ by a
+        few percent from process to process; the forced and realistic batches are both timed this way)."""
+        times = []
+        for _ in range(calls):
+            out, t = self.timed(fn)
+            times.append(t)
+        return out, min(times), times
+
     def setup(self):
         examples = load_gsm8k_jsonl(Path(self.args.data_dir) / "train.jsonl")
         t0 = time.perf_counter()
@@ -348,14 +357,17 @@ class Bench:
             fast = FastHFEngine(self.model, self.tok, max_batch_size=P, **variant)
             _, cold = self.timed(lambda: fast.generate(prompts, params))
             cap = fast.stats["capture_time"]
-            out, warm = self.timed(lambda: fast.generate(prompts, params))
+            out, warm, warm_all = self.best_of(lambda: fast.generate(prompts, params))
             assert all(len(c.token_ids) == T for g in out for c in g)
             ratio = f"{base_t / warm:.1f}x" if base_t else ""
             name = variant_name(variant)
             self.row(f"(c) FastHFEngine [{name}], same batch, warm", f"{warm:.2f} s ({tokens / warm:,.0f} tok/s)",
-                     f"{floor:.2f} s", ratio, f"goal <= 6 s; {warm / floor:.1f}x the floor; cold (first call) {cold:.2f} s, "
+                     f"{floor:.2f} s", ratio, f"goal <= 6 s; {warm / floor:.1f}x the floor; best of 3 warm calls "
+                     f"({', '.join(f'{x:.2f}' for x in warm_all)} s); cold (first call) {cold:.2f} s, "
                      f"{fast.stats['graphs_captured']} graphs captured in {cap:.1f} s")
             self.log[f"fast_stats_forced[{name}]"] = dict(fast.stats)
+            self.forced_rate = getattr(self, "forced_rate", {})
+            self.forced_rate[name] = (warm, tokens)
             fast.close()
             del fast, out
             self.free()
@@ -377,7 +389,8 @@ class Bench:
         fast.generate(prompts, params, row_max_new_tokens=lens)  # captures the graphs of smaller buckets
         cold_graphs = fast.stats["graphs_captured"] - before["graphs_captured"]
         syncs0, comp0, casc0 = fast.stats["host_syncs"], fast.stats["compactions"], fast.stats["cascade_steps"]
-        out, t = self.timed(lambda: fast.generate(prompts, params, row_max_new_tokens=lens))
+        out, t, t_all = self.best_of(lambda: fast.generate(prompts, params, row_max_new_tokens=lens))
+        calls = len(t_all)
         real = sum(len(c.token_ids) for g in out for c in g)
         p_lens = [len(self.tok(p, add_special_tokens=False)["input_ids"]) for p in prompts]
         floor = self.decode_floor([p for p in p_lens for _ in range(self.group)], [x for row in lens for x in row],
@@ -386,11 +399,20 @@ class Bench:
         self.row(f"(d) realistic [{variant_name(variant)}]: {self.rl_prompts} r1_zero prompts x {self.group}, "
                  f"lengths U[{self.len_lo},{self.len_hi}]",
                  f"{t:.2f} s ({real / t:,.0f} real tok/s)", f"{floor:.2f} s", "",
-                 f"{real} tokens, mean prompt {statistics.mean(p_lens):.0f} tok; {fast.stats['compactions'] - comp0} "
-                 f"compactions, {fast.stats['host_syncs'] - syncs0} host checks, {fast.stats['cascade_steps'] - casc0} "
-                 f"steps with cascade attention, {cold_graphs} extra graphs on first call,"
-                 f" {stopped} rows hit </answer> by chance")
+                 f"best of {calls} warm calls ({', '.join(f'{x:.2f}' for x in t_all)} s); "
+                 f"{real} tokens, mean prompt {statistics.mean(p_lens):.0f} tok; per call "
+                 f"{(fast.stats['compactions'] - comp0) // calls} compactions, {(fast.stats['host_syncs'] - syncs0) // calls} "
+                 f"host checks, {(fast.stats['cascade_steps'] - casc0) // calls} steps with cascade attention; "
+                 f"{cold_graphs} extra graphs on first call; {stopped} rows hit </answer> by chance")
         self.log[f"fast_stats_realistic[{variant_name(variant)}]"] = dict(fast.stats)
+        forced = getattr(self, "forced_rate", {}).get(variant_name(variant))
+        if forced:
+            f_time, f_tokens = forced
+            target = f_time * real / f_tokens
+            self.row(f"(d') realistic [{variant_name(variant)}] against the forced batch in proportion to real tokens",
+                     f"{t / target:.3f}x the proportional time", "", "",
+                     f"goal <= 1: {t:.3f} s against {f_time:.3f} s x {real:,} / {f_tokens:,} = {target:.3f} s "
+                     f"({'met' if t <= target else 'not met'})")
         self.rollout_time = min(t, getattr(self, "rollout_time", float("inf")))
         self.rl = dict(prompts=prompts, p_ids=[self.tok(p, add_special_tokens=False)["input_ids"] for p in prompts],
                        out=out, lens=lens)
