@@ -221,6 +221,15 @@ def test_cascade_runs_only_where_it_applies(tiny_model, tiny_tokenizer, monkeypa
     assert engine._runs_for(256) == 0
     engine.cascade_min_rows, engine.attention = 64, "sdpa"
     assert engine._runs_for(256) == 0
+    # A captured step bakes in the run table's length and the rows per run: 16 prompts x 4 and 16 x 32
+    # both read 16 runs, of at most 16 and 32 rows, so they must not share a graph.
+    engine.attention = "triton"
+    engine._chunk_shape = (16, 4)
+    four = engine._step_key(256, 512, "sample")
+    engine._chunk_shape = (16, 32)
+    thirty_two = engine._step_key(256, 512, "sample")
+    assert four == (256, 512, "sample", 16, 16) and thirty_two == (256, 512, "sample", 16, 32)
+    assert engine._step_key(32, 512, "sample") == (32, 512, "sample", 0, 0)  # below cascade_min_rows
 
 
 def test_row_limits_cut_greedy_rows_where_asked(tiny_model, tiny_tokenizer):

@@ -565,13 +565,19 @@ class FastHFEngine:
         st.step.add_(1)
 
     # ------------------------------------------------------------------ graphs
+    def _step_key(self, b: int, slots: int, mode: str) -> tuple:
+        """What a captured step depends on besides the buffers: the bucket, the SDPA path's slots, the
+        sampling mode, and the cascade's run table length and rows per run (both baked into the graph)."""
+        nruns = self._runs_for(b)
+        return b, slots, mode, nruns, self._run_rows() if nruns else 0
+
     def _run_step(self, st: _State, b: int, slots: int, mode: str):
-        if self._runs_for(b):
+        key = self._step_key(b, slots, mode)
+        if key[3]:
             self.stats["cascade_steps"] += 1
         if not self._graphs_enabled():
             self._decode_step(st, b, slots, mode)
             return
-        key = (b, slots, mode, self._runs_for(b))
         graph = self._graphs.get(key)
         if graph is None:
             if self._param_signature() != self._captured_signature:
