@@ -120,6 +120,7 @@ class Bench:
         if self.device.type != "cuda":  # the Triton kernel needs CUDA: the CPU smoke test takes the SDPA path
             self.variants = [dict(v, attention="sdpa") for v in self.variants]
         self.rows: list[dict] = []   # the table
+        self.forced_rate: dict = {}  # variant name -> (best warm time, tokens) of the forced batch
         self.log: dict = {"argv": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
         if self.tiny:
             self.n_prompts, self.prompt_len, self.new_tokens = 8, 16, 24
@@ -366,7 +367,6 @@ class Bench:
                      f"({', '.join(f'{x:.2f}' for x in warm_all)} s); cold (first call) {cold:.2f} s, "
                      f"{fast.stats['graphs_captured']} graphs captured in {cap:.1f} s")
             self.log[f"fast_stats_forced[{name}]"] = dict(fast.stats)
-            self.forced_rate = getattr(self, "forced_rate", {})
             self.forced_rate[name] = (warm, tokens)
             fast.close()
             del fast, out
@@ -405,7 +405,7 @@ class Bench:
                  f"host checks, {(fast.stats['cascade_steps'] - casc0) // calls} steps with cascade attention; "
                  f"{cold_graphs} extra graphs on first call; {stopped} rows hit </answer> by chance")
         self.log[f"fast_stats_realistic[{variant_name(variant)}]"] = dict(fast.stats)
-        forced = getattr(self, "forced_rate", {}).get(variant_name(variant))
+        forced = self.forced_rate.get(variant_name(variant))
         if forced:
             f_time, f_tokens = forced
             target = f_time * real / f_tokens
