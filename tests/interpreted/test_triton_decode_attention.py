@@ -66,6 +66,39 @@ def test_kernel_writing_the_new_token_equals_copy_then_reference(splits, rlen):
     assert torch.equal(c["rk"], rk) and torch.equal(c["rv"], rv)  # the kernel wrote the new slot, nothing else
 
 
+@pytest.mark.parametrize("head_dim", [12, 48, 80, 96])
+@pytest.mark.parametrize("cascade", [False, True])
+def test_any_head_dim_equals_reference(head_dim, cascade):
+    """head_dims that are not powers of two (the kernels run on the next power of two and mask the lanes
+    beyond head_dim): the output equals the reference with the new token written, finished rows, split
+    slots and cascade runs, and the write touches exactly the new slot's head_dim values (a neighbouring
+    slot's first values would be overwritten by an unmasked lane; every row's slot is written, finished
+    or not)."""
+    c = random_case(9, groups=2, n=3, head_dim=head_dim, prompt_slots=11, response_slots=9)
+    rows = c["q"].shape[0]
+    g = torch.Generator().manual_seed(head_dim)
+    k_new, v_new = torch.randn(c["q"].shape, generator=g), torch.randn(c["q"].shape, generator=g)
+    live = torch.tensor([i != 1 for i in range(rows)], dtype=torch.int32)
+    rlen = 5
+    slot = torch.tensor([rlen - 1])
+    rk, rv = c["rk"].clone(), c["rv"].clone()
+    rk.index_copy_(2, slot, k_new)
+    rv.index_copy_(2, slot, v_new)
+    ref = reference_decode_attention(**dict(c, rk=rk, rv=rv), rlen=torch.tensor([rlen]), live=live,
+                                     prompt_slots=c["pk"].shape[2], response_slots=c["rk"].shape[2])
+    runs = None
+    if cascade:
+        first, count = prompt_runs(c["grp"].tolist(), [bool(x) for x in live], 16)
+        runs = (torch.tensor(first, dtype=torch.int32), torch.tensor(count, dtype=torch.int32))
+    for splits in (1, 2):
+        case = dict(c, rk=c["rk"].clone(), rv=c["rv"].clone())
+        out = triton_decode_attention(**case, rlen=torch.tensor([rlen]), k_new=k_new, v_new=v_new, live=live,
+                                      splits=splits, block=4, runs=runs, run_rows=16, run_block=4)
+        assert out.shape == ref.shape
+        assert torch.allclose(out, ref, atol=1e-5), (head_dim, splits, (out - ref).abs().max())
+        assert torch.equal(case["rk"], rk) and torch.equal(case["rv"], rv)
+
+
 @pytest.mark.parametrize("splits", [1, 4])
 def test_finished_rows_read_nothing_and_return_zero(splits):
     """Rows whose ``live`` flag is 0 return 0; the others are untouched by their neighbours' flags."""
@@ -231,3 +264,15 @@ def test_engine_with_cascade_equals_sdpa_path(tiny_model, tiny_tokenizer):
     for f, s in zip(fast, sdpa):
         for a, b in zip(f, s):
             assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+def test_engine_with_odd_head_dim_equals_model_generate(tiny_tokenizer):
+    """A model whose head_dim (12) is not a power of two decodes through the kernel, as the '20m' model's
+    48 and Qwen-style 80 or 96 do on a GPU."""
+    from rlvr.modeling import build_model, small_olmo2_config
+
+    model = build_model(small_olmo2_config(tiny_tokenizer, hidden_size=48, num_layers=2, num_heads=4), seed=1).eval()
+    assert model.config.hidden_size // model.config.num_attention_heads == 12
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    fast = _fast(model, tiny_tokenizer, attention="triton", attention_splits=1).generate(PROMPTS, params)
+    assert [g[0].token_ids for g in fast] == greedy_generate_reference(model, tiny_tokenizer, PROMPTS, 12)

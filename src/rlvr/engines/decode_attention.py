@@ -75,21 +75,23 @@ def triton_available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _accumulate(kbase, vbase, lo, hi, stride_s, q, d, m, l, acc, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    def _accumulate(kbase, vbase, lo, hi, stride_s, q, d, dok, m, l, acc, BLOCK: tl.constexpr, STAGES: tl.constexpr):
         """Online softmax over slots [lo, hi) of one (row, head), kept per lane: lane j of the block sees
         slots j, j + BLOCK, ... (from ``lo`` rounded down to a block) and holds its own running max ``m``,
-        sum ``l`` and weighted values ``acc`` (BLOCK, D). Every step is elementwise but the q.k dot; the
-        lanes are merged once, at the end. ``STAGES``: loads of the next blocks issued while this one is
-        reduced."""
+        sum ``l`` and weighted values ``acc`` (BLOCK, DP). Every step is elementwise but the q.k dot; the
+        lanes are merged once, at the end. ``dok``: the head_dim lanes that exist (``d < D``). ``STAGES``:
+        loads of the next blocks issued while this one is reduced."""
         for s in tl.range((lo // BLOCK) * BLOCK, hi, BLOCK, num_stages=STAGES):
             offs = s + tl.arange(0, BLOCK)
             ok = (offs >= lo) & (offs < hi)
-            k = tl.load(kbase + offs[:, None] * stride_s + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+            k = tl.load(kbase + offs[:, None] * stride_s + d[None, :], mask=ok[:, None] & dok[None, :],
+                        other=0.0).to(tl.float32)
             x = tl.where(ok, tl.sum(k * q[None, :], axis=1), -float("inf"))
             m_new = tl.maximum(m, x)
             alpha = tl.exp(m - m_new)
             p = tl.exp(x - m_new)
-            v = tl.load(vbase + offs[:, None] * stride_s + d[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+            v = tl.load(vbase + offs[:, None] * stride_s + d[None, :], mask=ok[:, None] & dok[None, :],
+                        other=0.0).to(tl.float32)
             acc = acc * alpha[:, None] + p[:, None] * v
             l = l * alpha + p
             m = m_new
@@ -98,7 +100,8 @@ if triton is not None:
     @triton.jit
     def _decode_attention_kernel(Q, KN, VN, PK, PV, RK, RV, GRP, START, PLEN, RLEN, LIVE, CROW, OUT, PART, PPART,
                                  sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sp_g, sp_h, sp_s, sr_b, sr_h, sr_s,
-                                 so_b, so_h, scale, D: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
+                                 so_b, so_h, scale, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
+                                 STAGES: tl.constexpr,
                                  SPLITS: tl.constexpr, HAS_NEW: tl.constexpr, HAS_LIVE: tl.constexpr,
                                  CASCADE: tl.constexpr, HAS_CROW: tl.constexpr):
         """Program (row, head, z). The row's slots, read in order (its prompt's slots [start, plen), then
@@ -113,8 +116,9 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
         z = tl.program_id(2)
-        d = tl.arange(0, D)
-        q = tl.load(Q + row * sq_b + head * sq_h + d).to(tl.float32) * scale
+        d = tl.arange(0, DP)
+        dok = d < D  # DP: head_dim rounded up to a power of two (Triton's block shapes); lanes past D are masked
+        q = tl.load(Q + row * sq_b + head * sq_h + d, mask=dok, other=0.0).to(tl.float32) * scale
         grp = tl.load(GRP + row).to(tl.int64)
         first = tl.load(START + row).to(tl.int32)
         plen = tl.load(PLEN).to(tl.int32)
@@ -129,11 +133,11 @@ if triton is not None:
         cached = rlen
         if HAS_NEW:
             cached = rlen - 1
-            kn = tl.load(KN + row * skn_b + head * skn_h + d)
-            vn = tl.load(VN + row * svn_b + head * svn_h + d)
+            kn = tl.load(KN + row * skn_b + head * skn_h + d, mask=dok, other=0.0)
+            vn = tl.load(VN + row * svn_b + head * svn_h + d, mask=dok, other=0.0)
             if z == 0:
-                tl.store(RK + roff + cached * sr_s + d, kn)
-                tl.store(RV + roff + cached * sr_s + d, vn)
+                tl.store(RK + roff + cached * sr_s + d, kn, mask=dok)
+                tl.store(RV + roff + cached * sr_s + d, vn, mask=dok)
         n_p = tl.where(live, plen - first, 0)  # a finished row reads nothing
         if CASCADE:
             n_p = 0  # the group's program read the prompt
@@ -145,12 +149,12 @@ if triton is not None:
         # and contributes exp(-1e30 - max) = 0 at the merge.
         m = tl.full([BLOCK], -1e30, tl.float32)
         l = tl.zeros([BLOCK], tl.float32)
-        acc = tl.zeros([BLOCK, D], tl.float32)
+        acc = tl.zeros([BLOCK, DP], tl.float32)
         poff = grp * sp_g + head * sp_h
         m, l, acc = _accumulate(PK + poff, PV + poff, first + tl.minimum(lo, n_p), first + tl.minimum(hi, n_p), sp_s,
-                                q, d, m, l, acc, BLOCK, STAGES)
+                                q, d, dok, m, l, acc, BLOCK, STAGES)
         m, l, acc = _accumulate(RK + roff, RV + roff, tl.maximum(lo - n_p, 0), tl.maximum(hi - n_p, 0), sr_s,
-                                q, d, m, l, acc, BLOCK, STAGES)
+                                q, d, dok, m, l, acc, BLOCK, STAGES)
         top = tl.max(m, axis=0)
         w = tl.exp(m - top)
         o = tl.sum(acc * w[:, None], axis=0)
@@ -167,7 +171,7 @@ if triton is not None:
         if CASCADE:
             last = live & (z == SPLITS - 1)
             pbase = PPART + (row * tl.num_programs(1) + head) * (D + 2)
-            po = tl.load(pbase + d, mask=last & (d < D), other=0.0)
+            po = tl.load(pbase + d, mask=last & dok, other=0.0)
             ptop = tl.load(pbase + D, mask=last, other=-1e30)
             ptotal = tl.load(pbase + D + 1, mask=last, other=0.0)
             new_top = tl.maximum(top, ptop)
@@ -177,16 +181,16 @@ if triton is not None:
             top = new_top
         if SPLITS == 1:
             out = o / tl.where(total > 0, total, 1.0)  # a finished row: 0
-            tl.store(OUT + row * so_b + head * so_h + d, out.to(OUT.dtype.element_ty))
+            tl.store(OUT + row * so_b + head * so_h + d, out.to(OUT.dtype.element_ty), mask=dok)
         else:
             base = PART + ((row * tl.num_programs(1) + head) * SPLITS + z) * (D + 2)
-            tl.store(base + d, o)
+            tl.store(base + d, o, mask=dok)
             tl.store(base + D, top)
             tl.store(base + D + 1, total)
 
     @triton.jit
     def _prompt_attention_kernel(Q, PK, PV, GRP, START, PLEN, LIVE, FIRST, COUNT, PPART, sq_b, sq_h, sp_g, sp_h, sp_s,
-                                 scale, D: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+                                 scale, D: tl.constexpr, DP: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
                                  STAGES: tl.constexpr, HAS_LIVE: tl.constexpr, IEEE: tl.constexpr):
         """Program (run, head): the rows [FIRST[run], FIRST[run] + COUNT[run]) share one prompt; their
         queries (ROWS at most) go through its slots together, so each prompt block is loaded once for
@@ -202,19 +206,21 @@ if triton is not None:
             live = r < count
             if HAS_LIVE:
                 live = live & (tl.load(LIVE + rows, mask=live, other=0) != 0)
-            d = tl.arange(0, D)
-            q = tl.load(Q + rows[:, None] * sq_b + head * sq_h + d[None, :], mask=live[:, None], other=0.0)
+            d = tl.arange(0, DP)
+            dok = d < D
+            q = tl.load(Q + rows[:, None] * sq_b + head * sq_h + d[None, :], mask=live[:, None] & dok[None, :],
+                        other=0.0)
             grp = tl.load(GRP + first).to(tl.int64)
             lo = tl.load(START + first).to(tl.int32)
             plen = tl.load(PLEN).to(tl.int32)
             base = grp * sp_g + head * sp_h
             m = tl.full([ROWS], -1e30, tl.float32)
             l = tl.zeros([ROWS], tl.float32)
-            acc = tl.zeros([ROWS, D], tl.float32)
+            acc = tl.zeros([ROWS, DP], tl.float32)
             for s in tl.range((lo // BLOCK) * BLOCK, plen, BLOCK, num_stages=STAGES):
                 offs = s + tl.arange(0, BLOCK)
                 ok = (offs >= lo) & (offs < plen)
-                k = tl.load(PK + base + offs[:, None] * sp_s + d[None, :], mask=ok[:, None], other=0.0)
+                k = tl.load(PK + base + offs[:, None] * sp_s + d[None, :], mask=ok[:, None] & dok[None, :], other=0.0)
                 if IEEE:
                     x = tl.dot(q, tl.trans(k), input_precision="ieee")
                 else:
@@ -223,7 +229,7 @@ if triton is not None:
                 m_new = tl.maximum(m, tl.max(x, axis=1))
                 alpha = tl.exp(m - m_new)
                 p = tl.exp(x - m_new[:, None])
-                v = tl.load(PV + base + offs[:, None] * sp_s + d[None, :], mask=ok[:, None], other=0.0)
+                v = tl.load(PV + base + offs[:, None] * sp_s + d[None, :], mask=ok[:, None] & dok[None, :], other=0.0)
                 if IEEE:
                     pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
                 else:
@@ -232,25 +238,26 @@ if triton is not None:
                 l = l * alpha + tl.sum(p, axis=1)
                 m = m_new
             out = PPART + (rows * tl.num_programs(1) + head) * (D + 2)
-            tl.store(out[:, None] + d[None, :], acc, mask=live[:, None])
+            tl.store(out[:, None] + d[None, :], acc, mask=live[:, None] & dok[None, :])
             tl.store(out + D, m, mask=live)
             tl.store(out + D + 1, l, mask=live)
 
     @triton.jit
-    def _combine_kernel(PART, OUT, so_b, so_h, D: tl.constexpr, SPLITS: tl.constexpr):
+    def _combine_kernel(PART, OUT, so_b, so_h, D: tl.constexpr, DP: tl.constexpr, SPLITS: tl.constexpr):
         """Merge the SPLITS partial softmaxes of one (row, head): rescale each to the common max."""
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
-        d = tl.arange(0, D)
+        d = tl.arange(0, DP)
+        dok = d < D
         z = tl.arange(0, SPLITS)
         base = PART + (row * tl.num_programs(1) + head) * SPLITS * (D + 2)
         tops = tl.load(base + z * (D + 2) + D)
         totals = tl.load(base + z * (D + 2) + D + 1)
         w = tl.exp(tops - tl.max(tops, axis=0))
-        o = tl.sum(tl.load(base + z[:, None] * (D + 2) + d[None, :]) * w[:, None], axis=0)
+        o = tl.sum(tl.load(base + z[:, None] * (D + 2) + d[None, :], mask=dok[None, :], other=0.0) * w[:, None], axis=0)
         total = tl.sum(totals * w, axis=0)
         out = o / tl.where(total > 0, total, 1.0)
-        tl.store(OUT + row * so_b + head * so_h + d, out.to(OUT.dtype.element_ty))
+        tl.store(OUT + row * so_b + head * so_h + d, out.to(OUT.dtype.element_ty), mask=dok)
 
 
 def prompt_runs(groups: list[int], live: list[bool], most: int) -> tuple[list[int], list[int]]:
@@ -306,8 +313,7 @@ def triton_decode_attention(q, pk, pv, rk, rv, grp, start, plen, rlen, k_new=Non
     b, heads, one, head_dim = q.shape
     if one != 1:
         raise ValueError(f"decode attention takes one query per row, got {one}")
-    if head_dim & (head_dim - 1):
-        raise ValueError(f"the Triton decode attention needs a power-of-two head_dim, got {head_dim}")
+    padded = triton.next_power_of_2(max(head_dim, 16))  # the kernels' lane count; lanes past head_dim are masked
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"splits must be a power of two >= 1, got {splits}")
     for t in (pk, pv, rk, rv):
@@ -338,7 +344,7 @@ def triton_decode_attention(q, pk, pv, rk, rv, grp, start, plen, rlen, k_new=Non
         ppart = torch.empty((b, heads, head_dim + 2), dtype=torch.float32, device=q.device)
         _prompt_attention_kernel[(first.shape[0], heads)](
             q, pk, pv, grp, start, plen, live if live is not None else grp, first, count, ppart,
-            q.stride(0), q.stride(1), pk.stride(0), pk.stride(1), pk.stride(2), head_dim ** -0.5, D=head_dim,
+            q.stride(0), q.stride(1), pk.stride(0), pk.stride(1), pk.stride(2), head_dim ** -0.5, D=head_dim, DP=padded,
             ROWS=run_rows, BLOCK=run_block, STAGES=num_stages, HAS_LIVE=live is not None,
             IEEE=q.dtype == torch.float32, num_warps=run_warps,
         )
@@ -347,10 +353,11 @@ def triton_decode_attention(q, pk, pv, rk, rv, grp, start, plen, rlen, k_new=Non
         cache_rows if cache_rows is not None else grp, out, part, ppart,
         q.stride(0), q.stride(1), kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
         pk.stride(0), pk.stride(1), pk.stride(2), rk.stride(0), rk.stride(1), rk.stride(2),
-        out.stride(0), out.stride(1), head_dim ** -0.5, D=head_dim, BLOCK=block, STAGES=num_stages, SPLITS=splits,
+        out.stride(0), out.stride(1), head_dim ** -0.5, D=head_dim, DP=padded, BLOCK=block, STAGES=num_stages, SPLITS=splits,
         HAS_NEW=has_new, HAS_LIVE=live is not None, CASCADE=runs is not None, HAS_CROW=cache_rows is not None,
         num_warps=num_warps,
     )
     if splits > 1:
-        _combine_kernel[(b, heads)](part, out, out.stride(0), out.stride(1), D=head_dim, SPLITS=splits, num_warps=1)
+        _combine_kernel[(b, heads)](part, out, out.stride(0), out.stride(1), D=head_dim, DP=padded, SPLITS=splits,
+                                    num_warps=1)
     return out
