@@ -48,6 +48,24 @@ def test_uniform_groups_have_zero_advantage_and_are_counted():
     assert meta["zero_adv_frac"] == pytest.approx(2 / 3)
 
 
+@pytest.mark.parametrize("value", [0.1, 0.3, 1 / 3])
+@pytest.mark.parametrize("group_size", [8, 12, 16])
+@pytest.mark.parametrize("normalizer", ["std", "mean", "none"])
+def test_equal_partial_credit_groups_have_exactly_zero_advantage(value, group_size, normalizer):
+    """Rewards that are equal but not 0 or 1: in float32 the group mean of eight 0.1s is off by one
+    rounding step and the std normalizer turns that into a visible advantage; the advantages must be
+    exactly 0, the group counted as carrying no signal, and the other group untouched."""
+    varied = [value] * (group_size - 1) + [1.0]
+    adv, meta = compute_group_normalized_rewards([value] * group_size + varied, group_size, "mean", EPS, normalizer)
+    assert torch.equal(adv[:group_size], torch.zeros(group_size))
+    assert meta["zero_adv_frac"] == 0.5
+    # the varied group: (r - mean) / d worked out by hand
+    mean = (value * (group_size - 1) + 1.0) / group_size
+    d = {"std": torch.tensor(varied, dtype=torch.float64).std().item() + EPS, "mean": mean + EPS, "none": 1.0}[normalizer]
+    expect = torch.tensor([(value - mean) / d] * (group_size - 1) + [(1.0 - mean) / d])
+    torch.testing.assert_close(adv[group_size:], expect, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("normalizer", ["std", "mean", "none"])
 def test_advantages_sum_to_zero_per_group_under_mean_baseline(normalizer):
     g = torch.Generator().manual_seed(1)

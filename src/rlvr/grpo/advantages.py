@@ -16,7 +16,8 @@ proportion to 1/p, so that a group with rewards [1, 0, 0, 0] gets advantages [3,
 The std is torch's default, the unbiased estimator (divides by G - 1).
 
 New baselines and normalizers are plain functions registered in ``BASELINES`` / ``NORMALIZERS``
-(see ``register_baseline`` / ``register_normalizer``); each maps rewards (n_groups, G) to (n_groups, 1).
+(see ``register_baseline`` / ``register_normalizer``); each maps rewards (n_groups, G), in float64, to
+(n_groups, 1).
 """
 
 from __future__ import annotations
@@ -116,10 +117,14 @@ def compute_group_normalized_rewards(raw_rewards, group_size: int, baseline: str
         raise ValueError("advantage_normalizer='std' needs group_size >= 2 (the std of one sample is undefined)")
     base_fn = _lookup(BASELINES, "baseline", baseline)
     norm_fn = _lookup(NORMALIZERS, "advantage_normalizer", advantage_normalizer)
-    groups = r.view(-1, group_size)
+    # Group statistics in float64: a group of equal rewards then has a mean exactly equal to its rewards
+    # whatever the value (G copies of a float32 sum exactly in float64), so its advantages are exactly 0
+    # and the group is counted and skipped as carrying no signal. In float32 the mean of eight 0.1s is
+    # off by a rounding step, which the std normalizer then blows up.
+    groups = r.view(-1, group_size).double()
     b = base_fn(groups, advantage_eps)
     d = norm_fn(groups, advantage_eps)
-    adv = ((groups - b) / d).flatten()
+    adv = ((groups - b) / d).float().flatten()
     zero_groups = (adv.view(-1, group_size) == 0).all(dim=1)
     meta = {
         "reward_mean": r.mean().item(),
@@ -127,8 +132,8 @@ def compute_group_normalized_rewards(raw_rewards, group_size: int, baseline: str
         "reward_max": r.max().item(),
         "reward_min": r.min().item(),
         "zero_adv_frac": zero_groups.float().mean().item(),
-        "group_baseline": b.flatten(),
-        "group_normalizer": d.flatten(),
+        "group_baseline": b.float().flatten(),
+        "group_normalizer": d.float().flatten(),
     }
     return adv, meta
 
