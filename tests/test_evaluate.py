@@ -105,3 +105,46 @@ def test_rlvr_eval_end_to_end(tmp_path, tiny_model_dir, gsm8k_path, capsys):
           "--out", str(out2), "--max-tokens", "16", "--n", "2", "--device", "cpu", "--seed", "1", "--batch-size", "8"])
     again = [json.loads(x) for x in (out2 / "samples.jsonl").read_text().splitlines()]
     assert [s["response"] for s in again] == [s["response"] for s in lines if s["prompt_name"] == "r1_zero"]
+
+
+class PerSampleEngine(ScriptedEngine):
+    """Answers sample j of the i-th prompt with ``responses[i][j]``."""
+
+    def generate(self, prompts, params):
+        done = sum(len(c[0]) for c in self.calls)
+        self.calls.append((list(prompts), params))
+        return [[Completion(text=t, token_ids=[1], finish_reason="stop") for t in self.responses[done + i][: params.n]]
+                for i in range(len(prompts))]
+
+
+def test_pass_at_k_and_avg_at_k_worked_by_hand():
+    """Question 0 has 1 correct sample of 4, question 1 has 2. avg@4 = 3/8; pass@1 = (1/4 + 2/4) / 2;
+    pass@2 = 1 - C(n-c, 2) / C(4, 2) averaged: (1 - 3/6 + 1 - 1/6) / 2 = 2/3; pass@4 = 1."""
+    right, wrong = "r </think> <answer> 7 </answer>", "r </think> <answer> 8 </answer>"
+    engine = PerSampleEngine([[right, wrong, wrong, wrong], [wrong, right, right, wrong]])
+    metrics, _ = evaluate(None, None, [Example("a", "7"), Example("b", "7")], "r1_zero", engine, SamplingParams(n=4))
+    assert metrics["avg_at_k"] == pytest.approx(3 / 8) == pytest.approx(metrics["accuracy"])
+    assert metrics["pass_at_k"] == pytest.approx({"1": 3 / 8, "2": 2 / 3, "4": 1.0})
+    # k that is not a power of two is reported too
+    engine = PerSampleEngine([[wrong, right, wrong]])
+    metrics, _ = evaluate(None, None, [Example("a", "7")], "r1_zero", engine, SamplingParams(n=3))
+    assert metrics["pass_at_k"] == pytest.approx({"1": 1 / 3, "2": 2 / 3, "3": 1.0})
+    metrics, _ = evaluate(None, None, [Example("a", "7")], "r1_zero", PerSampleEngine([[right]]), SamplingParams(n=1))
+    assert "pass_at_k" not in metrics  # one sample: pass@1 is the accuracy
+
+
+def test_rlvr_eval_on_hf_fast_equals_hf_greedy(tmp_path, tiny_model_dir, gsm8k_path):
+    """`rlvr eval --engine hf-fast` (the SDPA path on a CPU) gives the plain engine's greedy answers, and
+    ``--n`` adds pass@k and avg@k to results.json."""
+    from rlvr.cli import main
+
+    runs = {}
+    for engine in ("hf", "hf-fast"):
+        out = tmp_path / engine
+        assert main(["eval", "--model", str(tiny_model_dir), "--data", str(gsm8k_path), "--limit", "4",
+                     "--out", str(out), "--max-tokens", "12", "--n", "2", "--temperature", "0", "--device", "cpu",
+                     "--engine", engine]) == 0
+        runs[engine] = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
+        m = json.loads((out / "results.json").read_text())["results"]["r1_zero"]
+        assert set(m["pass_at_k"]) == {"1", "2"} and m["avg_at_k"] == pytest.approx(m["categories"]["correct"] / 8)
+    assert [s["response"] for s in runs["hf-fast"]] == [s["response"] for s in runs["hf"]]

@@ -9,7 +9,11 @@ response is graded by the prompt's reward function and falls in one of three cat
 
 ``DIR/results.json`` holds ``{"config": ..., "results": {prompt: metrics}}`` where metrics are ``n``
 (graded responses), ``accuracy`` (mean reward), ``format_rate``, ``mean_response_length`` (tokens),
-``truncated_rate`` (share that hit the token limit), ``categories``, ``tokens_per_s`` and ``time_s``.
+``truncated_rate`` (share that hit the token limit), ``categories``, ``tokens_per_s`` and ``time_s``;
+with ``n`` = k samples per question also ``avg_at_k`` (the share of a question's k samples that are
+correct, averaged over questions) and ``pass_at_k`` (``{j: pass@j}`` for j = 1, 2, 4, ... and k: the
+chance that at least one of j samples drawn from the k is correct, by the unbiased estimator of Chen
+et al. 2021).
 ``DIR/samples.jsonl`` has one line per response. The trainer calls ``evaluate()`` for validation.
 
     rlvr eval --model allenai/OLMo-2-0425-1B --prompt r1_zero --prompt question_only \\
@@ -59,14 +63,14 @@ class EvalConfig:
     """Sampling seed; the same seed reproduces the run."""
     n: int = 1
     """Samples per question."""
-    engine: Literal["hf", "hf-worker", "vllm"] = "hf"
-    """Rollout engine."""
+    engine: Literal["hf", "hf-fast", "hf-worker", "vllm"] = "hf"
+    """Rollout engine: hf (in-process), hf-fast (in-process with a static KV cache and CUDA graphs: the fast one on a GPU), hf-worker (its own process and device) or vllm (a running vLLM server)."""
     device: str = "auto"
     """Device for the model: auto (cuda when available), cpu, cuda, cuda:1, ..."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     """Model dtype; auto is bfloat16 on CUDA and float32 on CPU."""
     batch_size: int = 64
-    """Maximum sequences decoded together by the hf engines."""
+    """Maximum sequences decoded together by the hf, hf-fast and hf-worker engines."""
     examples: int = 2
     """Examples printed per category."""
 
@@ -138,7 +142,24 @@ def evaluate(model, tokenizer, examples, prompt_name: str, engine=None, params: 
         "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
         "time_s": elapsed,
     }
+    k = params.n
+    if n and k > 1:
+        metrics.update(sample_metrics([s["category"] == "correct" for s in samples], k))
     return metrics, samples
+
+
+def sample_metrics(correct: list[bool], k: int) -> dict:
+    """``avg_at_k`` and ``pass_at_k`` (``{j: value}`` for j = 1, 2, 4, ... up to k, and k itself) over
+    questions with k graded samples each, ``correct`` in question order."""
+    import torch
+
+    from rlvr.grpo.advantages import pass_at_k
+
+    if len(correct) % k:
+        raise ValueError(f"{len(correct)} samples is not a whole number of questions with {k} samples each")
+    ks = sorted({2 ** i for i in range(k.bit_length()) if 2 ** i <= k} | {k})
+    return {"avg_at_k": sum(correct) / len(correct),
+            "pass_at_k": {str(j): v for j, v in pass_at_k(torch.tensor(correct, dtype=torch.float64), k, ks).items()}}
 
 
 def _resolve_device(device: str) -> str:
@@ -155,14 +176,19 @@ def print_report(results: dict[str, dict], samples: list[dict], examples_per_cat
 
     console = Console()
     table = Table(title="rlvr eval")
-    for col in ("prompt", "n", "accuracy", "format", "mean len", "truncated", "correct", "fmt wrong",
-                "unformatted", "tok/s"):
+    k = max((int(j) for m in results.values() for j in m.get("pass_at_k", {})), default=0)
+    columns = ["prompt", "n", "accuracy", "format", "mean len", "truncated", "correct", "fmt wrong", "unformatted",
+               "tok/s"] + ([f"avg@{k}", f"pass@{k}"] if k else [])
+    for col in columns:
         table.add_column(col, justify="left" if col == "prompt" else "right")
     for name, m in results.items():
         c = m["categories"]
-        table.add_row(name, str(m["n"]), f"{m['accuracy']:.3f}", f"{m['format_rate']:.3f}",
-                      f"{m['mean_response_length']:.1f}", f"{m['truncated_rate']:.3f}", str(c["correct"]),
-                      str(c["formatted_wrong"]), str(c["unformatted"]), f"{m['tokens_per_s']:.0f}")
+        row = [name, str(m["n"]), f"{m['accuracy']:.3f}", f"{m['format_rate']:.3f}", f"{m['mean_response_length']:.1f}",
+               f"{m['truncated_rate']:.3f}", str(c["correct"]), str(c["formatted_wrong"]), str(c["unformatted"]),
+               f"{m['tokens_per_s']:.0f}"]
+        if k:
+            row += [f"{m['avg_at_k']:.3f}", f"{m['pass_at_k'][str(k)]:.3f}"] if "avg_at_k" in m else ["", ""]
+        table.add_row(*row)
     console.print(table)
     for name in results:
         for cat in CATEGORIES:
@@ -190,7 +216,7 @@ def run(cfg: EvalConfig) -> dict:
         raise ValueError(f"no examples loaded from {cfg.data!r} (split {cfg.split!r})")
     model, tokenizer = load_model_and_tokenizer(cfg.model, device=device, dtype=dtype)
     options: dict = {}
-    if cfg.engine in ("hf", "hf-worker"):
+    if cfg.engine in ("hf", "hf-fast", "hf-worker"):
         options["max_batch_size"] = cfg.batch_size
     if cfg.engine == "hf-worker":
         options["device"] = device
