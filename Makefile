@@ -5,8 +5,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 DEMO_OUT ?= runs/demo
+# gpu-check runs on a GPU machine's own Python (a CUDA build of torch), not the CPU venv.
+GPU_PYTHON ?= python3
+GSM8K_DIR ?= ../shared/data/gsm8k
 
-.PHONY: demo test venv clean
+.PHONY: demo test gpu-check venv clean
 
 venv: $(STAMP)
 
@@ -23,6 +26,14 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# What only a GPU runs: the tests marked gpu (Triton and cascade attention over head_dims and batch sizes,
+# CUDA-graph replay, compiled training, a train step per engine, a learning smoke run), then every
+# section of the speed benchmark on a small model. Record its output in docs/benchmarks.md.
+gpu-check:
+	PYTHONPATH=src:benchmarks:$$PYTHONPATH PYTHONUNBUFFERED=1 $(GPU_PYTHON) -m pytest -q -p no:cacheprovider -m gpu -rs tests/gpu
+	PYTHONPATH=src:benchmarks:$$PYTHONPATH PYTHONUNBUFFERED=1 $(GPU_PYTHON) benchmarks/bench_speed.py --smoke --no-trl \
+		--data-dir $(GSM8K_DIR)
 
 clean:
 	rm -rf $(VENV) runs

@@ -40,7 +40,8 @@ Sections that would start after ``--deadline-s`` are skipped; a failing section 
 the others still run; the table is printed last.
 
 Usage: ``PYTHONPATH=src python benchmarks/bench_speed.py --data-dir DIR [--out DIR] [--tiny]``
-(``--tiny``: a small model on CPU, a smoke test of every section).
+(``--tiny``: a small model on CPU, a smoke test of every section; ``--smoke``: the same small model on
+the GPU, part of ``make gpu-check``).
 """
 
 from __future__ import annotations
@@ -90,6 +91,9 @@ def parse_args(argv=None):
     ap.add_argument("--data-dir", required=True, help="folder holding GSM8K train.jsonl")
     ap.add_argument("--out", default=None, help="folder for the JSON log and the table")
     ap.add_argument("--tiny", action="store_true", help="small model on CPU: a smoke test of every section")
+    ap.add_argument("--smoke", action="store_true",
+                    help="--tiny's small model and batches on the GPU when there is one (the real kernels, CUDA graphs "
+                         "and compiled pieces run): a smoke test of every section, used by make gpu-check")
     ap.add_argument("--skip-baselines", action="store_true", help="skip model.generate and HFEngine (slow)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--all-variants", action="store_true",
@@ -112,7 +116,7 @@ def parse_args(argv=None):
 class Bench:
     def __init__(self, args):
         self.args = args
-        self.tiny = args.tiny
+        self.tiny = args.tiny or args.smoke
         self.device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
         self.dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
         self.engine_name = "hf-fast" if self.device.type == "cuda" else "hf"

@@ -56,6 +56,10 @@ class DemoConfig:
     """Validate every this many GRPO steps."""
     seed: int = 0
     """Seed of the model, the data order and the sampling."""
+    device: str = "cpu"
+    """Device for both stages: cpu (the two-command set-up), cuda, cuda:1, ..."""
+    engine: str = "hf"
+    """Rollout engine for GRPO: hf, or hf-fast (static KV cache and CUDA graphs on a GPU)."""
     reuse_sft: bool = True
     """Reuse a finished warm start found in OUT/sft (saves about two minutes on a second run)."""
     progress: bool = True
@@ -80,6 +84,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     else:
         print(f"[1/3] warm start: SFT of a fresh '{cfg.model_size}' OLMo-2 on {cfg.task} ({cfg.sft_steps} steps)")
         run_sft(SFTConfig(data=cfg.task, model=cfg.model_size, out=sft_dir, steps=cfg.sft_steps, batch_size=32,
+                          device=cfg.device,
                           lr=cfg.sft_lr, warmup_steps=10, seed=cfg.seed, vocab_size=cfg.vocab_size,
                           progress=cfg.progress))
     t_sft = time.perf_counter() - t0
@@ -95,10 +100,10 @@ def run_demo(cfg: DemoConfig) -> dict:
         rollout=RolloutConfig(n_prompts_per_rollout_batch=cfg.n_prompts, group_size=cfg.group_size,
                               max_new_tokens=cfg.max_new_tokens),
         optim=OptimConfig(lr=cfg.grpo_lr, gradient_accumulation_steps=1),
-        engine=EngineConfig(name="hf", device="cpu"),
+        engine=EngineConfig(name=cfg.engine, device=cfg.device),
         log=LogConfig(progress=cfg.progress, val_samples=8),
         n_steps=cfg.grpo_steps, eval_every=cfg.eval_every, dump_every=cfg.eval_every, save_every=0,
-        seed=cfg.seed, policy_device="cpu",
+        seed=cfg.seed, policy_device=cfg.device,
     )
     print(f"[2/3] GRPO: {cfg.grpo_steps} steps of {cfg.n_prompts} prompts x {cfg.group_size} samples, "
           f"validation on {cfg.val_size} held-out problems every {cfg.eval_every} steps")

@@ -1,0 +1,102 @@
+"""Training on a GPU: the compiled decoder-layer path equals eager (log-probs and gradients); one
+`rlvr train` step runs with each in-process engine, and with ``hf-worker`` on a second GPU when there
+is one; a warm-started model improves under a few GRPO steps with hf-fast (the learning smoke test)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rlvr.config import (AlgorithmConfig, DataConfig, EngineConfig, LogConfig, ModelConfig, OptimConfig,
+                         RolloutConfig, TrainConfig)
+from rlvr.grpo.logprobs import compile_backbone, get_response_log_probs
+from rlvr.grpo.tokenize import tokenize_prompt_and_output
+from rlvr.logging_utils import read_metrics
+from rlvr.modeling import build_model, small_olmo2_config
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+TASK = "arith:steps=1,max_value=10"
+
+
+def test_compiled_backbone_matches_eager(tiny_tokenizer):
+    model = build_model(small_olmo2_config(tiny_tokenizer, hidden_size=192, num_layers=2, num_heads=4), seed=0)
+    model = model.to("cuda").train()
+    torch._dynamo.reset()
+    backbone = compile_backbone(model)
+    for prompts, responses in ((["What is 2+3?", "Say hi"], [" It is 5.", " hi hi hi"]),
+                               (["A longer question about apples?", "Q", "Why?"], [" 7", " it is 12 and more", " no"])):
+        tok = tokenize_prompt_and_output(prompts, responses, tiny_tokenizer)
+        x, y = tok["input_ids"].cuda(), tok["labels"].cuda()
+        w = torch.randn(y.shape, device="cuda")
+        results = []
+        for bb in (None, backbone):
+            out = get_response_log_probs(model, x, y, True, backbone=bb)
+            out["log_probs"].mul(w).sum().backward()
+            results.append((out["log_probs"].detach(), [p.grad.clone() for p in model.parameters()]))
+            model.zero_grad(set_to_none=True)
+        (eager, g_eager), (comp, g_comp) = results
+        torch.testing.assert_close(comp, eager, rtol=1e-3, atol=1e-4)
+        for a, b in zip(g_comp, g_eager):
+            torch.testing.assert_close(a, b, rtol=1e-2, atol=1e-4)
+    torch._dynamo.reset()
+
+
+@pytest.fixture()
+def tiny_model_dir(tmp_path, tiny_tokenizer):
+    path = tmp_path / "model"
+    model = build_model(small_olmo2_config(tiny_tokenizer, hidden_size=192, num_layers=2, num_heads=4), seed=0)
+    model.save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    return path
+
+
+def one_step_config(model_dir, engine: EngineConfig, compile_model: bool = False) -> TrainConfig:
+    return TrainConfig(
+        model=ModelConfig(name_or_path=str(model_dir), compile=compile_model),
+        data=DataConfig(train_source=TASK, val_source=TASK, val_split="validation", val_size=8),
+        prompt="r1_zero", algorithm=AlgorithmConfig(preset="grpo"),
+        rollout=RolloutConfig(n_prompts_per_rollout_batch=4, group_size=4, max_new_tokens=16),
+        optim=OptimConfig(lr=1e-4, gradient_accumulation_steps=1),
+        engine=engine, log=LogConfig(progress=False, engine_logprob_check_every=1),
+        n_steps=2, eval_every=2, save_every=2, policy_device="cuda:0")
+
+
+def coin(response: str, ground_truth: str) -> dict:
+    r = float(hash(response) % 2)
+    return {"reward": r, "answer_reward": r, "format_reward": 1.0}
+
+
+@pytest.mark.parametrize("engine", ["hf", "hf-fast", "hf-fast+compile", "hf-worker"])
+def test_rlvr_train_steps_with_each_engine(tmp_path, tiny_model_dir, engine):
+    from rlvr.trainer import train
+
+    name, _, extra = engine.partition("+")
+    device = "cuda:0"
+    if name == "hf-worker":
+        if torch.cuda.device_count() < 2:
+            pytest.skip("hf-worker needs a second GPU (NCCL does not pair two ranks on one device)")
+        device = "cuda:1"
+    cfg = one_step_config(tiny_model_dir, EngineConfig(name=name, device=device), compile_model=extra == "compile")
+    train(cfg, tmp_path / "run", reward_fn=coin)
+    rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    steps = [r for r in rows if r["step"] > 0 and "train/loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert math.isfinite(r["train/loss"]) and math.isfinite(r["train/grad_norm"])
+        if "train/engine_logprob_diff" in r:
+            assert r["train/engine_logprob_diff"] < 5e-2, r["train/engine_logprob_diff"]
+    assert any("val/reward" in r for r in rows)
+    assert (tmp_path / "run" / "checkpoints").is_dir()
+
+
+def test_warm_start_then_grpo_learns(tmp_path):
+    """The CPU demo's pipeline on the GPU with hf-fast: SFT warm start, then GRPO raises validation
+    accuracy (the demo rises by tens of points; this asks for 10 in half the steps)."""
+    from rlvr.demo import DemoConfig, run_demo
+
+    result = run_demo(DemoConfig(out=tmp_path / "demo", device="cuda", engine="hf-fast", grpo_steps=20,
+                                 eval_every=10, progress=False))
+    assert result["after"] >= result["before"] + 0.10, result
