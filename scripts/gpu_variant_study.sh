@@ -11,19 +11,22 @@
 #      rollout batch 256 = 32 prompts x 8, train batch 8 -> 32 optimizer steps per rollout batch,
 #      lr 1e-5, 40 rollout steps;
 #   4. `rlvr report` of each suite.
-# Runs share the one GPU: 4 at a time per suite, both suites at once (8 processes).
-# Usage: scripts/gpu_variant_study.sh OUT_DIR [DEVICE] [SCALE]
+# Runs share the one GPU: PARALLEL (default 4) at a time per suite, both suites at once.
+# Usage: scripts/gpu_variant_study.sh OUT_DIR [DEVICE] [SCALE] [SUITES]
 #   SCALE=tiny runs the same pipeline on a CPU in a few minutes (plumbing check, no learning claim).
+#   SUITES: "onpolicy offpolicy" (default) or one of them. A second call with the same OUT_DIR reuses the
+#   warm start found there, so the suites can run one call each and still start from one warm start.
 set -euo pipefail
 OUT=${1:?usage: gpu_variant_study.sh OUT_DIR [DEVICE] [SCALE]}
 DEVICE=${2:-cuda}
 SCALE=${3:-full}
+SUITES=${4:-onpolicy offpolicy}
 TASK="arith:steps=2,max_value=20,format_noise=0.8"
 if [ "$SCALE" = tiny ]; then
   SIZE=tiny; SFT_STEPS=20; ON_STEPS=3; OFF_STEPS=2; VAL=16; ON_PROMPTS=4; OFF_PROMPTS=4; ENGINE=hf; PAR=2
   SEEDS="0 1"; EVAL_EVERY=1
 else
-  SIZE=20m; SFT_STEPS=600; ON_STEPS=50; OFF_STEPS=40; VAL=500; ON_PROMPTS=16; OFF_PROMPTS=32; ENGINE=hf-fast; PAR=4
+  SIZE=20m; SFT_STEPS=600; ON_STEPS=50; OFF_STEPS=40; VAL=500; ON_PROMPTS=16; OFF_PROMPTS=32; ENGINE=hf-fast; PAR=${PARALLEL:-4}
   SEEDS="0 1 2 3"; EVAL_EVERY=10
 fi
 PY=${PYTHON:-python}
@@ -32,22 +35,27 @@ if [ ! -f "$OUT/warm/model/config.json" ] && [ ! -f "$OUT/warm/config.json" ]; t
   $PY -m rlvr sft --data "$TASK" --model $SIZE --out "$OUT/warm" --device "$DEVICE" --steps $SFT_STEPS \
       --batch-size 64 --lr 1e-3 --vocab-size 1024 --no-progress
 fi
-$PY -m rlvr eval --model "$OUT/warm" --data "$TASK" --split validation --limit $VAL --max-tokens 64 \
-    --device "$DEVICE" --out "$OUT/warm_eval" > "$OUT/warm_eval.txt" 2>&1 || true
+if [ ! -f "$OUT/warm_eval/results.json" ]; then
+  $PY -m rlvr eval --model "$OUT/warm" --data "$TASK" --split validation --limit $VAL --max-tokens 64 \
+      --device "$DEVICE" --out "$OUT/warm_eval" > "$OUT/warm_eval.txt" 2>&1 || true
+fi
 COMMON=(model.name_or_path="$OUT/warm" data.train_source="$TASK" data.val_size=$VAL rollout.max_new_tokens=64
         engine.name=$ENGINE policy_device="$DEVICE" engine.device="$DEVICE" save_every=0 eval_every=$EVAL_EVERY)
-$PY -m rlvr sweep configs/sweeps/onpolicy_arith.yaml --out "$OUT/onpolicy" --max-parallel $PAR --seeds $SEEDS \
-    --set "${COMMON[@]}" n_steps=$ON_STEPS rollout.n_prompts_per_rollout_batch=$ON_PROMPTS \
-          optim.gradient_accumulation_steps=1 > "$OUT/onpolicy.log" 2>&1 &
-ON_PID=$!
-$PY -m rlvr sweep configs/sweeps/offpolicy_arith.yaml --out "$OUT/offpolicy" --max-parallel $PAR --seeds $SEEDS \
-    --set "${COMMON[@]}" n_steps=$OFF_STEPS rollout.n_prompts_per_rollout_batch=$OFF_PROMPTS optim.lr=1e-5 \
-    > "$OUT/offpolicy.log" 2>&1 &
-OFF_PID=$!
+PIDS=()
+for suite in $SUITES; do
+  case $suite in
+    onpolicy) EXTRA=(n_steps=$ON_STEPS rollout.n_prompts_per_rollout_batch=$ON_PROMPTS optim.gradient_accumulation_steps=1) ;;
+    offpolicy) EXTRA=(n_steps=$OFF_STEPS rollout.n_prompts_per_rollout_batch=$OFF_PROMPTS optim.lr=1e-5) ;;
+    *) echo "unknown suite '$suite': use onpolicy and/or offpolicy" >&2; exit 2 ;;
+  esac
+  $PY -m rlvr sweep configs/sweeps/${suite}_arith.yaml --out "$OUT/$suite" --max-parallel $PAR --seeds $SEEDS \
+      --set "${COMMON[@]}" "${EXTRA[@]}" > "$OUT/$suite.log" 2>&1 &
+  PIDS+=($!)
+done
 STATUS=0
-wait $ON_PID || STATUS=$?
-wait $OFF_PID || STATUS=$?
-tail -n 5 "$OUT/onpolicy.log" "$OUT/offpolicy.log"
-$PY -m rlvr report "$OUT/onpolicy" --out "$OUT/onpolicy_report.md" || STATUS=$?
-$PY -m rlvr report "$OUT/offpolicy" --out "$OUT/offpolicy_report.md" || STATUS=$?
+for pid in "${PIDS[@]}"; do wait $pid || STATUS=$?; done
+for suite in $SUITES; do
+  tail -n 5 "$OUT/$suite.log"
+  $PY -m rlvr report "$OUT/$suite" --out "$OUT/${suite}_report.md" || STATUS=$?
+done
 exit $STATUS

@@ -22,14 +22,18 @@ PROMPTS = ["Natalia sold clips to 48 of her friends in April.", "How many", "Wen
            "James writes a 3-page letter to 2 different friends twice a week."]
 
 
-def model_with_head_dim(tok, head_dim: int, dtype=torch.float32, eos_boost: float = 1.5):
-    """A random 2-layer OLMo-2 on the GPU whose EOS logit is raised so rows finish at different steps."""
+def model_with_head_dim(tok, head_dim: int, dtype=torch.float32):
+    """A random 2-layer OLMo-2 on the GPU with 4 heads of ``head_dim``."""
     heads = 4
     model = build_model(small_olmo2_config(tok, hidden_size=heads * head_dim, num_layers=2, num_heads=heads), seed=0)
-    model = model.to("cuda", dtype).eval()
-    with torch.no_grad():
-        model.lm_head.weight[tok.eos_token_id] += eos_boost * model.lm_head.weight.std()
-    return model
+    return model.to("cuda", dtype).eval()
+
+
+def row_caps(prompts: int, n: int, most: int) -> list[list[int]]:
+    """Per-row length caps spread over [1, most]: rows retire at many different steps (flags,
+    compaction into smaller graph buckets) whatever the random model says."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(1, most + 1, (prompts, n), generator=g).tolist()
 
 
 def ids(out):
@@ -38,18 +42,23 @@ def ids(out):
 
 @pytest.mark.parametrize("head_dim", [48, 64, 80, 96, 128])
 def test_greedy_triton_and_cascade_equal_sdpa_and_generate(tiny_tokenizer, head_dim):
-    """Greedy, float32: 32 prompts x 8 samples = 256 rows (cascade buckets), and one prompt alone."""
+    """Greedy, float32: 32 prompts x 8 samples = 256 rows (cascade buckets) retiring at many steps, and
+    one prompt alone; the SDPA path itself equals ``model.generate``."""
     model = model_with_head_dim(tiny_tokenizer, head_dim)
     prompts = (PROMPTS * 4)[:32]
     params = SamplingParams(n=8, temperature=0.0, max_new_tokens=40)
-    sdpa = FastHFEngine(model, tiny_tokenizer, attention="sdpa").generate(prompts, params)
+    caps = row_caps(len(prompts), 8, 40)
+    sdpa = FastHFEngine(model, tiny_tokenizer, attention="sdpa").generate(prompts, params, row_max_new_tokens=caps)
     refs = greedy_generate_reference(model, tiny_tokenizer, PROMPTS, 40)
-    assert [g[0].token_ids for g in sdpa[:8]] == refs
-    assert len({len(c.token_ids) for g in sdpa for c in g}) > 2, "rows should finish at different steps"
+    plain = FastHFEngine(model, tiny_tokenizer, attention="sdpa").generate(PROMPTS, params)
+    assert [g[0].token_ids for g in plain] == refs
+    for group, ref, cap in zip(sdpa, refs * 4, caps):
+        for c, most in zip(group, cap):
+            assert c.token_ids == ref[:most]  # a capped greedy row is the uncapped one cut short
     for opts in (dict(attention="triton"), dict(attention="triton", cascade_min_rows=None),
                  dict(attention="triton", cascade_min_rows=16, use_cuda_graphs=False)):
         engine = FastHFEngine(model, tiny_tokenizer, **opts)
-        out = engine.generate(prompts, params)
+        out = engine.generate(prompts, params, row_max_new_tokens=caps)
         assert ids(out) == ids(sdpa), opts
         assert [c.finish_reason for g in out for c in g] == [c.finish_reason for g in sdpa for c in g]
         assert engine.stats["compactions"] > 0

@@ -94,9 +94,9 @@ def test_rlvr_train_steps_with_each_engine(tmp_path, tiny_model_dir, engine):
 
 def test_warm_start_then_grpo_learns(tmp_path):
     """The CPU demo's pipeline on the GPU with hf-fast: SFT warm start, then GRPO raises validation
-    accuracy (the demo rises by tens of points; this asks for 10 in half the steps)."""
+    accuracy (by tens of points on the CPU; this asks for 15)."""
     from rlvr.demo import DemoConfig, run_demo
 
-    result = run_demo(DemoConfig(out=tmp_path / "demo", device="cuda", engine="hf-fast", grpo_steps=20,
-                                 eval_every=10, progress=False))
-    assert result["after"] >= result["before"] + 0.10, result
+    result = run_demo(DemoConfig(out=tmp_path / "demo", device="cuda", engine="hf-fast", grpo_steps=40,
+                                 eval_every=20, progress=False))
+    assert result["after"] >= result["before"] + 0.15, result
