@@ -60,6 +60,8 @@ class DemoConfig:
     """Device for both stages: cpu (the two-command set-up), cuda, cuda:1, ..."""
     engine: str = "hf"
     """Rollout engine for GRPO: hf, or hf-fast (static KV cache and CUDA graphs on a GPU)."""
+    dtype: str = "auto"
+    """Policy dtype for GRPO: auto (bfloat16 on CUDA, float32 on CPU), float32 or bfloat16."""
     reuse_sft: bool = True
     """Reuse a finished warm start found in OUT/sft (saves about two minutes on a second run)."""
     progress: bool = True
@@ -92,7 +94,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     if grpo_dir.exists():  # the demo's own previous GRPO run: start it again from the warm start
         shutil.rmtree(grpo_dir)
     config = TrainConfig(
-        model=ModelConfig(name_or_path=str(sft_dir)),
+        model=ModelConfig(name_or_path=str(sft_dir), dtype=cfg.dtype),
         data=DataConfig(train_source=cfg.task, train_split="train", train_size=None, val_source=cfg.task,
                         val_split="validation", val_size=cfg.val_size),
         prompt="r1_zero",

@@ -94,9 +94,23 @@ def test_rlvr_train_steps_with_each_engine(tmp_path, tiny_model_dir, engine):
 
 def test_warm_start_then_grpo_learns(tmp_path):
     """The CPU demo's pipeline on the GPU with hf-fast: SFT warm start, then GRPO raises validation
-    accuracy (by tens of points on the CPU; this asks for 15)."""
+    accuracy (by tens of points on the CPU; this asks for 15). float32, as on the CPU."""
     from rlvr.demo import DemoConfig, run_demo
 
-    result = run_demo(DemoConfig(out=tmp_path / "demo", device="cuda", engine="hf-fast", grpo_steps=40,
+    result = run_demo(DemoConfig(out=tmp_path / "demo", device="cuda", engine="hf-fast", dtype="float32", grpo_steps=40,
                                  eval_every=20, progress=False))
     assert result["after"] >= result["before"] + 0.15, result
+
+
+def test_rlvr_eval_with_hf_fast_on_the_gpu(tmp_path, tiny_model_dir):
+    """`rlvr eval --engine hf-fast` on the GPU, with pass@k and avg@k for --n 4."""
+    import json
+
+    from rlvr.cli import main
+
+    out = tmp_path / "eval"
+    assert main(["eval", "--model", str(tiny_model_dir), "--data", TASK, "--split", "validation", "--limit", "16",
+                 "--max-tokens", "16", "--n", "4", "--engine", "hf-fast", "--device", "cuda", "--out", str(out)]) == 0
+    m = json.loads((out / "results.json").read_text())["results"]["r1_zero"]
+    assert m["n"] == 64 and set(m["pass_at_k"]) == {"1", "2", "4"}
+    assert m["pass_at_k"]["1"] == pytest.approx(m["avg_at_k"])
