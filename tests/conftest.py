@@ -58,6 +58,47 @@ def tiny_model(tiny_tokenizer):
     return model
 
 
+# One tiny model per family the fast engine runs, each with the traits of its real models and, between
+# them, every layout path: grouped-query attention (2, 3 and 4 query heads per key/value head), q/k/v
+# biases (Qwen2), per-head q/k norms (Qwen3), q/k norms over all heads (OLMo-2), tied and untied
+# embeddings, llama3 rope scaling, head_dims that are and are not powers of two and one set apart from
+# hidden_size / heads.
+FAMILY_SHAPES = {
+    "olmo2": dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
+    "llama": dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                  max_position_embeddings=4096, rope_theta=500000.0,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                "original_max_position_embeddings": 64}),
+    "qwen2": dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True),
+    "qwen3": dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=48, tie_word_embeddings=False),
+}
+
+
+def family_config(family: str, tokenizer, num_layers: int = 2, **overrides):
+    """The config of a tiny ``family`` model (see ``FAMILY_SHAPES``) for ``tokenizer``."""
+    from transformers import AutoConfig
+
+    shape = dict(FAMILY_SHAPES[family], **overrides)
+    shape.setdefault("intermediate_size", 2 * shape["hidden_size"])
+    return AutoConfig.for_model(family, vocab_size=len(tokenizer), num_hidden_layers=num_layers,
+                                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                bos_token_id=tokenizer.bos_token_id, **shape)
+
+
+def family_model(family: str, tokenizer, seed: int = 0, **overrides):
+    """A tiny random ``family`` causal LM (float32, eval mode)."""
+    from rlvr.modeling import build_model
+
+    model = build_model(family_config(family, tokenizer, **overrides), seed=seed)
+    if family == "qwen2":  # transformers initialises biases to 0; make them count
+        with torch.no_grad():
+            g = torch.Generator().manual_seed(seed)
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.copy_(0.5 * torch.randn(proj.bias.shape, generator=g))
+    return model.eval()
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

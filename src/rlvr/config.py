@@ -132,7 +132,8 @@ class OptimConfig:
 class EngineConfig:
     name: str = "hf"
     """Rollout engine: hf (in-process, shares the policy), hf-fast (the same with a static KV cache and CUDA
-    graphs: the fastest on a GPU), hf-worker (own process and device), vllm (server)."""
+    graphs: the fastest on a GPU; OLMo-2, Llama, Qwen2 and Qwen3 models), auto (hf-fast when it runs the
+    model, else hf), hf-worker (own process and device), vllm (server)."""
     device: str = "auto"
     """Engine device for hf-worker/vllm (auto: cuda:1 when two GPUs are visible, else the policy device)."""
     dtype: str = "auto"
@@ -329,17 +330,18 @@ class TrainConfig:
         need(o.max_grad_norm > 0, "optim.max_grad_norm must be > 0")
         need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), f"optim.betas must be two numbers in [0, 1), got {o.betas}")
 
+        fast_engines = ("hf-fast", "auto")  # auto: hf-fast where it runs the model (these settings apply there)
         need(self.engine.name in ENGINES, f"unknown engine.name {self.engine.name!r}: choose one of {', '.join(ENGINES)}")
-        need(not self.engine.release_memory or self.engine.name == "hf-fast",
+        need(not self.engine.release_memory or self.engine.name in fast_engines,
              f"engine.release_memory applies to the hf-fast engine (its static KV cache), not to "
              f"engine.name={self.engine.name!r}; set it to false or use engine.name=hf-fast")
         need(self.engine.attention in ("auto", "triton", "sdpa"),
              f"engine.attention must be auto, triton or sdpa, got {self.engine.attention!r}")
-        need(self.engine.attention == "auto" or self.engine.name == "hf-fast",
+        need(self.engine.attention == "auto" or self.engine.name in fast_engines,
              f"engine.attention applies to the hf-fast engine, not to engine.name={self.engine.name!r}; leave it auto")
-        need(self.engine.fuse_projections or self.engine.name == "hf-fast",
+        need(self.engine.fuse_projections or self.engine.name in fast_engines,
              f"engine.fuse_projections applies to the hf-fast engine, not to engine.name={self.engine.name!r}; leave it true")
-        need(self.engine.cascade_min_rows == 64 or self.engine.name == "hf-fast",
+        need(self.engine.cascade_min_rows == 64 or self.engine.name in fast_engines,
              f"engine.cascade_min_rows applies to the hf-fast engine, not to engine.name={self.engine.name!r}; leave it 64")
         need(self.engine.cascade_min_rows is None or self.engine.cascade_min_rows >= 1,
              f"engine.cascade_min_rows must be >= 1, or null to turn cascade attention off; got {self.engine.cascade_min_rows}")

@@ -147,13 +147,33 @@ def _load_policy(config: TrainConfig, train_examples, device, dtype, ckpt: Path 
     return load_model_and_tokenizer(config.model.name_or_path, device=device, dtype=dtype)
 
 
+def _check_engine_runs_model(config: TrainConfig) -> None:
+    """``engine.name: hf-fast`` for a local model it cannot run: a ``ConfigError`` before the weights load
+    (from the model's config.json; a hub model is checked once loaded, by the engine)."""
+    path = Path(config.model.name_or_path)
+    if config.engine.name != "hf-fast" or config.model.fresh is not None or not (path / "config.json").is_file():
+        return
+    from transformers import AutoConfig
+
+    from rlvr.engines.fast import unsupported_reason
+
+    reason = unsupported_reason(AutoConfig.from_pretrained(str(path)))
+    if reason:
+        raise ConfigError(f"engine.name hf-fast: {reason}")
+
+
 def _make_engine(config: TrainConfig, model, tokenizer):
-    from rlvr.engines import make_engine
+    from rlvr.engines import make_engine, resolve_engine_name
 
     e = config.engine
-    if e.name == "hf":
+    name = resolve_engine_name(e.name, model)
+    if e.name == "auto" and name == "hf":
+        from rlvr.engines.fast import unsupported_reason
+
+        warnings.warn(f"engine.name auto runs the hf engine: {unsupported_reason(model.config)}", stacklevel=2)
+    if name == "hf":
         return make_engine("hf", model, tokenizer, max_batch_size=e.max_batch_size)
-    if e.name == "hf-fast":
+    if name == "hf-fast":
         return make_engine("hf-fast", model, tokenizer, max_batch_size=e.max_batch_size, release_memory=e.release_memory,
                            attention=e.attention, fuse_projections=e.fuse_projections,
                            cascade_min_rows=e.cascade_min_rows)
@@ -440,6 +460,8 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False, *, mod
     device = torch.device(config.policy_device)
     dtype = _dtype(config.model.dtype, device)
     if model is None:
+        if engine is None:
+            _check_engine_runs_model(config)
         model, tokenizer = _load_policy(config, train_examples, device, dtype, ckpt)
     else:
         if tokenizer is None:

@@ -1,0 +1,520 @@
+"""``FastHFEngine``: the chunk loop (prefill, decode steps, host checks, retiring rows) over the static
+cache (``state``), the family-parametrised step (``step``, ``families``), the CUDA graphs (``graphs``)
+and the host-side stop handling (``stops``). The package docstring describes the design."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+from rlvr.engines.base import Completion, SamplingParams
+from rlvr.engines.decode_attention import (default_splits, prompt_runs, reference_decode_attention,
+                                           triton_available, triton_decode_attention)
+from rlvr.engines.fast import step as S
+from rlvr.engines.fast.families import layer_weights, layout_of
+from rlvr.engines.fast.graphs import StepGraphs
+from rlvr.engines.fast.state import State, allocate, refresh_stacked
+from rlvr.engines.fast.stops import RowChecks
+from rlvr.engines.hf import eos_token_ids, generate_in_chunks
+
+DEFAULT_BATCH_BUCKETS = (256, 192, 128, 96, 64, 48, 32, 24, 16, 8, 4, 2, 1)
+
+
+class FastHFEngine:
+    """Static-cache, CUDA-graph sampling with an OLMo-2, Llama, Qwen2 or Qwen3 causal LM in this process.
+
+    Holds a reference to ``model`` (no copy): trainer updates are visible at once, since graphs read
+    the parameters in place (an optimizer step updates them in place; replacing a parameter tensor
+    needs ``sync_weights``, which drops the graphs). Any other model raises a one-line ``ValueError``
+    naming the supported families and the ``hf`` engine as the fallback.
+
+    ``max_batch_size`` bounds the rows decoded together (prompts × n); ``batch_buckets`` are the
+    batch sizes graphs are captured for; ``length_bucket`` rounds the attended cache length;
+    ``sync_every`` is how many steps run between host checks of EOS / stop strings (4 was faster than 8
+    on an H200: finished rows are flagged and retired sooner). ``attention``
+    is ``"triton"`` (one kernel over the shared prompt and response caches; CUDA, or the Triton
+    interpreter), ``"sdpa"`` (gather each row's prompt K/V and call SDPA; any device) or ``"auto"``
+    (default: ``"triton"`` on CUDA when Triton is installed, else ``"sdpa"``); ``fused_norms``
+    computes each RMS norm with one ``F.rms_norm`` on the same float32 values (fewer kernels per step)
+    instead of transformers' elementwise operations. Both defaults were the fastest on an H200
+    (docs/benchmarks.md). ``compile_step`` runs the decode step's per-layer pieces and its sampling
+    through ``torch.compile`` (fewer, fused kernels per step; compiled once, on the first call);
+    ``None`` means on for CUDA with CUDA graphs, off elsewhere. It applies to SiLU MLPs (every
+    supported family's); other settings run eagerly.
+    ``release_memory`` frees the static KV cache and the graphs after every ``generate`` call, so that a
+    training step on the same GPU can use that memory; each call then allocates the cache and captures
+    its graphs again (the compiled step is kept), which costs time (docs/benchmarks.md).
+    ``fuse_projections`` (compiled step only) stacks each layer's q/k/v weights (and biases, where the
+    family has them) into one matrix and its gate/up weights into another, so a step runs two large
+    matmuls instead of five small ones; the stacked copies (about half the model's weights) are
+    refreshed from the model at the start of every chunk, so in-place weight updates between calls are
+    seen. ``attention_splits`` (Triton path) fixes how many programs share a row's slots; ``None`` picks
+    ``default_splits`` per batch bucket.
+    ``cascade_min_rows`` (Triton path, ``n >= 2``): batch buckets of at least this many rows read each
+    group's shared prompt once per step for all of the group's rows (one program per run of rows with
+    one prompt, then each row reads only its own response slots); smaller buckets, where few rows share
+    a prompt, read it per row. ``None`` turns this off.
+    """
+
+    def __init__(self, model, tokenizer, max_batch_size: int = 256, batch_buckets=DEFAULT_BATCH_BUCKETS,
+                 length_bucket: int = 128, sync_every: int = 4, use_cuda_graphs: bool | None = None,
+                 mask_unused_vocab: bool = True, prefill_tokens: int = 32768, attention: str = "auto",
+                 fused_norms: bool = True, compile_step: bool | None = None, release_memory: bool = False,
+                 fuse_projections: bool = True, attention_splits: int | None = None,
+                 cascade_min_rows: int | None = 64):
+        if tokenizer.pad_token_id is None:
+            raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token = tokenizer.eos_token")
+        self.layout = layout_of(model)
+        if max_batch_size < 1 or length_bucket < 1 or sync_every < 1:
+            raise ValueError("max_batch_size, length_bucket and sync_every must all be >= 1")
+        if cascade_min_rows is not None and cascade_min_rows < 1:
+            raise ValueError(f"cascade_min_rows must be >= 1, or None to turn cascade attention off; got {cascade_min_rows}")
+        if attention_splits is not None and (attention_splits < 1 or attention_splits & (attention_splits - 1)):
+            raise ValueError(f"attention_splits must be a power of two >= 1 or None, got {attention_splits}")
+        if attention not in ("auto", "triton", "sdpa"):
+            raise ValueError(f"attention must be 'auto', 'triton' or 'sdpa', got {attention!r}")
+        if attention == "triton" and not triton_available():
+            raise ValueError("attention='triton' needs the triton package (it ships with CUDA builds of torch); "
+                             "use attention='sdpa'")
+        self.model = model
+        if compile_step and self._compilable() is not None:
+            raise ValueError(f"compile_step=True does not apply to this model: {self._compilable()}; leave it None")
+        self.attention = attention
+        self.fused_norms = fused_norms
+        self.compile_step = compile_step
+        self.release_memory = release_memory
+        self.fuse_projections = fuse_projections
+        self.attention_splits = attention_splits
+        self.cascade_min_rows = cascade_min_rows
+        self._chunk_shape = (0, 1)  # (prompts, samples per prompt) of the chunk being decoded
+        self.tokenizer = tokenizer
+        self.max_batch_size = max_batch_size
+        self.batch_buckets = tuple(sorted({b for b in batch_buckets if b < max_batch_size} | {max_batch_size}))
+        self.length_bucket = length_bucket
+        self.sync_every = sync_every
+        self.use_cuda_graphs = use_cuda_graphs
+        self.mask_unused_vocab = mask_unused_vocab
+        self.prefill_tokens = prefill_tokens
+        self.eos_ids = eos_token_ids(model, tokenizer)
+        self.stats = {"tokens": 0, "time": 0.0, "graphs_captured": 0, "capture_time": 0.0, "host_syncs": 0,
+                      "compactions": 0, "rows_flagged": 0, "cascade_steps": 0}
+        self._state: State | None = None
+        self._graphs = StepGraphs(self.stats)
+        self._weights = layer_weights(model, self.layout)
+
+    # ------------------------------------------------------------------ engine interface
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def sync_weights(self, model) -> dict:
+        if model is not self.model:
+            self.layout = layout_of(model)
+            self.model = model
+            self._state = None  # the cache's shape may differ
+        self._weights = layer_weights(self.model, self.layout)
+        # Optimizers update parameters in place, so captured graphs stay valid; only new parameter
+        # tensors (a new model, a reloaded state) make them read stale memory.
+        if self._graphs.stale(self._param_signature()):
+            self._graphs.drop()
+        return {"time/sync": 0.0}
+
+    def close(self) -> None:
+        self._graphs.drop()
+        self._state = None
+
+    def _param_signature(self) -> tuple:
+        return tuple(p.data_ptr() for p in self.model.parameters())
+
+    def _graphs_enabled(self) -> bool:
+        if self.use_cuda_graphs is None:
+            return self.device.type == "cuda"
+        return bool(self.use_cuda_graphs) and self.device.type == "cuda"
+
+    def generate(self, prompts: list[str], params: SamplingParams, *,
+                 row_max_new_tokens: list[list[int]] | None = None) -> list[list[Completion]]:
+        """``row_max_new_tokens[i][j]`` (optional, for benchmarks) caps sample j of prompt i below
+        ``params.max_new_tokens``: that row finishes with reason ``"length"`` there, as if it had
+        reached its own limit, so a batch can retire rows at chosen lengths."""
+        if prompts and params.n > self.max_batch_size:
+            raise ValueError(f"n={params.n} exceeds max_batch_size={self.max_batch_size}; raise max_batch_size")
+
+        def run_chunk(idx, prompt_ids, generator):
+            limits = None
+            if row_max_new_tokens is not None:
+                limits = [min(int(x), params.max_new_tokens) for i in idx for x in row_max_new_tokens[i]]
+            return self._generate_chunk(prompt_ids, params, generator, limits)
+
+        try:
+            return generate_in_chunks(self, prompts, params, run_chunk)
+        finally:
+            if self.release_memory:
+                self.close()  # the trainer's step can use the cache's memory; the next call re-captures
+
+    # ------------------------------------------------------------------ buffers
+    def _ensure_state(self, rows: int, groups: int, prompt_slots: int, slots: int, steps: int) -> State:
+        st = self._state
+        model, device = self.model, self.device
+        dtype = model.lm_head.weight.dtype
+        need = (rows, groups, prompt_slots, slots, steps)
+        if st is not None:
+            have = st.caps
+            if all(h >= n for h, n in zip(have, need)) and st.rk[0].dtype == dtype and st.rk[0].device == device:
+                return st
+            need = tuple(max(h, n) for h, n in zip(have, need))  # grow to cover the old and the new request
+            del st  # let the old buffers go before the new ones are allocated
+        rows, groups, prompt_slots, slots, steps = need
+        self._graphs.drop()
+        self._state = None
+        self._state = allocate(self.layout, self._weights, rows=rows, groups=groups, prompt_slots=prompt_slots,
+                               slots=slots, steps=steps, vocab=model.lm_head.weight.shape[0],
+                               tokenizer_vocab=len(self.tokenizer), mask_unused_vocab=self.mask_unused_vocab,
+                               dtype=dtype, device=device, stacked=self._stacked_weights())
+        return self._state
+
+    def _stacked_weights(self) -> bool:
+        """Whether decode steps use stacked q/k/v and gate/up weights (``fuse_projections``, compiled step)."""
+        return self.fuse_projections and self._step_compiled()
+
+    # ------------------------------------------------------------------ the model, by hand
+    def _rope(self, pos: torch.Tensor):
+        rot = self.model.model.rotary_emb
+        return S.rope_tables(pos, rot.inv_freq, getattr(rot, "attention_scaling", 1.0),
+                             self.model.model.embed_tokens.weight.dtype, self.layout.family.float32_scale)
+
+    def _layers(self, x: torch.Tensor, cos, sin, attend):
+        """Run every decoder layer on x (B, Q, hidden); ``attend(i, q, k, v)`` gets q (B, heads, Q, D), k and
+        v (B, kv_heads, Q, D) and returns (B, heads, Q, D). The compiled pieces when the step is compiled
+        (always the fused norms), else the same functions eagerly."""
+        layout, family = self.layout, self.layout.family
+        compiled = self._step_compiled()
+        pre = S.compiled(S.pre_attention) if compiled else S.pre_attention
+        post = S.compiled(S.post_attention) if compiled else S.post_attention
+        fused = compiled or self.fused_norms
+        common = dict(eps=layout.eps, pre_norm=family.norms == "pre", float32_scale=family.float32_scale, fused=fused)
+        st = self._state
+        stacked = st is not None and bool(st.wqkv)
+        for i, w in enumerate(self._weights):
+            if stacked:
+                wqkv, bqkv, wgate_up, bgate_up = st.wqkv[i], st.bqkv[i], st.wgate_up[i], st.bgate_up[i]
+            else:
+                wqkv, bqkv = (w.wq, w.wk, w.wv), (w.bq, w.bk, w.bv)
+                wgate_up, bgate_up = (w.w_gate, w.w_up), (w.b_gate, w.b_up)
+            q, k, v = pre(x, w.norm1, wqkv, bqkv, w.q_norm, w.k_norm, cos, sin, heads=layout.heads,
+                          kv_heads=layout.kv_heads, head_dim=layout.head_dim, qk_norm=family.qk_norm, **common)
+            o = attend(i, q, k, v)
+            # The compiled step takes F.silu itself: each layer's activation module is its own object, and
+            # a compiled function guards on the identity of the callables it is handed.
+            x = post(x, o, w.wo, w.bo, w.norm1, w.norm2, wgate_up, bgate_up, w.w_down, w.b_down,
+                     F.silu if compiled else w.act, **common)
+        norm = S.rms if fused else S.rms_unfused
+        return norm(x, self.model.model.norm.weight, layout.eps, family.float32_scale)
+
+    def _prefill(self, st: State, group0: int, input_ids: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
+        """Prefill left-padded prompts (P, L); write their K/V to prompt-cache entries [group0, group0 + P),
+        slots [0, L). Returns the last position's logits (P, vocab)."""
+        P, L = input_ids.shape
+        device = input_ids.device
+        layout = self.layout
+        cols = torch.arange(L, device=device)
+        positions = (cols[None, :] - starts[:, None]).clamp(min=0)
+        cos, sin = self._rope(positions[:, None])  # broadcast over heads
+        key_ok = cols[None, :] >= starts[:, None]                                # (P, L)
+        causal = cols[None, :] <= cols[:, None]                                  # (L, L) [query, key]
+        # A padding query attends to itself so that no row of the softmax is empty (no NaN in K/V).
+        mask = causal[None] & (key_ok[:, None, :] | torch.eye(L, dtype=torch.bool, device=device)[None])
+        mask = mask[:, None]                                                     # (P, 1, L, L)
+
+        def attend(i, q, k, v):
+            st.pk[i][group0:group0 + P, :, :L] = k
+            st.pv[i][group0:group0 + P, :, :L] = v
+            if layout.groups > 1:  # each key/value head serves ``groups`` query heads (grouped-query attention)
+                shape = (P, layout.kv_heads, layout.groups, L, layout.head_dim)
+                k = k[:, :, None].expand(shape).reshape(q.shape)
+                v = v[:, :, None].expand(shape).reshape(q.shape)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+        x = self.model.model.embed_tokens(input_ids)
+        h = self._layers(x, cos, sin, attend)
+        return self.model.lm_head(h[:, -1])
+
+    def _sample(self, st: State, logits: torch.Tensor, b: int, mode: str, compiled: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Tokens and their temperature-1 log-probs for logits (b, vocab); ``noise[:b]`` must hold Exp(1) draws."""
+        fn = S.compiled(S.sample_math) if compiled else S.sample_math
+        return fn(logits, st.vocab_bias, st.temperature, st.top_p, st.noise[:b], mode)
+
+    def _step_compiled(self) -> bool:
+        """Whether decode steps run the compiled pieces (``compile_step``, resolved for this model)."""
+        if self.compile_step is None:
+            return self._graphs_enabled() and self._compilable() is None
+        return bool(self.compile_step)
+
+    def _compilable(self) -> str | None:
+        """None when the compiled pieces apply to the model, else why not."""
+        act = getattr(self.model.config, "hidden_act", None)
+        if act != "silu":
+            return f"hidden_act {act!r} (the compiled step assumes silu)"
+        return None
+
+    def _attention_kind(self) -> str:
+        """``"triton"`` or ``"sdpa"``: ``attention`` resolved for this engine's device."""
+        if self.attention == "auto":
+            return "triton" if self.device.type == "cuda" and triton_available() else "sdpa"
+        if self.attention == "triton" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"attention='triton' runs on CUDA (or under TRITON_INTERPRET=1); the model is on "
+                             f"{self.device}: use attention='sdpa'")
+        return self.attention
+
+    def _decode_step(self, st: State, b: int, slots: int, mode: str):
+        """One step for batch rows [0, b): feed ``tok``, write K/V at response ``slot``, sample, record,
+        advance. ``slots``: response slots the SDPA path reads (the Triton path reads the filled ones).
+
+        Only fixed-shape tensor ops on ``st``'s buffers: capturable as a CUDA graph.
+        """
+        layout = self.layout
+        heads, kv, groups, hd = layout.heads, layout.kv_heads, layout.groups, layout.head_dim
+        tok, pos = st.tok[:b], st.pos[:b]
+        cos, sin = self._rope(pos[:, None, None])                                 # (b, 1, 1, D)
+        rlen = st.slot + 1  # response slots filled once this step has written its own
+        kind = self._attention_kind()
+
+        if kind == "triton":
+            # With grouped-query attention the kernel sees b * groups attention rows over kv_heads heads:
+            # row r * groups + g holds query head h * groups + g of batch row r for key/value head h, and
+            # the row indices repeat per group. Each key/value head's cache is stored and read once per
+            # step for all of its query heads (the group's rows run side by side).
+            rows = b * groups
+            if groups > 1:
+                def spread(t):  # (b, ...) -> (b * groups, ...), each batch row's entry repeated groups times
+                    return t[:b, None].expand(b, groups, *t.shape[1:]).reshape(rows, *t.shape[1:])
+                grp, start, live, crow = spread(st.grp), spread(st.start), spread(st.live), spread(st.crow)
+            else:
+                spread = None
+                grp, start, live, crow = st.grp, st.start, st.live, st.crow
+            splits = self.attention_splits or default_splits(rows, kv)
+            nruns = self._runs_for(b)
+            runs = (st.runs[0, :nruns], st.runs[1, :nruns]) if nruns else None
+
+        def attend(i, q, k, v):
+            if kind == "triton":  # the kernel writes this step's K/V at slot rlen - 1 itself
+                if spread is not None:
+                    q = q.reshape(b, kv, groups, hd).transpose(1, 2).reshape(rows, kv, 1, hd)
+                    k, v = spread(k), spread(v)
+                out = triton_decode_attention(q, st.pk[i], st.pv[i], st.rk[i], st.rv[i], grp, start, st.plen, rlen,
+                                              k_new=k, v_new=v, live=live, splits=splits, runs=runs,
+                                              run_rows=self._run_queries(), cache_rows=crow)
+                if spread is not None:
+                    out = out.reshape(b, groups, kv, hd).transpose(1, 2).reshape(b, heads, 1, hd)
+                return out
+            cache_rows = st.crow[:b]
+            st.rk[i][cache_rows, :, st.slot] = k[:, :, 0]  # (b, kv_heads, head_dim) at (cache row, slot)
+            st.rv[i][cache_rows, :, st.slot] = v[:, :, 0]
+            # The query heads of one key/value head go in as that head's ``groups`` queries.
+            out = reference_decode_attention(q.reshape(b, kv, groups, hd), st.pk[i], st.pv[i], st.rk[i], st.rv[i],
+                                             st.grp, st.start, st.plen, rlen, st.prompt_slots_cap, slots,
+                                             live=st.live, cache_rows=st.crow)
+            return out.reshape(b, heads, 1, hd)
+
+        x = self.model.model.embed_tokens(tok)[:, None]
+        h = self._layers(x, cos, sin, attend)
+        logits = self.model.lm_head(h[:, 0])
+        tokens, lp = self._sample(st, logits, b, mode, self._step_compiled())
+        rid = st.row_id[:b]
+        col = st.step.expand(b)
+        st.out_tok.index_put_((rid, col), tokens)
+        st.out_lp.index_put_((rid, col), lp)
+        st.tok[:b].copy_(tokens)
+        st.pos[:b].add_(1)
+        st.slot.add_(1)
+        st.step.add_(1)
+
+    # ------------------------------------------------------------------ graphs
+    def _step_key(self, b: int, slots: int, mode: str) -> tuple:
+        """What a captured step depends on besides the buffers: the bucket, the SDPA path's slots, the
+        sampling mode, and the cascade's run table length and rows per run (both baked into the graph)."""
+        nruns = self._runs_for(b)
+        return b, slots, mode, nruns, self._run_rows() if nruns else 0
+
+    def _run_step(self, st: State, b: int, slots: int, mode: str):
+        key = self._step_key(b, slots, mode)
+        if key[3]:
+            self.stats["cascade_steps"] += 1
+        if not self._graphs_enabled():
+            self._decode_step(st, b, slots, mode)
+            return
+        self._graphs.replay(key, self._param_signature, lambda: self._decode_step(st, b, slots, mode),
+                            (st.tok, st.pos, st.slot, st.step))
+
+    def _run_rows(self) -> int:
+        """Batch rows one cascade program takes: a power of two, whose queries (rows x query heads per
+        key/value head) stay within 64 and fill at least 16 lanes of the GPU's matrix units."""
+        n, groups = self._chunk_shape[1], self.layout.groups
+        if groups == 1:
+            return min(32, max(16, 1 << (n - 1).bit_length()))
+        return max(1, min(1 << (n - 1).bit_length(), 64 // groups))
+
+    def _run_queries(self) -> int:
+        """Queries one cascade program takes (the kernel's ``run_rows``): the rows' query heads of one
+        key/value head, rounded up to a power of two of at least 16."""
+        return max(16, 1 << (self._run_rows() * self.layout.groups - 1).bit_length())
+
+    def _runs_for(self, b: int) -> int:
+        """Run-table entries the attention of batch bucket ``b`` reads: 0 (no cascade) unless the chunk
+        has several samples per prompt, the path is Triton's and ``b >= cascade_min_rows``."""
+        prompts, n = self._chunk_shape
+        if n < 2 or self.cascade_min_rows is None or b < self.cascade_min_rows or self._attention_kind() != "triton":
+            return 0
+        return min(b, prompts * -(-n // self._run_rows()))
+
+    def _set_runs(self, st: State, groups: list[int], live: list[bool]) -> None:
+        """Write the runs of batch rows sharing a prompt (``groups[i]``: batch row i's prompt) to the device,
+        in attention rows (``layout.groups`` per batch row)."""
+        if not self._runs_for(self.max_batch_size):
+            return
+        first, count = prompt_runs(groups, live, self._run_rows())
+        g = self.layout.groups
+        first, count = [f * g for f in first], [c * g for c in count]
+        pad = [0] * (st.runs.shape[1] - len(first))
+        st.runs.copy_(self._host_to_device([first + pad, count + pad], torch.int32), non_blocking=True)
+
+    def _bucket(self, rows: int) -> int:
+        for b in self.batch_buckets:
+            if b >= rows:
+                return b
+        return rows
+
+    def _slots_for(self, filled: int, cap: int) -> int:
+        lb = self.length_bucket
+        return min(cap, -(-filled // lb) * lb)
+
+    # ------------------------------------------------------------------ one chunk
+    @torch.inference_mode()
+    def _generate_chunk(self, prompt_ids: list[list[int]], params: SamplingParams, generator: torch.Generator,
+                        limits: list[int] | None = None) -> list[list[Completion]]:
+        tok, device, n = self.tokenizer, self.device, params.n
+        P, L = len(prompt_ids), max(len(p) for p in prompt_ids)
+        R, T = P * n, params.max_new_tokens
+        lb = self.length_bucket
+        self._weights = layer_weights(self.model, self.layout)  # the model's current parameter tensors
+        st = self._ensure_state(self._bucket(R), P, -(-L // lb) * lb, -(-T // lb) * lb, T)
+        self._chunk_shape = (P, n)
+        if st.wqkv:
+            refresh_stacked(st, self._weights)
+        mode = "greedy" if params.temperature == 0 else ("top_p" if params.top_p < 1.0 else "sample")
+        # The Triton kernel reads the filled length on the device, so one graph serves every length.
+        fixed_slots = st.slots_cap if self._attention_kind() == "triton" else None
+        st.temperature.fill_(params.temperature if params.temperature > 0 else 1.0)
+        st.top_p.fill_(params.top_p)
+
+        input_ids = torch.full((P, L), tok.pad_token_id, dtype=torch.long)
+        for r, ids in enumerate(prompt_ids):
+            input_ids[r, L - len(ids):] = torch.tensor(ids)
+        starts = torch.tensor([L - len(ids) for ids in prompt_ids], dtype=torch.long)
+        input_ids, starts = input_ids.to(device), starts.to(device)
+
+        # Prefill in slices of whole prompts under a token budget; K/V go straight to the rows.
+        per = max(1, self.prefill_tokens // L)
+        logits = []
+        for a in range(0, P, per):
+            sub = slice(a, min(P, a + per))
+            logits.append(self._prefill(st, a, input_ids[sub], starts[sub]))
+        logits = torch.cat(logits).repeat_interleave(n, dim=0)
+
+        # Batch rows [R, b) are fillers: they read prompt 0 and write to the scratch output row.
+        b = self._bucket(R)
+        rows = torch.arange(b, device=device)
+        st.row_id[:b].copy_(torch.where(rows < R, rows, torch.full_like(rows, st.rows_cap)))
+        st.crow[:b].copy_(rows)
+        st.live[:b].copy_(rows < R)
+        st.grp[:b].copy_(torch.where(rows < R, rows // n, torch.zeros_like(rows)))
+        st.start[:b].zero_()
+        st.start[:R].copy_(starts.repeat_interleave(n))
+        lengths = torch.tensor([len(p) for p in prompt_ids], dtype=torch.long, device=device).repeat_interleave(n)
+        st.pos[:b].zero_()
+        st.pos[:R].copy_(lengths)
+        st.plen.fill_(L)
+        self._set_runs(st, [r // n for r in range(R)], [True] * R)
+        st.slot.zero_()
+        st.step.zero_()
+
+        # Step 0 samples from the prefill logits, eagerly; every later step is _decode_step.
+        if mode != "greedy":
+            st.noise[:R].exponential_(generator=generator)
+        first, first_lp = self._sample(st, logits, R, mode, self._step_compiled())
+        st.out_tok[:R, 0] = first
+        st.out_lp[:R, 0] = first_lp
+        st.tok[:b].fill_(tok.pad_token_id)
+        st.tok[:R].copy_(first)
+        st.step.fill_(1)
+
+        stops = tuple(s for s in params.stop if s)
+        eos_ids = set() if getattr(params, "ignore_eos", False) else self.eos_ids
+        checks = RowChecks(tok, R, T, stops, eos_ids, limits, self.stats)
+        batch_rows = list(range(R))     # global row of each batch row [0, len)
+        live_rows = R                   # batch rows whose live flag on the device is 1
+
+        # Host checks run one sync period behind the device: at each sync point the tokens so far start
+        # copying to the host, and the copy started at the previous sync point is examined while the
+        # device runs the next steps (host work and device work overlap instead of taking turns). A row
+        # that finished meanwhile decodes a few steps more, which its result never includes.
+        step = 1
+        filled = 0  # response slots holding K/V
+        pending = None
+        finish = checks.finish
+        while True:
+            if step >= T or (step % self.sync_every == 0):
+                latest = checks.fetch(st.out_tok[:R], step)
+                checks.examine(pending)
+                pending = latest
+                if step >= T:
+                    checks.examine(pending)
+                if checks.all_finished() or step >= T:
+                    break
+                alive = [i for i, g in enumerate(batch_rows) if finish[g] is None]
+                nb = self._bucket(len(alive))
+                if nb < b:
+                    self._compact(st, alive, b, nb)
+                    batch_rows = [batch_rows[i] for i in alive]
+                    live_rows = len(batch_rows)
+                    b = nb
+                    self._set_runs(st, [g // n for g in batch_rows], [True] * live_rows)
+                elif len(alive) < live_rows:  # rows finished: the attention skips them from now on
+                    self.stats["rows_flagged"] += live_rows - len(alive)
+                    live_rows = len(alive)
+                    flags = [finish[g] is None for g in batch_rows]
+                    st.live[:len(flags)].copy_(self._host_to_device(flags, torch.int32), non_blocking=True)
+                    self._set_runs(st, [g // n for g in batch_rows], flags)
+            if mode != "greedy":
+                st.noise[:b].exponential_(generator=generator)
+            self._run_step(st, b, fixed_slots or self._slots_for(filled + 1, st.slots_cap), mode)
+            filled += 1
+            step += 1
+
+        return checks.completions(st.out_lp[:R, :T].cpu(), n, params.include_stop_str_in_output)
+
+    def _host_to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A host list as a tensor ready for a non-blocking copy to the device: in pinned memory on CUDA
+        (a copy from pageable memory would wait for every queued step), plain elsewhere."""
+        t = torch.tensor(values, dtype=dtype)
+        return t.pin_memory() if self.device.type == "cuda" else t
+
+    def _compact(self, st: State, alive: list[int], b: int, nb: int):
+        """Move the alive batch rows to [0, len(alive)) and fill the rest of the new bucket with scratch rows.
+
+        The K/V caches stay where they are: a row takes its cache row along (``crow``), and the scratch
+        rows get cache rows of finished ones (they write there, and nothing reads them)."""
+        self.stats["compactions"] += 1
+        kept = set(alive)
+        order = alive + [i for i in range(b) if i not in kept]  # every batch row once, the alive ones first
+        idx = self._host_to_device(order, torch.long).to(st.tok.device, non_blocking=True)
+        na = len(alive)
+        for t in (st.tok, st.pos, st.grp, st.start, st.row_id, st.crow):
+            t[:b].copy_(t[idx])
+        st.live[:na].fill_(1)
+        st.live[na:nb].zero_()
+        st.row_id[na:nb].fill_(st.rows_cap)
+        st.grp[na:nb].zero_()
+        st.start[na:nb].zero_()

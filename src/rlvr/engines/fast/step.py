@@ -1,0 +1,122 @@
+"""One decoder layer and the sampling, as pure functions of tensors, for every supported family.
+
+A layer's step is: norm (pre-norm families), q/k/v projections, q/k norms and the rotary embedding
+(``pre_attention``); the cache write and attention, left to the caller (in-place writes into the
+static cache); then the output projection, norms, residuals and MLP (``post_attention``). The family
+and the sizes enter as plain Python values, so the branches below are settled when the step is traced
+and each family's compiled step holds only its own work. Written over plain tensors, one compiled
+graph serves all layers (the weights are its inputs) and inductor fuses each piece's elementwise work
+into a few kernels: at a 2,048-wide model a decode step is mostly kernel count, and eager it is about
+50 kernels per layer.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+
+def rms(x: torch.Tensor, weight: torch.Tensor, eps: float, float32_scale: bool) -> torch.Tensor:
+    """transformers' RMSNorm in one fused kernel: float32 statistics; the weight multiplies the float32
+    values before the cast (``float32_scale``, OLMo-2) or the cast values (Llama, Qwen)."""
+    if float32_scale:
+        return F.rms_norm(x.float(), (x.shape[-1],), weight.float(), eps).to(x.dtype)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
+
+
+def rms_unfused(x: torch.Tensor, weight: torch.Tensor, eps: float, float32_scale: bool) -> torch.Tensor:
+    """``rms`` written out as transformers' modules compute it (the ``fused_norms=False`` path)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * h).to(x.dtype) if float32_scale else weight * h.to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # transformers' apply_rotary_pos_emb; cos/sin come in the family's dtype (``rope_tables``).
+    return ((x * cos) + (rotate_half(x) * sin)).to(x.dtype)
+
+
+def rope_tables(pos: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype, float32: bool):
+    """cos and sin for position ids ``pos`` (any shape; a trailing head_dim axis is added), as the
+    model's rotary module computes them: float32, cast to the model's dtype unless ``float32``."""
+    freqs = pos.float()[..., None] * inv_freq.float()
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos() * scale, emb.sin() * scale
+    return (cos, sin) if float32 else (cos.to(dtype), sin.to(dtype))
+
+
+def project(x: torch.Tensor, ws: tuple, bs: tuple, sizes: tuple[int, ...]):
+    """The projections of x whose outputs are ``sizes`` wide: one matmul with the weights' rows stacked
+    (``ws`` = (stacked,), ``bs`` = (stacked bias or None,)), or one matmul per weight. Stacked, a decode
+    step reads the same bytes in fewer, larger kernels."""
+    if len(ws) == 1:
+        return F.linear(x, ws[0], bs[0]).split(sizes, dim=-1)
+    return tuple(F.linear(x, w, b) for w, b in zip(ws, bs))
+
+
+def pre_attention(x, norm1, wqkv: tuple, bqkv: tuple, q_norm, k_norm, cos, sin, *, heads: int, kv_heads: int,
+                  head_dim: int, eps: float, pre_norm: bool, qk_norm: str | None, float32_scale: bool, fused: bool):
+    """q (B, heads, Q, D), k and v (B, kv_heads, Q, D) of one layer for hidden states x (B, Q, hidden)."""
+    norm = rms if fused else rms_unfused
+    B, Q, _ = x.shape
+    h = norm(x, norm1, eps, float32_scale) if pre_norm else x
+    q, k, v = project(h, wqkv, bqkv, (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim))
+    if qk_norm == "all_heads":
+        q, k = norm(q, q_norm, eps, float32_scale), norm(k, k_norm, eps, float32_scale)
+    q = q.view(B, Q, heads, head_dim)
+    k = k.view(B, Q, kv_heads, head_dim)
+    if qk_norm == "per_head":
+        q, k = norm(q, q_norm, eps, float32_scale), norm(k, k_norm, eps, float32_scale)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
+    v = v.view(B, Q, kv_heads, head_dim).transpose(1, 2)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def post_attention(x, o, wo, bo, norm1, norm2, wgate_up: tuple, bgate_up: tuple, wdown, bdown, act, *, eps: float,
+                   pre_norm: bool, float32_scale: bool, fused: bool):
+    """The layer's output for input x (B, Q, hidden) and attention output o (B, heads, Q, D)."""
+    norm = rms if fused else rms_unfused
+    B, Q, _ = x.shape
+    attn = F.linear(o.transpose(1, 2).reshape(B, Q, -1), wo, bo)
+    if pre_norm:
+        x = x + attn
+        gate, up = project(norm(x, norm2, eps, float32_scale), wgate_up, bgate_up, (wdown.shape[1], wdown.shape[1]))
+        return x + F.linear(act(gate) * up, wdown, bdown)
+    x = x + norm(attn, norm1, eps, float32_scale)
+    gate, up = project(x, wgate_up, bgate_up, (wdown.shape[1], wdown.shape[1]))
+    return x + norm(F.linear(act(gate) * up, wdown, bdown), norm2, eps, float32_scale)
+
+
+def sample_math(logits, vocab_bias, temperature, top_p, noise, mode: str):
+    """Tokens and their temperature-1 log-probs for logits (b, vocab); ``noise`` holds Exp(1) draws."""
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    scores = logits + vocab_bias
+    if mode == "greedy":
+        tokens = scores.argmax(dim=-1)
+    else:
+        scores = scores / temperature
+        if mode == "top_p":
+            sorted_scores, order = scores.sort(dim=-1, descending=True)
+            p_sorted = sorted_scores.softmax(dim=-1)
+            drop = (p_sorted.cumsum(dim=-1) - p_sorted) >= top_p
+            sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+            scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
+        # argmax p_i / E_i = argmax (log p_i - log E_i) = argmax (score_i - log E_i): the normaliser is
+        # the same for every i, so no softmax pass is needed (-log E_i is Gumbel noise).
+        tokens = (scores - noise.clamp_min(1e-30).log()).argmax(dim=-1)
+    lp = logits.gather(-1, tokens[:, None]).squeeze(-1) - lse
+    return tokens, lp
+
+
+@functools.cache
+def compiled(fn):
+    """``torch.compile(fn, dynamic=True)``, once per process (batch size and length stay symbolic)."""
+    return torch.compile(fn, dynamic=True)
