@@ -189,12 +189,11 @@ def test_chunking_and_bucket_sizes_do_not_change_greedy_outputs(tiny_model, tiny
 
 
 def test_rejects_other_architectures(tiny_tokenizer):
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = LlamaConfig(vocab_size=len(tiny_tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                      num_attention_heads=4, num_key_value_heads=4)
-    with pytest.raises(ValueError, match="hf"):
-        FastHFEngine(LlamaForCausalLM(cfg), tiny_tokenizer)
+    cfg = GPT2Config(vocab_size=len(tiny_tokenizer), n_embd=32, n_layer=1, n_head=4)
+    with pytest.raises(ValueError, match="not GPT2LMHeadModel; use engine.name: hf"):
+        FastHFEngine(GPT2LMHeadModel(cfg), tiny_tokenizer)
 
 
 def test_rejects_bad_settings(tiny_model, tiny_tokenizer):

@@ -134,12 +134,13 @@ def test_pass_at_k_and_avg_at_k_worked_by_hand():
 
 
 def test_rlvr_eval_on_hf_fast_equals_hf_greedy(tmp_path, tiny_model_dir, gsm8k_path):
-    """`rlvr eval --engine hf-fast` (the SDPA path on a CPU) gives the plain engine's greedy answers, and
-    ``--n`` adds pass@k and avg@k to results.json."""
+    """`rlvr eval --engine hf-fast` (the SDPA path on a CPU) gives the plain engine's greedy answers, as does
+    ``--engine auto`` (which picks hf-fast for this OLMo-2 model), and ``--n`` adds pass@k and avg@k to
+    results.json."""
     from rlvr.cli import main
 
     runs = {}
-    for engine in ("hf", "hf-fast"):
+    for engine in ("hf", "hf-fast", "auto"):
         out = tmp_path / engine
         assert main(["eval", "--model", str(tiny_model_dir), "--data", str(gsm8k_path), "--limit", "4",
                      "--out", str(out), "--max-tokens", "12", "--n", "2", "--temperature", "0", "--device", "cpu",
@@ -148,3 +149,4 @@ def test_rlvr_eval_on_hf_fast_equals_hf_greedy(tmp_path, tiny_model_dir, gsm8k_p
         m = json.loads((out / "results.json").read_text())["results"]["r1_zero"]
         assert set(m["pass_at_k"]) == {"1", "2"} and m["avg_at_k"] == pytest.approx(m["categories"]["correct"] / 8)
     assert [s["response"] for s in runs["hf-fast"]] == [s["response"] for s in runs["hf"]]
+    assert [s["response"] for s in runs["auto"]] == [s["response"] for s in runs["hf"]]

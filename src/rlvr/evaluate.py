@@ -63,8 +63,8 @@ class EvalConfig:
     """Sampling seed; the same seed reproduces the run."""
     n: int = 1
     """Samples per question."""
-    engine: Literal["hf", "hf-fast", "hf-worker", "vllm"] = "hf"
-    """Rollout engine: hf (in-process), hf-fast (in-process with a static KV cache and CUDA graphs: the fast one on a GPU), hf-worker (its own process and device) or vllm (a running vLLM server)."""
+    engine: Literal["hf", "hf-fast", "auto", "hf-worker", "vllm"] = "hf"
+    """Rollout engine: hf (in-process), hf-fast (in-process with a static KV cache and CUDA graphs: the fast one on a GPU; OLMo-2, Llama, Qwen2 and Qwen3 models), auto (hf-fast when it runs the model, else hf), hf-worker (its own process and device) or vllm (a running vLLM server)."""
     device: str = "auto"
     """Device for the model: auto (cuda when available), cpu, cuda, cuda:1, ..."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -216,7 +216,7 @@ def run(cfg: EvalConfig) -> dict:
         raise ValueError(f"no examples loaded from {cfg.data!r} (split {cfg.split!r})")
     model, tokenizer = load_model_and_tokenizer(cfg.model, device=device, dtype=dtype)
     options: dict = {}
-    if cfg.engine in ("hf", "hf-fast", "hf-worker"):
+    if cfg.engine in ("hf", "hf-fast", "auto", "hf-worker"):
         options["max_batch_size"] = cfg.batch_size
     if cfg.engine == "hf-worker":
         options["device"] = device
