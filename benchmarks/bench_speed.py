@@ -35,6 +35,11 @@ decode are masked out of sampling, never out of the log-probs).
    bf16 AdamW without float32 master weights).
 8. TRL's ``GRPOTrainer`` without vLLM on the same model, tokenizer, prompts, batch, lengths, reward and
    sampling distribution (needs ``trl`` and ``datasets`` importable; ``--no-trl`` skips it).
+9. ``families``: the forced batch of 3 on random-weight models at the exact shapes of Qwen2.5-1.5B,
+   Llama-3.2-1B and Qwen3-1.7B (grouped-query attention, q/k/v biases, per-head q/k norms, llama3 rope
+   scaling, tied embeddings; ``--families`` picks some), each against its own decode floor (weights
+   and the key/value heads' K/V read once per step), and the sampled log-probs of a few rows against
+   the model's own bf16 forward, teacher-forced.
 
 Sections that would start after ``--deadline-s`` are skipped; a failing section prints its error and
 the others still run; the table is printed last.
@@ -70,6 +75,29 @@ from rlvr.prompts import render
 
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, datasheet
 
+# The exact shapes of three models the fast engine runs besides OLMo-2 (each model's config.json on the
+# Hugging Face hub: Qwen/Qwen2.5-1.5B, meta-llama/Llama-3.2-1B, Qwen/Qwen3-1.7B), for speed measurements
+# with random weights: (transformers model_type, config fields).
+FAMILY_MODELS = {
+    "qwen2.5-1.5b": ("qwen2", dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                                   num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=131072,
+                                   rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                                   use_sliding_window=False, hidden_act="silu")),
+    "llama-3.2-1b": ("llama", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                                   num_attention_heads=32, num_key_value_heads=8, head_dim=64,
+                                   max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+                                   rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+                                   tie_word_embeddings=True, attention_bias=False, mlp_bias=False, hidden_act="silu")),
+    "qwen3-1.7b": ("qwen3", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
+                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                                 max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                                 tie_word_embeddings=True, attention_bias=False, hidden_act="silu")),
+}
+# --tiny: the same families and traits at a size a CPU decodes in seconds (grouped-query attention kept).
+TINY_FAMILY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16)
+
 # FastHFEngine settings compared (``--all-variants``): attention through the Triton kernel over the
 # shared prompt cache, or by gathering each row's prompt K/V for SDPA; HF's RMSNorm modules or one
 # fused F.rms_norm call each; the decode step's pieces through torch.compile or eager. The first is
@@ -103,8 +131,10 @@ def parse_args(argv=None):
     ap.add_argument("--no-trl", action="store_true", help="skip the TRL GRPOTrainer side-by-side")
     ap.add_argument("--sections", default=None,
                     help="comma-separated subset of: checks, forced_length, realistic, training, compiled, "
-                         "trainer_step, trainer_step_lean, trl (default: all; ceilings always run; compiled needs "
-                         "training)")
+                         "trainer_step, trainer_step_lean, trl, families (default: all; ceilings always run; "
+                         "compiled needs training)")
+    ap.add_argument("--families", default=",".join(FAMILY_MODELS),
+                    help=f"comma-separated models of the families section (default: all of {', '.join(FAMILY_MODELS)})")
     ap.add_argument("--trl-steps", type=int, default=2, help="TRL optimizer steps (the last one is timed)")
     ap.add_argument("--trainer-steps", type=int, default=4,
                     help="rlvr trainer steps (model.compile: steps 3+ are averaged; 1 and 2 compile)")
@@ -116,6 +146,7 @@ def parse_args(argv=None):
 class Bench:
     def __init__(self, args):
         self.args = args
+        self.t_start = time.perf_counter()
         self.tiny = args.tiny or args.smoke
         self.device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
         self.dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
@@ -176,8 +207,7 @@ class Bench:
         with torch.device(self.device):
             self.model = build_model(config, seed=self.args.seed, dtype=self.dtype)
         self.model.eval()
-        self.n_params = sum(p.numel() for p in self.model.parameters())
-        self.n_matmul = self.n_params - self.model.model.embed_tokens.weight.numel()
+        self.n_params, self.n_matmul = param_counts(self.model)
         self.log.update(model_build_s=time.perf_counter() - t0, n_params=self.n_params, vocab_tokenizer=len(self.tok),
                         device=torch.cuda.get_device_name() if self.device.type == "cuda" else "cpu",
                         torch=torch.__version__)
@@ -209,18 +239,24 @@ class Bench:
         self.row("copy bandwidth (D2D, read+write)", f"{self.bw / 1e12:.2f} TB/s", "", "", "measured ceiling")
         self.row("bf16 matmul 8192^3", f"{self.mm / 1e12:.0f} TFLOP/s", "", "", "measured ceiling")
 
-    def decode_floor(self, prompt_lens: list[int], new_lens: list[int], group: int = 1) -> float:
+    def decode_floor(self, prompt_lens: list[int], new_lens: list[int], group: int = 1, model=None) -> float:
         """Seconds to read the weights once per step and the K/V of every live row once per step (a
-        group's shared prompt once while any of its ``group`` rows is live), or to do 2 x params FLOPs
-        per token, whichever is larger (prefill ignored: it is compute at full rate)."""
-        cfg = self.model.config
-        kv_per_token = 2 * cfg.num_hidden_layers * cfg.hidden_size * (2 if self.dtype == torch.bfloat16 else 4)
-        weight_bytes = self.n_params * (2 if self.dtype == torch.bfloat16 else 4)
+        group's shared prompt once while any of its ``group`` rows is live; the key/value heads' K/V under
+        grouped-query attention), or to do 2 x matmul params FLOPs per token, whichever is larger (prefill
+        ignored: it is compute at full rate). ``model``: default the OLMo-2 model of the other sections."""
+        model = model or self.model
+        cfg = model.config
+        kv_width = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        kv_width *= getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        size = 2 if self.dtype == torch.bfloat16 else 4
+        kv_per_token = 2 * cfg.num_hidden_layers * kv_width * size
+        n_params, n_matmul = param_counts(model)
+        weight_bytes = n_params * size
         steps = max(new_lens)
         kv = sum(kv_per_token * n * (n + 1) / 2 for n in new_lens)
         kv += sum(kv_per_token * prompt_lens[i] * max(new_lens[i:i + group]) for i in range(0, len(new_lens), group))
         bytes_ = steps * weight_bytes + kv
-        flops = 2 * self.n_matmul * sum(new_lens)
+        flops = 2 * n_matmul * sum(new_lens)
         return max(bytes_ / self.bw, flops / self.mm)
 
     # ------------------------------------------------------------ prompts
@@ -673,6 +709,74 @@ class Bench:
         model.eval()
         self.free()
 
+    # ------------------------------------------------------------ 9. other families
+    def families(self):
+        """The forced batch of section 3 on each of ``--families`` (random weights at the model's exact
+        shape, bf16), against its own decode floor; then a few sampled rows' log-probs against the
+        model's bf16 forward on prompt + completion (teacher-forced)."""
+        from transformers import AutoConfig
+
+        prompts = self.forced_prompts if hasattr(self, "forced_prompts") else self.fixed_length_prompts()
+        P, T = len(prompts), self.new_tokens
+        params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=T, seed=0, ignore_eos=True)
+        ids = dict(pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id,
+                   bos_token_id=self.tok.bos_token_id)
+        for name in self.args.families.split(","):
+            if name not in FAMILY_MODELS:
+                raise ValueError(f"unknown --families entry {name!r}: choose from {', '.join(FAMILY_MODELS)}")
+            if time.perf_counter() - self.t_start > self.args.deadline_s:
+                self.row(f"(h) {name} SKIPPED", f"past the {self.args.deadline_s:.0f} s deadline")
+                continue
+            model_type, shape = FAMILY_MODELS[name]
+            shape = dict(shape, **(TINY_FAMILY_SHAPE if self.tiny else {}))
+            if self.tiny:
+                shape["vocab_size"] = len(self.tok) + 64
+            config = AutoConfig.for_model(model_type, **shape, **ids)
+            with torch.device(self.device):
+                model = build_model(config, seed=self.args.seed, dtype=self.dtype)
+            model.eval()
+            try:
+                self.family_case(name, model, prompts, params)
+            finally:
+                del model
+                self.free()
+
+    def family_case(self, name, model, prompts, params):
+        P, T = len(prompts), params.max_new_tokens
+        cfg = model.config
+        n_params, _ = param_counts(model)
+        fast = FastHFEngine(model, self.tok, max_batch_size=P, **self.variants[0])
+        floor = self.decode_floor([self.prompt_len] * P, [T] * P, model=model)
+        _, cold = self.timed(lambda: fast.generate(prompts, params))
+        out, warm, warm_all = self.best_of(lambda: fast.generate(prompts, params))
+        assert all(len(c.token_ids) == T for g in out for c in g)
+        lay = fast.layout
+        shape = (f"{n_params / 1e9:.2f} B params, {lay.layers} layers, {lay.heads} heads / {lay.kv_heads} kv heads of "
+                 f"{lay.head_dim}, {'tied' if cfg.tie_word_embeddings else 'untied'} embeddings")
+        self.row(f"(h) {name} (random weights): FastHFEngine [{variant_name(self.variants[0])}], {P}x{self.prompt_len}"
+                 f"+{T} forced, warm", f"{warm:.2f} s ({P * T / warm:,.0f} tok/s)", f"{floor:.2f} s",
+                 f"{warm / floor:.2f}x the floor",
+                 f"goal <= 1.6x the floor; {shape}; best of 3 warm calls ({', '.join(f'{x:.2f}' for x in warm_all)} s); "
+                 f"cold (first call) {cold:.2f} s, {fast.stats['graphs_captured']} graphs captured in "
+                 f"{fast.stats['capture_time']:.1f} s")
+        self.log[f"fast_stats_family[{name}]"] = dict(fast.stats, warm=warm, warm_all=warm_all, cold=cold, floor=floor)
+        # The same engine, fewer rows: sampled log-probs against the model's own forward on the sequence.
+        check = prompts[:4]
+        short = SamplingParams(n=2, temperature=1.0, max_new_tokens=16 if self.tiny else 64, seed=1, ignore_eos=True)
+        diffs = []
+        for p, group in zip(check, fast.generate(check, short)):
+            p_ids = self.tok(p, add_special_tokens=False)["input_ids"]
+            for c in group:
+                seq = torch.tensor([p_ids + c.token_ids], device=self.device)
+                lp = sequence_logprobs(model, seq, torch.ones_like(seq))[0, len(p_ids) - 1:].float().cpu()
+                diffs.append((lp - torch.tensor(c.logprobs)).abs())
+        diffs = torch.cat(diffs)
+        self.row(f"(h') {name}: sampled log-probs vs the HF forward, teacher-forced", f"max abs diff {diffs.max():.3g}, "
+                 f"mean {diffs.mean():.3g}", "", "", f"{len(check)} prompts x 2 samples x {short.max_new_tokens} tokens; "
+                 f"{str(self.dtype).replace('torch.', '')}, different kernels and batch shapes")
+        fast.close()
+        del fast, out
+
     def free(self):
         gc.collect()
         if self.device.type == "cuda":
@@ -685,13 +789,22 @@ class Bench:
         return "\n".join(lines)
 
 
+def param_counts(model) -> tuple[int, int]:
+    """Parameters (a tied embedding once) and the matmul parameters of a decode step (all but the input
+    embedding lookup; with tied embeddings the LM head's matrix is the embedding and counts)."""
+    n = sum(p.numel() for p in model.parameters())
+    embed = model.model.embed_tokens.weight
+    tied = model.lm_head.weight is embed
+    return n, n - embed.numel() + (embed.numel() if tied else 0)
+
+
 def main(argv=None):
     args = parse_args(argv)
     bench = Bench(args)
-    t_start = time.perf_counter()
+    t_start = bench.t_start
     bench.setup()
     sections = (bench.ceilings, bench.checks, bench.forced_length, bench.realistic, bench.training, bench.compiled,
-                bench.trainer_step, bench.trainer_step_lean, bench.trl)
+                bench.trainer_step, bench.trainer_step_lean, bench.trl, bench.families)
     if args.sections:
         wanted = {"ceilings", *args.sections.split(",")}
         sections = tuple(s for s in sections if s.__name__ in wanted)

@@ -56,7 +56,7 @@ def decode(bench: Bench):
             reset()
             engine._run_step(st, b, graph_slots, "sample")  # captures
             reset()
-            graph = engine._graphs.get((b, graph_slots, "sample"))  # none on the CPU: the eager step
+            graph = engine._graphs.get(engine._step_key(b, graph_slots, "sample"))  # none on the CPU: the eager step
             run = graph.replay if graph is not None else (lambda: engine._decode_step(st, b, slots, "sample"))
             _, t = bench.timed(lambda: [run() for _ in range(reps)])
             cells.append(f"{1e3 * t / reps:.2f}")

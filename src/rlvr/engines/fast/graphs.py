@@ -22,6 +22,16 @@ class StepGraphs:
     def __bool__(self) -> bool:
         return bool(self._graphs)
 
+    def __iter__(self):
+        return iter(self._graphs)
+
+    def __getitem__(self, key: tuple):
+        return self._graphs[key]
+
+    def get(self, key: tuple):
+        """The captured graph of ``key``, or None."""
+        return self._graphs.get(key)
+
     def drop(self) -> None:
         # A memory pool must not outlive the graphs it served: capturing new graphs into the pool of
         # destroyed ones trips the caching allocator, so every drop starts a fresh pool.
