@@ -190,8 +190,8 @@ class FastHFEngine:
         (always the fused norms), else the same functions eagerly."""
         layout, family = self.layout, self.layout.family
         compiled = self._step_compiled()
-        pre = S.compiled(S.pre_attention) if compiled else S.pre_attention
-        post = S.compiled(S.post_attention) if compiled else S.post_attention
+        pre = S.compiled(S.pre_attention, family.name) if compiled else S.pre_attention
+        post = S.compiled(S.post_attention, family.name) if compiled else S.post_attention
         fused = compiled or self.fused_norms
         common = dict(eps=layout.eps, pre_norm=family.norms == "pre", float32_scale=family.float32_scale, fused=fused)
         st = self._state

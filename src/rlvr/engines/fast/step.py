@@ -13,6 +13,7 @@ into a few kernels: at a 2,048-wide model a decode step is mostly kernel count, 
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 import torch.nn.functional as F
@@ -117,6 +118,13 @@ def sample_math(logits, vocab_bias, temperature, top_p, noise, mode: str):
 
 
 @functools.cache
-def compiled(fn):
-    """``torch.compile(fn, dynamic=True)``, once per process (batch size and length stay symbolic)."""
+def compiled(fn, key: str | None = None):
+    """``torch.compile(fn, dynamic=True)``, once per process and ``key`` (batch size and length stay
+    symbolic). Each key compiles its own copy of ``fn``'s code: dynamo counts recompilations per code
+    object and runs a function eagerly past 8 of them, so one family's shapes must not use up another's."""
+    if key is not None:
+        code = fn.__code__.replace(co_name=f"{fn.__name__}_{key}")
+        copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+        copy.__kwdefaults__ = fn.__kwdefaults__
+        fn = functools.wraps(fn)(copy)
     return torch.compile(fn, dynamic=True)
