@@ -115,8 +115,8 @@ def greedy_generate_reference(model, tok, prompts, max_new_tokens):
         ids[r, L - len(e):] = torch.tensor(e)
         mask[r, L - len(e):] = 1
     device = next(model.parameters()).device
-    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False, max_new_tokens=max_new_tokens,
-                         pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                         max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     refs = []
     for row in out[:, L:].tolist():
         if tok.eos_token_id in row:
