@@ -49,7 +49,8 @@ def test_greedy_equals_model_generate_and_hf_engine(family, tiny_tokenizer):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_sampled_logprobs_equal_teacher_forced(family, tiny_tokenizer):
     model = family_model(family, tiny_tokenizer)
-    out = _fast(model, tiny_tokenizer).generate(PROMPTS, SamplingParams(n=3, temperature=1.0, max_new_tokens=12, seed=7))
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=12, seed=7)
+    out = _fast(model, tiny_tokenizer).generate(PROMPTS, params)
     assert_logprobs_are_teacher_forced(model, tiny_tokenizer, PROMPTS, out, atol=1e-4)
     assert len({tuple(c.token_ids) for c in out[0]}) > 1
 
@@ -151,6 +152,7 @@ def test_train_refuses_a_local_model_hf_fast_cannot_run_before_loading_it(gsm8k_
     from rlvr.trainer import train
 
     GPT2Config(n_embd=32, n_layer=1, n_head=4).save_pretrained(tmp_path / "gpt2")  # a config, no weights
-    cfg = tiny_config(gsm8k_path, engine=EngineConfig(name="hf-fast"), model=ModelConfig(name_or_path=str(tmp_path / "gpt2")))
-    with pytest.raises(ConfigError, match=r"engine.name hf-fast: hf-fast runs OLMo-2 .*, not gpt2; use engine.name: hf"):
+    cfg = tiny_config(gsm8k_path, engine=EngineConfig(name="hf-fast"),
+                      model=ModelConfig(name_or_path=str(tmp_path / "gpt2")))
+    with pytest.raises(ConfigError, match=r"hf-fast: hf-fast runs OLMo-2 .*, not gpt2; use engine.name: hf"):
         train(cfg, tmp_path / "run")

@@ -184,16 +184,18 @@ class FastHFEngine:
         return S.rope_tables(pos, rot.inv_freq, getattr(rot, "attention_scaling", 1.0),
                              self.model.model.embed_tokens.weight.dtype, self.layout.family.float32_scale)
 
-    def _layers(self, x: torch.Tensor, cos, sin, attend):
+    def _layers(self, x: torch.Tensor, cos, sin, attend, grouped_rows: bool = False):
         """Run every decoder layer on x (B, Q, hidden); ``attend(i, q, k, v)`` gets q (B, heads, Q, D), k and
-        v (B, kv_heads, Q, D) and returns (B, heads, Q, D). The compiled pieces when the step is compiled
-        (always the fused norms), else the same functions eagerly."""
+        v (B, kv_heads, Q, D) and returns (B, heads, Q, D), or with ``grouped_rows`` all three in
+        ``step.pre_attention``'s grouped layout. The compiled pieces when the step is compiled (always
+        the fused norms), else the same functions eagerly."""
         layout, family = self.layout, self.layout.family
         compiled = self._step_compiled()
         pre = S.compiled(S.pre_attention, family.name) if compiled else S.pre_attention
         post = S.compiled(S.post_attention, family.name) if compiled else S.post_attention
         fused = compiled or self.fused_norms
-        common = dict(eps=layout.eps, pre_norm=family.norms == "pre", float32_scale=family.float32_scale, fused=fused)
+        common = dict(eps=layout.eps, pre_norm=family.norms == "pre", float32_scale=family.float32_scale, fused=fused,
+                      grouped_rows=grouped_rows)
         st = self._state
         stacked = st is not None and bool(st.wqkv)
         for i, w in enumerate(self._weights):
@@ -281,34 +283,29 @@ class FastHFEngine:
         rlen = st.slot + 1  # response slots filled once this step has written its own
         kind = self._attention_kind()
 
+        grouped = kind == "triton" and groups > 1
         if kind == "triton":
-            # With grouped-query attention the kernel sees b * groups attention rows over kv_heads heads:
-            # row r * groups + g holds query head h * groups + g of batch row r for key/value head h, and
-            # the row indices repeat per group. Each key/value head's cache is stored and read once per
-            # step for all of its query heads (the group's rows run side by side).
+            # With grouped-query attention the kernel sees b * groups attention rows over kv_heads heads
+            # (``step.pre_attention``'s grouped layout): row r * groups + g holds query head
+            # h * groups + g of batch row r for key/value head h, and the per-row indices repeat per
+            # group. Each key/value head's cache is stored once and read once per step for all of its
+            # query heads (the group's rows run side by side, mostly from the GPU's L2 cache).
             rows = b * groups
-            if groups > 1:
-                def spread(t):  # (b, ...) -> (b * groups, ...), each batch row's entry repeated groups times
-                    return t[:b, None].expand(b, groups, *t.shape[1:]).reshape(rows, *t.shape[1:])
-                grp, start, live, crow = spread(st.grp), spread(st.start), spread(st.live), spread(st.crow)
-            else:
-                spread = None
-                grp, start, live, crow = st.grp, st.start, st.live, st.crow
+
+            def spread(t):  # (b,) -> (b * groups,): each batch row's entry repeated groups times
+                return t[:b, None].expand(b, groups).reshape(rows)
+
+            grp, start, live, crow = ((spread(st.grp), spread(st.start), spread(st.live), spread(st.crow)) if grouped
+                                      else (st.grp, st.start, st.live, st.crow))
             splits = self.attention_splits or default_splits(rows, kv)
             nruns = self._runs_for(b)
             runs = (st.runs[0, :nruns], st.runs[1, :nruns]) if nruns else None
 
         def attend(i, q, k, v):
             if kind == "triton":  # the kernel writes this step's K/V at slot rlen - 1 itself
-                if spread is not None:
-                    q = q.reshape(b, kv, groups, hd).transpose(1, 2).reshape(rows, kv, 1, hd)
-                    k, v = spread(k), spread(v)
-                out = triton_decode_attention(q, st.pk[i], st.pv[i], st.rk[i], st.rv[i], grp, start, st.plen, rlen,
-                                              k_new=k, v_new=v, live=live, splits=splits, runs=runs,
-                                              run_rows=self._run_queries(), cache_rows=crow)
-                if spread is not None:
-                    out = out.reshape(b, groups, kv, hd).transpose(1, 2).reshape(b, heads, 1, hd)
-                return out
+                return triton_decode_attention(q, st.pk[i], st.pv[i], st.rk[i], st.rv[i], grp, start, st.plen, rlen,
+                                               k_new=k, v_new=v, live=live, splits=splits, runs=runs,
+                                               run_rows=self._run_queries(), cache_rows=crow)
             cache_rows = st.crow[:b]
             st.rk[i][cache_rows, :, st.slot] = k[:, :, 0]  # (b, kv_heads, head_dim) at (cache row, slot)
             st.rv[i][cache_rows, :, st.slot] = v[:, :, 0]
@@ -319,7 +316,7 @@ class FastHFEngine:
             return out.reshape(b, heads, 1, hd)
 
         x = self.model.model.embed_tokens(tok)[:, None]
-        h = self._layers(x, cos, sin, attend)
+        h = self._layers(x, cos, sin, attend, grouped_rows=grouped)
         logits = self.model.lm_head(h[:, 0])
         tokens, lp = self._sample(st, logits, b, mode, self._step_compiled())
         rid = st.row_id[:b]

@@ -69,9 +69,11 @@ def unsupported_reason(config, model_class: str | None = None) -> str | None:
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_type = str(rope.get("rope_type", rope.get("type", "default"))) if isinstance(rope, dict) else "default"
     if any(t in rope_type for t in _LENGTH_DEPENDENT_ROPE):
-        return f"hf-fast needs a fixed rotary embedding; this {family.name} model's rope_type {rope_type!r} changes with length; {fallback}"
+        return (f"hf-fast needs a fixed rotary embedding; this {family.name} model's rope_type {rope_type!r} "
+                f"changes with length; {fallback}")
     if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-        return f"hf-fast attends to every earlier token; this {family.name} model uses sliding-window attention; {fallback}"
+        return (f"hf-fast attends to every earlier token; this {family.name} model uses sliding-window attention; "
+                f"{fallback}")
     heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     if heads % kv:
         return f"hf-fast needs num_attention_heads ({heads}) to be a multiple of num_key_value_heads ({kv}); {fallback}"

@@ -23,8 +23,8 @@ class State:
     grp: torch.Tensor          # (rows_cap,) prompt-cache entry of the row (its prompt)
     start: torch.Tensor        # (rows_cap,) first real prompt slot of the row (left padding before it)
     row_id: torch.Tensor       # (rows_cap,) output row the batch row writes to (scratch row for fillers)
-    live: torch.Tensor         # (rows_cap,) int32: 0 for fillers and rows the host found finished (attention skips them)
-    runs: torch.Tensor         # (2, rows_cap) int32: first attention row and row count of each run of rows sharing a prompt
+    live: torch.Tensor         # (rows_cap,) int32: 0 for fillers and rows found finished (attention skips them)
+    runs: torch.Tensor         # (2, rows_cap) int32: first attention row and row count of runs sharing a prompt
     crow: torch.Tensor         # (rows_cap,) cache row of rk/rv holding the batch row's response K/V
     plen: torch.Tensor         # (1,) prompt slots in use (the chunk's padded prompt length)
     slot: torch.Tensor         # (1,) response slot the next step writes
@@ -98,7 +98,8 @@ def allocate(layout: Layout, weights: list[LayerWeights], *, rows: int, groups: 
             bgate_up.append(_stacked_bias_room([w.w_gate, w.w_up], [w.b_gate, w.b_up]))
     layers = layout.layers
     return State(
-        pk=[zeros(groups, prompt_slots) for _ in range(layers)], pv=[zeros(groups, prompt_slots) for _ in range(layers)],
+        pk=[zeros(groups, prompt_slots) for _ in range(layers)],
+        pv=[zeros(groups, prompt_slots) for _ in range(layers)],
         rk=[zeros(rows, slots) for _ in range(layers)], rv=[zeros(rows, slots) for _ in range(layers)],
         tok=torch.zeros(rows, **long), pos=torch.zeros(rows, **long), grp=torch.zeros(rows, **long),
         start=torch.zeros(rows, **long), row_id=torch.full((rows,), rows, **long),
@@ -115,7 +116,8 @@ def allocate(layout: Layout, weights: list[LayerWeights], *, rows: int, groups: 
 
 
 def _cat_bias(ws, bs, out: torch.Tensor) -> None:
-    parts = [b if b is not None else torch.zeros(w.shape[0], dtype=out.dtype, device=out.device) for w, b in zip(ws, bs)]
+    parts = [b if b is not None else torch.zeros(w.shape[0], dtype=out.dtype, device=out.device)
+             for w, b in zip(ws, bs)]
     torch.cat(parts, out=out)
 
 
