@@ -2,6 +2,11 @@
 
 Each command lives in its own module and exposes ``main(argv: list[str]) -> int``; modules load
 lazily so that ``rlvr --help`` is instant and a command only imports what it needs.
+
+A ``UserError`` (bad input, a missing file, a run directory in use) ends any command with one line,
+``rlvr <command>: <message>``, and its exit status (2, or 1 for a fault during training); other
+exceptions are bugs and keep their traceback. SIGTERM stops every command like Ctrl-C (status 143
+and 130).
 """
 
 from __future__ import annotations
@@ -36,8 +41,19 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"rlvr: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    from rlvr.errors import UserError
+    from rlvr.interrupts import exit_code, sigterm_as_interrupt
+
+    try:
+        with sigterm_as_interrupt():
+            module = importlib.import_module(COMMANDS[name][0])
+            return int(module.main(rest) or 0)
+    except UserError as e:
+        print(f"rlvr {name}: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt as e:
+        print(f"rlvr {name}: interrupted", file=sys.stderr)
+        return exit_code(e)
 
 
 if __name__ == "__main__":
