@@ -19,7 +19,7 @@ from rlvr.experiments.sweep import (
 # A stand-in trainer with the real one's run-directory contract. Used in-process (exec'd) and as a
 # plugin file in subprocesses, where it replaces the `train` command of `rlvr`.
 FAKE_TRAINER = '''
-import argparse, builtins, json, sys, time
+import argparse, builtins, json, os, sys, time
 from pathlib import Path
 
 import yaml
@@ -45,7 +45,7 @@ def fake_train(config_path, out_dir, resume, stop_at=None):
             f.write(json.dumps({"step": step, "train/reward": cfg["seed"] + step * cfg["optim"]["lr"],
                                 "val/reward": 0.1 * cfg["seed"]}) + "\\n")
             f.flush()
-            time.sleep(cfg.get("sleep", 0))
+            time.sleep(float(os.environ.get("FAKE_TRAINER_SLEEP", 0)))
     (out / "summary.json").write_text(json.dumps({"status": "finished", "marker": getattr(builtins, "_sweep_marker", None),
                                                   "resumed_from": start}))
 
@@ -244,10 +244,11 @@ def test_sigterm_interrupts_children_cleanly(tmp_path, signame):
 
     (tmp_path / "fake_trainer.py").write_text(FAKE_TRAINER)
     spec = write_spec(tmp_path / "s.yaml", plugins=["fake_trainer.py"],
-                      base={"n_steps": 10_000, "sleep": 0.05, "optim": {"lr": 1.0}})
+                      base={"n_steps": 10_000, "optim": {"lr": 1.0}})
     out = tmp_path / "out"
     sweep = subprocess.Popen([sys.executable, "-m", "rlvr", "sweep", str(spec), "--out", str(out), "--max-parallel", "2",
-                              "--seeds", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              "--seeds", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env={**os.environ, "FAKE_TRAINER_SLEEP": "0.05"})
     metrics = [out / s / "seed_0" / "metrics.jsonl" for s in ("a", "b")]
     deadline = time.time() + 60
     while not all(m.is_file() and m.stat().st_size for m in metrics) and time.time() < deadline:
