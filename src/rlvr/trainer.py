@@ -375,6 +375,9 @@ def _prepare_run_dir(config: TrainConfig, run_dir: Path, resume: bool) -> tuple[
     to resume from or None, whether the run already finished)``. Runs under the directory's lock."""
     summary = read_summary(run_dir)
     if resume and summary and summary.get("status") == "finished" and summary.get("step", -1) >= config.n_steps:
+        if summary["step"] > config.n_steps:
+            raise ConfigError(f"{run_dir} finished at step {summary['step']} already, past n_steps={config.n_steps}; "
+                              f"a run cannot be shortened: resume with --n_steps {summary['step']} or more")
         return None, True
     if not resume and (list_checkpoints(run_dir) or damaged_checkpoints(run_dir)):
         raise ConfigError(f"{run_dir} already holds a run; resume it (`rlvr train --resume {run_dir}`) or choose a new --out")

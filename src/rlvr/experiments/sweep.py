@@ -70,7 +70,7 @@ from rlvr.errors import UserError
 from rlvr.experiments.plugins import import_plugins, resolve_plugin
 from rlvr.experiments.runs import flatten
 from rlvr.interrupts import Terminated, exit_code, sigterm_as_interrupt
-from rlvr.rundir import atomic_write_json, atomic_write_text, describe_holder, lock_holder
+from rlvr.rundir import LOCK_FILE, atomic_write_json, atomic_write_text, describe_holder, lock_holder
 
 SETTING_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.=+,-]*$")
 SWEEP_DIR = "_sweep"
@@ -272,7 +272,7 @@ def run_state(out_dir: Path, n_steps: int | None = None) -> tuple[str, str]:
                 return RESUME, f"finished at step {step}, extended to n_steps={n_steps}"
             return SKIP, "finished"
         return RESUME, f"summary.json says status={status!r}"
-    if out_dir.is_dir() and any(out_dir.iterdir()):
+    if out_dir.is_dir() and any(p.name != LOCK_FILE for p in out_dir.iterdir()):
         n = _count_lines(out_dir / "metrics.jsonl")
         return RESUME, f"interrupted after {n} logged steps" if n else "interrupted before its first step"
     return RUN, "new"
