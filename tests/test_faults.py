@@ -68,7 +68,7 @@ def strip_timings(rows):
 def one_line_error(capsys, command: str) -> str:
     err = capsys.readouterr().err.strip()
     assert "Traceback" not in err, err
-    lines = [line for line in err.splitlines() if line.strip()]
+    lines = [line for line in err.splitlines() if line.strip() and f"rlvr {command}: warning: " not in line]
     assert len(lines) == 1 and lines[0].startswith(f"rlvr {command}: "), err
     return lines[0]
 

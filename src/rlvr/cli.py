@@ -11,8 +11,11 @@ and 130).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
+import warnings
+from pathlib import Path
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("rlvr.evaluate", "evaluate prompts on a model: accuracy, format categories, samples"),
@@ -32,6 +35,25 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def _plain_warnings(command: str):
+    """rlvr's own warnings as one line each (``rlvr train: warning: ...``), without the source line
+    that Python prints by default; other libraries' warnings are left as they are."""
+    default = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if Path(filename).parent.name == "rlvr" or "rlvr" in Path(filename).parts:
+            print(f"rlvr {command}: warning: {message}", file=file or sys.stderr)
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = default
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -45,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     from rlvr.interrupts import exit_code, sigterm_as_interrupt
 
     try:
-        with sigterm_as_interrupt():
+        with sigterm_as_interrupt(), _plain_warnings(name):
             module = importlib.import_module(COMMANDS[name][0])
             return int(module.main(rest) or 0)
     except UserError as e:
