@@ -91,3 +91,68 @@ def test_truncate_metrics_drops_later_steps_and_partial_lines(tmp_path):
         f.write('{"step": 5, "train/lo')  # a line cut by a crash
     truncate_metrics(tmp_path / "metrics.jsonl", 2)
     assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2]
+
+
+def test_manifest_catches_truncation_random_bytes_and_missing_files(tiny_model, tiny_tokenizer, tmp_path):
+    import json
+
+    opt, sched = _setup(tiny_model)
+    path = ck.save_checkpoint(tmp_path, 1, tiny_model, tiny_tokenizer, opt, sched, state={})
+    manifest = json.loads((path / ck.MANIFEST).read_text())["files"]
+    assert {"trainer_state.pt", "model/model.safetensors", "model/config.json"} <= set(manifest)
+    assert manifest["trainer_state.pt"]["sha256"] == ck.file_sha256(path / "trainer_state.pt")
+    assert ck.verify_checkpoint(path) == []
+
+    weights = path / "model" / "model.safetensors"
+    good = weights.read_bytes()
+    weights.write_bytes(good[:100])
+    assert ck.verify_checkpoint(path) == [f"model/model.safetensors has 100 bytes, expected {len(good)}"]
+    weights.write_bytes(good[:50] + bytes(255 - b for b in good[50:60]) + good[60:])
+    assert ck.verify_checkpoint(path) == ["model/model.safetensors does not match its checksum"]
+    weights.unlink()
+    assert ck.verify_checkpoint(path) == ["model/model.safetensors is missing"]
+    # A checkpoint from before manifests has nothing to be checked against.
+    weights.write_bytes(good)
+    (path / ck.MANIFEST).unlink()
+    assert ck.verify_checkpoint(path) == []
+
+
+def test_resumable_checkpoint_sets_the_damaged_aside_and_falls_back(tiny_model, tiny_tokenizer, tmp_path):
+    opt, sched = _setup(tiny_model)
+    for step in (1, 2):
+        ck.save_checkpoint(tmp_path, step, tiny_model, tiny_tokenizer, opt, sched, state={}, keep=2)
+    state = tmp_path / "checkpoints" / "step_000002" / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:-10])
+    said = []
+    assert ck.resumable_checkpoint(tmp_path, echo=said.append).name == "step_000001"
+    assert "step_000002 failed verification (trainer_state.pt has" in said[0] and "step_000001" in said[1]
+    assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["step_000001"]
+    assert (tmp_path / "checkpoints" / "damaged-step_000002").is_dir()
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_000001"
+    # The next save after the fallback never prunes the checkpoint it just wrote.
+    ck.save_checkpoint(tmp_path, 2, tiny_model, tiny_tokenizer, opt, sched, state={}, keep=1)
+    assert [p.name for p in ck.list_checkpoints(tmp_path)] == ["step_000002"]
+
+
+def test_no_intact_checkpoint_is_an_error(tiny_model, tiny_tokenizer, tmp_path):
+    opt, sched = _setup(tiny_model)
+    path = ck.save_checkpoint(tmp_path, 3, tiny_model, tiny_tokenizer, opt, sched, state={})
+    (path / "model" / "model.safetensors").write_bytes(b"garbage")
+    for _ in range(2):  # and it stays an error once the damaged one was set aside
+        with pytest.raises(ck.CheckpointError, match="has no intact checkpoint to resume from"):
+            ck.resumable_checkpoint(tmp_path, echo=lambda s: None)
+    assert ck.resumable_checkpoint(tmp_path / "never_ran") is None
+
+
+def test_damaged_middle_metrics_line_is_skipped_and_the_rest_kept(tmp_path):
+    log = MetricsLogger(tmp_path)
+    for s in range(5):
+        log.log({"step": s, "train/loss": float(s)})
+    log.close()
+    path = tmp_path / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    lines[2] = lines[2][:7] + "\x00\x00garbage"
+    path.write_text("\n".join(lines) + "\n" + '{"step": 5, "tr')  # and a last line cut by a crash
+    with pytest.warns(UserWarning, match=r"metrics.jsonl:3: skipped a line"):
+        truncate_metrics(path, 4)
+    assert [r["step"] for r in read_metrics(path)] == [0, 1, 3, 4]

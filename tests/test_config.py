@@ -154,3 +154,57 @@ def test_async_on_the_policy_gpu_warns_that_nothing_overlaps():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert resolved(engine=EngineConfig(name="hf-worker", device="cuda:1", max_staleness=1), **kw).validate() == []
+
+
+# -------------------------------------------------------------------------------------------------
+# Typed values: one reader for files, sweeps and config.json
+# -------------------------------------------------------------------------------------------------
+
+def test_values_are_converted_to_their_field_types():
+    c = TrainConfig.from_dict({"optim": {"lr": 1, "betas": [0.8, 1], "train_batch_size": None},
+                               "algorithm": {"advantage_eps": 0, "cliprange": 2},
+                               "data": {"train_size": 64.0}, "plugins": ["a.py"], "n_steps": 5})
+    assert c.optim.lr == 1.0 and isinstance(c.optim.lr, float)
+    assert c.optim.betas == (0.8, 1.0) and all(isinstance(b, float) for b in c.optim.betas)
+    assert isinstance(c.algorithm.advantage_eps, float) and c.algorithm.cliprange == 2.0
+    assert c.data.train_size == 64 and isinstance(c.data.train_size, int)  # a whole float is an integer
+    assert c.plugins == ("a.py",) and c.n_steps == 5
+
+
+@pytest.mark.parametrize("data,message", [
+    ({"n_steps": "3"}, "config key n_steps must be an integer, got string '3' (write the number without quotes)"),
+    ({"optim": {"lr": "1e-3"}}, "config key optim.lr must be a number, got string '1e-3' (write the number without quotes)"),
+    ({"n_steps": 2.5}, "config key n_steps must be an integer, got number 2.5"),
+    ({"log": {"wandb": "yes"}}, "config key log.wandb must be true or false, got string 'yes'"),
+    ({"optim": {"schedule": "cosin"}}, "config key optim.schedule must be one of 'constant', 'cosine', 'linear'"),
+    ({"optim": {"betas": [0.9]}}, "config key optim.betas must be a list of 2 numbers, got list [0.9]"),
+    ({"data": {"train_size": "all"}}, "config key data.train_size must be an integer (or null), got string 'all'"),
+    ({"seed": True}, "config key seed must be an integer, got boolean True"),
+    ({"model": "tiny"}, "config key model must be a mapping of keys to values, got string 'tiny'"),
+    ({"plugins": "a.py"}, "config key plugins must be a list of strings"),
+])
+def test_wrong_types_name_the_key_and_the_expected_type(data, message):
+    with pytest.raises(ConfigError) as e:
+        TrainConfig.from_dict(data)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_yaml_files_read_exponents_as_numbers(tmp_path):
+    y = tmp_path / "c.yaml"
+    y.write_text("optim: {lr: 1e-3, weight_decay: 1E-2}\nalgorithm: {advantage_eps: 1e-6}\n")
+    c = load_config_file(y)
+    assert (c.optim.lr, c.optim.weight_decay, c.algorithm.advantage_eps) == (1e-3, 1e-2, 1e-6)
+    y.write_text("optim: {lr: [1e-3}\n")
+    with pytest.raises(ConfigError, match=r"c.yaml:1: not valid YAML"):
+        load_config_file(y)
+    y.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="must hold a mapping of config keys"):
+        load_config_file(y)
+
+
+def test_group_of_one_with_a_mean_baseline_is_an_error():
+    with pytest.raises(ConfigError, match="rollout.group_size=1 with algorithm.baseline=mean makes every advantage 0"):
+        resolved(rollout=RolloutConfig(group_size=1), algorithm=AlgorithmConfig(advantage_normalizer="none")).validate()
+    rft = resolved(rollout=RolloutConfig(group_size=1), algorithm=AlgorithmConfig(preset="rft"))
+    assert rft.algorithm.baseline == "none"
+    rft.validate()  # no baseline: the rewards themselves are the advantages, so a group of one trains

@@ -117,5 +117,7 @@ def test_cli_parses_options(tmp_path):
 
 
 def test_unknown_model_is_a_clear_error(tmp_path):
-    with pytest.raises(ValueError, match="named size"):
+    from rlvr.errors import UserError
+
+    with pytest.raises(UserError, match="named size"):
         run_sft(SFTConfig(data=SPEC, model="not-a-size", out=tmp_path, steps=1, max_examples=4, progress=False))

@@ -19,7 +19,7 @@ from rlvr.experiments.sweep import (
 # A stand-in trainer with the real one's run-directory contract. Used in-process (exec'd) and as a
 # plugin file in subprocesses, where it replaces the `train` command of `rlvr`.
 FAKE_TRAINER = '''
-import argparse, builtins, json, sys, time
+import argparse, builtins, json, os, sys, time
 from pathlib import Path
 
 import yaml
@@ -45,7 +45,7 @@ def fake_train(config_path, out_dir, resume, stop_at=None):
             f.write(json.dumps({"step": step, "train/reward": cfg["seed"] + step * cfg["optim"]["lr"],
                                 "val/reward": 0.1 * cfg["seed"]}) + "\\n")
             f.flush()
-            time.sleep(cfg.get("sleep", 0))
+            time.sleep(float(os.environ.get("FAKE_TRAINER_SLEEP", 0)))
     (out / "summary.json").write_text(json.dumps({"status": "finished", "marker": getattr(builtins, "_sweep_marker", None),
                                                   "resumed_from": start}))
 
@@ -244,10 +244,11 @@ def test_sigterm_interrupts_children_cleanly(tmp_path, signame):
 
     (tmp_path / "fake_trainer.py").write_text(FAKE_TRAINER)
     spec = write_spec(tmp_path / "s.yaml", plugins=["fake_trainer.py"],
-                      base={"n_steps": 10_000, "sleep": 0.05, "optim": {"lr": 1.0}})
+                      base={"n_steps": 10_000, "optim": {"lr": 1.0}})
     out = tmp_path / "out"
     sweep = subprocess.Popen([sys.executable, "-m", "rlvr", "sweep", str(spec), "--out", str(out), "--max-parallel", "2",
-                              "--seeds", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                              "--seeds", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env={**os.environ, "FAKE_TRAINER_SLEEP": "0.05"})
     metrics = [out / s / "seed_0" / "metrics.jsonl" for s in ("a", "b")]
     deadline = time.time() + 60
     while not all(m.is_file() and m.stat().st_size for m in metrics) and time.time() < deadline:
@@ -419,3 +420,144 @@ def test_end_to_end_custom_estimator_in_subprocesses(tmp_path):
     for run in runs.values():
         steps, clip = run.series("train/clip_fraction")
         assert steps.tolist() == [1, 2] and ((clip >= 0) & (clip <= 1)).all()
+
+
+# -------------------------------------------------------------------------------------------------
+# Validation before anything runs, locked runs, and stopping
+# -------------------------------------------------------------------------------------------------
+
+def test_dry_run_rejects_a_misspelt_key_and_a_wrong_type(tmp_path, capsys):
+    spec = write_spec(tmp_path / "s.yaml", settings={"a": {"algorithm.presett": "grpo"}, "b": {"optim.lr": "fast"},
+                                                     "c": {"optim.lr": 1e-4}})
+    out = tmp_path / "sweep"
+    assert sweep_main([str(spec), "--out", str(out), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "2 setting(s) have an invalid config" in err
+    assert "a (seed 0, 1): unknown config key(s) algorithm.presett" in err
+    assert "b (seed 0, 1): config key optim.lr must be a number, got string 'fast'" in err
+    assert "c (" not in err and not out.exists()
+
+
+def test_run_finished_short_of_the_requested_steps_is_resumed(tmp_path):
+    from rlvr.experiments.sweep import run_state
+
+    (tmp_path / "summary.json").write_text(json.dumps({"status": "finished", "step": 4}))
+    assert run_state(tmp_path, n_steps=4) == (SKIP, "finished")
+    assert run_state(tmp_path, n_steps=8)[0] == RESUME
+
+
+def test_locked_run_is_busy_and_left_alone(tmp_path, fake):
+    import os
+
+    from rlvr.experiments.sweep import BUSY
+    from rlvr.rundir import RunDirLock
+
+    spec = write_spec(tmp_path / "s.yaml", seeds=[0])
+    out = tmp_path / "sweep"
+    calls, said = [], []
+
+    def train_fn(config_path, out_dir, resume):
+        calls.append(out_dir.relative_to(out).as_posix())
+        fake(config_path, out_dir, resume)
+
+    with RunDirLock(out / "a" / "seed_0", command="rlvr train (an earlier sweep's run)"):
+        planned = {p.label: p for p in plan(SweepSpec.from_file(spec), out)}
+        assert planned["a/seed_0"].action == BUSY and f"pid {os.getpid()}" in planned["a/seed_0"].reason
+        run_sweep(spec, out, train_fn=train_fn, echo=said.append)
+    assert calls == ["b/seed_0"]
+    assert any(s.startswith("busy, left alone: a/seed_0") for s in said)
+    assert [p.action for p in plan(SweepSpec.from_file(spec), out)] == [RUN, SKIP]  # free again
+
+
+def test_killed_sweep_takes_its_runs_down(tmp_path):
+    """SIGKILL leaves the sweep no chance to stop its runs: the kernel tells each run (SIGTERM) and it
+    stops as for Ctrl-C; a second sweep then resumes them instead of racing them."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    (tmp_path / "fake_trainer.py").write_text(FAKE_TRAINER)
+    spec = write_spec(tmp_path / "s.yaml", plugins=["fake_trainer.py"], base={"n_steps": 10_000, "optim": {"lr": 1.0}})
+    out = tmp_path / "out"
+    sweep = subprocess.Popen([sys.executable, "-m", "rlvr", "sweep", str(spec), "--out", str(out), "--max-parallel", "2",
+                              "--seeds", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             env={**os.environ, "FAKE_TRAINER_SLEEP": "0.05"})
+    metrics = [out / s / "seed_0" / "metrics.jsonl" for s in ("a", "b")]
+    deadline = time.time() + 60
+    while not all(m.is_file() and m.stat().st_size for m in metrics) and time.time() < deadline:
+        time.sleep(0.1)
+    sweep.kill()
+    output, _ = sweep.communicate(timeout=60)
+    pids = [int(line.rsplit("pid ", 1)[1].rstrip(")")) for line in output.splitlines() if line.startswith("started")]
+    assert len(pids) == 2, output
+    deadline = time.time() + 60
+    while time.time() < deadline and any(_alive(pid) for pid in pids):
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids)
+    for s in ("a", "b"):
+        assert json.loads((out / s / "seed_0" / "summary.json").read_text())["status"] == "interrupted"
+    assert [p.action for p in plan(SweepSpec.from_file(spec), out, seeds=[0])] == [RESUME, RESUME]
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie (exited, not yet reaped by init) counts as gone
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def test_child_that_ignores_the_stop_is_killed_with_its_process_group(tmp_path):
+    import subprocess
+    import types
+
+    from rlvr.experiments.sweep import _stop_children
+
+    code = ("import signal, subprocess, sys, time\n"
+            "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+            "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+            "print(g.pid, flush=True)\n"
+            "time.sleep(600)\n")
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    grandchild = int(child.stdout.readline())
+    said = []
+    log = (tmp_path / "log").open("w")
+    _stop_children([(child, types.SimpleNamespace(label="x/seed_0"), 0.0, log)], said.append, grace_s=1.0)
+    assert child.returncode == -9 and any("killing its process group" in s for s in said)
+    import time
+
+    deadline = time.time() + 10
+    while _alive(grandchild) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not _alive(grandchild)
+
+
+def test_sigterm_stops_an_in_process_sweep_with_a_checkpoint(tmp_path, monkeypatch, capsys):
+    import os
+    import signal
+
+    trainer = pytest.importorskip("rlvr.trainer")
+    spec = tmp_path / "tiny.yaml"
+    spec.write_text(yaml.safe_dump({"base": TINY_BASE, "seeds": [0], "settings": {"grpo": {}}}, sort_keys=False))
+    out = tmp_path / "sweep"
+    real_step = trainer._rollout_step
+
+    def sigterm_in_step_3(config, step, *args, **kwargs):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # as `timeout` would: the step finishes, then the run saves
+        return real_step(config, step, *args, **kwargs)
+
+    monkeypatch.setattr(trainer, "_rollout_step", sigterm_in_step_3)
+    assert sweep_main([str(spec), "--out", str(out)]) == 143
+    assert "stopped by SIGTERM" in capsys.readouterr().err
+    run_dir = out / "grpo" / "seed_0"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["step"] == 3 and summary["last_checkpoint"] == 3
+    assert [p.action for p in plan(SweepSpec.from_file(spec), out)] == [RESUME]

@@ -4,6 +4,7 @@ Layout under a run directory::
 
     checkpoints/step_000040/model/        save_pretrained (weights, config) + tokenizer
     checkpoints/step_000040/trainer_state.pt   optimizer, scheduler, RNG states, step, data position, counters
+    checkpoints/step_000040/manifest.json size and sha256 of every other file, written last
     checkpoints/latest                    name of the newest complete checkpoint
 
 A checkpoint is written into a hidden temporary directory, every file is fsynced, and only then is
@@ -11,22 +12,41 @@ the directory renamed to its final name (a rename within one filesystem is atomi
 replaced (write + fsync + rename). A crash at any point leaves the previous checkpoint complete and
 ``latest`` pointing at a complete directory; leftovers of an interrupted write are ignored and
 cleaned up by the next save.
+
+A checkpoint damaged later (a truncated or overwritten file) is caught on resume:
+``resumable_checkpoint`` checks every file against the manifest, sets a damaged checkpoint aside as
+``checkpoints/damaged-step_N`` and falls back to the newest intact one, saying so. Checkpoints
+written before manifests existed are loaded unverified.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
 import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from rlvr.errors import UserError
+from rlvr.rundir import atomic_write_text, fsync_dir as _fsync_dir
+
 CKPT_DIR = "checkpoints"
 STATE_FILE = "trainer_state.pt"
 MODEL_DIR = "model"
+MANIFEST = "manifest.json"
+DAMAGED_PREFIX = "damaged-"
+
+__all__ = ["atomic_write_text", "save_checkpoint", "list_checkpoints", "latest_checkpoint", "resumable_checkpoint",
+           "verify_checkpoint", "load_model_weights", "load_trainer_state", "CheckpointError"]
+
+
+class CheckpointError(UserError):
+    """No intact checkpoint to resume from."""
 
 
 def _fsync_tree(root: Path) -> None:
@@ -40,29 +60,53 @@ def _fsync_tree(root: Path) -> None:
         _fsync_dir(Path(dirpath))
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(str(path), os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass  # some filesystems do not support fsync on directories
-    finally:
-        os.close(fd)
+# ---------------------------------------------------------------------------------------------
+# Checksums
+# ---------------------------------------------------------------------------------------------
 
 
-def atomic_write_text(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` so that readers see either the old or the new content."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
+def file_sha256(path: str | Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _checkpoint_files(ckpt_dir: Path) -> list[str]:
+    return sorted(str(p.relative_to(ckpt_dir)) for p in ckpt_dir.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(ckpt_dir: str | Path) -> dict:
+    """Record the size and sha256 of every file of ``ckpt_dir`` in its ``manifest.json``."""
+    ckpt_dir = Path(ckpt_dir)
+    files = {rel: {"size": (ckpt_dir / rel).stat().st_size, "sha256": file_sha256(ckpt_dir / rel)}
+             for rel in _checkpoint_files(ckpt_dir)}
+    manifest = {"format": 1, "files": files}
+    atomic_write_text(ckpt_dir / MANIFEST, json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+def verify_checkpoint(ckpt_dir: str | Path) -> list[str]:
+    """Problems of a checkpoint against its manifest (empty: intact). A checkpoint without a
+    manifest (written by an older version) has nothing to check against and passes."""
+    ckpt_dir = Path(ckpt_dir)
+    if not (ckpt_dir / STATE_FILE).is_file():
+        return [f"{STATE_FILE} is missing"]
+    path = ckpt_dir / MANIFEST
+    if not path.is_file():
+        return []
+    try:
+        files = json.loads(path.read_text())["files"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return [f"{MANIFEST} is unreadable"]
+    problems = []
+    for rel, want in files.items():
+        f = ckpt_dir / rel
+        if not f.is_file():
+            problems.append(f"{rel} is missing")
+        elif f.stat().st_size != want["size"]:
+            problems.append(f"{rel} has {f.stat().st_size} bytes, expected {want['size']}")
+        elif file_sha256(f) != want["sha256"]:
+            problems.append(f"{rel} does not match its checksum")
+    return problems
 
 
 def rng_state() -> dict:
@@ -104,6 +148,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model, tokenizer, optimizer,
         "rng": rng_state(),
         "loop": state,
     }, tmp / STATE_FILE)
+    write_manifest(tmp)
     _fsync_tree(tmp)
     if final.exists():  # re-saving the same step (e.g. the final save right after a periodic one)
         old = root / f".old-{name}"
@@ -117,7 +162,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model, tokenizer, optimizer,
     _fsync_dir(root)
     atomic_write_text(root / "latest", name + "\n")
     for stale in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(stale, ignore_errors=True)
+        if stale != final:
+            shutil.rmtree(stale, ignore_errors=True)
     for leftover in root.glob(".tmp-*"):
         shutil.rmtree(leftover, ignore_errors=True)
     return final
@@ -142,6 +188,53 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
             return cand
     found = list_checkpoints(run_dir)
     return found[-1] if found else None
+
+
+def damaged_checkpoints(run_dir: str | Path) -> list[Path]:
+    root = Path(run_dir) / CKPT_DIR
+    return sorted(root.glob(DAMAGED_PREFIX + "*")) if root.is_dir() else []
+
+
+def _set_aside(ckpt: Path) -> Path:
+    target = ckpt.with_name(DAMAGED_PREFIX + ckpt.name)
+    n = 1
+    while target.exists():
+        n += 1
+        target = ckpt.with_name(f"{DAMAGED_PREFIX}{ckpt.name}.{n}")
+    os.replace(ckpt, target)
+    return target
+
+
+def resumable_checkpoint(run_dir: str | Path, echo=None) -> Path | None:
+    """The newest checkpoint of ``run_dir`` that passes ``verify_checkpoint``, or None when the run
+    has none (it starts from the beginning).
+
+    A damaged checkpoint is renamed ``checkpoints/damaged-step_N`` (kept for inspection, never
+    loaded or counted again) and the next older one is tried; ``echo`` (default: stderr) is told.
+    Raises ``CheckpointError`` when checkpoints exist but none is intact: starting over silently
+    would throw the run away.
+    """
+    echo = echo or (lambda msg: print(msg, file=sys.stderr))
+    run_dir = Path(run_dir)
+    set_aside = []
+    for ckpt in reversed(list_checkpoints(run_dir)):
+        problems = verify_checkpoint(ckpt)
+        if not problems:
+            if set_aside:
+                atomic_write_text(run_dir / CKPT_DIR / "latest", ckpt.name + "\n")
+                echo(f"rlvr: resuming from {ckpt.name}, the newest intact checkpoint")
+            return ckpt
+        moved = _set_aside(ckpt)
+        set_aside.append(moved)
+        echo(f"rlvr: checkpoint {ckpt.name} failed verification ({'; '.join(problems[:3])}); set it aside as "
+             f"{moved.relative_to(run_dir)}")
+    if set_aside or damaged_checkpoints(run_dir):
+        raise CheckpointError(
+            f"{run_dir} has no intact checkpoint to resume from (damaged ones are under {run_dir / CKPT_DIR}/"
+            f"{DAMAGED_PREFIX}*); keep more with keep_checkpoints >= 2 next time. Start a new run with another --out, "
+            f"or delete {run_dir / CKPT_DIR} to train this one again from step 0"
+        )
+    return None
 
 
 def load_model_weights(model, model_dir: str | Path) -> None:

@@ -2,12 +2,20 @@
 
 Each command lives in its own module and exposes ``main(argv: list[str]) -> int``; modules load
 lazily so that ``rlvr --help`` is instant and a command only imports what it needs.
+
+A ``UserError`` (bad input, a missing file, a run directory in use) ends any command with one line,
+``rlvr <command>: <message>``, and its exit status (2, or 1 for a fault during training); other
+exceptions are bugs and keep their traceback. SIGTERM stops every command like Ctrl-C (status 143
+and 130).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
+import warnings
+from pathlib import Path
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("rlvr.evaluate", "evaluate prompts on a model: accuracy, format categories, samples"),
@@ -27,6 +35,25 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def _plain_warnings(command: str):
+    """rlvr's own warnings as one line each (``rlvr train: warning: ...``), without the source line
+    that Python prints by default; other libraries' warnings are left as they are."""
+    default = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if Path(filename).parent.name == "rlvr" or "rlvr" in Path(filename).parts:
+            print(f"rlvr {command}: warning: {message}", file=file or sys.stderr)
+        else:
+            default(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = default
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -36,8 +63,19 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"rlvr: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    module = importlib.import_module(COMMANDS[name][0])
-    return int(module.main(rest) or 0)
+    from rlvr.errors import UserError
+    from rlvr.interrupts import exit_code, sigterm_as_interrupt
+
+    try:
+        with sigterm_as_interrupt(), _plain_warnings(name):
+            module = importlib.import_module(COMMANDS[name][0])
+            return int(module.main(rest) or 0)
+    except UserError as e:
+        print(f"rlvr {name}: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt as e:
+        print(f"rlvr {name}: interrupted", file=sys.stderr)
+        return exit_code(e)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,16 @@
 """The training configuration: frozen dataclasses whose field docstrings are the ``--help`` text.
 
-A run is described by one ``TrainConfig``. It is built from defaults (SPEC's suggested
+A run is described by one ``TrainConfig``. It is built from defaults (the suggested
 hyperparameters: 200 steps, lr 1e-5, 32 prompts x 8 samples, grad accumulation 32, ...), then a
-TOML or YAML file, then command-line overrides, in that order::
+TOML, YAML or JSON file, then command-line overrides, in that order::
 
     rlvr train --config configs/gsm8k_olmo2_1b_grpo.yaml --algorithm.preset dr_grpo --seed 1 --out runs/x
+
+Values are typed on the way in: ``TrainConfig.from_dict`` (used for files, sweeps and a run's
+``config.json``) converts each value to its field's type and rejects what does not fit, naming the
+key and the expected type (an integer where a float is expected is fine; a quoted ``"3"`` for an
+integer is not). YAML files are read with YAML 1.2 numbers, so ``lr: 1e-5`` is a float (PyYAML's
+YAML 1.1 rules would read it as a string).
 
 ``resolve()`` fills what follows from other fields (the preset's axes, the clip range of the
 reweighting method, the Dr. GRPO normalisation constant, the devices) and ``validate()`` rejects
@@ -15,16 +21,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
+import types
+import typing
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+import yaml
+
+from rlvr.errors import UserError
+
 SCHEDULES = ("constant", "cosine", "linear")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """An impossible or inconsistent configuration."""
 
 
@@ -57,7 +70,7 @@ class DataConfig:
     val_split: str = "test"
     """Split of the validation source."""
     val_size: int = 1024
-    """Validation examples per evaluation (SPEC: at least 1024; CoT evaluations are noisy)."""
+    """Validation examples per evaluation (at least 1024 recommended: CoT evaluations are noisy)."""
 
 
 @dataclass(frozen=True)
@@ -309,6 +322,9 @@ class TrainConfig:
         need(r.n_prompts_per_rollout_batch >= 1, f"rollout.n_prompts_per_rollout_batch must be >= 1, got {r.n_prompts_per_rollout_batch}")
         if a.advantage_normalizer == "std":
             need(r.group_size >= 2, "advantage_normalizer=std needs rollout.group_size >= 2 (the std of one sample is undefined)")
+        elif a.baseline == "mean":
+            need(r.group_size >= 2, f"rollout.group_size=1 with algorithm.baseline=mean makes every advantage 0 (each sample "
+                 "is its own group's mean), so nothing would train; use rollout.group_size >= 2 or algorithm.baseline=none")
         need(r.temperature > 0, "rollout.temperature must be > 0: greedy rollouts give identical samples per group and no signal")
         need(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
         need(r.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {r.max_new_tokens}")
@@ -373,7 +389,9 @@ class TrainConfig:
                  f"data.train_size={self.data.train_size} is smaller than one rollout batch of "
                  f"{r.n_prompts_per_rollout_batch} prompts; raise it or lower rollout.n_prompts_per_rollout_batch")
         if errors:
-            raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+            # One problem: one line. Several: one line each, so that each names its own fix.
+            raise ConfigError(f"invalid configuration: {errors[0]}" if len(errors) == 1 else
+                              "invalid configuration:\n  - " + "\n  - ".join(errors))
 
         if self.off_policy and a.reweighting == "none":
             warns.append(
@@ -389,7 +407,7 @@ class TrainConfig:
             warns.append(f"engine.max_staleness=1 with the engine on the policy's device ({e.device}): generation and "
                          "training share one GPU, so they barely overlap; put the engine on another GPU (engine.device)")
         if self.data.val_size < 1024 and self.data.val_size > 0 and self.model.fresh is None:
-            warns.append(f"data.val_size={self.data.val_size} < 1024: CoT evaluations are noisy (SPEC asks for >= 1024)")
+            warns.append(f"data.val_size={self.data.val_size} < 1024: CoT evaluations are noisy; use >= 1024 for results you compare")
         for w in warns:
             warnings.warn(w, stacklevel=2)
         return warns
@@ -416,46 +434,178 @@ class TrainConfig:
         return _from_dict(cls, d, "")
 
 
+_PLURAL = {bool: "booleans", int: "integers", float: "numbers", str: "strings"}
+
+
+def _type_name(tp) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(c) for c in typing.get_args(tp))
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(_type_name(a) for a in args) + " (or null)"
+    if origin is tuple:
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"a list of {_PLURAL.get(args[0], 'values')}"
+        return f"a list of {len(args)} " + (_PLURAL.get(args[0], "values") if len(set(args)) == 1 else "values")
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def _show(value) -> str:
+    kind = {bool: "boolean", int: "integer", float: "number", str: "string", list: "list", dict: "mapping"}
+    return f"{kind.get(type(value), type(value).__name__)} {value!r}"
+
+
+_NUMBER = re.compile(r"^\s*[-+]?(\d[\d_]*\.?\d*|\.\d+)([eE][-+]?\d+)?\s*$")
+
+
+def _convert(value, tp, key: str):
+    """``value`` as field type ``tp``; raises ``ConfigError`` naming ``key`` and the expected type."""
+    origin = typing.get_origin(tp)
+
+    def wrong(extra: str = ""):
+        hint = extra or (" (write the number without quotes)" if isinstance(value, str) and _NUMBER.match(value)
+                         and tp in (int, float) else "")
+        return ConfigError(f"config key {key} must be {_type_name(tp)}, got {_show(value)}{hint}")
+
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) == 1:
+            try:
+                return _convert(value, inner[0], key)
+            except ConfigError:
+                raise wrong() from None
+        raise wrong()
+    if origin is Literal:
+        if value in typing.get_args(tp) and type(value) is not bool:
+            return value
+        raise wrong()
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise wrong()
+        args = typing.get_args(tp)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_convert(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+        if len(value) != len(args):
+            raise wrong()
+        return tuple(_convert(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise wrong()
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise wrong()
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise wrong()
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise wrong()
+    if tp is Any:
+        return value
+    raise ConfigError(f"config key {key} has a type ({tp}) that files cannot set; set it in Python")
+
+
 def _from_dict(cls, d: dict, where: str):
     if not isinstance(d, dict):
-        raise ConfigError(f"{where or 'the config'} must be a mapping, got {type(d).__name__}")
+        raise ConfigError(f"{'config key ' + where.rstrip('.') if where else 'the config'} must be a mapping of "
+                          f"keys to values, got {_show(d)}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
     unknown = sorted(set(d) - set(fields))
     if unknown:
         raise ConfigError(
-            f"unknown config key(s) {', '.join(where + k for k in unknown)}; valid keys here: {', '.join(sorted(fields))}"
+            f"unknown config key(s) {', '.join(where + str(k) for k in unknown)}; valid keys here: {', '.join(sorted(fields))}"
         )
     kwargs: dict[str, Any] = {}
+    errors: list[str] = []
     for name, value in d.items():
-        default = fields[name].default_factory() if fields[name].default_factory is not dataclasses.MISSING else fields[name].default
-        if dataclasses.is_dataclass(default):
-            kwargs[name] = _from_dict(type(default), value, f"{where}{name}.")
-        elif isinstance(default, tuple) and isinstance(value, list):
-            kwargs[name] = tuple(value)
-        else:
-            kwargs[name] = value
+        tp = hints[name]
+        try:
+            if dataclasses.is_dataclass(tp):
+                kwargs[name] = _from_dict(tp, value, f"{where}{name}.")
+            else:
+                kwargs[name] = _convert(value, tp, where + name)
+        except ConfigError as e:
+            errors.append(str(e))
+    if errors:
+        raise ConfigError("; ".join(errors))
     return cls(**kwargs)
 
 
-def load_config_file(path: str | Path) -> TrainConfig:
-    """A ``TrainConfig`` from a YAML (.yaml/.yml), TOML (.toml) or JSON file; sections are nested tables."""
+class YamlLoader(yaml.SafeLoader):
+    """PyYAML's safe loader with YAML 1.2 floats: ``1e-5`` (no dot) is a number, as YAML 1.2 and
+    TOML read it; YAML 1.1 reads it as a string."""
+
+
+YamlLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:\d[\d_]*\.?\d*|\.\d+)[eE][-+]?\d+$|^[-+]?(?:\d[\d_]*)?\.\d+$|^[-+]?\d[\d_]*\.\d*$"),
+    list("-+0123456789."),
+)
+
+
+def load_yaml(path: str | Path):
+    """A YAML file with YAML 1.2 numbers: ``1e-5`` is a float (YAML 1.1, PyYAML's default, reads a
+    string). Raises ``ConfigError`` for a file that does not parse."""
+    path = Path(path)
+    try:
+        with path.open(encoding="utf-8") as f:
+            return yaml.load(f, Loader=YamlLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{where}: not valid YAML ({problem}); fix the file") from None
+
+
+def read_config_file(path: str | Path) -> dict:
+    """The raw mapping of a YAML (.yaml/.yml), TOML (.toml) or JSON (.json) config file."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
-    text = path.read_text(encoding="utf-8")
     if path.suffix in (".yaml", ".yml"):
-        import yaml
-
-        data = yaml.safe_load(text) or {}
+        data = load_yaml(path)
+        data = {} if data is None else data
     elif path.suffix == ".toml":
         import tomllib
 
-        data = tomllib.loads(text)
+        try:
+            data = tomllib.loads(path.read_text(encoding="utf-8"))
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML ({e}); fix the file") from None
     elif path.suffix == ".json":
-        data = json.loads(text)
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e}); fix the file") from None
     else:
         raise ConfigError(f"config file {path} must end in .yaml, .yml, .toml or .json")
-    return TrainConfig.from_dict(data)
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping of config keys (sections model, data, ...), "
+                          f"not a {type(data).__name__}")
+    return data
+
+
+def load_config_file(path: str | Path) -> TrainConfig:
+    """A ``TrainConfig`` from a YAML, TOML or JSON file (sections are nested tables), values typed."""
+    path = Path(path)
+    try:
+        return TrainConfig.from_dict(read_config_file(path))
+    except ConfigError as e:
+        if str(e).startswith(str(path)):
+            raise
+        raise ConfigError(f"{path}: {e}") from None
 
 
 def parse_overrides(args: list[str], base: TrainConfig | None = None, prog: str = "rlvr train",
@@ -467,7 +617,10 @@ def parse_overrides(args: list[str], base: TrainConfig | None = None, prog: str 
 
 
 def save_config(config: TrainConfig, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(config.to_dict(), indent=2) + "\n", encoding="utf-8")
+    """Write ``config`` as JSON, atomically (a kill mid-write leaves the previous file whole)."""
+    from rlvr.rundir import atomic_write_text
+
+    atomic_write_text(path, json.dumps(config.to_dict(), indent=2) + "\n")
 
 
 # Fields that may change when a run is resumed without changing what it computes up to now.

@@ -12,6 +12,8 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rlvr.errors import UserError
+
 
 @dataclass(frozen=True)
 class Example:
@@ -22,7 +24,7 @@ class Example:
     meta: dict = field(default_factory=dict, compare=False, hash=False)
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
     """Malformed task data."""
 
 
@@ -47,6 +49,8 @@ def load_gsm8k_jsonl(path: str | Path, limit: int | None = None) -> list[Example
     if not path.is_file():
         raise DataError(f"{path}: no such file; pass a GSM8K JSONL file or the hub id 'openai/gsm8k'")
     examples: list[Example] = []
+    if limit is not None and limit <= 0:
+        return examples
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -102,6 +106,10 @@ def load_examples(source: str, split: str = "train", limit: int | None = None, s
     p = Path(source)
     if p.is_dir():
         p = p / f"{split}.jsonl"
+        if not p.is_file():
+            present = sorted(f.stem for f in Path(source).glob("*.jsonl"))
+            raise DataError(f"{source} has no {split}.jsonl (splits there: {', '.join(present) or 'none'}); "
+                            "choose one of those splits or another data directory")
         return load_gsm8k_jsonl(p, limit)
     if p.suffix == ".jsonl" or p.exists():
         return load_gsm8k_jsonl(p, limit)

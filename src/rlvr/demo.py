@@ -17,7 +17,6 @@ least 20 points.
 
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from dataclasses import dataclass
@@ -73,11 +72,20 @@ def run_demo(cfg: DemoConfig) -> dict:
     from rlvr.config import (AlgorithmConfig, DataConfig, EngineConfig, LogConfig, ModelConfig, OptimConfig,
                              RolloutConfig, TrainConfig)
     from rlvr.checkpoint import latest_checkpoint
+    from rlvr.errors import UserError
     from rlvr.logging_utils import read_metrics
+    from rlvr.rundir import atomic_write_json
     from rlvr.sft import SFTConfig, run_sft
     from rlvr.trainer import train
 
+    small = [f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}"
+             for name in ("sft_steps", "grpo_steps", "n_prompts", "group_size", "max_new_tokens", "val_size", "vocab_size")
+             if getattr(cfg, name) < 1]
+    if small:
+        raise UserError("; ".join(small))
     out = Path(cfg.out)
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out {out} is a file; give a directory for the demo's runs")
     out.mkdir(parents=True, exist_ok=True)
     sft_dir, grpo_dir = out / "sft", out / "grpo"
     t0 = time.perf_counter()
@@ -88,7 +96,7 @@ def run_demo(cfg: DemoConfig) -> dict:
         run_sft(SFTConfig(data=cfg.task, model=cfg.model_size, out=sft_dir, steps=cfg.sft_steps, batch_size=32,
                           device=cfg.device,
                           lr=cfg.sft_lr, warmup_steps=10, seed=cfg.seed, vocab_size=cfg.vocab_size,
-                          progress=cfg.progress))
+                          progress=cfg.progress, overwrite=True))  # the demo's own warm start, redone
     t_sft = time.perf_counter() - t0
 
     if grpo_dir.exists():  # the demo's own previous GRPO run: start it again from the warm start
@@ -134,7 +142,7 @@ def run_demo(cfg: DemoConfig) -> dict:
         result["final_model"] = str(final / "model")
         print(f"      next: rlvr eval --model {final / 'model'} --data '{cfg.task}' "
               f"--split validation --limit 200 --max-tokens {cfg.max_new_tokens} --out {out / 'eval'}")
-    (out / "demo.json").write_text(json.dumps(result, indent=2))
+    atomic_write_json(out / "demo.json", result)
     return result
 
 

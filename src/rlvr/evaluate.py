@@ -15,6 +15,8 @@ correct, averaged over questions) and ``pass_at_k`` (``{j: pass@j}`` for j = 1, 
 chance that at least one of j samples drawn from the k is correct, by the unbiased estimator of Chen
 et al. 2021).
 ``DIR/samples.jsonl`` has one line per response. The trainer calls ``evaluate()`` for validation.
+``rlvr eval`` checks its arguments and ``--out`` before loading anything, and refuses to replace an
+earlier evaluation's results in ``--out`` unless given ``--overwrite``.
 
     rlvr eval --model allenai/OLMo-2-0425-1B --prompt r1_zero --prompt question_only \\
         --data openai/gsm8k --split test --limit 1024 --out runs/eval-base
@@ -23,7 +25,6 @@ et al. 2021).
 from __future__ import annotations
 
 import dataclasses
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -73,6 +74,8 @@ class EvalConfig:
     """Maximum sequences decoded together by the hf, hf-fast and hf-worker engines."""
     examples: int = 2
     """Examples printed per category."""
+    overwrite: bool = False
+    """Replace the results of an earlier evaluation in ``out`` (otherwise that is an error)."""
 
 
 def _category(format_reward: float, answer_reward: float) -> str:
@@ -199,11 +202,39 @@ def print_report(results: dict[str, dict], samples: list[dict], examples_per_cat
                 console.print(response, markup=False, highlight=False)
 
 
+OUTPUT_FILES = ("results.json", "samples.jsonl")
+
+
+def check_args(cfg: EvalConfig) -> None:
+    """Reject impossible arguments and an unusable ``--out`` before any work (``UserError``)."""
+    from rlvr.errors import UserError
+    from rlvr.modeling import check_model_source
+    from rlvr.rundir import prepare_output_dir
+
+    problems = [msg for bad, msg in [
+        (cfg.limit is not None and cfg.limit < 1, f"--limit must be >= 1 (or left out for every question), got {cfg.limit}"),
+        (cfg.n < 1, f"--n must be >= 1, got {cfg.n}"),
+        (cfg.max_tokens < 1, f"--max-tokens must be >= 1, got {cfg.max_tokens}"),
+        (cfg.batch_size < 1, f"--batch-size must be >= 1, got {cfg.batch_size}"),
+        (cfg.temperature < 0, f"--temperature must be >= 0 (0 is greedy), got {cfg.temperature}"),
+        (not 0 < cfg.top_p <= 1, f"--top-p must be in (0, 1], got {cfg.top_p}"),
+        (cfg.examples < 0, f"--examples must be >= 0, got {cfg.examples}"),
+    ] if bad]
+    if problems:
+        raise UserError("; ".join(problems))
+    check_model_source(cfg.model)
+    prepare_output_dir(cfg.out, OUTPUT_FILES, overwrite=cfg.overwrite)
+
+
 def run(cfg: EvalConfig) -> dict:
     import torch
 
+    from rlvr.errors import UserError
+    from rlvr.rundir import atomic_write_json, atomic_write_jsonl
+
     if not cfg.prompt:
         cfg = dataclasses.replace(cfg, prompt=("r1_zero",))
+    check_args(cfg)
 
     from rlvr.data import load_examples
     from rlvr.engines import make_engine
@@ -213,7 +244,7 @@ def run(cfg: EvalConfig) -> dict:
     dtype = None if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
     examples = load_examples(cfg.data, split=cfg.split, limit=cfg.limit)
     if not examples:
-        raise ValueError(f"no examples loaded from {cfg.data!r} (split {cfg.split!r})")
+        raise UserError(f"no examples loaded from {cfg.data!r} (split {cfg.split!r}); check --data and --split")
     model, tokenizer = load_model_and_tokenizer(cfg.model, device=device, dtype=dtype)
     options: dict = {}
     if cfg.engine in ("hf", "hf-fast", "auto", "hf-worker"):
@@ -238,10 +269,8 @@ def run(cfg: EvalConfig) -> dict:
     cfg.out.mkdir(parents=True, exist_ok=True)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()}
     config["prompt"] = list(cfg.prompt)
-    (cfg.out / "results.json").write_text(json.dumps({"config": config, "results": results}, indent=2))
-    with (cfg.out / "samples.jsonl").open("w", encoding="utf-8") as f:
-        for s in all_samples:
-            f.write(json.dumps(s, ensure_ascii=False) + "\n")
+    atomic_write_jsonl(cfg.out / "samples.jsonl", all_samples)
+    atomic_write_json(cfg.out / "results.json", {"config": config, "results": results})
     print_report(results, all_samples, cfg.examples)
     return results
 

@@ -3,7 +3,12 @@
 ``metrics.jsonl`` holds one JSON object per line (one per step, plus the initial evaluation as step
 0). Each line is flushed and fsynced as it is written, so a crash loses at most the line being
 written; ``truncate_metrics`` drops lines past a checkpoint's step when a run resumes, so a resumed
-run has no duplicate steps.
+run has no duplicate steps. A line that does not parse (cut by a crash, or damaged) is skipped with a
+warning and every valid line around it is kept.
+
+W&B runs are named after the run directory: ``<setting>/seed_<k>`` and grouped by ``<setting>``
+for a sweep's ``DIR/<setting>/seed_<k>/`` (and any directory named ``seed_<k>``), else the
+directory's name.
 """
 
 from __future__ import annotations
@@ -11,7 +16,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import warnings
 from pathlib import Path
+
+from rlvr.rundir import atomic_write_jsonl, atomic_write_text
 
 
 def _clean(value):
@@ -25,14 +34,20 @@ def read_metrics(path: str | Path) -> list[dict]:
     if not path.is_file():
         return []
     rows = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    for lineno, line in enumerate(lines, start=1):
         line = line.strip()
         if not line:
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except json.JSONDecodeError:
-            break  # a line cut by a crash ends the valid part of the file
+            row = None
+        if isinstance(row, dict):
+            rows.append(row)
+        elif lineno < len(lines):  # the last line may simply have been cut by a crash
+            warnings.warn(f"{path}:{lineno}: skipped a line that is not a JSON object (damaged); the other lines "
+                          "are kept", stacklevel=2)
     return rows
 
 
@@ -41,14 +56,16 @@ def truncate_metrics(path: str | Path, max_step: int) -> None:
     path = Path(path)
     if not path.is_file():
         return
-    kept = [r for r in read_metrics(path) if r.get("step", 0) <= max_step]
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        for r in kept:
-            f.write(json.dumps(r) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    kept = [r for r in read_metrics(path) if isinstance(r.get("step", 0), (int, float)) and r.get("step", 0) <= max_step]
+    atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
+
+
+def wandb_name_and_group(run_dir: str | Path) -> tuple[str, str | None]:
+    """``("<setting>/seed_<k>", "<setting>")`` for ``.../<setting>/seed_<k>``, else ``(name, None)``."""
+    run_dir = Path(run_dir).resolve()
+    if re.fullmatch(r"seed_\d+", run_dir.name) and run_dir.parent.name:
+        return f"{run_dir.parent.name}/{run_dir.name}", run_dir.parent.name
+    return run_dir.name, None
 
 
 class MetricsLogger:
@@ -67,10 +84,13 @@ class MetricsLogger:
             except ImportError:
                 raise RuntimeError("log.wandb is on but wandb is not installed: pip install wandb, or drop --log.wandb") from None
             id_file = self.run_dir / "wandb_id"
-            run_id = id_file.read_text().strip() if id_file.is_file() else wandb_mod.util.generate_id()
-            id_file.write_text(run_id)
+            run_id = id_file.read_text().strip() if id_file.is_file() else ""
+            if not run_id:
+                run_id = wandb_mod.util.generate_id()
+                atomic_write_text(id_file, run_id)
+            name, group = wandb_name_and_group(self.run_dir)
             self._wandb = wandb_mod.init(project=wandb_project, id=run_id, resume="allow", dir=str(self.run_dir),
-                                         name=self.run_dir.name, config=config_dict)
+                                         name=name, group=group, config=config_dict)
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
@@ -100,8 +120,7 @@ class MetricsLogger:
 
 
 def write_jsonl(path: str | Path, rows: list[dict]) -> None:
+    """Write ``rows`` as JSON lines, atomically (a kill mid-write leaves no half file)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
+    atomic_write_jsonl(path, rows)

@@ -7,6 +7,7 @@ tokenizer with ``tokenizers`` on task text.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Iterable
 
@@ -119,20 +120,54 @@ def count_parameters(model) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+_HUB_ID = re.compile(r"^(?:[\w.-]+/)?[\w.-]+$")
+
+
+def check_model_source(name_or_path: str | Path, flag: str = "--model") -> None:
+    """Raise ``UserError`` (before anything loads) for a model that is neither a local model directory
+    nor shaped like a hub id (``owner/name``); a hub id itself is checked when it loads."""
+    from rlvr.errors import UserError
+
+    name = str(name_or_path)
+    p = Path(name).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise UserError(f"{flag} {name} is a directory without config.json, not a saved model; give the directory "
+                            "written by save_pretrained (e.g. a checkpoint's model/ folder, or rlvr sft's --out)")
+        return
+    if p.exists():
+        raise UserError(f"{flag} {name} is a file; give the model's directory (with config.json) or a hub id")
+    if name.startswith(("/", ".", "~")) or not _HUB_ID.match(name) or ".." in name or "--" in name:
+        raise UserError(f"{flag} {name}: no such directory; give a local model directory or a hub id such as "
+                        "allenai/OLMo-2-0425-1B")
+
+
 def load_model_and_tokenizer(name_or_path: str | Path, device: str | torch.device = "cpu",
-                             dtype: torch.dtype | None = None):
+                             dtype: torch.dtype | None = None, flag: str = "--model"):
     """Load a causal LM and its tokenizer from a local directory or a hub id.
 
     The default dtype is bfloat16 on CUDA and float32 on CPU. A tokenizer without a pad token gets
     its EOS token as pad (right padding is masked everywhere, so the choice does not leak into losses).
+    A missing local path, or a hub id that cannot be loaded, is a ``UserError`` naming ``flag``.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from rlvr.errors import UserError
+
+    check_model_source(name_or_path, flag)
     device = torch.device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
+    local = Path(str(name_or_path)).expanduser().is_dir()
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
+        model = AutoModelForCausalLM.from_pretrained(str(name_or_path), dtype=dtype)
+    except OSError as e:
+        if local:
+            raise
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"{flag} {name_or_path}: no such local directory, and it could not be loaded from the hub "
+                        f"({first}); check the name, your network and HF_TOKEN, or give a local directory") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(str(name_or_path), dtype=dtype).to(device)
-    return model, tokenizer
+    return model.to(device), tokenizer

@@ -16,7 +16,9 @@ The model is a local checkpoint directory, a hub id, or a fresh OLMo-2 model of 
 (``tiny``, ``small``, ``20m``, ``olmo2-1b``); a fresh model gets a byte-level BPE tokenizer trained on
 the training prompts and responses first. The output directory holds the model and tokenizer
 (``save_pretrained``), loadable by ``rlvr eval`` and ``rlvr train`` as a base model, plus
-``sft_config.json`` and ``sft_log.jsonl`` (loss and learning rate per step).
+``sft_config.json`` and ``sft_log.jsonl`` (loss and learning rate per step). The arguments and the
+output directory are checked before any work; an earlier fine-tune in ``--out`` is replaced only with
+``--overwrite``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from rlvr.data import Example, load_examples
+from rlvr.data import DataError, Example, load_examples
 from rlvr.prompts import render
 
 
@@ -76,6 +78,8 @@ class SFTConfig:
     """Torch device (``cpu``, ``cuda``, ``cuda:1``)."""
     progress: bool = True
     """Show a progress bar with the loss."""
+    overwrite: bool = False
+    """Replace an earlier fine-tuned model in ``out`` (otherwise that is an error)."""
 
 
 def sft_response(example: Example) -> str:
@@ -85,7 +89,7 @@ def sft_response(example: Example) -> str:
     the final answer appended in the r1_zero format.
     """
     if not example.solution:
-        raise ValueError(
+        raise DataError(
             f"example {example.question[:60]!r} has no solution to learn from; SFT needs data with worked "
             "solutions (GSM8K rationales or a synthetic task)"
         )
@@ -134,23 +138,60 @@ def init_model(config: SFTConfig, examples: list[Example]):
         tokenizer = modeling.train_tokenizer(modeling.tokenizer_corpus(examples, config.prompt), config.vocab_size)
         model = modeling.fresh_model(config.model, tokenizer, seed=config.seed).to(config.device)
         return model, tokenizer
-    if not Path(config.model).exists() and "/" not in config.model:
-        raise ValueError(
-            f"--model {config.model!r} is neither a named size ({', '.join(modeling.MODEL_SIZES)}), "
-            "a local directory, nor a hub id (owner/name)"
-        )
+    _check_model(config.model)
     return modeling.load_model_and_tokenizer(config.model, device=config.device, dtype=torch.float32)
+
+
+def _check_model(name: str) -> None:
+    from rlvr import modeling
+    from rlvr.errors import UserError
+
+    if name in modeling.MODEL_SIZES:
+        return
+    if not Path(name).exists() and "/" not in name:
+        raise UserError(f"--model {name!r} is neither a named size ({', '.join(modeling.MODEL_SIZES)}), "
+                        "a local directory, nor a hub id (owner/name)")
+    modeling.check_model_source(name)
+
+
+OUTPUT_FILES = ("config.json", "model.safetensors", "sft_config.json", "sft_log.jsonl")
+
+
+def check_args(config: SFTConfig) -> None:
+    """Reject impossible arguments and an unusable ``--out`` before any work (``UserError``)."""
+    from rlvr import modeling
+    from rlvr.errors import UserError
+    from rlvr.rundir import prepare_output_dir
+
+    problems = [msg for bad, msg in [
+        (config.steps is not None and config.steps < 1, f"--steps must be >= 1 (or left out to use --epochs), got {config.steps}"),
+        (config.epochs <= 0, f"--epochs must be > 0, got {config.epochs}"),
+        (config.batch_size < 1, f"--batch-size must be >= 1, got {config.batch_size}"),
+        (config.lr <= 0, f"--lr must be > 0, got {config.lr}"),
+        (config.warmup_steps < 0, f"--warmup-steps must be >= 0, got {config.warmup_steps}"),
+        (not 0 <= config.min_lr_ratio <= 1, f"--min-lr-ratio must be in [0, 1], got {config.min_lr_ratio}"),
+        (config.max_grad_norm <= 0, f"--max-grad-norm must be > 0, got {config.max_grad_norm}"),
+        (config.max_examples is not None and config.max_examples < 1,
+         f"--max-examples must be >= 1 (or left out for all), got {config.max_examples}"),
+    ] if bad]
+    if problems:
+        raise UserError("; ".join(problems))
+    _check_model(config.model)
+    prepare_output_dir(config.out, OUTPUT_FILES, overwrite=config.overwrite)
 
 
 def run_sft(config: SFTConfig) -> Path:
     """Fine-tune per ``config`` and save the checkpoint; returns the output directory."""
     from tqdm.auto import tqdm
 
+    from rlvr.errors import UserError
     from rlvr.modeling import save_model_and_tokenizer
+    from rlvr.rundir import atomic_write_json
 
+    check_args(config)
     examples = load_examples(config.data, split=config.split, limit=config.max_examples, seed=config.data_seed)
     if not examples:
-        raise ValueError(f"no training examples in {config.data!r} (split {config.split!r})")
+        raise UserError(f"no training examples in {config.data!r} (split {config.split!r}); check --data and --split")
     prompts, responses = sft_pairs(examples, config.prompt)
     torch.manual_seed(config.seed)
     model, tokenizer = init_model(config, examples)
@@ -186,8 +227,7 @@ def run_sft(config: SFTConfig) -> Path:
             bar.set_postfix(loss=f"{record['loss']:.3f}")
     model.eval()
     save_model_and_tokenizer(model, tokenizer, out)
-    (out / "sft_config.json").write_text(json.dumps({k: str(v) if isinstance(v, Path) else v
-                                                     for k, v in asdict(config).items()}, indent=2) + "\n")
+    atomic_write_json(out / "sft_config.json", {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()})
     return out
 
 

@@ -35,28 +35,43 @@ and ``rollout/staleness`` (the trainer's version minus that one).
 
 The math lives in ``rlvr.grpo``; this module only moves data between the pieces, times them and
 keeps the run recoverable: non-finite updates are skipped and counted (too many in a row stop the
-run), engine and grader failures stop it with the last checkpoint intact, Ctrl-C finishes or abandons
-the current step and saves. ``summary.json`` says how the run ended.
+run), engine and grader failures stop it with the last checkpoint intact, Ctrl-C or SIGTERM finishes
+the current step and saves (a second one abandons the step). ``summary.json`` says how the run
+ended (``running`` while it runs, so a killed run never reads as finished).
+
+**The run directory** is locked while a run writes to it (``rlvr.rundir``: a second writer is
+refused, naming the holder's pid). ``--resume`` continues from the newest checkpoint that passes
+its checksums (``rlvr.checkpoint.resumable_checkpoint``); a run that stopped before its first
+checkpoint has nothing to resume, so it starts again from step 0, under the config given now.
+Extending a run (``--resume DIR --n_steps N`` with N larger than before) recomputes the learning-rate
+schedule over the new length: the new steps follow the schedule that an N-step run has from that
+point on (with a cosine schedule the lr rises back to the value the longer schedule has there).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
-import signal
 import sys
-import threading
 import time
 import warnings
 from pathlib import Path
+from typing import Annotated
 
 import torch
+import tyro
 
-from rlvr.checkpoint import atomic_write_text, latest_checkpoint, load_model_weights, load_trainer_state, save_checkpoint
+from rlvr.checkpoint import (
+    damaged_checkpoints, list_checkpoints, load_model_weights, load_trainer_state, resumable_checkpoint, save_checkpoint,
+)
+from rlvr.errors import UserError
+from rlvr.interrupts import DeferInterrupts, Terminated, exit_code, sigterm_as_interrupt
+from rlvr.rundir import RunDirLock, atomic_write_json
 from rlvr.config import (
-    RESUMABLE_CHANGES, ConfigError, TrainConfig, config_differences, load_config_file, parse_overrides, save_config,
+    RESUMABLE_CHANGES, ConfigError, TrainConfig, config_differences, load_config_file, save_config,
 )
 from rlvr.grpo import (
     REWEIGHTINGS, compile_backbone, compute_group_normalized_rewards, compute_log_probs_batched, compute_rollout_rewards,
@@ -67,8 +82,10 @@ from rlvr.logging_utils import MetricsLogger, truncate_metrics, write_jsonl
 from rlvr.optim import make_adamw
 
 
-class TrainingError(RuntimeError):
+class TrainingError(UserError, RuntimeError):
     """The run stopped on a fault; the message says what happened and what to do."""
+
+    exit_code = 1
 
 
 class EngineError(TrainingError):
@@ -144,7 +161,7 @@ def _load_policy(config: TrainConfig, train_examples, device, dtype, ckpt: Path 
         tokenizer = train_tokenizer(tokenizer_corpus(train_examples, config.prompt), vocab_size=config.model.tokenizer_vocab_size)
         model = fresh_model(config.model.fresh, tokenizer, seed=config.seed, dtype=dtype)
         return model.to(device), tokenizer
-    return load_model_and_tokenizer(config.model.name_or_path, device=device, dtype=dtype)
+    return load_model_and_tokenizer(config.model.name_or_path, device=device, dtype=dtype, flag="model.name_or_path")
 
 
 def _check_engine_runs_model(config: TrainConfig) -> None:
@@ -207,8 +224,7 @@ def _grade(reward_fn, responses, ground_truths, step: int):
         raw, meta = compute_rollout_rewards(reward_fn, responses, ground_truths)
     except Exception as e:  # noqa: BLE001 - any grader bug must stop the run, with its cause
         raise GraderError(
-            f"the reward function failed at step {step}: {type(e).__name__}: {e}. The last checkpoint is intact; "
-            "fix the grader and resume with `rlvr train --resume DIR`."
+            f"the reward function failed at step {step}: {type(e).__name__}: {e}. Fix the grader."
         ) from e
     if not torch.isfinite(raw).all():
         raise GraderError(f"the reward function returned a non-finite reward at step {step}; rewards must be finite numbers")
@@ -290,7 +306,7 @@ def _sample_in_process(config: TrainConfig, step: int, model, engine, train_exam
         sync_meta = engine.sync_weights(model) or {}
     except Exception as e:  # noqa: BLE001
         raise EngineError(f"the engine failed to take new weights at step {step}: {type(e).__name__}: {e}. "
-                          "The last checkpoint is intact; resume with `rlvr train --resume DIR`.") from e
+                          "Check the engine (its log, memory, the server).") from e
     metrics["time/sync"] = time.perf_counter() - t0
     metrics.update({k: v for k, v in sync_meta.items() if k != "time/sync" and isinstance(v, (int, float))})
     prompts, params = _rollout_request(config, train_examples)(step)
@@ -299,7 +315,7 @@ def _sample_in_process(config: TrainConfig, step: int, model, engine, train_exam
         groups = engine.generate(prompts, params)
     except Exception as e:  # noqa: BLE001
         raise EngineError(f"the engine failed to generate at step {step}: {type(e).__name__}: {e}. "
-                          "The last checkpoint is intact; resume with `rlvr train --resume DIR`.") from e
+                          "Check the engine (its log, memory, the server).") from e
     metrics["time/generate"] = time.perf_counter() - t0
     metrics.update({"rollout/weight_version": step - 1, "rollout/staleness": 0})
     return prompts, groups, None
@@ -314,7 +330,7 @@ def _sample_from_rollouts(config: TrainConfig, step: int, model, rollouts, train
         rb = rollouts.next_batch(step, model, request, last_step=config.n_steps)
     except Exception as e:  # noqa: BLE001
         raise EngineError(f"the rollout engine failed at step {step}: {type(e).__name__}: {e}. "
-                          "The last checkpoint is intact; resume with `rlvr train --resume DIR`.") from e
+                          "Check the engine (its log, memory, the server).") from e
     metrics["time/rollout_wait"] = time.perf_counter() - t0  # what the trainer waited; the rest overlapped
     metrics.update(rb.metrics(current_version=step - 1))
     prompts = request(step)[0]
@@ -344,7 +360,7 @@ def _validate(model, tokenizer, engine, config: TrainConfig, examples, step: int
         metrics, samples = evaluate(model, tokenizer, examples, config.prompt, engine=engine, params=params,
                                     chunk_size=max(1, config.engine.max_batch_size))
     except Exception as e:  # noqa: BLE001
-        raise EngineError(f"validation failed at step {step}: {type(e).__name__}: {e}. The last checkpoint is intact.") from e
+        raise EngineError(f"validation failed at step {step}: {type(e).__name__}: {e}.") from e
     if config.log.val_samples:
         write_jsonl(run_dir / "rollouts" / f"val_step_{step}.jsonl", samples[: config.log.val_samples])
     return {
@@ -356,44 +372,79 @@ def _validate(model, tokenizer, engine, config: TrainConfig, examples, step: int
     }
 
 
-class _DeferInterrupt:
-    """While active, a first Ctrl-C only sets ``requested`` (the step finishes and is saved); a second
-    one interrupts at once. Outside the main thread signals cannot be caught, so this does nothing."""
-
-    def __init__(self):
-        self.requested = False
-        self._prev = None
-
-    def _handler(self, signum, frame):
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        print("\nrlvr: Ctrl-C: finishing this step, then saving a checkpoint (Ctrl-C again to stop without saving)",
-              file=sys.stderr)
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            self._prev = signal.signal(signal.SIGINT, self._handler)
-        return self
-
-    def __exit__(self, *exc):
-        if self._prev is not None:
-            signal.signal(signal.SIGINT, self._prev)
-        return False
-
-
 # ---------------------------------------------------------------------------------------------
 # 4. The loop
 # ---------------------------------------------------------------------------------------------
 
 
 def _write_summary(run_dir: Path, **fields) -> None:
-    atomic_write_text(run_dir / "summary.json", json.dumps(fields, indent=2) + "\n")
+    atomic_write_json(run_dir / "summary.json", fields)
 
 
 def read_summary(run_dir: str | Path) -> dict | None:
     path = Path(run_dir) / "summary.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    try:
+        summary = json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError):
+        return None  # unreadable: as if the run had never said how it ended
+    return summary if isinstance(summary, dict) else None
+
+
+def _prepare_run_dir(config: TrainConfig, run_dir: Path, resume: bool) -> tuple[Path | None, bool]:
+    """Check what ``run_dir`` holds against the request and write the config; returns ``(checkpoint
+    to resume from or None, whether the run already finished)``. Runs under the directory's lock."""
+    summary = read_summary(run_dir)
+    if resume and summary and summary.get("status") == "finished" and summary.get("step", -1) >= config.n_steps:
+        if summary["step"] > config.n_steps:
+            raise ConfigError(f"{run_dir} finished at step {summary['step']} already, past n_steps={config.n_steps}; "
+                              f"a run cannot be shortened: resume with --n_steps {summary['step']} or more")
+        return None, True
+    if not resume and (list_checkpoints(run_dir) or damaged_checkpoints(run_dir)):
+        raise ConfigError(f"{run_dir} already holds a run; resume it (`rlvr train --resume {run_dir}`) or choose a new --out")
+    ckpt = resumable_checkpoint(run_dir) if resume else None
+    if ckpt is not None:
+        at = int(ckpt.name.split("_")[1])
+        if at > config.n_steps:
+            raise ConfigError(f"{run_dir} is at step {at} already, past n_steps={config.n_steps}; a run cannot be "
+                              f"shortened: resume with --n_steps {at} or more")
+        saved = _read_run_config(run_dir)
+        if saved is not None:
+            diffs = [d for d in config_differences(saved, config) if not d.startswith(RESUMABLE_CHANGES)]
+            if diffs:
+                raise ConfigError(f"cannot resume {run_dir} with a different config: {', '.join(diffs)} changed; "
+                                  "resume with the saved config (only n_steps, cadences and logging may change)")
+    else:
+        # Nothing was checkpointed, so nothing can be continued: the run starts over (under the
+        # config given now, which may fix what stopped the last attempt).
+        stale = [name for name in ("metrics.jsonl", "summary.json") if (run_dir / name).exists()]
+        if stale:
+            print(f"rlvr: {run_dir} holds a run that stopped before its first checkpoint; starting it again from step 0",
+                  file=sys.stderr)
+        for name in stale:
+            (run_dir / name).unlink()
+    save_config(config, run_dir / "config.json")
+    return ckpt, False
+
+
+def _read_run_config(run_dir: Path) -> TrainConfig | None:
+    path = run_dir / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        return TrainConfig.from_dict(json.loads(path.read_text()))
+    except (ValueError, OSError) as e:  # ConfigError is a ValueError too
+        raise ConfigError(f"{path} cannot be read ({e}); start a new run with --config FILE --out DIR") from None
+
+
+def _refresh_lr(optimizer, scheduler) -> None:
+    """Set the lr of every parameter group from the schedule at its restored position.
+
+    A restored scheduler keeps the lr its old schedule gave last; when the run was extended the
+    schedule (over the new length) gives another value, which must apply from the next update on.
+    Unchanged runs get exactly the value they had."""
+    for group, base, fn in zip(optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * fn(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 def train(config: TrainConfig, out_dir: str | Path, resume: bool = False, *, model=None, tokenizer=None,
@@ -406,8 +457,9 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False, *, mod
     replaces the prompt's reward function for training rollouts (validation always uses the prompt's
     grader); ``engine`` replaces building ``config.engine`` (the caller then owns and closes it).
 
-    Raises ``ConfigError`` before any model loads for impossible settings, ``TrainingError`` when a
-    fault stops the run (the last checkpoint stays intact), and re-raises ``KeyboardInterrupt`` after
+    Raises ``ConfigError`` before any model loads for impossible settings, ``RunDirBusy`` when
+    another process writes to ``out_dir``, ``TrainingError`` when a fault stops the run (the last
+    checkpoint stays intact), and re-raises ``KeyboardInterrupt`` (``Terminated`` for SIGTERM) after
     saving.
     """
     run_dir = Path(out_dir)
@@ -417,24 +469,19 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False, *, mod
         import_plugins(config.plugins)
     config = config.resolve()
     config.validate()
-    summary = read_summary(run_dir)
-    if resume and summary and summary.get("status") == "finished" and summary.get("step", -1) >= config.n_steps:
-        return run_dir
-    has_run = (run_dir / "metrics.jsonl").is_file() or latest_checkpoint(run_dir) is not None
-    if has_run and not resume:
-        raise ConfigError(f"{run_dir} already holds a run; resume it (`rlvr train --resume {run_dir}`) or choose a new --out")
-    ckpt = latest_checkpoint(run_dir) if resume else None
-    if resume and (run_dir / "config.json").is_file():
-        saved = TrainConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
-        diffs = [d for d in config_differences(saved, config) if not d.startswith(RESUMABLE_CHANGES)]
-        if diffs:
-            raise ConfigError(f"cannot resume {run_dir} with a different config: {', '.join(diffs)} changed; "
-                              "resume with the saved config (only n_steps, cadences and logging may change)")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(config, run_dir / "config.json")
-    if ckpt is None:
-        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    with sigterm_as_interrupt(), RunDirLock(run_dir):
+        ckpt, finished = _prepare_run_dir(config, run_dir, resume)
+        if finished:
+            return run_dir
+        return _train(config, run_dir, ckpt, model=model, tokenizer=tokenizer, reward_fn=reward_fn, engine=engine)
 
+
+def _train(config: TrainConfig, run_dir: Path, ckpt: Path | None, *, model, tokenizer, reward_fn, engine) -> Path:
+    """The run itself, in a locked and prepared run directory, from ``ckpt`` (None: from step 0)."""
+    if model is None and ckpt is None and config.model.fresh is None:
+        from rlvr.modeling import check_model_source
+
+        check_model_source(config.model.name_or_path, flag="model.name_or_path")
     torch.manual_seed(config.seed)
     import random
 
@@ -478,6 +525,7 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False, *, mod
     if ckpt is not None:
         loop.update(load_trainer_state(ckpt, optimizer, scheduler))
         start_step = loop.pop("step")
+        _refresh_lr(optimizer, scheduler)
         truncate_metrics(run_dir / "metrics.jsonl", start_step)
 
     own_engine = engine is None
@@ -502,7 +550,14 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False, *, mod
                        final_train_reward=loop["last_train_reward"], nonfinite_skipped=loop["nonfinite_total"],
                        last_checkpoint=saved_step, message=message, wall_time_s=time.perf_counter() - t_start)
 
+    def resume_hint() -> str:
+        if saved_step is None:
+            return (f"No checkpoint was saved yet, so nothing is lost beyond the steps run: fix the cause and run "
+                    f"`rlvr train --resume {run_dir}` to start again from step 0.")
+        return f"The checkpoint of step {saved_step} is intact: fix the cause and resume with `rlvr train --resume {run_dir}`."
+
     try:
+        finish("running")
         if own_engine:
             try:
                 engine = _make_engine(config, model, tokenizer)
@@ -526,7 +581,7 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False, *, mod
                                 if k.startswith("val/")}
             logger.log({"step": 0, **loop["last_val"]})
         for step in range(start_step + 1, config.n_steps + 1):
-            with _DeferInterrupt() as deferred:
+            with DeferInterrupts() as deferred:
                 metrics = _rollout_step(config, step, model, tokenizer, engine, optimizer, scheduler, reward_fn,
                                         train_examples, loop, run_dir, mark_dirty=lambda: progress.update(dirty=True),
                                         rollouts=rollouts, backbone=backbone)
@@ -541,31 +596,29 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False, *, mod
                 if config.save_every and step % config.save_every == 0:
                     checkpoint(step)
             loop["last_train_reward"] = metrics["train/reward"]
-            postfix = {"reward": f"{metrics['train/reward']:.3f}"}
-            if "val/reward" in loop["last_val"]:
-                postfix["val"] = f"{loop['last_val']['val/reward']:.3f}"
-            bar.set_postfix(postfix)
+            bar.set_postfix(progress_postfix(metrics, loop["last_val"]))
             bar.update(1)
-            if deferred.requested:
-                raise KeyboardInterrupt
+            deferred.raise_if_requested()
         bar.close()
         step = config.n_steps
         checkpoint(step)
         finish("finished")
         return run_dir
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         interrupted_at, step = step, completed
+        how = "stopped by SIGTERM" if isinstance(e, Terminated) else "interrupted"
         if not progress["dirty"]:
             checkpoint(completed)
-            msg = f"interrupted; saved a checkpoint at step {completed}: resume with `rlvr train --resume {run_dir}`"
+            msg = f"{how}; saved a checkpoint at step {completed}: resume with `rlvr train --resume {run_dir}`"
         else:
-            msg = (f"interrupted in the middle of step {interrupted_at}'s updates, so nothing was saved; the last "
-                   f"checkpoint (step {saved_step}) is intact: resume with `rlvr train --resume {run_dir}`")
+            msg = f"{how} in the middle of step {interrupted_at}'s updates, so that step was not saved. " + resume_hint()
         finish("interrupted", msg)
         print(f"rlvr: {msg}", file=sys.stderr)
         raise
     except TrainingError as e:
         step = completed
+        text = str(e).rstrip()
+        e.args = (f"{text}{'' if text.endswith('.') else '.'} {resume_hint()}",)  # what is on disk is known only here
         finish("failed", str(e))
         raise
     finally:
@@ -575,6 +628,15 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False, *, mod
             rollouts.close()
         if own_engine and engine is not None:
             engine.close()
+
+
+def progress_postfix(metrics: dict, last_val: dict) -> dict:
+    """What the progress bar shows after a step: train reward, loss, gradient norm, last val reward."""
+    postfix = {"reward": f"{metrics['train/reward']:.3f}", "loss": f"{metrics['train/loss']:.4g}",
+               "gnorm": f"{metrics['train/grad_norm']:.3g}"}
+    if "val/reward" in last_val:
+        postfix["val"] = f"{last_val['val/reward']:.3f}"
+    return postfix
 
 
 def _rollout_step(config: TrainConfig, step: int, model, tokenizer, engine, optimizer, scheduler, reward_fn,
@@ -677,7 +739,7 @@ def _rollout_step(config: TrainConfig, step: int, model, tokenizer, engine, opti
                 if loop["nonfinite_consecutive"] >= config.max_consecutive_nonfinite:
                     raise NonFiniteError(
                         f"{loop['nonfinite_consecutive']} optimizer steps in a row had a non-finite loss or gradient norm "
-                        f"(at step {step}); stopping with the last checkpoint intact. Lower optim.lr, check the data "
+                        f"(at step {step}), so the run stops. Lower optim.lr, check the data "
                         "and rewards, or raise max_consecutive_nonfinite."
                     )
                 continue
@@ -727,46 +789,70 @@ def _rollout_step(config: TrainConfig, step: int, model, tokenizer, engine, opti
 USAGE = """rlvr train --config FILE [--section.field VALUE ...] --out DIR
        rlvr train --resume DIR [--n_steps N ...]
 
-Train a policy with GRPO or a variant. FILE is YAML or TOML with the sections below (model, data,
-algorithm, rollout, optim, engine, log) and top-level fields; flags override it. The resolved config
-is written to DIR/config.json, metrics to DIR/metrics.jsonl, checkpoints to DIR/checkpoints/."""
+Train a policy with GRPO or a variant. FILE is YAML, TOML or JSON with the sections below (model,
+data, algorithm, rollout, optim, engine, log) and top-level fields; flags override it. The resolved
+config is written to DIR/config.json, metrics to DIR/metrics.jsonl, checkpoints to DIR/checkpoints/.
+Ctrl-C or SIGTERM finishes the current step, saves a checkpoint and exits with status 130 (Ctrl-C)
+or 143 (SIGTERM); a second one stops at once. Errors exit with status 2 (bad input) or 1 (a fault
+during the run)."""
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+@dataclasses.dataclass(frozen=True)
+class TrainCommand:
+    """The ``rlvr train`` command line: where the config comes from and goes, then every config field."""
+
+    config: Path | None = None
+    """Config file (YAML, TOML or JSON) to start from; the flags below override it."""
+    out: Path | None = None
+    """Run directory for config.json, metrics.jsonl, summary.json and checkpoints/ (a new run)."""
+    resume: Path | None = None
+    """Continue the run in this directory from its newest intact checkpoint (its config.json is the base; n_steps, cadences and logging may change)."""
+    # name="": the config's flags keep their names (--optim.lr, not --train.optim.lr)
+    train: Annotated[TrainConfig, tyro.conf.arg(name="")] = dataclasses.field(default_factory=TrainConfig)
+
+
+def parse_command(argv: list[str]) -> tuple[TrainConfig, Path, bool]:
+    """``(config, run directory, resume)`` from ``rlvr train`` arguments; raises ``ConfigError`` for
+    bad input and ``SystemExit`` for ``--help`` or a flag tyro rejects (it prints why)."""
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config")
     pre.add_argument("--out")
     pre.add_argument("--resume")
-    known, rest = pre.parse_known_args(argv)
+    known, _ = pre.parse_known_args(argv)
+    if known.resume:
+        if known.config:
+            raise ConfigError("--resume DIR reads DIR/config.json; do not pass --config with it")
+        run_dir = Path(known.resume)
+        if known.out and Path(known.out) != run_dir:
+            raise ConfigError("--resume DIR continues in DIR; drop --out or make it the same directory")
+        base = _read_run_config(run_dir)
+        if base is None:
+            raise ConfigError(f"{run_dir}/config.json not found: is {run_dir} a run directory? Start a new run with "
+                              f"--config FILE --out {run_dir}")
+    else:
+        base = load_config_file(known.config) if known.config else TrainConfig()
+        run_dir = Path(known.out) if known.out else None
+    default = TrainCommand(config=known.config and Path(known.config), out=known.out and Path(known.out),
+                           resume=known.resume and Path(known.resume), train=base)
+    command = tyro.cli(TrainCommand, args=argv, default=default, prog="rlvr train", description=USAGE)
+    if run_dir is None:
+        raise ConfigError("--out DIR is required (where metrics, checkpoints and the config go)")
+    return command.train, run_dir, bool(known.resume)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        if known.resume:
-            if known.config:
-                raise ConfigError("--resume DIR reads DIR/config.json; do not pass --config with it")
-            run_dir = Path(known.resume)
-            if known.out and Path(known.out) != run_dir:
-                raise ConfigError("--resume DIR continues in DIR; drop --out or make it the same directory")
-            if not (run_dir / "config.json").is_file():
-                raise ConfigError(f"{run_dir}/config.json not found: is {run_dir} a run directory?")
-            base = TrainConfig.from_dict(json.loads((run_dir / "config.json").read_text()))
-        else:
-            base = load_config_file(known.config) if known.config else TrainConfig()
-            run_dir = Path(known.out) if known.out else None
         try:
-            config = parse_overrides(rest, base, description=USAGE)
+            config, run_dir, resume = parse_command(argv)
         except SystemExit as e:  # --help, or a bad flag (tyro printed why)
             return int(e.code or 0)
-        if run_dir is None:
-            raise ConfigError("--out DIR is required (where metrics, checkpoints and the config go)")
-        train(config, run_dir, resume=bool(known.resume))
-    except ConfigError as e:
+        train(config, run_dir, resume=resume)
+    except UserError as e:
         print(f"rlvr train: {e}", file=sys.stderr)
-        return 2
-    except TrainingError as e:
-        print(f"rlvr train: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
+        return e.exit_code
+    except KeyboardInterrupt as e:
+        return exit_code(e)
     print(f"rlvr train: finished; results in {run_dir}")
     return 0
 

@@ -7,7 +7,9 @@ name (``my_pkg.my_estimator``) or a path to a ``.py`` file.
 
 ``python -m rlvr.experiments.plugins --plugin FILE_OR_MODULE ... -- train --config ...`` imports the
 plugins and then runs the ``rlvr`` command after ``--``: this is how the sweep runner launches runs
-in subprocesses, so that custom names work there without the trainer knowing about plugins.
+in subprocesses, so that custom names work there without the trainer knowing about plugins. When
+the sweep sets ``RLVR_PARENT_PID``, the command stops (SIGTERM: a checkpoint, then exit) when the
+sweep dies, even if the sweep is killed outright.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import hashlib
 import importlib
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -78,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(own)
     if not command:
         parser.error("give the rlvr command to run after --, e.g. -- train --config cfg.yaml --out runs/x")
+    parent = os.environ.pop("RLVR_PARENT_PID", None)  # for this process only, not for what it starts
+    if parent and parent.isdigit():
+        from rlvr.interrupts import stop_with_parent
+
+        stop_with_parent(int(parent))
     import_plugins(args.plugin)
     from rlvr.cli import main as rlvr_main
 

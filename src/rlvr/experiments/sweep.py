@@ -23,13 +23,21 @@ seed) is written to ``DIR/_sweep/configs/<setting>/seed_<k>.yaml`` and its outpu
 ``DIR/_sweep/logs/``. Running the sweep again skips finished runs (``summary.json`` with status
 ``finished``) and resumes interrupted ones (a run directory without it). A run whose stored
 ``config.json`` disagrees with what the spec now asks for is a conflict: it is left alone and
-reported, since resuming it would mix two experiments under one name.
+reported, since resuming it would mix two experiments under one name. A run directory locked by a
+live process (a run of an earlier sweep that is still stopping, or any other ``rlvr train``) is
+busy: it is left alone and reported, never raced.
+
+Every planned run's full config is built and validated before anything runs, also with
+``--dry-run``: a misspelt key or an impossible value stops the sweep with one line per setting.
 
 ``--max-parallel N`` runs up to N runs at once as subprocesses (``python -m rlvr train ...``), which
 is how several small runs share one GPU; ``--devices 0 1`` spreads them over GPUs round-robin. With
 N = 1 runs go one after another in this process. Ctrl-C (or SIGTERM, e.g. from ``timeout``) stops
 the sweep and lets each running trainer save a checkpoint, so the same command later resumes where
-it stopped. ``--dry-run`` prints the plan and touches nothing.
+it stopped (exit status 130 after Ctrl-C, 143 after SIGTERM). Each subprocess runs in its own
+process group, is asked to stop (SIGTERM, by the kernel) when the sweep dies however it dies, and
+its group is killed if it does not stop within the grace period. ``--dry-run`` prints the plan and
+touches nothing.
 ``--set KEY=VALUE`` changes the base config of every setting (a model path, an engine), and
 ``--seeds`` / ``--settings`` select part of the grid.
 """
@@ -57,50 +65,38 @@ from typing import Callable, Sequence
 
 import yaml
 
+from rlvr import config as train_config
+from rlvr.errors import UserError
 from rlvr.experiments.plugins import import_plugins, resolve_plugin
 from rlvr.experiments.runs import flatten
+from rlvr.interrupts import Terminated, exit_code, sigterm_as_interrupt
+from rlvr.rundir import LOCK_FILE, atomic_write_json, atomic_write_text, describe_holder, lock_holder
 
 SETTING_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.=+,-]*$")
 SWEEP_DIR = "_sweep"
+PARENT_PID_ENV = "RLVR_PARENT_PID"
+"""Set for a sweep's subprocesses: they stop when the process with this pid (the sweep) dies."""
 
 
-class SweepError(ValueError):
-    """A malformed sweep spec."""
+class SweepError(UserError, ValueError):
+    """A malformed sweep spec, or a planned run with an invalid config."""
 
 
-# PyYAML follows YAML 1.1, where ``1e-5`` (no dot) is a string; learning rates are written that way.
-class _Loader(yaml.SafeLoader):
-    pass
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?(?:\d[\d_]*\.?\d*|\.\d+)[eE][-+]?\d+$|^[-+]?(?:\d[\d_]*)?\.\d+$|^[-+]?\d[\d_]*\.\d*$"),
-    list("-+0123456789."),
-)
+# YAML 1.2 numbers (``1e-5`` is a float; PyYAML's YAML 1.1 reads a string): the trainer's own reader.
+_Loader = train_config.YamlLoader
 
 
 def load_yaml(path: str | Path) -> dict:
-    with Path(path).open(encoding="utf-8") as f:
-        data = yaml.load(f, Loader=_Loader)
+    data = train_config.load_yaml(path)
     return data if data is not None else {}
 
 
 def load_config_file(path: str | Path) -> dict:
-    """A config file (YAML, or TOML by extension) as a dict."""
+    """A config file (YAML, TOML or JSON by extension) as a dict, read as ``rlvr train --config`` reads it."""
     path = Path(path)
     if not path.is_file():
         raise SweepError(f"base config {path} not found; give a path relative to the sweep spec or an inline mapping")
-    if path.suffix == ".toml":
-        import tomllib
-
-        return tomllib.loads(path.read_text())
-    if path.suffix == ".json":
-        return json.loads(path.read_text())
-    data = load_yaml(path)
-    if not isinstance(data, dict):
-        raise SweepError(f"base config {path} must be a mapping of config fields")
-    return data
+    return train_config.read_config_file(path)
 
 
 def expand_dotted(overrides: dict) -> dict:
@@ -242,7 +238,7 @@ def _parse_settings(raw) -> dict[str, dict]:
 # Planning: what each run needs
 # ---------------------------------------------------------------------------------------------------
 
-RUN, RESUME, SKIP, CONFLICT = "run", "resume", "skip", "conflict"
+RUN, RESUME, SKIP, CONFLICT, BUSY = "run", "resume", "skip", "conflict", "busy"
 
 
 @dataclass
@@ -253,7 +249,7 @@ class PlannedRun:
     config_path: Path
     config: dict
     action: str
-    """``run`` (new), ``resume`` (interrupted), ``skip`` (finished) or ``conflict``."""
+    """``run`` (new), ``resume`` (interrupted), ``skip`` (finished), ``conflict`` or ``busy`` (locked)."""
     reason: str = ""
 
     @property
@@ -261,18 +257,22 @@ class PlannedRun:
         return f"{self.setting}/seed_{self.seed}"
 
 
-def run_state(out_dir: Path) -> tuple[str, str]:
-    """``(action, reason)`` for a run directory from what it holds."""
+def run_state(out_dir: Path, n_steps: int | None = None) -> tuple[str, str]:
+    """``(action, reason)`` for a run directory from what it holds; a run finished short of
+    ``n_steps`` (when given) is resumed."""
     summary_path = out_dir / "summary.json"
     if summary_path.is_file():
         try:
-            status = json.loads(summary_path.read_text()).get("status")
+            summary = json.loads(summary_path.read_text())
+            status, step = summary.get("status"), summary.get("step")
         except (OSError, json.JSONDecodeError, AttributeError):
-            status = None
+            status = step = None
         if status == "finished":
+            if n_steps is not None and isinstance(step, int) and step < n_steps:
+                return RESUME, f"finished at step {step}, extended to n_steps={n_steps}"
             return SKIP, "finished"
         return RESUME, f"summary.json says status={status!r}"
-    if out_dir.is_dir() and any(out_dir.iterdir()):
+    if out_dir.is_dir() and any(p.name != LOCK_FILE for p in out_dir.iterdir()):
         n = _count_lines(out_dir / "metrics.jsonl")
         return RESUME, f"interrupted after {n} logged steps" if n else "interrupted before its first step"
     return RUN, "new"
@@ -327,9 +327,13 @@ def plan(spec: SweepSpec, out: str | Path, seeds: Sequence[int] | None = None,
         for seed in seeds:
             out_dir = out / name / f"seed_{seed}"
             config = spec.config_for(name, seed)
-            action, reason = run_state(out_dir)
+            n_steps = config.get("n_steps", train_config.TrainConfig.n_steps)
+            action, reason = run_state(out_dir, n_steps if isinstance(n_steps, int) else None)
             stored_path = out_dir / "config.json"
-            if action != RUN and stored_path.is_file():
+            holder = lock_holder(out_dir)
+            if holder is not None:
+                action, reason = BUSY, f"in use by {describe_holder(holder)}; run the sweep again once it has ended"
+            elif action != RUN and stored_path.is_file():
                 try:
                     stored = json.loads(stored_path.read_text())
                 except (OSError, json.JSONDecodeError):
@@ -346,9 +350,36 @@ def plan(spec: SweepSpec, out: str | Path, seeds: Sequence[int] | None = None,
 def format_plan(planned: Sequence[PlannedRun]) -> str:
     width = max([len(p.label) for p in planned] + [10])
     lines = [f"{p.action:<8} {p.label:<{width}}  {p.reason}" for p in planned]
-    n = {a: sum(p.action == a for p in planned) for a in (RUN, RESUME, SKIP, CONFLICT)}
-    lines.append(f"{n[RUN]} to run, {n[RESUME]} to resume, {n[SKIP]} finished (skipped), {n[CONFLICT]} conflicts")
+    n = {a: sum(p.action == a for p in planned) for a in (RUN, RESUME, SKIP, CONFLICT, BUSY)}
+    line = f"{n[RUN]} to run, {n[RESUME]} to resume, {n[SKIP]} finished (skipped), {n[CONFLICT]} conflicts"
+    lines.append(line + (f", {n[BUSY]} busy" if n[BUSY] else ""))
     return "\n".join(lines)
+
+
+def check_configs(planned: Sequence[PlannedRun]) -> list[str]:
+    """Build and validate every planned run's config as ``rlvr train`` will (import the spec's
+    plugins first). Raises ``SweepError`` with one line per setting whose config is invalid;
+    returns the warnings, once each, with the settings they concern."""
+    import warnings
+
+    errors: dict[tuple[str, str], list[int]] = {}
+    notes: dict[str, list[str]] = {}
+    for p in planned:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # returned below, once per message instead of once per run
+                warns = train_config.TrainConfig.from_dict(p.config).resolve().validate()
+        except train_config.ConfigError as e:
+            message = " ".join(line.strip() for line in str(e).splitlines())
+            errors.setdefault((p.setting, message), []).append(p.seed)
+            continue
+        for w in warns:
+            if p.setting not in notes.setdefault(w, []):
+                notes[w].append(p.setting)
+    if errors:
+        lines = [f"{setting} (seed {', '.join(map(str, seeds))}): {message}" for (setting, message), seeds in errors.items()]
+        raise SweepError(f"{len(lines)} setting(s) have an invalid config; fix the spec:\n  " + "\n  ".join(lines))
+    return [f"{w} (settings: {', '.join(settings)})" for w, settings in notes.items()]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -393,7 +424,7 @@ class Outcome:
 
 def _write_config(p: PlannedRun) -> None:
     p.config_path.parent.mkdir(parents=True, exist_ok=True)
-    p.config_path.write_text(yaml.safe_dump(p.config, sort_keys=False))
+    atomic_write_text(p.config_path, yaml.safe_dump(p.config, sort_keys=False))
 
 
 def _log_path(out: Path, p: PlannedRun) -> Path:
@@ -424,25 +455,29 @@ def execute(planned: Sequence[PlannedRun], out: str | Path, plugins: Sequence[st
         _write_config(p)
     if max_parallel <= 1:
         import_plugins(plugins)
-        train_fn = train_fn or train_in_process
-        outcomes = []
-        for i, p in enumerate(todo, 1):
-            echo(f"[{i}/{len(todo)}] {p.action} {p.label}")
-            start = time.time()
-            try:
-                train_fn(p.config_path, p.out_dir, p.action == RESUME)
-                outcomes.append(Outcome(p, True, time.time() - start))
-            except SystemExit as e:  # a CLI entry point may exit instead of returning
-                ok = e.code in (None, 0)
-                outcomes.append(Outcome(p, ok, time.time() - start, "" if ok else f"exited with status {e.code}"))
-            except Exception as e:
-                echo(f"  {p.label} failed: {e}")
-                _log_path(out, p).write_text(traceback.format_exc())
-                outcomes.append(Outcome(p, False, time.time() - start, f"{type(e).__name__}: {e}"))
-            finally:
-                _release_memory()
-        return outcomes
+        with sigterm_as_interrupt():  # the run in progress saves a checkpoint, as for Ctrl-C
+            return _execute_in_process(todo, out, train_fn or train_in_process, echo)
     return _execute_parallel(todo, out, plugins, max_parallel, devices, python, echo)
+
+
+def _execute_in_process(todo, out, train_fn, echo) -> list[Outcome]:
+    outcomes = []
+    for i, p in enumerate(todo, 1):
+        echo(f"[{i}/{len(todo)}] {p.action} {p.label}")
+        start = time.time()
+        try:
+            train_fn(p.config_path, p.out_dir, p.action == RESUME)
+            outcomes.append(Outcome(p, True, time.time() - start))
+        except SystemExit as e:  # a CLI entry point may exit instead of returning
+            ok = e.code in (None, 0)
+            outcomes.append(Outcome(p, ok, time.time() - start, "" if ok else f"exited with status {e.code}"))
+        except Exception as e:
+            echo(f"  {p.label} failed: {e}")
+            _log_path(out, p).write_text(traceback.format_exc())
+            outcomes.append(Outcome(p, False, time.time() - start, f"{type(e).__name__}: {e}"))
+        finally:
+            _release_memory()
+    return outcomes
 
 
 def _execute_parallel(todo, out, plugins, max_parallel, devices, python, echo) -> list[Outcome]:
@@ -450,20 +485,20 @@ def _execute_parallel(todo, out, plugins, max_parallel, devices, python, echo) -
     running: dict[int, tuple[subprocess.Popen, PlannedRun, float, object]] = {}
     free_slots = list(range(max_parallel))
     outcomes: list[Outcome] = []
-    env_base = dict(os.environ)
-    stop = threading.Event()
+    env_base = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
+    stop: list[int] = []  # the signal that asked us to stop
     previous = {}
     if threading.current_thread() is threading.main_thread():
         # Ctrl-C, or SIGTERM from a `timeout` or job scheduler: children run in their own sessions and
-        # would outlive us, so both stop them cleanly. The handler only sets a flag that the loop checks
-        # between polls: an exception raised at an arbitrary point could leave a Popen's internal lock
-        # taken (inside poll) and make the wait for that child hang.
+        # would outlive us, so both stop them cleanly. The handler only records the signal, which the
+        # loop checks between polls: an exception raised at an arbitrary point could leave a Popen's
+        # internal lock taken (inside poll) and make the wait for that child hang.
         for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, lambda signum, frame: stop.set())
+            previous[sig] = signal.signal(sig, lambda signum, frame: stop.append(signum))
     try:
         while pending or running:
-            if stop.is_set():
-                raise KeyboardInterrupt
+            if stop:
+                raise Terminated() if stop[0] == signal.SIGTERM else KeyboardInterrupt()
             while pending and free_slots:
                 slot, p = free_slots.pop(0), pending.pop(0)
                 env = dict(env_base)
@@ -501,7 +536,8 @@ def _execute_parallel(todo, out, plugins, max_parallel, devices, python, echo) -
 
 def _stop_children(running, echo, grace_s: float = 120.0) -> None:
     """Ctrl-C each child (the trainer then finishes its step and saves a checkpoint, so the next
-    sweep resumes it), wait up to ``grace_s``, then kill what is left."""
+    sweep resumes it), wait up to ``grace_s``, then kill what is left of its process group (the
+    child and anything it started, such as an engine worker)."""
     running = list(running)
     for proc, p, _, _ in running:
         if proc.poll() is None:
@@ -512,7 +548,11 @@ def _stop_children(running, echo, grace_s: float = 120.0) -> None:
         try:
             proc.wait(timeout=max(0.0, deadline - time.time()))
         except subprocess.TimeoutExpired:
-            proc.kill()
+            echo(f"{p.label} (pid {proc.pid}) did not stop within {grace_s:.0f}s; killing its process group")
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # start_new_session: the group id is the child's pid
+            except ProcessLookupError:
+                pass
             proc.wait()
         log.close()
 
@@ -541,7 +581,7 @@ def record_sweep(spec: SweepSpec, out: Path, planned: Sequence[PlannedRun], argv
         "invocations": invocations,
     }
     out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2, default=str))
+    atomic_write_json(path, record, default=str)
 
 
 def parse_assignments(items: Sequence[str]) -> dict:
@@ -562,14 +602,19 @@ def run_sweep(spec: SweepSpec | str | Path, out: str | Path, dry_run: bool = Fal
     """Plan the sweep, print the plan, and (unless ``dry_run``) run what is not finished.
 
     ``base_overrides`` (``--set``) change the base config of every setting, before the settings'
-    own overrides (a setting's value wins)."""
+    own overrides (a setting's value wins). Every planned run's config is validated first
+    (``check_configs``), dry run or not."""
     if not isinstance(spec, SweepSpec):
         spec = SweepSpec.from_file(spec)
     if base_overrides:
         spec = dataclasses.replace(spec, base=deep_merge(spec.base, base_overrides))
     out = Path(out)
     planned = plan(spec, out, seeds=seeds, settings=settings)
+    import_plugins(spec.plugins)  # they may register the names that the configs use
+    notes = check_configs(planned)
     echo(format_plan(planned))
+    for note in notes:
+        echo(f"warning: {note}")
     if dry_run:
         return planned, []
     record_sweep(spec, out, planned, argv)
@@ -578,6 +623,8 @@ def run_sweep(spec: SweepSpec | str | Path, out: str | Path, dry_run: bool = Fal
     for p in planned:
         if p.action == CONFLICT:
             echo(f"conflict, left alone: {p.label}: {p.reason}; use another --out or delete the run to redo it")
+        if p.action == BUSY:
+            echo(f"busy, left alone: {p.label}: {p.reason}")
     return planned, outcomes
 
 
@@ -604,9 +651,13 @@ def main(argv: list[str] | None = None) -> int:
         planned, outcomes = run_sweep(args.spec, args.out, dry_run=args.dry_run, max_parallel=args.max_parallel,
                                       seeds=args.seeds, settings=args.settings, devices=args.devices,
                                       base_overrides=parse_assignments(args.set), argv=argv)
-    except (SweepError, FileNotFoundError) as e:
+    except (UserError, FileNotFoundError) as e:
         print(f"rlvr sweep: {e}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_code", 2)
+    except KeyboardInterrupt as e:
+        print(f"rlvr sweep: {'stopped by SIGTERM' if isinstance(e, Terminated) else 'interrupted'}; the runs in "
+              "progress saved a checkpoint: run the same command again to resume", file=sys.stderr)
+        return exit_code(e)
     failed = [o for o in outcomes if not o.ok]
     if failed:
         print(f"{len(failed)} run(s) failed: " + ", ".join(o.run.label for o in failed), file=sys.stderr)

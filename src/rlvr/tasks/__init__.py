@@ -8,7 +8,10 @@ imported only when a task is loaded, so importing ``rlvr.tasks`` does no work.
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Callable
+
+from rlvr.data import DataError
 
 
 class _LazyTask:
@@ -36,6 +39,14 @@ def load_task(source: str, split: str = "train", limit: int | None = None, seed:
     for part in filter(None, args.split(",")):
         key, sep, value = part.partition("=")
         if not sep:
-            raise ValueError(f"task option {part!r} in {source!r} is not key=value; write e.g. 'arith:steps=2,max_value=20'")
+            raise DataError(f"task option {part!r} in {source!r} is not key=value; write e.g. 'arith:steps=2,max_value=20'")
         kwargs[key.strip()] = value.strip()
-    return TASKS[name](split=split, limit=limit, seed=seed, **kwargs)
+    task = TASKS[name]
+    target = getattr(importlib.import_module(task.module), task.attr) if isinstance(task, _LazyTask) else task
+    known = inspect.signature(target).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in known.values()):
+        unknown = sorted(set(kwargs) - set(known) - {"split", "limit", "seed"})
+        if unknown:
+            options = sorted(set(known) - {"split", "limit", "seed"})
+            raise DataError(f"task {name} has no option {', '.join(unknown)}; its options are {', '.join(options)}")
+    return task(split=split, limit=limit, seed=seed, **kwargs)
