@@ -170,7 +170,8 @@ def test_gradient_variance_by_hand():
     leave-one-out (x G/(G-1) = 2): trace 4, projected 4; GRPO's std normaliser: group 1 / sqrt(1/2),
       group 2 has no signal: ghat = (sqrt 2 (2 s0 + s2), 0): trace 2, projected 2.
     baseline term = no baseline - leave-one-out: ghat = (2 s1, 4 s2), mean s1 + 2 s2 with |.|^2 = 2,
-      trace 2 |s1 - 2 s2|^2 = 28/3: bias ratio J 2 / (28/3) = 3/7."""
+      trace 2 |s1 - 2 s2|^2 = 28/3: bias ratio J 2 / (28/3) = 3/7.
+    Each group's rows are run once per reward value (tokens 0 | 1, then 2, 2): the sums are exact."""
     model = Unigram(3)
     input_ids, labels, mask, rewards = _hand_batch()
     out = gradient_variance(model, input_ids, labels, mask, rewards, 2, "constant", 1.0, baseline="mean",
@@ -187,7 +188,13 @@ def test_gradient_variance_by_hand():
     assert out["run"]["trace"] == pytest.approx(2.0, rel=1e-5)
     assert out["run"]["projected"] == pytest.approx(2.0, rel=1e-5)
     assert out["baseline_bias_ratio"] == pytest.approx(3 / 7, rel=1e-5)
+    # |X_class|^2 per sample: correct |s0|^2 / 1 = 2/3 and |2 s2|^2 / 2 = 4/3 (mean 1); incorrect |s1|^2 = 2/3
+    assert out["score_energy_correct"] == pytest.approx(1.0, rel=1e-5)
+    assert out["score_energy_incorrect"] == pytest.approx(2 / 3, rel=1e-5)
     assert model.theta.grad is None  # measured without touching .grad
+    again = gradient_variance(model, input_ids, labels, mask, rewards, 2, "constant", 1.0, baseline="mean",
+                              advantage_normalizer="std", advantage_eps=EPS, keep_bytes=0)  # recomputed, not kept
+    assert variance_metrics(again) == pytest.approx(variance_metrics(out))
     # Sequence normalisation over B = 4 rows of one token: every gradient is a quarter, variances 1/16.
     seq = gradient_variance(model, input_ids, labels, mask, rewards, 2, "sequence", baseline="none", advantage_normalizer="none")
     assert seq["no_baseline"]["trace"] == pytest.approx(28 / 3 / 16, rel=1e-5)

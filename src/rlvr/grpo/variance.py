@@ -9,8 +9,11 @@ normalizer) gives ``g_j = (U_j - b_j S_j) / d_j`` with
 
     U_j = sum_i r_i grad l_i        S_j = sum_i grad l_i,
 
-so two backward passes per group give the per-group gradient of every such estimator at once. The
-estimators compared (``ESTIMATORS``):
+so the per-group gradient of every such estimator comes from the same two vectors. Both are sums of
+``X_jv = sum_{i: r_i = v} grad l_i`` over the group's distinct reward values v (``U_j = sum_v v X_jv``,
+``S_j = sum_v X_jv``), and each ``X_jv`` is one forward and backward over those rows only: with 0/1
+rewards the two together cost one forward and backward of the group. The estimators compared
+(``ESTIMATORS``):
 
 * ``no_baseline``: ``A = r`` (REINFORCE);
 * ``mean_baseline``: ``A = r - mean(r)`` (Dr. GRPO's advantage; ``(G - 1) / G`` times leave-one-out);
@@ -23,6 +26,12 @@ group; the reported variance is the trace of its sample covariance,
 ``sum_j |ghat_j - gbar|^2 / (J - 1)``, and the *projected* variance is that of ``<ghat_j, u>`` with u
 the unit vector along leave-one-out's ``gbar`` (one direction for every estimator). The variance of
 the batch gradient itself is these divided by J.
+
+**Why a baseline may not help.** With 0/1 rewards, ``g_j`` of the mean baseline is
+``(1 - p) X_j,correct - p X_j,incorrect``: it shrinks the correct samples' scores and adds the
+incorrect ones'. ``score_energy_correct`` / ``_incorrect`` is ``|X_jv|^2`` per sample of the class,
+averaged over groups: when incorrect (typically less likely) samples have much larger scores, the
+baseline adds more variance than it removes.
 
 **Bias check.** ``no_baseline - leave_one_out`` is the baseline term ``sum_i b_i grad l_i`` with
 ``b_i = mean_{k != i} r_k``, which has expectation zero when ``a_i`` does not depend on the sample
@@ -72,12 +81,14 @@ def gradient_variance(model, input_ids: torch.Tensor, labels: torch.Tensor, resp
                       rewards: torch.Tensor, group_size: int, loss_normalization: str = "sequence",
                       normalization_constant: float | None = None, batch_size: int | None = None,
                       baseline: str = "mean", advantage_normalizer: str = "std", advantage_eps: float = 1e-6,
-                      chunk_tokens: int = DEFAULT_CHUNK_TOKENS, backbone=None) -> dict:
+                      chunk_tokens: int = DEFAULT_CHUNK_TOKENS, backbone=None, keep_bytes: int = 2**30) -> dict:
     """Per-group gradient variance of each estimator on one rollout batch (rows in consecutive groups
     of ``group_size``), without touching ``.grad`` or the weights.
 
     ``batch_size`` is the B of ``sequence`` normalisation (default: the number of rows); it and
-    ``normalization_constant`` only scale every estimator alike. Returns
+    ``normalization_constant`` only scale every estimator alike. The projections need the mean
+    gradient first: the per-group vectors are kept for that when they fit in ``keep_bytes`` (float32,
+    on the model's device), else every group is run a second time. Returns
     ``{estimator: {"trace": ..., "projected": ..., "mean_norm": ..., "mean_projection": ...}, ...,
     "baseline_bias_ratio": ..., "n_groups": J}``; ``run`` is present when the run's (baseline,
     normalizer) is not ``no_baseline`` or ``mean_baseline`` already.
@@ -100,20 +111,31 @@ def gradient_variance(model, input_ids: torch.Tensor, labels: torch.Tensor, resp
     coef = _coefficients(rewards, G, baseline, advantage_normalizer, advantage_eps)
     lengths = (response_mask.long().cumsum(1).argmax(1) + 1).clamp(min=1)
 
-    def group_scores(j: int) -> tuple[torch.Tensor, torch.Tensor]:
-        sl = slice(j * G, (j + 1) * G)
-        width = int(lengths[sl].max())
-        mask = response_mask[sl, :width].to(device)
-        logp = get_response_log_probs(model, input_ids[sl, :width].to(device), labels[sl, :width].to(device),
+    def class_score(rows: torch.Tensor) -> torch.Tensor:
+        """sum over ``rows`` of grad l_i: one forward and backward of those rows."""
+        width = int(lengths[rows].max())
+        mask = response_mask[rows, :width].to(device)
+        logp = get_response_log_probs(model, input_ids[rows, :width].to(device), labels[rows, :width].to(device),
                                       chunk_tokens=chunk_tokens, backbone=backbone)["log_probs"]
         m = mask.to(logp.dtype)
         if loss_normalization == "sequence":
             seq = (logp * m).sum(dim=1) / (m.sum(dim=1).clamp(min=1) * B)
         else:
             seq = (logp * m).sum(dim=1) / normalization_constant
-        r = rewards[sl].to(device=device, dtype=seq.dtype)
-        U = _flat_grad((r * seq).sum(), params, retain=True)
-        S = _flat_grad(seq.sum(), params, retain=False)
+        return _flat_grad(seq.sum(), params, retain=False)
+
+    energy = {"correct": [], "incorrect": []}  # |X_jv|^2 per sample of the class, for 0/1 rewards
+
+    def group_scores(j: int, record: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        r = rewards[j * G:(j + 1) * G]
+        U = S = None
+        for v in torch.unique(r).tolist():
+            rows = (torch.nonzero(r == v).flatten() + j * G)
+            X = class_score(rows)
+            U = v * X if U is None else U + v * X
+            S = X if S is None else S + X
+            if record and binary:
+                energy["correct" if v == 1.0 else "incorrect"].append(float(X.double().pow(2).sum()) / len(rows))
         return U, S
 
     def estimate(name: str, j: int, U: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
@@ -121,11 +143,17 @@ def gradient_variance(model, input_ids: torch.Tensor, labels: torch.Tensor, resp
         return J * (float(cu[j]) * U + float(cs[j]) * S)
 
     names = list(coef)
-    # Pass 1: the batch gradient and the sum of squared per-group norms of every estimator.
+    binary = bool(((rewards == 0) | (rewards == 1)).all())
+    # Pass 1: the batch gradient and the sum of squared per-group norms of every estimator. The per-group
+    # (U_j, S_j) are kept for pass 2 when they fit in keep_bytes, else computed again.
+    keep = J * 2 * sum(p.numel() for p in params) * 4 <= keep_bytes
+    kept = []
     total = {n: None for n in names}
     sq_norms = {n: 0.0 for n in names}
     for j in range(J):
-        U, S = group_scores(j)
+        U, S = group_scores(j, record=True)
+        if keep:
+            kept.append((U, S))
         for n in names:
             g = estimate(n, j, U, S)
             total[n] = g if total[n] is None else total[n] + g
@@ -137,7 +165,7 @@ def gradient_variance(model, input_ids: torch.Tensor, labels: torch.Tensor, resp
     proj = {n: [] for n in names}
     if u is not None:
         for j in range(J):
-            U, S = group_scores(j)
+            U, S = kept[j] if keep else group_scores(j)
             for n in names:
                 proj[n].append(float(estimate(n, j, U, S).double() @ u.double()))
     out: dict = {"n_groups": J}
@@ -150,12 +178,18 @@ def gradient_variance(model, input_ids: torch.Tensor, labels: torch.Tensor, resp
                   "mean_norm": math.sqrt(mean_sq), "mean_projection": pm}
     term = out.pop("baseline_term")
     out["baseline_bias_ratio"] = J * term["mean_norm"] ** 2 / term["trace"] if term["trace"] > 0 else float("nan")
+    for cls, values in energy.items():
+        if values:
+            out[f"score_energy_{cls}"] = sum(values) / len(values)
     return out
 
 
 def variance_metrics(result: dict) -> dict[str, float]:
     """``gradient_variance``'s result as flat ``variance/...`` metrics for the run log."""
     out = {"variance/n_groups": result["n_groups"], "variance/baseline_bias_ratio": result["baseline_bias_ratio"]}
+    for cls in ("correct", "incorrect"):
+        if f"score_energy_{cls}" in result:
+            out[f"variance/score_energy_{cls}"] = result[f"score_energy_{cls}"]
     for name in ESTIMATORS:
         if name in result:
             for key, value in result[name].items():
