@@ -155,52 +155,54 @@ class Unigram(torch.nn.Module):
 
 def _hand_batch():
     # Vocabulary 3, theta = 0: scores s_y = e_y - 1/3, |s_y|^2 = 2/3, s_a.s_b = -1/3, s_0 + s_1 + s_2 = 0.
-    # Group 1 samples tokens 0, 1 with rewards 1, 0; group 2 samples token 2 twice, both rewarded.
-    input_ids = torch.zeros(4, 1, dtype=torch.long)
-    labels = torch.tensor([[0], [1], [2], [2]])
-    mask = torch.ones(4, 1, dtype=torch.bool)
-    return input_ids, labels, mask, torch.tensor([1.0, 0.0, 1.0, 1.0])
+    # Groups of two samples: tokens (0, 1) rewarded (1, 0); tokens (2, 2) both rewarded; tokens (0, 2)
+    # rewarded (0, 1).
+    input_ids = torch.zeros(6, 1, dtype=torch.long)
+    labels = torch.tensor([[0], [1], [2], [2], [0], [2]])
+    mask = torch.ones(6, 1, dtype=torch.bool)
+    return input_ids, labels, mask, torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0])
 
 
 def test_gradient_variance_by_hand():
-    """U_1 = s0, S_1 = -s2; U_2 = S_2 = 2 s2; J = 2 groups, so ghat_j = 2 g_j.
-    no baseline: ghat = (2 s0, 4 s2), trace 2 |s0 - 2 s2|^2 = 28/3; along u = (2 s0 + s2)/sqrt(2)
-      (leave-one-out's mean direction) the projections are (sqrt 2, 0): variance 1.
-    mean baseline: ghat = (2 s0 + s2, 0): trace 2 |s0 + s2/2|^2 = 1, projected 1.
-    leave-one-out (x G/(G-1) = 2): trace 4, projected 4; GRPO's std normaliser: group 1 / sqrt(1/2),
-      group 2 has no signal: ghat = (sqrt 2 (2 s0 + s2), 0): trace 2, projected 2.
-    baseline term = no baseline - leave-one-out: ghat = (2 s1, 4 s2), mean s1 + 2 s2 with |.|^2 = 2,
-      trace 2 |s1 - 2 s2|^2 = 28/3: bias ratio J 2 / (28/3) = 3/7.
-    Each group's rows are run once per reward value (tokens 0 | 1, then 2, 2): the sums are exact."""
+    """U = (s0, 2 s2, s2), S = (-s2, 2 s2, -s1), mean rewards (1/2, 1, 1/2); J = 3, so ghat_j = 3 g_j.
+    no baseline, ghat = (3 s0, 6 s2, 3 s2): squared norms 6 + 24 + 6 = 36, mean s0 + 3 s2 with
+      |.|^2 = 14/3, trace (36 - 3 * 14/3) / 2 = 11.
+    mean baseline, g = U - mean(r) S = (s0 + s2/2, 0, s2 + s1/2): |g_1|^2 = |g_3|^2 = 1/2, mean
+      (s2 - s1)/2 with |.|^2 = 1/2, trace (9 - 3/2) / 2 = 3.75; leave-one-out is twice it: trace 15.
+    projections on the other groups' leave-one-out mean: g_loo = (2 s0 + s2, 0, s1 + 2 s2), so the
+      directions are (s1 + 2 s2, s0 + 2 s2, 2 s0 + s2) / sqrt(2); no baseline projects to
+      (-3, 6, 0) / sqrt(2): variance ((-4)^2 + 5^2 + 1) / 2 / 2 = 10.5; leave-one-out to (-3, 0, -3) / sqrt(2):
+      1.5; mean baseline 1.5 / 4.
+    GRPO's std normaliser: groups 1 and 3 divided by 1/sqrt(2), group 2 has no signal: 2 x mean baseline.
+    baseline term = no baseline - leave-one-out: ghat = 3 (s1, 2 s2, s0), squared norms 36, mean s2
+      (|.|^2 = 2/3), trace (36 - 2) / 2 = 17: bias ratio 3 (2/3) / 17 = 2/17.
+    Each group's rows are run once per reward value: the sums are exact."""
     model = Unigram(3)
     input_ids, labels, mask, rewards = _hand_batch()
     out = gradient_variance(model, input_ids, labels, mask, rewards, 2, "constant", 1.0, baseline="mean",
                             advantage_normalizer="std", advantage_eps=EPS)
-    assert out["n_groups"] == 2
-    assert out["no_baseline"]["trace"] == pytest.approx(28 / 3, rel=1e-5)
-    assert out["no_baseline"]["projected"] == pytest.approx(1.0, rel=1e-5)
-    assert out["no_baseline"]["mean_norm"] == pytest.approx(math.sqrt(2), rel=1e-5)
-    assert out["mean_baseline"]["trace"] == pytest.approx(1.0, rel=1e-5)
-    assert out["mean_baseline"]["projected"] == pytest.approx(1.0, rel=1e-5)
-    assert out["leave_one_out"]["trace"] == pytest.approx(4.0, rel=1e-5)
-    assert out["leave_one_out"]["projected"] == pytest.approx(4.0, rel=1e-5)
-    assert out["leave_one_out"]["mean_projection"] == pytest.approx(math.sqrt(2), rel=1e-5)
-    assert out["run"]["trace"] == pytest.approx(2.0, rel=1e-5)
-    assert out["run"]["projected"] == pytest.approx(2.0, rel=1e-5)
-    assert out["baseline_bias_ratio"] == pytest.approx(3 / 7, rel=1e-5)
-    # |X_class|^2 per sample: correct |s0|^2 / 1 = 2/3 and |2 s2|^2 / 2 = 4/3 (mean 1); incorrect |s1|^2 = 2/3
-    assert out["score_energy_correct"] == pytest.approx(1.0, rel=1e-5)
+    assert out["n_groups"] == 3
+    want = {"no_baseline": (11.0, 10.5), "mean_baseline": (3.75, 0.375), "leave_one_out": (15.0, 1.5), "run": (7.5, 0.75)}
+    for name, (trace, projected) in want.items():
+        assert out[name]["trace"] == pytest.approx(trace, rel=1e-5), name
+        assert out[name]["projected"] == pytest.approx(projected, rel=1e-5), name
+    assert out["no_baseline"]["mean_norm"] == pytest.approx(math.sqrt(14 / 3), rel=1e-5)
+    assert out["no_baseline"]["mean_projection"] == pytest.approx(1 / math.sqrt(2), rel=1e-5)
+    assert out["leave_one_out"]["mean_projection"] == pytest.approx(-2 / math.sqrt(2), rel=1e-5)
+    assert out["baseline_bias_ratio"] == pytest.approx(2 / 17, rel=1e-5)
+    # |X_class|^2 per sample: correct |s0|^2, |2 s2|^2 / 2, |s2|^2 -> mean 8/9; incorrect |s1|^2, |s0|^2 -> 2/3
+    assert out["score_energy_correct"] == pytest.approx(8 / 9, rel=1e-5)
     assert out["score_energy_incorrect"] == pytest.approx(2 / 3, rel=1e-5)
     assert model.theta.grad is None  # measured without touching .grad
     again = gradient_variance(model, input_ids, labels, mask, rewards, 2, "constant", 1.0, baseline="mean",
                               advantage_normalizer="std", advantage_eps=EPS, keep_bytes=0)  # recomputed, not kept
     assert variance_metrics(again) == pytest.approx(variance_metrics(out))
-    # Sequence normalisation over B = 4 rows of one token: every gradient is a quarter, variances 1/16.
+    # Sequence normalisation over B = 6 rows of one token: every gradient is a sixth, variances 1/36.
     seq = gradient_variance(model, input_ids, labels, mask, rewards, 2, "sequence", baseline="none", advantage_normalizer="none")
-    assert seq["no_baseline"]["trace"] == pytest.approx(28 / 3 / 16, rel=1e-5)
+    assert seq["no_baseline"]["trace"] == pytest.approx(11 / 36, rel=1e-5)
     assert "run" not in seq  # the run's estimator is no_baseline already
     metrics = variance_metrics(out)
-    assert metrics["variance/no_baseline/trace"] == out["no_baseline"]["trace"] and metrics["variance/n_groups"] == 2
+    assert metrics["variance/no_baseline/trace"] == out["no_baseline"]["trace"] and metrics["variance/n_groups"] == 3
     with pytest.raises(ValueError, match="two whole groups"):
         gradient_variance(model, input_ids[:2], labels[:2], mask[:2], rewards[:2], 2, "constant", 1.0)
 
@@ -276,8 +278,7 @@ def test_trainer_logs_updates_and_variance_without_changing_training(gsm8k_path,
             assert first["token_ratio_min"] == pytest.approx(1, abs=1e-4) and first["token_ratio_max"] == pytest.approx(1, abs=1e-4)
             assert abs(first["kl_k3"]) < 1e-8 and first["token_clip_frac"] == 0
         assert all(0 <= u["entropy"] for u in ups if u["n_trained_tokens"])
-        assert r["variance/n_groups"] == 2 and r["variance/no_baseline/trace"] >= 0
-        assert math.isfinite(r["variance/leave_one_out/projected"]) and "variance/run/trace" in r
+        assert r["variance/n_groups"] == 2 and r["variance/no_baseline/trace"] >= 0 and "variance/run/trace" in r
     later = [u for r in rows for u in r["updates"] if u["update"] > 1 and u.get("n_tokens")]
     assert any(u["kl_k3"] > 1e-6 for u in later)  # the policy moved away from the sampling one
     dump = [json.loads(line) for line in (tmp_path / "run" / "rollouts" / "step_1.jsonl").read_text().splitlines()]

@@ -54,6 +54,8 @@ def run_estimator(run: Run) -> Estimator | None:
         G = int(flat["rollout.group_size"])
         n_prompts = int(flat["rollout.n_prompts_per_rollout_batch"])
         batch = flat.get("optim.train_batch_size") or G * n_prompts
+        if flat["algorithm.loss_normalization"] == "constant" and not flat.get("algorithm.normalization_constant"):
+            return None
         return Estimator(baseline=str(flat["algorithm.baseline"]), normalizer=str(flat["algorithm.advantage_normalizer"]),
                          loss_normalization=str(flat["algorithm.loss_normalization"]), group_size=G, batch_size=int(batch),
                          normalization_constant=flat.get("algorithm.normalization_constant"),
@@ -246,8 +248,9 @@ def variance_table(runs: Sequence[Run]) -> str:
     """Markdown: per setting, the per-group gradient variance of each estimator averaged over every
     measurement (steps and seeds), the ratio without / with the leave-one-out baseline, and the bias check."""
     lines = ["| setting | measurements | no baseline | mean baseline | leave-one-out | run's estimator | "
-             "no baseline / leave-one-out | projected: no baseline / leave-one-out | baseline bias ratio |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "no baseline / leave-one-out | projected: no baseline / leave-one-out | baseline bias ratio | "
+             "score energy incorrect / correct |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for setting, group in group_runs(runs).items():
         vals = {}
         for est in ESTIMATORS:
@@ -260,9 +263,11 @@ def variance_table(runs: Sequence[Run]) -> str:
         fmt = lambda x: f"{x.mean():.3g}" if len(x) else "–"  # noqa: E731
         ratio = _ratio(vals[("no_baseline", "trace")], vals[("leave_one_out", "trace")])
         pratio = _ratio(vals[("no_baseline", "projected")], vals[("leave_one_out", "projected")])
+        energy = {c: np.concatenate([r.series(f"variance/score_energy_{c}")[1] for r in group]) for c in ("correct", "incorrect")}
+        eratio = _ratio(energy["incorrect"], energy["correct"]) if len(energy["incorrect"]) == len(energy["correct"]) else "–"
         lines.append(f"| {setting} | {n} | {fmt(vals[('no_baseline', 'trace')])} | {fmt(vals[('mean_baseline', 'trace')])} | "
                      f"{fmt(vals[('leave_one_out', 'trace')])} | {fmt(vals[('run', 'trace')])} | {ratio} | {pratio} | "
-                     f"{fmt(bias)} |")
+                     f"{fmt(bias)} | {eratio} |")
     return "\n".join(lines)
 
 
@@ -706,7 +711,8 @@ def report_section(runs: Sequence[Run], rel: dict[str, str], level: str = "##") 
                "(same rollouts, same weights). Variance is that of the batch gradient estimated from one group "
                "(the trace of its covariance across groups; 'projected': along the leave-one-out mean gradient). "
                "The baseline bias ratio is J |mean baseline term|^2 / its variance: about 1 when the baseline adds "
-               "zero-mean noise only.", ""]
+               "zero-mean noise only. Score energy: squared norm per sample of the summed scores of a group's "
+               "correct (incorrect) samples; ratios are geometric means over the measurements, with their range.", ""]
         if "estimators/variance" in rel:
             md += [f"![variance]({rel['estimators/variance']})", ""]
         md += [variance_table(runs), ""]

@@ -23,9 +23,12 @@ rewards the two together cost one forward and backward of the group. The estimat
 
 With J groups, ``ghat_j = J g_j`` estimates the batch gradient ``gbar = mean_j ghat_j`` from one
 group; the reported variance is the trace of its sample covariance,
-``sum_j |ghat_j - gbar|^2 / (J - 1)``, and the *projected* variance is that of ``<ghat_j, u>`` with u
-the unit vector along leave-one-out's ``gbar`` (one direction for every estimator). The variance of
-the batch gradient itself is these divided by J.
+``sum_j |ghat_j - gbar|^2 / (J - 1)``, and the *projected* variance is the sample variance of
+``<ghat_j, u_-j>`` with ``u_-j`` the unit vector along the leave-one-out mean of the other groups (the
+same directions for every estimator, each independent of the group it measures). The variance of the
+batch gradient itself is these divided by J. Across groups both include how much the prompts' true
+gradients differ, which is the same for every estimator with the same expectation (no baseline and
+leave-one-out), so their difference is the estimators' own noise.
 
 **Why a baseline may not help.** With 0/1 rewards, ``g_j`` of the mean baseline is
 ``(1 - p) X_j,correct - p X_j,incorrect``: it shrinks the correct samples' scores and adds the
@@ -91,7 +94,8 @@ def gradient_variance(model, input_ids: torch.Tensor, labels: torch.Tensor, resp
     on the model's device), else every group is run a second time. Returns
     ``{estimator: {"trace": ..., "projected": ..., "mean_norm": ..., "mean_projection": ...}, ...,
     "baseline_bias_ratio": ..., "n_groups": J}``; ``run`` is present when the run's (baseline,
-    normalizer) is not ``no_baseline`` or ``mean_baseline`` already.
+    normalizer) is not ``no_baseline`` or ``mean_baseline`` already. ``projected`` is NaN when fewer than
+    two groups have a non-zero held-out direction.
     """
     G = group_size
     rows = input_ids.shape[0]
@@ -159,22 +163,26 @@ def gradient_variance(model, input_ids: torch.Tensor, labels: torch.Tensor, resp
             total[n] = g if total[n] is None else total[n] + g
             sq_norms[n] += float(g.double().pow(2).sum())
     mean = {n: total[n] / J for n in names}
-    ref_norm = float(mean["leave_one_out"].norm())
-    u = mean["leave_one_out"] / ref_norm if ref_norm > 0 else None
-    # Pass 2: projections on the leave-one-out direction (known only after pass 1).
+    # Pass 2: each group's estimates projected on the leave-one-out mean of the *other* groups, a direction
+    # independent of the group (a direction fitted to the projected vectors themselves would favour the
+    # estimator it was fitted to). Groups whose held-out direction is zero are left out.
     proj = {n: [] for n in names}
-    if u is not None:
-        for j in range(J):
-            U, S = kept[j] if keep else group_scores(j)
-            for n in names:
-                proj[n].append(float(estimate(n, j, U, S).double() @ u.double()))
+    for j in range(J):
+        U, S = kept[j] if keep else group_scores(j)
+        held_out = J * mean["leave_one_out"] - estimate("leave_one_out", j, U, S)
+        norm = float(held_out.norm())
+        if norm == 0:
+            continue
+        u = (held_out / norm).double()
+        for n in names:
+            proj[n].append(float(estimate(n, j, U, S).double() @ u))
     out: dict = {"n_groups": J}
     for n in names:
         mean_sq = float(mean[n].double().pow(2).sum())
         trace = max(0.0, (sq_norms[n] - J * mean_sq) / (J - 1))
         p = proj[n]
-        pm = sum(p) / J if p else 0.0
-        out[n] = {"trace": trace, "projected": sum((x - pm) ** 2 for x in p) / (J - 1) if p else 0.0,
+        pm = sum(p) / len(p) if p else float("nan")
+        out[n] = {"trace": trace, "projected": sum((x - pm) ** 2 for x in p) / (len(p) - 1) if len(p) > 1 else float("nan"),
                   "mean_norm": math.sqrt(mean_sq), "mean_projection": pm}
     term = out.pop("baseline_term")
     out["baseline_bias_ratio"] = J * term["mean_norm"] ** 2 / term["trace"] if term["trace"] > 0 else float("nan")
