@@ -237,7 +237,7 @@ def formula_text(est: Estimator, correct_length: float = 0.0, incorrect_length: 
 # --- 2. gradient variance ---------------------------------------------------------------------------
 
 VARIANCE_LABELS = {"no_baseline": "no baseline (A = r)", "mean_baseline": "mean baseline (A = r - mean r)",
-                   "leave_one_out": "leave-one-out baseline", "run": "the run's estimator"}
+                   "leave_one_out": "leave-one-out baseline", "run": "the run's estimator (its own scale)"}
 
 
 def has_variance(runs: Sequence[Run]) -> bool:
@@ -396,7 +396,7 @@ def _pyplot():
 def _wrap(text: str, width_chars: int) -> str:
     import textwrap
 
-    return "\n".join(textwrap.wrap(text, max(40, width_chars)))
+    return "\n".join(textwrap.wrap(text, max(55, width_chars)))
 
 
 def _save(fig, path: Path) -> Path:
@@ -413,7 +413,7 @@ def plot_weighting(bins: dict[str, WeightingBins], path: Path) -> Path | None:
         return None
     plt = _pyplot()
     n = len(bins)
-    fig, axes = plt.subplots(2, n, figsize=(4.2 * n, 7.0), dpi=110, squeeze=False)
+    fig, axes = plt.subplots(2, n, figsize=(5.0 * n, 7.2), dpi=110, squeeze=False)
     try:
         for col, (setting, b) in enumerate(bins.items()):
             ax = axes[0, col]
@@ -437,17 +437,17 @@ def plot_weighting(bins: dict[str, WeightingBins], path: Path) -> Path | None:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
             ax2 = axes[1, col]
-            width = 0.8 / max(len(b.p) - 1, 1)
-            ax2.bar(b.p, b.share, width=width, color="tab:blue", alpha=0.7, label="share of total weight")
-            ax2.step(b.p, b.n_groups / max(b.n_groups.sum(), 1), where="mid", color="black", linewidth=1,
-                     label="share of groups")
+            width = 0.4 / max(len(b.p) - 1, 1)
+            ax2.bar(b.p - width / 2, b.share, width=width, color="tab:blue", alpha=0.8, label="share of total weight")
+            ax2.bar(b.p + width / 2, b.n_groups / max(b.n_groups.sum(), 1), width=width, color="grey", alpha=0.6,
+                    label="share of groups")
             ax2.set_xlabel("group pass rate p")
             ax2.set_ylabel("share")
             ax2.set_title(f"{int(b.n_groups.sum())} groups from the rollout dumps", fontsize=8)
             ax2.grid(alpha=0.3)
             ax2.legend(fontsize=7)
         fig.suptitle(_wrap("Difficulty weighting: the gradient weight of a group is the sum over its tokens of |A| x "
-                           "the aggregation's coefficient", 9 * n), fontsize=10)
+                           "the aggregation's coefficient", 12 * n), fontsize=10)
         return _save(fig, path)
     finally:
         plt.close(fig)
@@ -521,11 +521,12 @@ def plot_variance(runs: Sequence[Run], path: Path) -> Path | None:
             ax.set_yscale("log")
             ax.set_xlabel("step")
             ax.set_ylabel("per-group gradient variance")
-            ax.set_title(f"{setting}\nsolid: trace of the covariance; dashed: along the mean gradient", fontsize=8)
+            ax.set_title(f"{setting}\nsolid: trace of the covariance across groups\ndashed: along the other groups' "
+                         "leave-one-out mean gradient", fontsize=8)
             ax.grid(alpha=0.3, which="both")
             ax.legend(fontsize=7)
         fig.suptitle(_wrap("Gradient variance on the same rollouts, re-scored under each advantage estimator (mean "
-                           "across seeds)", 10 * n), fontsize=10)
+                           "across seeds)", 12 * n), fontsize=10)
         return _save(fig, path)
     finally:
         plt.close(fig)
@@ -709,7 +710,8 @@ def report_section(runs: Sequence[Run], rel: dict[str, str], level: str = "##") 
         md += [f"{level} Gradient variance with and without a baseline", "",
                "At the logged steps the rollout batch was re-scored before training under each advantage estimator "
                "(same rollouts, same weights). Variance is that of the batch gradient estimated from one group "
-               "(the trace of its covariance across groups; 'projected': along the leave-one-out mean gradient). "
+               "(the trace of its covariance across groups; 'projected': along the leave-one-out mean gradient of "
+               "the other groups). "
                "The baseline bias ratio is J |mean baseline term|^2 / its variance: about 1 when the baseline adds "
                "zero-mean noise only. Score energy: squared norm per sample of the summed scores of a group's "
                "correct (incorrect) samples; ratios are geometric means over the measurements, with their range.", ""]
