@@ -128,6 +128,17 @@ def test_binned_weights_match_the_formulas_on_synthetic_rollouts(tmp_path):
     assert formula_text(bins["grpo"].est) == "W = 6.928 sqrt(p(1-p)) / B = 0.433 sqrt(p(1-p))  (G=4, B=16)"
 
 
+def test_rlvr_plot_writes_the_weighting_figures(tmp_path):
+    from rlvr.experiments.plot import main as plot_main
+
+    root = _synthetic_sweep(tmp_path / "sweep")
+    assert plot_main([str(root), "--out", str(tmp_path / "p"), "--metrics", "train/reward"]) == 0
+    figures = json.loads((tmp_path / "p" / "figures.json").read_text())
+    assert figures["estimators/weighting"] == "weighting.png" and figures["estimators/weighting_shapes"] == "weighting_shapes.png"
+    assert (tmp_path / "p" / "estimators" / "weighting.png").stat().st_size > 20_000
+    assert "estimators/variance" not in figures  # nothing logged it
+
+
 def test_weighting_without_closed_form_still_bins(tmp_path):
     from test_plot import write_run
 
