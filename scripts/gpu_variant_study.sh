@@ -11,6 +11,9 @@
 #      rollout batch 256 = 32 prompts x 8, train batch 8 -> 32 optimizer steps per rollout batch,
 #      lr 1e-5, 40 rollout steps;
 #   4. `rlvr report` of each suite.
+# Every run dumps its rollouts and measures the gradient variance with and without a baseline every
+# DIAG steps, and the off-policy runs log importance ratios, clip fractions, KL and entropy per
+# optimizer step: the reports' estimator sections (docs/theory.md) come from these.
 # Runs share the one GPU: PARALLEL (default 4) at a time per suite, both suites at once.
 # Usage: scripts/gpu_variant_study.sh OUT_DIR [DEVICE] [SCALE] [SUITES]
 #   SCALE=tiny runs the same pipeline on a CPU in a few minutes (plumbing check, no learning claim).
@@ -24,10 +27,10 @@ SUITES=${4:-onpolicy offpolicy}
 TASK="arith:steps=2,max_value=20,format_noise=0.8"
 if [ "$SCALE" = tiny ]; then
   SIZE=tiny; SFT_STEPS=20; ON_STEPS=3; OFF_STEPS=2; VAL=16; ON_PROMPTS=4; OFF_PROMPTS=4; ENGINE=hf; PAR=2
-  SEEDS="0 1"; EVAL_EVERY=1
+  SEEDS="0 1"; EVAL_EVERY=1; DIAG=1
 else
   SIZE=20m; SFT_STEPS=600; ON_STEPS=50; OFF_STEPS=40; VAL=500; ON_PROMPTS=16; OFF_PROMPTS=32; ENGINE=hf-fast; PAR=${PARALLEL:-4}
-  SEEDS="0 1 2 3"; EVAL_EVERY=10
+  SEEDS="0 1 2 3"; EVAL_EVERY=10; DIAG=5
 fi
 PY=${PYTHON:-python}
 mkdir -p "$OUT"
@@ -40,7 +43,8 @@ if [ ! -f "$OUT/warm_eval/results.json" ]; then
       --device "$DEVICE" --out "$OUT/warm_eval" > "$OUT/warm_eval.txt" 2>&1 || true
 fi
 COMMON=(model.name_or_path="$OUT/warm" data.train_source="$TASK" data.val_size=$VAL rollout.max_new_tokens=64
-        engine.name=$ENGINE policy_device="$DEVICE" engine.device="$DEVICE" save_every=0 eval_every=$EVAL_EVERY)
+        engine.name=$ENGINE policy_device="$DEVICE" engine.device="$DEVICE" save_every=0 eval_every=$EVAL_EVERY
+        dump_every=$DIAG log.gradient_variance_every=$DIAG)
 PIDS=()
 for suite in $SUITES; do
   case $suite in

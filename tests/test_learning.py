@@ -23,3 +23,17 @@ def test_grpo_raises_validation_accuracy_by_20_points(tmp_path):
     assert json.loads((tmp_path / "demo.json").read_text())["rise_points"] == result["rise_points"]
     # the validation at step 0 is the untrained warm start: before/after come from the same evaluator
     assert result["val_steps"][0] == 0 and result["val_steps"][-1] == 40
+    # What the estimator did, from the same run: `rlvr report` draws the difficulty weighting of the
+    # dumped rollouts against its closed form and the gradient variance with and without a baseline.
+    from rlvr.experiments import load_runs
+    from rlvr.experiments.estimators import max_relative_deviation, weighting_by_setting
+    from rlvr.experiments.report import main as report_main
+
+    assert report_main([str(tmp_path / "grpo"), "--out", str(tmp_path / "report.md")]) == 0
+    text = (tmp_path / "report.md").read_text()
+    assert "## Difficulty weighting" in text and "## Gradient variance with and without a baseline" in text
+    for name in ("weighting", "weighting_shapes", "variance"):
+        assert (tmp_path / "report_figures" / "estimators" / f"{name}.png").stat().st_size > 10_000
+    (bins,) = weighting_by_setting(load_runs(tmp_path / "grpo")).values()
+    assert bins.n_groups.sum() == 8 * 8  # 8 dumps (every 5 of 40 steps) of 8 groups
+    assert max_relative_deviation(bins) < 1e-4  # the dumped advantages follow the closed form of GRPO

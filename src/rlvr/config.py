@@ -183,6 +183,8 @@ class LogConfig:
     """Validation rollouts written to DIR/rollouts/val_step_N.jsonl at each evaluation."""
     engine_logprob_check_every: int = 10
     """On-policy runs: every this many steps compare the engine's log-probs with the trainer's (one extra forward; 0: never). Off-policy runs compare every step for free."""
+    gradient_variance_every: int = 0
+    """Every this many steps, before training on the batch, re-score its rollouts under several advantage estimators (no baseline, mean baseline, leave-one-out, the run's own) and log the per-group gradient variance of each as variance/... (two passes of one forward and two backwards per group; 0: never)."""
 
 
 @dataclass(frozen=True)
@@ -381,6 +383,11 @@ class TrainConfig:
         need(self.n_steps >= 1, f"n_steps must be >= 1, got {self.n_steps}")
         for name in ("eval_every", "dump_every", "save_every"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0 (0 disables it)")
+        need(self.log.gradient_variance_every >= 0, "log.gradient_variance_every must be >= 0 (0 disables it)")
+        if self.log.gradient_variance_every:
+            need(r.group_size >= 2 and r.n_prompts_per_rollout_batch >= 2,
+                 "log.gradient_variance_every needs at least two prompts of at least two samples per rollout batch "
+                 "(a variance across groups); raise rollout.group_size / n_prompts_per_rollout_batch or set it to 0")
         need(self.keep_checkpoints >= 1, "keep_checkpoints must be >= 1")
         need(self.max_consecutive_nonfinite >= 1, "max_consecutive_nonfinite must be >= 1")
         need(self.data.val_size >= 0, "data.val_size must be >= 0")

@@ -77,7 +77,9 @@ from rlvr.grpo import (
     REWEIGHTINGS, compile_backbone, compute_group_normalized_rewards, compute_log_probs_batched, compute_rollout_rewards,
     pass_at_k, policy_gradient_update, tokenize_from_ids,
 )
+from rlvr.grpo.diagnostics import update_record
 from rlvr.grpo.tokenize import pad_token_id
+from rlvr.grpo.variance import gradient_variance, variance_metrics
 from rlvr.logging_utils import MetricsLogger, truncate_metrics, write_jsonl
 from rlvr.optim import make_adamw
 
@@ -692,7 +694,9 @@ def _rollout_step(config: TrainConfig, step: int, model, tokenizer, engine, opti
     method = REWEIGHTINGS[a.reweighting]
     check_every = config.log.engine_logprob_check_every
     engine_has_logprobs = any(c.logprobs is not None for c in completions)
-    need_old = method.needs_old_log_probs  # off-policy by design; on-policy only when the method demands them
+    # Off-policy by design; on-policy only when the method demands them. Off-policy runs whose method
+    # ignores them still get them, for the importance ratios logged per update.
+    need_old = method.needs_old_log_probs or config.off_policy
     check = engine_has_logprobs and (config.off_policy or (check_every and step % check_every == 0))
     # Old log-probs must be those of the weights that sampled the batch: the worker's when it sent
     # them, else the trainer's own, which are the sampling weights only when nothing ran ahead.
@@ -711,10 +715,18 @@ def _rollout_step(config: TrainConfig, step: int, model, tokenizer, engine, opti
                                          tokenizer.eos_token_id))
     metrics["time/logprobs"] = time.perf_counter() - t0
 
+    if config.log.gradient_variance_every and step % config.log.gradient_variance_every == 0:
+        t0 = time.perf_counter()
+        metrics.update(variance_metrics(gradient_variance(
+            model, batch["input_ids"], batch["labels"], batch["response_mask"], raw_rewards, G, a.loss_normalization,
+            a.normalization_constant, config.train_batch_size, a.baseline, a.advantage_normalizer, a.advantage_eps,
+            backbone=backbone)))
+        metrics["time/gradient_variance"] = time.perf_counter() - t0
+
     t0 = time.perf_counter()
     mark_dirty()
     model.train()
-    losses, grad_norms, entropies, clips = [], [], [], []
+    losses, grad_norms, entropies, clips, updates = [], [], [], [], []
     n_updates = 0
     lr_used = scheduler.get_last_lr()[0]
     for epoch in range(o.epochs_per_rollout_batch):
@@ -733,6 +745,7 @@ def _rollout_step(config: TrainConfig, step: int, model, tokenizer, engine, opti
                 warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
                 scheduler.step()
             n_updates += 1
+            updates.append({"update": n_updates, **update_record(loss, meta)})
             if meta.get("skipped_nonfinite"):
                 loop["nonfinite_total"] += 1
                 loop["nonfinite_consecutive"] += 1
@@ -765,18 +778,21 @@ def _rollout_step(config: TrainConfig, step: int, model, tokenizer, engine, opti
     })
     if method.needs_cliprange:
         metrics["train/clip_fraction"] = mean(clips) if clips else 0.0
+    if config.off_policy or config.engine.max_staleness:
+        metrics["updates"] = updates  # one record per optimizer step of this rollout batch (not a plotted series)
     metrics["time/step"] = time.perf_counter() - t_step
     metrics["tokens_per_s"] = n_gen_tokens / metrics["time/generate"] if metrics["time/generate"] > 0 else 0.0
     if torch.cuda.is_available():
         metrics["mem/peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
 
     if config.dump_every and step % config.dump_every == 0:
+        n_train_tokens = batch["response_mask"].sum(dim=1).tolist()  # the tokens the loss saw (engine ids may add EOS)
         write_jsonl(run_dir / "rollouts" / f"step_{step}.jsonl", [
             {"step": step, "weight_version": metrics["rollout/weight_version"], "group": i // G,
              "prompt": prompts[i // G], "response": responses[i], "ground_truth": truths[i],
              "reward": float(raw_rewards[i]), "format_reward": float(reward_meta["format_rewards"][i]),
              "advantage": float(advantages[i]), "finish_reason": completions[i].finish_reason,
-             "n_tokens": len(completions[i].token_ids)}
+             "n_tokens": len(completions[i].token_ids), "n_train_tokens": n_train_tokens[i]}
             for i in range(len(responses))
         ])
     return metrics

@@ -8,7 +8,10 @@ a reader sees at once whether two settings differ by more than seeds do. Besides
 - ``overview.png``: validation reward, train reward, entropy and response length side by side;
 - ``final_val_reward_vs_lr.png`` when settings differ in learning rate: each run's final validation
   reward against its lr (log scale), with the mean and band per group of otherwise-equal settings;
-- clip fractions (``train_clip_fraction.png``) appear for the settings that log them (off-policy).
+- clip fractions (``train_clip_fraction.png``) appear for the settings that log them (off-policy);
+- ``estimators/``: what each estimator did (``rlvr.experiments.estimators``): gradient weight per
+  group against its pass rate with the closed form, gradient variance with and without a baseline,
+  and importance ratios, clip fractions, KL and entropy per optimizer step within a rollout batch.
 """
 
 from __future__ import annotations
@@ -220,15 +223,19 @@ def plot_final_vs_lr(runs: Sequence[Run], path: str | Path, metric: str = VAL_RE
 
 
 def plot_runs(runs: Sequence[Run], out_dir: str | Path, metrics: Sequence[str] | None = None, band: str = "minmax",
-              smoothing: int = 1) -> dict[str, Path]:
+              smoothing: int = 1, estimators: bool = True) -> dict[str, Path]:
     """Write every figure for ``runs`` into ``out_dir``; returns ``{name: path}`` where name is a metric,
-    ``overview`` or ``final_vs_lr``. ``metrics`` limits the per-metric figures (default: all logged)."""
+    ``overview`` or ``final_vs_lr``, or ``estimators/...`` for the figures of
+    ``rlvr.experiments.estimators`` (difficulty weighting, gradient variance, off-policy drift per
+    update; in ``out_dir/estimators``) when the runs logged what they need. ``metrics`` limits the
+    per-metric figures (default: all logged)."""
     if band not in BANDS:
         raise ValueError(f"band must be one of {BANDS}, got {band!r}")
     out_dir = Path(out_dir)
     groups = group_runs(runs)
     colors = dict(zip(groups, _colors(len(groups))))
-    wanted = list(metrics) if metrics else all_metrics(runs)
+    # The variance/... metrics are drawn together in the estimator figures, not one figure each.
+    wanted = list(metrics) if metrics else [m for m in all_metrics(runs) if not m.startswith("variance/")]
     written: dict[str, Path] = {}
     overview = plot_overview(groups, out_dir / "overview.png", band=band, smoothing=smoothing, colors=colors)
     if overview:
@@ -240,6 +247,10 @@ def plot_runs(runs: Sequence[Run], out_dir: str | Path, metrics: Sequence[str] |
     lr_plot = plot_final_vs_lr(runs, out_dir / "final_val_reward_vs_lr.png", band=band)
     if lr_plot:
         written["final_vs_lr"] = lr_plot
+    if estimators:
+        from rlvr.experiments.estimators import estimator_figures
+
+        written.update(estimator_figures(runs, out_dir / "estimators"))
     return written
 
 

@@ -3,8 +3,11 @@
 The page holds, in order: what was run (the sweep command, each setting's overrides, run status),
 the table of final validation reward per setting (mean ± sample sd, 95 % t-interval of the mean,
 min–max, n seeds, best and worst seed), the headline figures, final reward against learning rate
-when lr varies, clip fractions of the off-policy settings, every other logged metric, and sample
-rollouts of each setting's best seed before (first dump) and after (last dump) training. Figures
+when lr varies, clip fractions of the off-policy settings, every other logged metric, what each
+estimator did (difficulty weighting from the rollout dumps against its closed form, gradient
+variance with and without a baseline, off-policy drift per optimizer step: see
+``rlvr.experiments.estimators``), and sample rollouts of each setting's best seed before (first
+dump) and after (last dump) training. Figures
 are written next to the report in ``<stem>_figures/`` and linked relatively, so the report and
 its figures can be committed together.
 """
@@ -20,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from rlvr.experiments.estimators import report_section
 from rlvr.experiments.plot import BAND_LABEL, plot_runs
 from rlvr.experiments.runs import BANDS, VAL_REWARD, Run, final_values, group_runs, load_runs, read_rollouts
 
@@ -163,7 +167,7 @@ def _figures_md(rel: dict[str, str], level: str) -> list[str]:
     if clip:
         md += [f"{level} Clip fractions (off-policy settings)", ""]
         md += [f"![{m}]({rel[m]})" for m in clip] + [""]
-    shown = {"overview", "final_vs_lr", *clip}
+    shown = {"overview", "final_vs_lr", *clip, *(m for m in rel if m.startswith("estimators/"))}
     rest = [m for m in rel if m not in shown]
     if rest:
         md += [f"{level} All metrics", ""]
@@ -226,9 +230,9 @@ def write_report(paths: Sequence[str | Path], out: str | Path, band: str = "minm
         figures = plot_runs(part, sub, metrics=metrics, band=band, smoothing=smoothing)
         rel = {name: p.relative_to(out.parent).as_posix() for name, p in figures.items()}
         if len(parts) == 1:
-            md += _figures_md(rel, "##")
+            md += _figures_md(rel, "##") + report_section(part, rel, "##")
         else:
-            md += [f"## Figures: {path.name}", ""] + _figures_md(rel, "###")
+            md += [f"## Figures: {path.name}", ""] + _figures_md(rel, "###") + report_section(part, rel, "###")
     md += ["## Sample rollouts: before and after training", "",
            "From each setting's best seed (by final validation reward): its first and last dumps of validation "
            "samples (step 0 is the untrained policy), or of training rollouts when it wrote no validation samples.", "",

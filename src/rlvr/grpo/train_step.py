@@ -29,6 +29,7 @@ import torch
 
 from rlvr.grpo.advantages import compute_group_normalized_rewards, compute_rollout_rewards
 from rlvr.grpo.aggregate import aggregate_loss_across_microbatch
+from rlvr.grpo.diagnostics import importance_statistics
 from rlvr.grpo.logprobs import DEFAULT_CHUNK_TOKENS, get_response_log_probs
 from rlvr.grpo.losses import compute_policy_gradient_loss, validate_reweighting
 from rlvr.grpo.tokenize import tokenize_prompt_and_output
@@ -77,7 +78,9 @@ def policy_gradient_update(model, optimizer, input_ids: torch.Tensor, labels: to
     metadata has ``grad_norm`` (before clipping), ``entropy`` (mean over response tokens of the
     sequences that went through the model), ``clip_fraction`` (clipping methods; over those same
     tokens), ``n_sequences``/``n_tokens`` trained, and ``skipped_nonfinite`` when a non-finite loss or
-    gradient norm made it skip the optimizer step.
+    gradient norm made it skip the optimizer step. Whenever ``old_log_probs`` are given (also to a
+    method that ignores them, such as ``none``), ``importance`` holds the statistics of the importance
+    ratios over those tokens (``rlvr.grpo.diagnostics.importance_statistics``).
 
     ``max_tokens_per_microbatch`` additionally caps each microbatch at that many tokens (rows ×
     longest row); ``backbone`` is a compiled stand-in for ``model.base_model`` (``compile_backbone``).
@@ -104,6 +107,7 @@ def policy_gradient_update(model, optimizer, input_ids: torch.Tensor, labels: to
     ent_sum = torch.zeros((), device=device)
     clip_count = torch.zeros((), device=device)
     clip_total = torch.zeros((), device=device)
+    log_ratios = []  # (log-ratio, mask, advantages) per microbatch, read once after the loop (no syncs inside it)
     n_tokens = 0
     for rows in plan:
         idx = torch.tensor(rows)
@@ -113,9 +117,12 @@ def policy_gradient_update(model, optimizer, input_ids: torch.Tensor, labels: to
         mb_mask = host_mask.to(device)
         out = get_response_log_probs(model, input_ids[idx, :width], labels[idx, :width], return_token_entropy=True,
                                      chunk_tokens=chunk_tokens, backbone=backbone)
-        old = old_log_probs[idx, :width].to(device) if (old_log_probs is not None and method.needs_old_log_probs) else None
-        per_token, meta = compute_policy_gradient_loss(advantages[idx].to(device), out["log_probs"], importance_reweighting_method,
-                                                       old, cliprange, mb_mask)
+        old = old_log_probs[idx, :width].to(device) if old_log_probs is not None else None
+        mb_adv = advantages[idx].to(device)
+        per_token, meta = compute_policy_gradient_loss(mb_adv, out["log_probs"], importance_reweighting_method,
+                                                       old if method.needs_old_log_probs else None, cliprange, mb_mask)
+        if old is not None:
+            log_ratios.append(((out["log_probs"].detach() - old.to(out["log_probs"].dtype)), mb_mask, mb_adv))
         loss = aggregate_loss_across_microbatch(per_token, mb_mask, loss_normalization, normalization_constant)
         if loss_normalization == "sequence":
             loss = loss * (len(rows) / batch)
@@ -154,7 +161,21 @@ def policy_gradient_update(model, optimizer, input_ids: torch.Tensor, labels: to
     }
     if method.needs_cliprange and importance_reweighting_method != "none":
         metadata["clip_fraction"] = float(clip_count / clip_total.clamp(min=1))
+    if log_ratios:
+        metadata["importance"] = _importance(log_ratios)
     return total_loss.detach(), metadata
+
+
+def _importance(log_ratios: list) -> dict:
+    tok, tok_adv, seq, seq_adv = [], [], [], []
+    for lr, mask, adv in log_ratios:
+        m = mask.to(lr.dtype)
+        tok.append(lr[mask])
+        tok_adv.append(adv.unsqueeze(1).expand_as(lr)[mask])
+        has = mask.any(dim=1)
+        seq.append(((lr * m).sum(dim=1) / m.sum(dim=1).clamp(min=1))[has])
+        seq_adv.append(adv[has])
+    return importance_statistics(torch.cat(tok), torch.cat(tok_adv), torch.cat(seq), torch.cat(seq_adv))
 
 
 def grpo_train_step(model, tokenizer, optimizer, gradient_accumulation_steps: int, max_grad_norm: float | None,
