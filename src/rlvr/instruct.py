@@ -52,6 +52,15 @@ def alpaca_format(instruction: str, response: str = "") -> str:
     return protocol_template(ALPACA_TEMPLATE).format(instruction=instruction, response=response)
 
 
+def alpaca_fixed_parts() -> tuple[str, str]:
+    """The Alpaca template's two fixed pieces of text: before the instruction, and between the
+    instruction and the response."""
+    template = protocol_template(ALPACA_TEMPLATE)
+    head, rest = template.split("{instruction}")
+    middle, _ = rest.split("{response}")
+    return head, middle
+
+
 def encode_documents(tokenizer, texts: list[str]) -> list[list[int]]:
     """Token ids of each text with the tokenizer's own special tokens (BOS for Llama-3), then EOS.
 

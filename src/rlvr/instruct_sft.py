@@ -14,7 +14,7 @@ compiled decoder-layer forward shared by all layers) and float32 master weights 
 model. No ``Trainer``.
 
 Output, in ``--out``: the model and tokenizer (``save_pretrained``: loadable by every rlvr command
-and by vLLM), ``config.json`` and ``metrics.jsonl`` (``train/loss``, ``lr``, ``train/grad_norm`` per
+and by vLLM), ``sft_config.json`` and ``metrics.jsonl`` (``train/loss``, ``lr``, ``train/grad_norm`` per
 step; ``val/loss`` every ``--eval-every`` steps), mirrored to wandb / TensorBoard when asked.
 
     rlvr sft instruct --model meta-llama/Llama-3.1-8B --data sft_train.jsonl.gz --out runs/sft
@@ -46,7 +46,7 @@ class InstructSFTConfig:
     model: str
     """Base model: a local directory, a hub id (meta-llama/Llama-3.1-8B), or a named size for a fresh model (tiny, small, 20m)."""
     out: Path
-    """Run directory: the fine-tuned model and tokenizer, config.json, metrics.jsonl."""
+    """Run directory: the fine-tuned model and tokenizer, sft_config.json, metrics.jsonl."""
     val_data: str | None = None
     """Validation data in the same format (default: --val-size documents held out of --data)."""
     val_size: int = 256
@@ -119,6 +119,16 @@ class InstructSFTConfig:
             raise ValueError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.steps is not None and self.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        check_model_name(self.model)
+
+
+def check_model_name(name: str) -> None:
+    """A named size, an existing directory, or something shaped like a hub id (owner/name)."""
+    from rlvr.modeling import MODEL_SIZES
+
+    if name not in MODEL_SIZES and not Path(name).exists() and name.count("/") != 1:
+        raise ValueError(f"--model {name!r} is neither a named size ({', '.join(MODEL_SIZES)}), "
+                         "a local directory, nor a hub id (owner/name)")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -146,17 +156,21 @@ def prepare_run_dir(out: Path, overwrite: bool, marker: str = "metrics.jsonl") -
 def load_or_build_model(name: str, device: torch.device, dtype: torch.dtype, tokenizer_texts, vocab_size: int,
                         seed: int, max_position_embeddings: int = 2048):
     """``(model, tokenizer)``: a checkpoint (local directory or hub id), or a fresh OLMo-2 of a named
-    size with a byte-level BPE tokenizer trained on ``tokenizer_texts()``."""
+    size with a byte-level BPE tokenizer trained on ``tokenizer_texts()``.
+
+    A fresh tokenizer also holds the Alpaca template's two fixed pieces as one token each: byte-level
+    BPE never merges across words, so the template would otherwise cost 30 tokens of every document,
+    most of a small model's compute on short synthetic tasks."""
     from rlvr import modeling
+    from rlvr.instruct import alpaca_fixed_parts
 
     if name in modeling.MODEL_SIZES:
         tokenizer = modeling.train_tokenizer(tokenizer_texts(), vocab_size)
+        tokenizer.add_tokens(list(alpaca_fixed_parts()))
         model = modeling.fresh_model(name, tokenizer, seed=seed, dtype=dtype,
                                      max_position_embeddings=max_position_embeddings)
         return model.to(device), tokenizer
-    if not Path(name).exists() and name.count("/") != 1:
-        raise ValueError(f"--model {name!r} is neither a named size ({', '.join(modeling.MODEL_SIZES)}), "
-                         "a local directory, nor a hub id (owner/name)")
+    check_model_name(name)
     return modeling.load_model_and_tokenizer(name, device=device, dtype=dtype)
 
 
@@ -262,7 +276,7 @@ def run_instruct_sft(cfg: InstructSFTConfig) -> Path:
     config = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
     config.update(command="sft instruct", train_windows=len(train_ds), val_windows=len(val_ds), total_steps=total,
                   warmup_steps=warmup, train_documents=len(train_pairs), val_documents=len(val_pairs))
-    (Path(cfg.out) / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (Path(cfg.out) / "sft_config.json").write_text(json.dumps(config, indent=2) + "\n")
     logger = MetricsLogger(cfg.out, config, wandb=cfg.wandb, wandb_project=cfg.wandb_project, tensorboard=cfg.tensorboard)
     try:
         if len(val_ds):
