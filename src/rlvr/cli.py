@@ -20,7 +20,8 @@ from pathlib import Path
 COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("rlvr.evaluate", "evaluate prompts on a model: accuracy, format categories, samples"),
     "train": ("rlvr.trainer", "train a policy with GRPO or a variant (on- or off-policy)"),
-    "sft": ("rlvr.sft", "supervised fine-tuning on prompt/response pairs (warm start)"),
+    "sft": ("rlvr.sft", "supervised fine-tuning: warm start, or `rlvr sft instruct` for instruction tuning"),
+    "dpo": ("rlvr.dpo", "direct preference optimization of an instruction-tuned model on preference pairs"),
     "sweep": ("rlvr.experiments.sweep", "run a grid of settings x seeds"),
     "plot": ("rlvr.experiments.plot", "plot metrics of runs with the spread across seeds"),
     "report": ("rlvr.experiments.report", "write a Markdown report with plots and tables"),

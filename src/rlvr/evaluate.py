@@ -276,6 +276,11 @@ def run(cfg: EvalConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # The assistant suites (mmlu, gsm8k, alpaca_eval, sst) have their own options.
+    if argv and any(a == "--suite" or a.startswith("--suite=") for a in argv):
+        from rlvr.suites.run import main as suite_main
+
+        return suite_main(argv)
     cfg = tyro.cli(EvalConfig, args=argv)
     run(cfg)
     return 0

@@ -22,6 +22,15 @@ OLMO2_1B = dict(
     rope_theta=500000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
 )
 
+# Llama-3.1-8B's shape (meta-llama/Llama-3.1-8B config.json), for the assistant benchmarks with random weights.
+LLAMA31_8B = dict(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+    num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
+    rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    tie_word_embeddings=False,
+)
+
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int = 512):
     """A byte-level BPE tokenizer trained on ``texts``, wrapped as a ``PreTrainedTokenizerFast``.

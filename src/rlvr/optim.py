@@ -1,4 +1,4 @@
-"""AdamW that keeps float32 master weights for a bfloat16 / float16 policy.
+"""AdamW (and RMSprop, for DPO) that keep float32 master weights for a bfloat16 / float16 policy.
 
 Stepping AdamW directly on bfloat16 weights loses every update smaller than half a bfloat16 ulp of
 the weight: with 8 significant bits, a weight of 0.02 moves only by multiples of 1.2e-4, while an
@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 
 
-class MasterWeightAdamW(torch.optim.AdamW):
-    """``torch.optim.AdamW`` over float32 masters of the given parameters (same arguments).
+class _MasterWeights:
+    """Mixin over a ``torch.optim`` class: the optimizer steps float32 masters of the given
+    parameters (same arguments as the optimizer).
 
     Gradients are read from the model's parameters at ``step`` (after any clipping); ``zero_grad``
     clears both. The masters travel in ``state_dict``, so a resumed run continues from the exact
@@ -30,7 +31,7 @@ class MasterWeightAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def step(self, closure=None):
         if closure is not None:
-            raise ValueError("MasterWeightAdamW does not take a closure")
+            raise ValueError(f"{type(self).__name__} does not take a closure")
         for p, m in zip(self.model_params, self.masters):
             if m is not p:
                 m.grad = None if p.grad is None else p.grad.float()
@@ -65,6 +66,22 @@ class MasterWeightAdamW(torch.optim.AdamW):
                     if s is not None and m is not p:
                         m.copy_(s)
                         p.copy_(m)
+
+
+class MasterWeightAdamW(_MasterWeights, torch.optim.AdamW):
+    """``torch.optim.AdamW`` over float32 masters of the given parameters (same arguments)."""
+
+
+class MasterWeightRMSprop(_MasterWeights, torch.optim.RMSprop):
+    """``torch.optim.RMSprop`` over float32 masters of the given parameters (same arguments)."""
+
+
+def make_rmsprop(params, master_weights: bool = True, **kwargs) -> torch.optim.RMSprop:
+    """RMSprop (DPO's optimizer): ``MasterWeightRMSprop`` when asked and some parameter is not float32."""
+    params = [p for p in params if p.requires_grad]
+    if master_weights and any(p.dtype != torch.float32 for p in params):
+        return MasterWeightRMSprop(params, **kwargs)
+    return torch.optim.RMSprop(params, **kwargs)
 
 
 def make_adamw(params, master_weights: bool = True, **kwargs) -> torch.optim.AdamW:

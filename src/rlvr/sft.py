@@ -234,6 +234,11 @@ def run_sft(config: SFTConfig) -> Path:
 def main(argv: list[str] | None = None) -> int:
     import tyro
 
+    if argv and argv[0] == "instruct":  # instruction tuning on packed {prompt, response} data
+        from rlvr.instruct_sft import main as instruct_main
+
+        return instruct_main(argv[1:])
+
     config = tyro.cli(SFTConfig, args=argv, description=__doc__.split("\n\n")[0])
     out = run_sft(config)
     print(f"saved the fine-tuned model and tokenizer to {out}")

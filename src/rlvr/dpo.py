@@ -1,0 +1,560 @@
+"""`rlvr dpo`: Direct Preference Optimization of an instruction-tuned model on preference pairs.
+
+DPO (Rafailov et al., 2023, "Direct Preference Optimization: Your Language Model is Secretly a
+Reward Model") fits a policy to pairs (prompt x, chosen y_c, rejected y_r) without a reward model.
+Against a frozen reference (the SFT model) the implicit reward of a response is
+``r(x, y) = beta * (log pi(y|x) - log ref(y|x))`` and the loss of a pair is
+
+    -log sigmoid(r(x, y_c) - r(x, y_r))
+      = -log sigmoid(beta * ((log pi(y_c) - log pi(y_r)) - (log ref(y_c) - log ref(y_r)))).
+
+As in the course, ``log pi(y)`` is the summed token log-probability of the whole Alpaca-formatted
+sequence (prompt + response + EOS, with the tokenizer's BOS): the prompt's tokens are the same in
+both sequences and cancel. The reference's two log-probs of a pair never change, so they are
+computed once per pair, on the reference's own device when one is given, and kept (in checkpoints
+too). *Preference accuracy* is the share of pairs whose implicit reward ranks the chosen response
+above the rejected one; on held-out pairs it is the validation signal, and the best checkpoint by it
+is kept in ``OUT/best``.
+
+Data: Anthropic HH (``--format hh``: ``{chosen, rejected}`` transcripts ``"\\n\\nHuman: ...\\n\\nAssistant: ..."``;
+only conversations with a single human turn are kept, split into instruction / chosen / rejected, and
+each pair remembers its source file) or generic ``{prompt, chosen, rejected}`` JSONL (``--format pairs``).
+The course's settings are the defaults: beta 0.1, RMSprop at lr 1e-6, one pair per forward,
+64 pairs per optimizer step, 200 held-out pairs.
+
+    rlvr dpo --model runs/sft --data hh-rlhf/harmless-base hh-rlhf/helpful-base --out runs/dpo
+    rlvr dpo --resume runs/dpo
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from rlvr.instruct import alpaca_format, encode_documents, read_jsonl
+
+# ---------------------------------------------------------------------------------------------
+# 1. Preference pairs
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    prompt: str
+    chosen: str
+    rejected: str
+    source: str = ""
+    """Where the pair came from (for HH: the subset's file, e.g. ``harmless-base/train.jsonl.gz``)."""
+
+
+_HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
+
+
+def hh_turns(transcript: str) -> list[tuple[str, str]]:
+    """``[(role, text), ...]`` of an HH transcript (``"\\n\\nHuman: ...\\n\\nAssistant: ..."``)."""
+    parts = _HH_TURN.split(transcript)
+    # parts = [before the first marker, role, text, role, text, ...]
+    return [(parts[i], parts[i + 1].strip()) for i in range(1, len(parts) - 1, 2)]
+
+
+def hh_pair(row: dict, source: str = "") -> PreferencePair | None:
+    """The pair of one HH row when both transcripts are one human turn and one assistant turn with the
+    same human turn; None for multi-turn conversations."""
+    chosen, rejected = hh_turns(row["chosen"]), hh_turns(row["rejected"])
+    single = lambda turns: [r for r, _ in turns] == ["Human", "Assistant"]  # noqa: E731
+    if not (single(chosen) and single(rejected)) or chosen[0][1] != rejected[0][1]:
+        return None
+    return PreferencePair(chosen[0][1], chosen[1][1], rejected[1][1], source)
+
+
+def _data_files(path: Path, split: str) -> list[Path]:
+    if path.is_file():
+        return [path]
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name in (f"{split}.jsonl", f"{split}.jsonl.gz"))
+    if not files:
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith((".jsonl", ".jsonl.gz")))
+    if not files:
+        raise FileNotFoundError(f"{path} holds no {split}.jsonl(.gz) nor any .jsonl(.gz) file")
+    return files
+
+
+def _detect_format(row: dict, where: str) -> str:
+    if all(isinstance(row.get(k), str) for k in ("prompt", "chosen", "rejected")):
+        return "pairs"
+    if all(isinstance(row.get(k), str) for k in ("chosen", "rejected")) and "Human:" in row["chosen"]:
+        return "hh"
+    raise ValueError(f"{where}: cannot tell the format: expected {{prompt, chosen, rejected}} strings (pairs) or "
+                     "HH transcripts {chosen, rejected}; pass --format")
+
+
+def load_preference_pairs(sources: list[str] | tuple[str, ...], fmt: str = "auto", split: str = "train",
+                          limit: int | None = None) -> tuple[list[PreferencePair], dict]:
+    """Pairs from files, directories (their ``{split}.jsonl(.gz)`` files) or the hub id
+    ``Anthropic/hh-rlhf[:subset]``; returns ``(pairs, counts)`` with how many rows were read, kept,
+    dropped as multi-turn and dropped as identical (chosen == rejected: no signal)."""
+    counts = {"rows": 0, "multi_turn": 0, "identical": 0}
+    pairs: list[PreferencePair] = []
+    for source in sources:
+        if not Path(source).exists() and source.split(":")[0].count("/") == 1:
+            rows_by_file = _hub_rows(source, split)
+        else:
+            root = Path(source)
+            rows_by_file = [(str(f.relative_to(root.parent)) if root.is_dir() else f.name, read_jsonl(f))
+                            for f in _data_files(root, split)]
+        for name, rows in rows_by_file:
+            for i, row in enumerate(rows):
+                counts["rows"] += 1
+                kind = fmt if fmt != "auto" else _detect_format(row, f"{name}:{i + 1}")
+                if kind == "hh":
+                    pair = hh_pair(row, name)
+                    if pair is None:
+                        counts["multi_turn"] += 1
+                        continue
+                else:
+                    pair = PreferencePair(row["prompt"], row["chosen"], row["rejected"], row.get("source", name))
+                if pair.chosen == pair.rejected:
+                    counts["identical"] += 1
+                    continue
+                pairs.append(pair)
+                if limit is not None and len(pairs) >= limit:
+                    return pairs, {**counts, "kept": len(pairs)}
+    return pairs, {**counts, "kept": len(pairs)}
+
+
+def _hub_rows(source: str, split: str) -> list[tuple[str, list[dict]]]:
+    import datasets
+
+    name, _, subset = source.partition(":")
+    ds = datasets.load_dataset(name, data_dir=subset or None, split=split)
+    return [(f"{source}/{split}", list(ds))]
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. The loss
+# ---------------------------------------------------------------------------------------------
+
+
+def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
+             ref_rejected: torch.Tensor, beta: float) -> dict[str, torch.Tensor]:
+    """DPO on summed sequence log-probs (any matching shapes): ``loss`` = -log sigmoid(margin) where
+    ``margin = chosen_reward - rejected_reward`` and ``*_reward = beta * (policy - ref)``."""
+    chosen_reward = beta * (policy_chosen - ref_chosen.to(policy_chosen.device))
+    rejected_reward = beta * (policy_rejected - ref_rejected.to(policy_rejected.device))
+    margin = chosen_reward - rejected_reward
+    return {"loss": -F.logsigmoid(margin), "margin": margin, "chosen_reward": chosen_reward,
+            "rejected_reward": rejected_reward}
+
+
+def pair_token_ids(tokenizer, prompt: str, responses: list[str]) -> list[list[int]]:
+    """Token ids of ``prompt`` with each response in the Alpaca template, BOS per the tokenizer, EOS last."""
+    return encode_documents(tokenizer, [alpaca_format(prompt, r) for r in responses])
+
+
+def sequence_log_probs(model, sequences: list[list[int]], pad_id: int = 0, backbone=None) -> torch.Tensor:
+    """Summed log-probability of each token sequence (every token after the first), in one
+    right-padded forward; shape (len(sequences),), float32, on the model's device."""
+    from rlvr.grpo import get_response_log_probs
+
+    width = max(len(s) for s in sequences)
+    if width < 2:
+        raise ValueError("every sequence is shorter than 2 tokens: there is nothing to score")
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, :len(s)] = 1
+    padded = bool((mask == 0).any())
+    lp = get_response_log_probs(model, ids[:, :-1], ids[:, 1:], attention_mask=mask[:, :-1] if padded else None,
+                                backbone=backbone)["log_probs"]
+    return (lp * mask[:, 1:].to(lp.device)).sum(-1)
+
+
+def compute_per_instance_dpo_loss(lm, lm_ref, tokenizer, beta: float, prompt: str, response_chosen: str,
+                                  response_rejected: str) -> torch.Tensor:
+    """The DPO loss of one pair, a scalar on ``lm``'s device, differentiable in ``lm``; ``lm_ref``
+    may sit on another device and gets no gradient."""
+    from rlvr.grpo.tokenize import pad_token_id
+
+    seqs = pair_token_ids(tokenizer, prompt, [response_chosen, response_rejected])
+    pad = pad_token_id(tokenizer)
+    policy = sequence_log_probs(lm, seqs, pad)
+    with torch.no_grad():
+        ref = sequence_log_probs(lm_ref, seqs, pad)
+    return dpo_loss(policy[0], policy[1], ref[0], ref[1], beta)["loss"]
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Training
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DPOConfig:
+    """DPO of an instruction-tuned model on preference pairs (the course's settings by default)."""
+
+    model: str = ""
+    """The SFT checkpoint (local directory or hub id): the starting policy and the frozen reference."""
+    data: tuple[str, ...] = ()
+    """Preference data: HH files or directories (their train.jsonl.gz), {prompt, chosen, rejected} JSONL files, or Anthropic/hh-rlhf[:subset] from the hub."""
+    out: Path | None = None
+    """Run directory: metrics.jsonl, checkpoints/, best/ (the best model by validation preference accuracy)."""
+    format: Literal["auto", "hh", "pairs"] = "auto"
+    """Data format (auto: from the first row of each file)."""
+    split: str = "train"
+    """Which split file to read from directories and the hub."""
+    val_data: tuple[str, ...] = ()
+    """Validation pairs (default: --val-size pairs held out of --data)."""
+    val_size: int = 200
+    """Pairs held out of --data for validation when --val-data is not given."""
+    max_pairs: int | None = None
+    """Read at most this many pairs of --data."""
+    max_tokens: int = 1024
+    """Drop pairs whose chosen or rejected sequence is longer than this many tokens."""
+    beta: float = 0.1
+    """DPO temperature: the implicit reward is beta x the policy/reference log-ratio."""
+    lr: float = 1e-6
+    """Peak learning rate."""
+    optimizer: Literal["rmsprop", "adamw"] = "rmsprop"
+    """Optimizer (the course uses RMSprop: one state tensor per parameter instead of AdamW's two)."""
+    batch_size: int = 64
+    """Pairs per optimizer step; each pair is one forward (chosen and rejected together), gradients accumulate."""
+    epochs: float = 1.0
+    """Passes over the training pairs (used when --steps is unset)."""
+    steps: int | None = None
+    """Optimizer steps (overrides --epochs; may be raised when resuming)."""
+    warmup_steps: int = 0
+    """Linear warm-up steps; the learning rate is constant afterwards."""
+    weight_decay: float = 0.0
+    """Weight decay."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this before every optimizer step."""
+    eval_every: int = 10
+    """Validate (and keep the best model) every this many optimizer steps, and at the end."""
+    eval_batch_pairs: int = 8
+    """Pairs per forward when scoring validation pairs (no gradient)."""
+    save_every: int = 50
+    """Checkpoint for --resume every this many steps (always at the end; 0: only then)."""
+    seed: int = 0
+    """Seed of the held-out split and the order of pairs."""
+    device: str = "auto"
+    """Device of the policy and optimizer (auto: cuda:0 when available, else cpu)."""
+    ref_device: str | None = None
+    """Device of the reference model (default: the policy's), e.g. cuda:1."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Model dtype (auto: bfloat16 on CUDA, float32 on CPU)."""
+    master_weights: bool = True
+    """With a bfloat16 policy, step float32 copies of the weights (lr 1e-6 updates would otherwise round away)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward (less memory, slower)."""
+    compile: bool = False
+    """Run the policy through one torch.compile'd decoder-layer forward shared by all layers."""
+    wandb: bool = False
+    """Mirror metrics to Weights & Biases."""
+    wandb_project: str = "rlvr"
+    """W&B project."""
+    tensorboard: bool = False
+    """Mirror metrics to TensorBoard event files under OUT/tensorboard."""
+    progress: bool = True
+    """Show a progress bar."""
+    overwrite: bool = False
+    """Replace a run already in --out."""
+    resume: Path | None = None
+    """Continue the run in this directory from its latest checkpoint (with its saved config; --steps may change)."""
+
+    def validate(self) -> None:
+        if not self.model:
+            raise ValueError("--model is required: the SFT checkpoint to start from (and the reference)")
+        if not self.data:
+            raise ValueError("--data is required: HH files or directories, or {prompt, chosen, rejected} JSONL")
+        if self.out is None:
+            raise ValueError("--out DIR is required")
+        if self.beta <= 0:
+            raise ValueError(f"--beta must be positive, got {self.beta}")
+        if self.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+
+
+RESUMABLE = ("steps", "eval_every", "save_every", "progress", "wandb", "tensorboard", "resume", "overwrite")
+
+
+def _as_dict(cfg: DPOConfig) -> dict:
+    return {k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v)
+            for k, v in asdict(cfg).items()}
+
+
+def _from_dict(d: dict) -> DPOConfig:
+    d = dict(d)
+    for k in ("data", "val_data"):
+        d[k] = tuple(d.get(k) or ())
+    for k in ("out", "resume"):
+        d[k] = Path(d[k]) if d.get(k) else None
+    return DPOConfig(**d)
+
+
+def tokenize_pairs(tokenizer, pairs: list[PreferencePair], max_tokens: int) -> tuple[list, list[PreferencePair], int]:
+    """``(token pairs, kept pairs, dropped)``: each kept pair as (chosen ids, rejected ids)."""
+    texts = [alpaca_format(p.prompt, r) for p in pairs for r in (p.chosen, p.rejected)]
+    ids = encode_documents(tokenizer, texts)
+    tokens, kept = [], []
+    for i, p in enumerate(pairs):
+        c, r = ids[2 * i], ids[2 * i + 1]
+        if max(len(c), len(r)) <= max_tokens:
+            tokens.append((c, r))
+            kept.append(p)
+    return tokens, kept, len(pairs) - len(kept)
+
+
+class ReferenceCache:
+    """The reference's summed log-probs of every pair, (n, 2) float32 (NaN until computed).
+
+    ``pairs_per_forward`` should match how the policy's log-probs are computed (one pair per forward
+    in training, ``eval_batch_pairs`` in validation): with equal shapes the policy and the reference
+    give bit-identical log-probs while their weights are equal, so every margin starts at exactly 0."""
+
+    def __init__(self, ref_model, pad_id: int, n: int):
+        self.model, self.pad_id = ref_model, pad_id
+        self.values = torch.full((n, 2), float("nan"))
+        self.computed = 0
+        """Pairs scored so far (each exactly once)."""
+
+    @torch.no_grad()
+    def get(self, indices: list[int], token_pairs: list, pairs_per_forward: int = 1) -> torch.Tensor:
+        todo = [i for i in dict.fromkeys(indices) if torch.isnan(self.values[i]).any()]
+        for start in range(0, len(todo), pairs_per_forward):
+            chunk = todo[start:start + pairs_per_forward]
+            seqs = [s for i in chunk for s in token_pairs[i]]
+            self.values[chunk] = sequence_log_probs(self.model, seqs, self.pad_id).float().cpu().view(-1, 2)
+            self.computed += len(chunk)
+        return self.values[indices]
+
+
+def _metrics_of(out: dict[str, torch.Tensor], policy: torch.Tensor, prefix: str) -> dict[str, float]:
+    return {
+        f"{prefix}/loss": float(out["loss"].mean()),
+        f"{prefix}/reward_margin": float(out["margin"].mean()),
+        f"{prefix}/preference_accuracy": float((out["margin"] > 0).float().mean()),
+        f"{prefix}/chosen_reward": float(out["chosen_reward"].mean()),
+        f"{prefix}/rejected_reward": float(out["rejected_reward"].mean()),
+        f"{prefix}/chosen_logp": float(policy[:, 0].mean()),
+        f"{prefix}/rejected_logp": float(policy[:, 1].mean()),
+    }
+
+
+@torch.no_grad()
+def evaluate_pairs(model, ref_cache: ReferenceCache, token_pairs: list, beta: float, pad_id: int,
+                   pairs_per_forward: int = 8) -> dict[str, float]:
+    """Validation metrics of ``token_pairs`` (``val/loss``, ``val/preference_accuracy``, margins, log-probs)."""
+    was_training = model.training
+    model.eval()
+    policy = []
+    for start in range(0, len(token_pairs), pairs_per_forward):
+        chunk = token_pairs[start:start + pairs_per_forward]
+        policy.append(sequence_log_probs(model, [s for p in chunk for s in p], pad_id).float().cpu().view(-1, 2))
+    model.train(was_training)
+    policy_t = torch.cat(policy)
+    ref = ref_cache.get(list(range(len(token_pairs))), token_pairs, pairs_per_forward)
+    out = dpo_loss(policy_t[:, 0], policy_t[:, 1], ref[:, 0], ref[:, 1], beta)
+    return _metrics_of(out, policy_t, "val")
+
+
+def dpo_step(model, optimizer, token_pairs: list, indices: list[int], ref_cache: ReferenceCache, beta: float,
+             pad_id: int, max_grad_norm: float | None, backbone=None) -> dict[str, float]:
+    """One optimizer step over the pairs ``indices``: one forward and backward per pair (its two
+    sequences together), the loss scaled by 1/len(indices) so that the accumulated gradient is that of
+    the mean loss. Returns the step's training metrics."""
+    ref = ref_cache.get(indices, token_pairs)
+    policy_rows, outs = [], []
+    for j, i in enumerate(indices):
+        policy = sequence_log_probs(model, list(token_pairs[i]), pad_id, backbone=backbone)
+        out = dpo_loss(policy[0], policy[1], ref[j, 0], ref[j, 1], beta)
+        (out["loss"] / len(indices)).backward()
+        policy_rows.append(policy.detach().float().cpu())
+        outs.append({k: v.detach().float().cpu() for k, v in out.items()})
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf")))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    stacked = {k: torch.stack([o[k] for o in outs]) for k in outs[0]}
+    return {**_metrics_of(stacked, torch.stack(policy_rows), "train"), "train/grad_norm": grad_norm}
+
+
+def _save_best(out: Path, model, tokenizer, step: int, metrics: dict) -> None:
+    """Replace ``OUT/best`` with the current model, atomically (a crash leaves the previous best)."""
+    from rlvr.checkpoint import atomic_write_text
+
+    tmp = out / ".best-tmp"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    model.save_pretrained(str(tmp))
+    tokenizer.save_pretrained(str(tmp))
+    best = out / "best"
+    old = out / ".best-old"
+    if best.exists():
+        if old.exists():
+            shutil.rmtree(old)
+        best.rename(old)
+    tmp.rename(best)
+    if old.exists():
+        shutil.rmtree(old)
+    atomic_write_text(out / "best.json", json.dumps({"step": step, **metrics}, indent=2) + "\n")
+
+
+def _better(metrics: dict, best: dict | None) -> bool:
+    if best is None:
+        return True
+    key = lambda m: (m["val/preference_accuracy"], -m["val/loss"])  # noqa: E731
+    return key(metrics) > key(best)
+
+
+def _make_optimizer(cfg: DPOConfig, model, device: torch.device):
+    from rlvr.optim import make_adamw, make_rmsprop
+
+    if cfg.optimizer == "adamw":
+        return make_adamw(model.parameters(), master_weights=cfg.master_weights, lr=cfg.lr,
+                          weight_decay=cfg.weight_decay, fused=device.type == "cuda")
+    return make_rmsprop(model.parameters(), master_weights=cfg.master_weights, lr=cfg.lr, weight_decay=cfg.weight_decay)
+
+
+def run_dpo(cfg: DPOConfig) -> Path:
+    """Train per ``cfg`` (or resume ``cfg.resume``); returns the run directory."""
+    from tqdm.auto import tqdm
+
+    from rlvr.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
+    from rlvr.grpo import compile_backbone
+    from rlvr.grpo.tokenize import pad_token_id
+    from rlvr.instruct_sft import prepare_run_dir, resolve_device, resolve_dtype
+    from rlvr.logging_utils import MetricsLogger, truncate_metrics
+    from rlvr.modeling import load_model_and_tokenizer
+    from rlvr.trainer import batch_indices
+
+    ckpt = None
+    if cfg.resume is not None:
+        run_dir = Path(cfg.resume)
+        if not (run_dir / "config.json").is_file():
+            raise FileNotFoundError(f"{run_dir}/config.json not found: is {run_dir} a DPO run directory?")
+        saved = _from_dict(json.loads((run_dir / "config.json").read_text()))
+        cfg = replace(saved, **{k: getattr(cfg, k) for k in RESUMABLE if k not in ("resume", "overwrite")
+                                if getattr(cfg, k) != getattr(DPOConfig(), k)}, out=run_dir, resume=run_dir)
+        ckpt = latest_checkpoint(run_dir)
+    cfg.validate()
+    out = Path(cfg.out)
+
+    # Data before models: a bad path fails in seconds.
+    pairs, counts = load_preference_pairs(cfg.data, cfg.format, cfg.split, cfg.max_pairs)
+    if cfg.val_data:
+        val_pairs, _ = load_preference_pairs(cfg.val_data, cfg.format, cfg.split)
+        train_pairs = pairs
+    else:
+        if cfg.val_size >= len(pairs):
+            raise ValueError(f"--val-size {cfg.val_size} leaves no training pairs out of {len(pairs)}; lower it")
+        order = list(range(len(pairs)))
+        random.Random(cfg.seed).shuffle(order)
+        held = set(order[:cfg.val_size])
+        val_pairs = [pairs[i] for i in sorted(held)]
+        train_pairs = [p for i, p in enumerate(pairs) if i not in held]
+    if ckpt is None:
+        prepare_run_dir(out, cfg.overwrite or cfg.resume is not None)
+
+    device = resolve_device(cfg.device)
+    ref_device = torch.device(cfg.ref_device) if cfg.ref_device else device
+    dtype = resolve_dtype(cfg.dtype, device)
+    policy_source = ckpt / "model" if ckpt is not None else cfg.model
+    model, tokenizer = load_model_and_tokenizer(policy_source, device=device, dtype=dtype)
+    ref_model, _ = load_model_and_tokenizer(cfg.model, device=ref_device, dtype=resolve_dtype(cfg.dtype, ref_device))
+    ref_model.eval().requires_grad_(False)
+    pad = pad_token_id(tokenizer)
+    train_tokens, train_pairs, dropped_train = tokenize_pairs(tokenizer, train_pairs, cfg.max_tokens)
+    val_tokens, val_pairs, dropped_val = tokenize_pairs(tokenizer, val_pairs, cfg.max_tokens)
+    if not train_tokens:
+        raise ValueError(f"no training pair fits in --max-tokens {cfg.max_tokens}; raise it")
+    data_counts = {**counts, "train_pairs": len(train_tokens), "val_pairs": len(val_tokens),
+                 "dropped_too_long": dropped_train + dropped_val}
+
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    backbone = compile_backbone(model) if cfg.compile else None
+    model.train()
+    optimizer = _make_optimizer(cfg, model, device)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda u: min(1.0, (u + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
+    batch = min(cfg.batch_size, len(train_tokens))
+    total = cfg.steps or max(1, math.ceil(cfg.epochs * len(train_tokens) / batch))
+    train_ref = ReferenceCache(ref_model, pad, len(train_tokens))
+    val_ref = ReferenceCache(ref_model, pad, len(val_tokens))
+    loop = {"best": None, "best_step": None}
+    start = 0
+    if ckpt is not None:
+        state = load_trainer_state(ckpt, optimizer, scheduler)
+        start = state["step"]
+        train_ref.values, val_ref.values = state["train_ref"], state["val_ref"]
+        loop.update(best=state["best"], best_step=state["best_step"])
+        truncate_metrics(out / "metrics.jsonl", start)
+    (out / "config.json").write_text(json.dumps(_as_dict(replace(cfg, resume=None, overwrite=False)), indent=2) + "\n")
+
+    def checkpoint(step: int):
+        save_checkpoint(out, step, model, tokenizer, optimizer, scheduler,
+                        state={"train_ref": train_ref.values, "val_ref": val_ref.values, **loop})
+
+    def validate(step: int) -> dict:
+        metrics = evaluate_pairs(model, val_ref, val_tokens, cfg.beta, pad, cfg.eval_batch_pairs) if val_tokens else {}
+        if metrics and step > 0 and _better(metrics, loop["best"]):
+            _save_best(out, model, tokenizer, step, metrics)
+            loop.update(best=metrics, best_step=step)
+        return metrics
+
+    logger = MetricsLogger(out, _as_dict(cfg), wandb=cfg.wandb, wandb_project=cfg.wandb_project,
+                           tensorboard=cfg.tensorboard)
+    step = start
+    try:
+        if start == 0:
+            logger.log({"step": 0, **validate(0)})
+        with tqdm(total=total, initial=start, desc="dpo", disable=not cfg.progress, dynamic_ncols=True) as bar:
+            for step in range(start + 1, total + 1):
+                t0 = time.perf_counter()
+                lr_used = scheduler.get_last_lr()[0]
+                indices = batch_indices(len(train_tokens), batch, step - 1, cfg.seed)
+                row = {"step": step, **dpo_step(model, optimizer, train_tokens, indices, train_ref, cfg.beta, pad,
+                                                 cfg.max_grad_norm, backbone)}
+                scheduler.step()
+                row.update({"lr": lr_used, "time/step": time.perf_counter() - t0,
+                            "data/epoch": (step * batch) // len(train_tokens)})
+                if (cfg.eval_every and step % cfg.eval_every == 0) or step == total:
+                    row.update(validate(step))
+                if device.type == "cuda":
+                    row["mem/peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+                logger.log(row)
+                if (cfg.save_every and step % cfg.save_every == 0) or step == total:
+                    checkpoint(step)
+                postfix = {"loss": f"{row['train/loss']:.3f}"}
+                if "val/preference_accuracy" in row:
+                    postfix["val_acc"] = f"{row['val/preference_accuracy']:.3f}"
+                bar.set_postfix(postfix)
+                bar.update(1)
+    finally:
+        logger.close()
+    summary = {"status": "finished", "step": step, "best_step": loop["best_step"], "best": loop["best"], **data_counts}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    import tyro
+
+    cfg = tyro.cli(DPOConfig, args=argv, prog="rlvr dpo", description=__doc__.split("\n\n")[0])
+    try:
+        out = run_dpo(cfg)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"rlvr dpo: {e}", file=sys.stderr)
+        return 2
+    print(f"rlvr dpo: finished; the best model (by validation preference accuracy) is in {out / 'best'}")
+    return 0

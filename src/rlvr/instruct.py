@@ -1,0 +1,216 @@
+"""Instruction-tuning data: the Alpaca template, packed SFT sequences, and their batches.
+
+An instruction-tuning example is a ``{prompt, response}`` pair. It is written in the Alpaca template
+(``prompts/alpaca_sft.prompt``, the protocol file minus its trailing newline, so that no newline sits
+before EOS), encoded with the tokenizer's own special tokens (Llama-3 prepends ``<|begin_of_text|>``),
+and closed with EOS. Documents are concatenated into one token stream and cut into windows of
+``seq_length`` tokens, each predicting the stream shifted by one::
+
+    stream = [doc 1 ... EOS][doc 2 ... EOS][doc 3 ...
+    item i = {"input_ids": stream[i*m : (i+1)*m], "labels": stream[i*m+1 : (i+1)*m+1]}
+
+There are ``(N - 1) // m`` windows for a stream of N tokens: the last partial window is dropped, and
+the label of a window's last token is the first token of the next one. A window may span two
+documents and attends across the boundary (no block-diagonal mask), and every token carries loss:
+this is the course's packing, cheap and padding-free.
+
+The training loop that uses them is ``rlvr.instruct_sft`` (``rlvr sft instruct``).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+from functools import cache
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+ALPACA_TEMPLATE = "alpaca_sft.prompt"
+
+
+@cache
+def protocol_file(filename: str) -> str:
+    """A protocol prompt file shipped in ``rlvr/prompts``, byte for byte."""
+    return resources.files("rlvr.prompts").joinpath(filename).read_text(encoding="utf-8")
+
+
+def protocol_template(filename: str) -> str:
+    """A protocol prompt without its one trailing newline: the form that is embedded in another
+    template or followed by EOS."""
+    text = protocol_file(filename)
+    return text[:-1] if text.endswith("\n") else text
+
+
+def alpaca_format(instruction: str, response: str = "") -> str:
+    """``instruction`` and ``response`` in the Alpaca template (no trailing newline).
+
+    With an empty response this is the prompt of a fine-tuned model: it ends with ``### Response:\\n``.
+    """
+    return protocol_template(ALPACA_TEMPLATE).format(instruction=instruction, response=response)
+
+
+def alpaca_fixed_parts() -> tuple[str, str]:
+    """The Alpaca template's two fixed pieces of text: before the instruction, and between the
+    instruction and the response."""
+    template = protocol_template(ALPACA_TEMPLATE)
+    head, rest = template.split("{instruction}")
+    middle, _ = rest.split("{response}")
+    return head, middle
+
+
+def encode_documents(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text with the tokenizer's own special tokens (BOS for Llama-3), then EOS.
+
+    A tokenizer that already closes its encodings with EOS does not get a second one.
+    """
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise ValueError("the tokenizer has no EOS token; SFT documents must end with one (set tokenizer.eos_token)")
+    if not texts:
+        return []
+    documents = []
+    for ids in tokenizer(list(texts))["input_ids"]:
+        ids = list(ids)
+        if not ids or ids[-1] != eos:
+            ids.append(eos)
+        documents.append(ids)
+    return documents
+
+
+def encode_document(tokenizer, text: str) -> list[int]:
+    """``encode_documents`` for one text."""
+    return encode_documents(tokenizer, [text])[0]
+
+
+def special_prefix(tokenizer) -> str:
+    """The text of the special tokens the tokenizer puts before every encoding (``<|begin_of_text|>``
+    for Llama-3, ``""`` for tokenizers that add none).
+
+    Rollout engines encode prompts without special tokens; prefixing this string gives a prompt the
+    same first tokens as an SFT document.
+    """
+    with_special = tokenizer("a")["input_ids"]
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    for start in range(len(with_special) - len(plain) + 1):
+        if with_special[start:start + len(plain)] == plain:
+            return tokenizer.decode(with_special[:start]) if start else ""
+    return ""
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading {prompt, response} data
+# ---------------------------------------------------------------------------------------------
+
+
+def _open_text(path: Path):
+    return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")
+
+
+def read_jsonl(path: str | Path, required: tuple[str, ...] = (), limit: int | None = None) -> list[dict]:
+    """Rows of a JSONL or JSONL.gz file; a malformed row is an error naming the file and the line."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    rows: list[dict] = []
+    with _open_text(path) as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+            missing = [k for k in required if not isinstance(row, dict) or not isinstance(row.get(k), str)]
+            if missing:
+                raise ValueError(f"{path}:{lineno}: expected string fields {', '.join(required)}; "
+                                 f"{', '.join(missing)} missing or not a string")
+            rows.append(row)
+            if limit is not None and len(rows) >= limit:
+                break
+    return rows
+
+
+def _is_local(source: str) -> bool:
+    return Path(source).exists() or source.endswith((".jsonl", ".jsonl.gz", ".json"))
+
+
+def load_prompt_response(source: str | Path, split: str = "train", limit: int | None = None,
+                         prompt_field: str = "prompt", response_field: str = "response") -> list[dict]:
+    """``[{"prompt", "response"}]`` from a JSONL(.gz) file or a hub dataset with those two columns."""
+    source = str(source)
+    if _is_local(source):
+        rows = read_jsonl(source, required=(prompt_field, response_field), limit=limit)
+    else:
+        import datasets
+
+        ds = datasets.load_dataset(source, split=split)
+        missing = {prompt_field, response_field} - set(ds.column_names)
+        if missing:
+            raise ValueError(f"the hub dataset {source!r} has no column(s) {sorted(missing)}; its columns are "
+                             f"{ds.column_names}: name the right ones with --prompt-field / --response-field")
+        rows = ds.select(range(min(limit, len(ds)))) if limit is not None else ds
+    return [{"prompt": r[prompt_field], "response": r[response_field]} for r in rows]
+
+
+# ---------------------------------------------------------------------------------------------
+# Packing
+# ---------------------------------------------------------------------------------------------
+
+
+class PackedSFTDataset(torch.utils.data.Dataset):
+    """Windows of ``seq_length`` tokens over one token stream (see the module docstring)."""
+
+    def __init__(self, stream: torch.Tensor, seq_length: int):
+        if seq_length < 1:
+            raise ValueError(f"seq_length must be >= 1, got {seq_length}")
+        self.stream = stream.to(torch.long)
+        self.seq_length = seq_length
+
+    def __len__(self) -> int:
+        return max(0, (self.stream.numel() - 1) // self.seq_length)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"index {i} is out of range for {n} packed sequences")
+        m = self.seq_length
+        return {"input_ids": self.stream[i * m:(i + 1) * m], "labels": self.stream[i * m + 1:(i + 1) * m + 1]}
+
+
+def pack_documents(documents: list[list[int]], seq_length: int) -> PackedSFTDataset:
+    """Concatenate token-id documents (already ordered) into one stream and window it."""
+    stream = torch.tensor([t for doc in documents for t in doc], dtype=torch.long)
+    return PackedSFTDataset(stream, seq_length)
+
+
+def encode_pairs(tokenizer, pairs: list[dict]) -> list[list[int]]:
+    """Each ``{prompt, response}`` as an Alpaca-formatted, special-token-framed document."""
+    return encode_documents(tokenizer, [alpaca_format(p["prompt"], p["response"]) for p in pairs])
+
+
+def get_packed_sft_dataset(tokenizer, dataset_path, seq_length: int, shuffle: bool,
+                           seed: int = 0) -> PackedSFTDataset:
+    """The packed instruction-tuning dataset of a ``{prompt, response}`` JSONL(.gz) file.
+
+    Documents are shuffled first (with ``random.Random(seed)``) when ``shuffle`` is set. Item ``i`` is
+    ``{"input_ids": stream[i*m:(i+1)*m], "labels": stream[i*m+1:(i+1)*m+1]}`` as int64 tensors, with
+    ``len = (N - 1) // m``; an index past the end raises ``IndexError``.
+    """
+    documents = encode_pairs(tokenizer, load_prompt_response(dataset_path))
+    if shuffle:
+        random.Random(seed).shuffle(documents)
+    return pack_documents(documents, seq_length)
+
+
+def iterate_batches(dataset, batch_size: int, shuffle: bool, seed: int | None = None):
+    """One epoch of dict batches of ``dataset`` (a ``torch.utils.data.DataLoader``): ``len`` is
+    ``ceil(len(dataset) / batch_size)`` and the last batch may be short. ``seed`` fixes the order."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    generator = torch.Generator().manual_seed(seed) if (shuffle and seed is not None) else None
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, generator=generator)

@@ -1,0 +1,320 @@
+"""`rlvr sft instruct`: instruction tuning on packed ``{prompt, response}`` data.
+
+The defaults are the course's settings for turning a base model (there Llama-3.1-8B) into an
+assistant: packed windows of 512 tokens (``rlvr.instruct``), 32 windows per optimizer step through
+gradient accumulation, AdamW at lr 2e-5 with weight decay 0.1, a cosine schedule after a 3 % linear
+warm-up, gradient norm clipped at 1.0, one epoch. Every token carries loss (packed documents have no
+prompt mask). Held-out documents (``--val-data``, else ``--val-size`` documents taken out of the
+training file before packing) give the validation loss curve.
+
+Speed on a GPU comes from the pieces ``rlvr train`` uses: microbatches cut by a token budget
+(``--max-tokens-per-microbatch``; windows all have ``seq_length`` tokens, so the budget fixes the
+rows per forward), chunked float32 log-probs that never hold the full logits, ``--compile`` (one
+compiled decoder-layer forward shared by all layers) and float32 master weights for a bfloat16
+model. No ``Trainer``.
+
+Output, in ``--out``: the model and tokenizer (``save_pretrained``: loadable by every rlvr command
+and by vLLM), ``sft_config.json`` and ``metrics.jsonl`` (``train/loss``, ``lr``, ``train/grad_norm`` per
+step; ``val/loss`` every ``--eval-every`` steps), mirrored to wandb / TensorBoard when asked.
+
+    rlvr sft instruct --model meta-llama/Llama-3.1-8B --data sft_train.jsonl.gz --out runs/sft
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from rlvr.instruct import alpaca_format, encode_pairs, load_prompt_response, pack_documents
+
+
+@dataclass
+class InstructSFTConfig:
+    """Instruction-tune a causal LM on packed {prompt, response} data (the course's settings by default)."""
+
+    data: str
+    """Training data: a JSONL or JSONL.gz file of {prompt, response}, or a hub dataset with those columns."""
+    model: str
+    """Base model: a local directory, a hub id (meta-llama/Llama-3.1-8B), or a named size for a fresh model (tiny, small, 20m)."""
+    out: Path
+    """Run directory: the fine-tuned model and tokenizer, sft_config.json, metrics.jsonl."""
+    val_data: str | None = None
+    """Validation data in the same format (default: --val-size documents held out of --data)."""
+    val_size: int = 256
+    """Documents held out of --data for validation when --val-data is not given (0: no validation)."""
+    split: str = "train"
+    """Split of a hub dataset for --data."""
+    val_split: str = "test"
+    """Split of a hub dataset for --val-data."""
+    prompt_field: str = "prompt"
+    """Field holding the instruction."""
+    response_field: str = "response"
+    """Field holding the response."""
+    max_examples: int | None = None
+    """Use only the first this-many documents of --data."""
+    seq_length: int = 512
+    """Tokens per packed window (context length)."""
+    batch_size: int = 32
+    """Packed windows per optimizer step (gradient accumulation over microbatches)."""
+    max_tokens_per_microbatch: int = 8192
+    """Token budget of one forward/backward: rows per microbatch = this // seq_length (at least 1)."""
+    epochs: float = 1.0
+    """Passes over the training windows (used when --steps is unset)."""
+    steps: int | None = None
+    """Optimizer steps (overrides --epochs)."""
+    lr: float = 2e-5
+    """Peak learning rate of AdamW."""
+    warmup_ratio: float = 0.03
+    """Share of the steps spent in linear warm-up from 0 to --lr; then cosine decay."""
+    min_lr_ratio: float = 0.0
+    """The cosine decay ends at lr * this."""
+    weight_decay: float = 0.1
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW betas."""
+    max_grad_norm: float = 1.0
+    """Clip the global gradient norm to this before every optimizer step."""
+    eval_every: int = 100
+    """Validation loss every this many steps (also at the start and the end; 0: only then)."""
+    seed: int = 0
+    """Seed of the document shuffle, the window order and fresh-model initialisation."""
+    device: str = "auto"
+    """Torch device (auto: cuda when available, else cpu)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Model dtype (auto: bfloat16 on CUDA, float32 on CPU)."""
+    master_weights: bool = True
+    """With a bfloat16 model, step float32 copies of the weights (small updates at lr 2e-5 would otherwise round away)."""
+    compile: bool = False
+    """Train through one torch.compile'd decoder-layer forward shared by all layers (faster steps after a compile)."""
+    gradient_checkpointing: bool = False
+    """Recompute activations in backward (less memory, slower)."""
+    vocab_size: int = 640
+    """Vocabulary of the tokenizer trained for a fresh model (named sizes only)."""
+    wandb: bool = False
+    """Mirror metrics to Weights & Biases."""
+    wandb_project: str = "rlvr"
+    """W&B project."""
+    tensorboard: bool = False
+    """Mirror metrics to TensorBoard event files under OUT/tensorboard."""
+    progress: bool = True
+    """Show a progress bar."""
+    overwrite: bool = False
+    """Replace a run already in --out."""
+
+    def validate(self) -> None:
+        if self.seq_length < 2:
+            raise ValueError(f"--seq-length must be at least 2, got {self.seq_length}")
+        if self.batch_size < 1:
+            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
+        if self.steps is not None and self.steps < 1:
+            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+        check_model_name(self.model)
+
+
+def check_model_name(name: str) -> None:
+    """A named size, an existing directory, or something shaped like a hub id (owner/name)."""
+    from rlvr.modeling import MODEL_SIZES
+
+    if name not in MODEL_SIZES and not Path(name).exists() and name.count("/") != 1:
+        raise ValueError(f"--model {name!r} is neither a named size ({', '.join(MODEL_SIZES)}), "
+                         "a local directory, nor a hub id (owner/name)")
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def prepare_run_dir(out: Path, overwrite: bool, marker: str = "metrics.jsonl") -> None:
+    """Create ``out``; refuse to mix two runs in it unless ``overwrite``."""
+    out = Path(out)
+    if (out / marker).exists():
+        if not overwrite:
+            raise FileExistsError(f"{out} already holds a run ({marker}); choose a new --out or pass --overwrite")
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def load_or_build_model(name: str, device: torch.device, dtype: torch.dtype, tokenizer_texts, vocab_size: int,
+                        seed: int, max_position_embeddings: int = 2048):
+    """``(model, tokenizer)``: a checkpoint (local directory or hub id), or a fresh OLMo-2 of a named
+    size with a byte-level BPE tokenizer trained on ``tokenizer_texts()``.
+
+    A fresh tokenizer also holds the Alpaca template's two fixed pieces as one token each: byte-level
+    BPE never merges across words, so the template would otherwise cost 30 tokens of every document,
+    most of a small model's compute on short synthetic tasks."""
+    from rlvr import modeling
+    from rlvr.instruct import alpaca_fixed_parts
+
+    if name in modeling.MODEL_SIZES:
+        tokenizer = modeling.train_tokenizer(tokenizer_texts(), vocab_size)
+        tokenizer.add_tokens(list(alpaca_fixed_parts()))
+        model = modeling.fresh_model(name, tokenizer, seed=seed, dtype=dtype,
+                                     max_position_embeddings=max_position_embeddings)
+        return model.to(device), tokenizer
+    check_model_name(name)
+    return modeling.load_model_and_tokenizer(name, device=device, dtype=dtype)
+
+
+def token_nll(model, input_ids: torch.Tensor, labels: torch.Tensor, backbone=None) -> torch.Tensor:
+    """Mean negative log-likelihood of every label of a (rows, seq_length) block."""
+    from rlvr.grpo import get_response_log_probs
+
+    return -get_response_log_probs(model, input_ids, labels, backbone=backbone)["log_probs"].mean()
+
+
+def accumulate_step(model, dataset, indices: list[int], rows_per_microbatch: int, backbone=None) -> tuple[float, int]:
+    """Backpropagate the mean token NLL of the windows ``indices`` in microbatches of at most
+    ``rows_per_microbatch`` rows; the accumulated gradient is that of the whole batch (every window
+    has the same length, so a microbatch weighs rows / batch). Returns ``(loss, tokens)``."""
+    total = 0.0
+    for start in range(0, len(indices), rows_per_microbatch):
+        rows = indices[start:start + rows_per_microbatch]
+        batch = [dataset[i] for i in rows]
+        input_ids = torch.stack([b["input_ids"] for b in batch])
+        labels = torch.stack([b["labels"] for b in batch])
+        loss = token_nll(model, input_ids, labels, backbone) * (len(rows) / len(indices))
+        loss.backward()
+        total += float(loss.detach())
+    return total, len(indices) * dataset.seq_length
+
+
+@torch.no_grad()
+def validation_loss(model, dataset, rows_per_microbatch: int) -> float:
+    """Mean token NLL over every window of ``dataset``."""
+    if len(dataset) == 0:
+        return float("nan")
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for start in range(0, len(dataset), rows_per_microbatch):
+        batch = [dataset[i] for i in range(start, min(len(dataset), start + rows_per_microbatch))]
+        input_ids = torch.stack([b["input_ids"] for b in batch])
+        labels = torch.stack([b["labels"] for b in batch])
+        total += float(token_nll(model, input_ids, labels)) * len(batch)
+    model.train(was_training)
+    return total / len(dataset)
+
+
+def split_documents(pairs: list[dict], val_size: int, seed: int) -> tuple[list[dict], list[dict]]:
+    """``(train, validation)``: ``val_size`` documents drawn with ``seed`` out of ``pairs``."""
+    order = list(range(len(pairs)))
+    random.Random(seed).shuffle(order)
+    held = set(order[:val_size])
+    return [p for i, p in enumerate(pairs) if i not in held], [pairs[i] for i in sorted(held)]
+
+
+def run_instruct_sft(cfg: InstructSFTConfig) -> Path:
+    """Instruction-tune per ``cfg`` and save the model; returns the output directory."""
+    from tqdm.auto import tqdm
+
+    from rlvr.grpo import compile_backbone
+    from rlvr.logging_utils import MetricsLogger
+    from rlvr.modeling import save_model_and_tokenizer
+    from rlvr.optim import make_adamw
+    from rlvr.trainer import batch_indices, lr_factor
+
+    cfg.validate()
+    # Data first: a bad path fails in seconds, not after a model load.
+    pairs = load_prompt_response(cfg.data, cfg.split, cfg.max_examples, cfg.prompt_field, cfg.response_field)
+    if cfg.val_data:
+        train_pairs = pairs
+        val_pairs = load_prompt_response(cfg.val_data, cfg.val_split, None, cfg.prompt_field, cfg.response_field)
+    else:
+        if cfg.val_size >= len(pairs):
+            raise ValueError(f"--val-size {cfg.val_size} leaves no training documents out of {len(pairs)}; lower it")
+        train_pairs, val_pairs = split_documents(pairs, cfg.val_size, cfg.seed)
+    if not train_pairs:
+        raise ValueError(f"no training documents in {cfg.data!r}")
+    prepare_run_dir(cfg.out, cfg.overwrite)
+
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
+    torch.manual_seed(cfg.seed)
+    model, tokenizer = load_or_build_model(
+        cfg.model, device, dtype, lambda: [alpaca_format(p["prompt"], p["response"]) for p in train_pairs[:20000]],
+        cfg.vocab_size, cfg.seed, max_position_embeddings=max(2048, cfg.seq_length))
+    documents = encode_pairs(tokenizer, train_pairs)
+    random.Random(cfg.seed).shuffle(documents)
+    train_ds = pack_documents(documents, cfg.seq_length)
+    val_ds = pack_documents(encode_pairs(tokenizer, val_pairs), cfg.seq_length)
+    if len(train_ds) == 0:
+        raise ValueError(f"the training data holds fewer than {cfg.seq_length + 1} tokens: nothing to pack into "
+                         "one window; lower --seq-length or add data")
+
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    backbone = compile_backbone(model) if cfg.compile else None
+    model.train()
+    optimizer = make_adamw(model.parameters(), master_weights=cfg.master_weights, lr=cfg.lr, betas=tuple(cfg.betas),
+                           weight_decay=cfg.weight_decay, fused=device.type == "cuda")
+    total = cfg.steps or max(1, math.ceil(cfg.epochs * len(train_ds) / cfg.batch_size))
+    warmup = math.ceil(cfg.warmup_ratio * total)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda u: lr_factor(u, total, "cosine", warmup, cfg.min_lr_ratio))
+    rows_per_micro = max(1, cfg.max_tokens_per_microbatch // cfg.seq_length)
+    batch = min(cfg.batch_size, len(train_ds))
+
+    config = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
+    config.update(command="sft instruct", train_windows=len(train_ds), val_windows=len(val_ds), total_steps=total,
+                  warmup_steps=warmup, train_documents=len(train_pairs), val_documents=len(val_pairs))
+    (Path(cfg.out) / "sft_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    logger = MetricsLogger(cfg.out, config, wandb=cfg.wandb, wandb_project=cfg.wandb_project, tensorboard=cfg.tensorboard)
+    try:
+        if len(val_ds):
+            logger.log({"step": 0, "val/loss": validation_loss(model, val_ds, rows_per_micro)})
+        with tqdm(range(total), desc="sft instruct", disable=not cfg.progress, dynamic_ncols=True) as bar:
+            for step in bar:
+                t0 = time.perf_counter()
+                lr_used = scheduler.get_last_lr()[0]
+                loss, tokens = accumulate_step(model, train_ds, batch_indices(len(train_ds), batch, step, cfg.seed),
+                                               rows_per_micro, backbone)
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
+                elapsed = time.perf_counter() - t0
+                row = {"step": step + 1, "train/loss": loss, "lr": lr_used, "train/grad_norm": grad_norm,
+                       "train/tokens": tokens, "time/step": elapsed, "tokens_per_s": tokens / elapsed}
+                if len(val_ds) and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == total):
+                    row["val/loss"] = validation_loss(model, val_ds, rows_per_micro)
+                if device.type == "cuda":
+                    row["mem/peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+                logger.log(row)
+                bar.set_postfix(loss=f"{loss:.3f}")
+    finally:
+        logger.close()
+    model.eval()
+    save_model_and_tokenizer(model, tokenizer, cfg.out)
+    return Path(cfg.out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import tyro
+
+    cfg = tyro.cli(InstructSFTConfig, args=argv, prog="rlvr sft instruct", description=__doc__.split("\n\n")[0])
+    try:
+        out = run_instruct_sft(cfg)
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
+        print(f"rlvr sft instruct: {e}", file=sys.stderr)
+        return 2
+    print(f"rlvr sft instruct: saved the model and tokenizer to {out}")
+    return 0
