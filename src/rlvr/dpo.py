@@ -228,7 +228,9 @@ class DPOConfig:
     optimizer: Literal["rmsprop", "adamw"] = "rmsprop"
     """Optimizer (the course uses RMSprop: one state tensor per parameter instead of AdamW's two)."""
     batch_size: int = 64
-    """Pairs per optimizer step; each pair is one forward (chosen and rejected together), gradients accumulate."""
+    """Pairs per optimizer step; gradients accumulate over the forwards."""
+    pairs_per_forward: int = 1
+    """Pairs per forward (chosen and rejected sequences together); the course uses one. More is faster for short sequences."""
     epochs: float = 1.0
     """Passes over the training pairs (used when --steps is unset)."""
     steps: int | None = None
@@ -281,8 +283,9 @@ class DPOConfig:
             raise ValueError("--out DIR is required")
         if self.beta <= 0:
             raise ValueError(f"--beta must be positive, got {self.beta}")
-        if self.batch_size < 1:
-            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+        if self.batch_size < 1 or self.pairs_per_forward < 1:
+            raise ValueError(f"--batch-size and --pairs-per-forward must be >= 1, got {self.batch_size} and "
+                             f"{self.pairs_per_forward}")
 
 
 RESUMABLE = ("steps", "eval_every", "save_every", "progress", "wandb", "tensorboard", "resume", "overwrite")
@@ -318,8 +321,8 @@ def tokenize_pairs(tokenizer, pairs: list[PreferencePair], max_tokens: int) -> t
 class ReferenceCache:
     """The reference's summed log-probs of every pair, (n, 2) float32 (NaN until computed).
 
-    ``pairs_per_forward`` should match how the policy's log-probs are computed (one pair per forward
-    in training, ``eval_batch_pairs`` in validation): with equal shapes the policy and the reference
+    ``pairs_per_forward`` should match how the policy's log-probs are computed (``--pairs-per-forward``
+    in training, ``--eval-batch-pairs`` in validation): with equal shapes the policy and the reference
     give bit-identical log-probs while their weights are equal, so every margin starts at exactly 0."""
 
     def __init__(self, ref_model, pad_id: int, n: int):
@@ -369,23 +372,27 @@ def evaluate_pairs(model, ref_cache: ReferenceCache, token_pairs: list, beta: fl
 
 
 def dpo_step(model, optimizer, token_pairs: list, indices: list[int], ref_cache: ReferenceCache, beta: float,
-             pad_id: int, max_grad_norm: float | None, backbone=None) -> dict[str, float]:
-    """One optimizer step over the pairs ``indices``: one forward and backward per pair (its two
-    sequences together), the loss scaled by 1/len(indices) so that the accumulated gradient is that of
-    the mean loss. Returns the step's training metrics."""
-    ref = ref_cache.get(indices, token_pairs)
+             pad_id: int, max_grad_norm: float | None, backbone=None, pairs_per_forward: int = 1) -> dict[str, float]:
+    """One optimizer step over the pairs ``indices``: a forward and backward per ``pairs_per_forward``
+    pairs (each pair's two sequences together; the course runs one pair per forward), the loss scaled
+    by 1/len(indices) so that the accumulated gradient is that of the mean loss. Returns the step's
+    training metrics."""
+    ref = ref_cache.get(indices, token_pairs, pairs_per_forward)
     policy_rows, outs = [], []
-    for j, i in enumerate(indices):
-        policy = sequence_log_probs(model, list(token_pairs[i]), pad_id, backbone=backbone)
-        out = dpo_loss(policy[0], policy[1], ref[j, 0], ref[j, 1], beta)
-        (out["loss"] / len(indices)).backward()
+    for start in range(0, len(indices), pairs_per_forward):
+        chunk = indices[start:start + pairs_per_forward]
+        policy = sequence_log_probs(model, [s for i in chunk for s in token_pairs[i]], pad_id,
+                                    backbone=backbone).view(-1, 2)
+        out = dpo_loss(policy[:, 0], policy[:, 1], ref[start:start + len(chunk), 0], ref[start:start + len(chunk), 1],
+                       beta)
+        (out["loss"].sum() / len(indices)).backward()
         policy_rows.append(policy.detach().float().cpu())
         outs.append({k: v.detach().float().cpu() for k, v in out.items()})
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf")))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    stacked = {k: torch.stack([o[k] for o in outs]) for k in outs[0]}
-    return {**_metrics_of(stacked, torch.stack(policy_rows), "train"), "train/grad_norm": grad_norm}
+    stacked = {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
+    return {**_metrics_of(stacked, torch.cat(policy_rows), "train"), "train/grad_norm": grad_norm}
 
 
 def _save_best(out: Path, model, tokenizer, step: int, metrics: dict) -> None:
@@ -410,10 +417,9 @@ def _save_best(out: Path, model, tokenizer, step: int, metrics: dict) -> None:
 
 
 def _better(metrics: dict, best: dict | None) -> bool:
-    if best is None:
-        return True
-    key = lambda m: (m["val/preference_accuracy"], -m["val/loss"])  # noqa: E731
-    return key(metrics) > key(best)
+    """A strictly higher validation preference accuracy: of equally good checkpoints the first, the
+    one closest to the reference, is kept."""
+    return best is None or metrics["val/preference_accuracy"] > best["val/preference_accuracy"]
 
 
 def _make_optimizer(cfg: DPOConfig, model, device: torch.device):
@@ -477,8 +483,11 @@ def run_dpo(cfg: DPOConfig) -> Path:
     val_tokens, val_pairs, dropped_val = tokenize_pairs(tokenizer, val_pairs, cfg.max_tokens)
     if not train_tokens:
         raise ValueError(f"no training pair fits in --max-tokens {cfg.max_tokens}; raise it")
+    from collections import Counter
+
     data_counts = {**counts, "train_pairs": len(train_tokens), "val_pairs": len(val_tokens),
-                 "dropped_too_long": dropped_train + dropped_val}
+                   "dropped_too_long": dropped_train + dropped_val,
+                   "train_pairs_by_source": dict(Counter(p.source for p in train_pairs))}
 
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -524,7 +533,7 @@ def run_dpo(cfg: DPOConfig) -> Path:
                 lr_used = scheduler.get_last_lr()[0]
                 indices = batch_indices(len(train_tokens), batch, step - 1, cfg.seed)
                 row = {"step": step, **dpo_step(model, optimizer, train_tokens, indices, train_ref, cfg.beta, pad,
-                                                 cfg.max_grad_norm, backbone)}
+                                                 cfg.max_grad_norm, backbone, cfg.pairs_per_forward)}
                 scheduler.step()
                 row.update({"lr": lr_used, "time/step": time.perf_counter() - t0,
                             "data/epoch": (step * batch) // len(train_tokens)})

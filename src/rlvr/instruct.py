@@ -72,11 +72,12 @@ def encode_documents(tokenizer, texts: list[str]) -> list[list[int]]:
     if not texts:
         return []
     documents = []
-    for ids in tokenizer(list(texts))["input_ids"]:
-        ids = list(ids)
-        if not ids or ids[-1] != eos:
-            ids.append(eos)
-        documents.append(ids)
+    for start in range(0, len(texts), 4096):  # in slices: a corpus of 200k documents at once holds too much
+        for ids in tokenizer(list(texts[start:start + 4096]))["input_ids"]:
+            ids = list(ids)
+            if not ids or ids[-1] != eos:
+                ids.append(eos)
+            documents.append(ids)
     return documents
 
 
@@ -166,7 +167,8 @@ class PackedSFTDataset(torch.utils.data.Dataset):
     def __init__(self, stream: torch.Tensor, seq_length: int):
         if seq_length < 1:
             raise ValueError(f"seq_length must be >= 1, got {seq_length}")
-        self.stream = stream.to(torch.long)
+        # int32 storage halves the memory of a large corpus; items come out as int64
+        self.stream = stream.to(torch.int32 if stream.numel() == 0 or int(stream.max()) < 2**31 else torch.long)
         self.seq_length = seq_length
 
     def __len__(self) -> int:
@@ -179,12 +181,18 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         if not 0 <= i < n:
             raise IndexError(f"index {i} is out of range for {n} packed sequences")
         m = self.seq_length
-        return {"input_ids": self.stream[i * m:(i + 1) * m], "labels": self.stream[i * m + 1:(i + 1) * m + 1]}
+        return {"input_ids": self.stream[i * m:(i + 1) * m].long(),
+                "labels": self.stream[i * m + 1:(i + 1) * m + 1].long()}
 
 
 def pack_documents(documents: list[list[int]], seq_length: int) -> PackedSFTDataset:
     """Concatenate token-id documents (already ordered) into one stream and window it."""
-    stream = torch.tensor([t for doc in documents for t in doc], dtype=torch.long)
+    import itertools
+
+    import numpy as np
+
+    total = sum(len(doc) for doc in documents)
+    stream = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(documents), dtype=np.int64, count=total))
     return PackedSFTDataset(stream, seq_length)
 
 

@@ -140,10 +140,12 @@ def run_suite(suite: Suite, examples: list[dict], engine, mode: str, max_tokens:
     samples = []
     for i, (ex, prompt, comp) in enumerate(zip(examples, prompts, completions)):
         output = clean_output(comp.text, mode)
-        sample = {"suite": suite.name, "index": i, **ex, "prompt": prompt, "output": output, "raw_output": comp.text,
-                  "finish_reason": comp.finish_reason, "num_tokens": len(comp.token_ids)}
-        if "output" in ex:  # AlpacaEval rows carry the reference answer as "output"
-            sample["reference"] = ex["output"]
+        # AlpacaEval rows carry the reference answer and its generator as "output" and "generator".
+        fields = {k: v for k, v in ex.items() if k not in ("output", "generator")}
+        if "output" in ex:
+            fields.update(reference=ex["output"], reference_generator=ex.get("generator", ""))
+        sample = {"suite": suite.name, "index": i, **fields, "prompt": prompt, "output": output,
+                  "raw_output": comp.text, "finish_reason": comp.finish_reason, "num_tokens": len(comp.token_ids)}
         if suite.grade is not None:
             sample.update(suite.grade(ex, output))
         samples.append(sample)
@@ -259,7 +261,7 @@ def _engine(cfg: SuiteConfig, model, tokenizer, device: str):
         options["device"] = device
     if cfg.engine == "vllm":
         options.update(served_model=cfg.model, check_sync=False, base_url=cfg.vllm_base_url,
-                       start_server=cfg.vllm_base_url is None)
+                       start_server=cfg.vllm_base_url is None, gpu=device.split(":")[1] if ":" in device else "0")
     return make_engine(cfg.engine, model, tokenizer, **options)
 
 
@@ -288,7 +290,11 @@ def run_suites(cfg: SuiteConfig, model=None, tokenizer=None, engine=None, judge=
 
     device = _resolve_device(cfg.device)
     own_engine, own_model = engine is None, model is None
-    if model is None:
+    if model is None and cfg.engine == "vllm":  # the server loads the weights; only the tokenizer is needed here
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    elif model is None:
         from rlvr.modeling import load_model_and_tokenizer
 
         dtype = None if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
