@@ -14,6 +14,7 @@ import torch
 
 from rlvr import compute_per_instance_dpo_loss
 from rlvr.dpo import DPOConfig, dpo_loss, hh_pair, hh_turns, load_preference_pairs, run_dpo
+from rlvr.errors import UserError
 from rlvr.instruct import alpaca_format
 
 
@@ -178,6 +179,8 @@ def test_dpo_run_logs_keeps_the_best_and_scores_each_pair_once(dpo_inputs, tmp_p
     assert saved["step"] == best["step"] and (out / "best" / "config.json").is_file()
     assert rows[-1]["val/preference_accuracy"] > 0.5 and rows[-1]["val/loss"] < math.log(2)
     summary = json.loads((out / "summary.json").read_text())
+    with pytest.raises(UserError, match="--overwrite"):  # a finished run is not replaced by surprise
+        run_dpo(_config(model_dir, path, out))
     assert summary["train_pairs"] == 8 and summary["val_pairs"] == 4 and summary["best_step"] == best["step"]
 
 

@@ -112,9 +112,11 @@ def _open_text(path: Path):
 
 def read_jsonl(path: str | Path, required: tuple[str, ...] = (), limit: int | None = None) -> list[dict]:
     """Rows of a JSONL or JSONL.gz file; a malformed row is an error naming the file and the line."""
+    from rlvr.data import DataError
+
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file")
+        raise DataError(f"{path}: no such file; pass a JSONL or JSONL.gz file")
     rows: list[dict] = []
     with _open_text(path) as f:
         for lineno, line in enumerate(f, start=1):
@@ -123,10 +125,10 @@ def read_jsonl(path: str | Path, required: tuple[str, ...] = (), limit: int | No
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object") from None
             missing = [k for k in required if not isinstance(row, dict) or not isinstance(row.get(k), str)]
             if missing:
-                raise ValueError(f"{path}:{lineno}: expected string fields {', '.join(required)}; "
+                raise DataError(f"{path}:{lineno}: expected string fields {', '.join(required)}; "
                                  f"{', '.join(missing)} missing or not a string")
             rows.append(row)
             if limit is not None and len(rows) >= limit:
@@ -150,7 +152,9 @@ def load_prompt_response(source: str | Path, split: str = "train", limit: int | 
         ds = datasets.load_dataset(source, split=split)
         missing = {prompt_field, response_field} - set(ds.column_names)
         if missing:
-            raise ValueError(f"the hub dataset {source!r} has no column(s) {sorted(missing)}; its columns are "
+            from rlvr.data import DataError
+
+            raise DataError(f"the hub dataset {source!r} has no column(s) {sorted(missing)}; its columns are "
                              f"{ds.column_names}: name the right ones with --prompt-field / --response-field")
         rows = ds.select(range(min(limit, len(ds)))) if limit is not None else ds
     return [{"prompt": r[prompt_field], "response": r[response_field]} for r in rows]
