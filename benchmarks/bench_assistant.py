@@ -4,7 +4,7 @@ Sections (``--sections``, default both):
 
 - ``eval``: ``rlvr eval --suite mmlu gsm8k``'s runner (``rlvr.suites.run.run_suite``) over the first
   ``--limit`` questions of each suite, greedy, in base-model mode (zero-shot system prompt, stop at
-  ``# Query:``) through the ``--engine`` engine. With random weights no output stops by itself, so
+  ``# Query:``) through the ``--engine`` engine (``auto``: ``hf-fast`` on a GPU). With random weights no output stops by itself, so
   every output runs to ``--max-tokens``: this measures decoding at that length. Reported: examples/s,
   new tokens/s, mean prompt tokens.
 - ``dpo``: ``rlvr.dpo.dpo_step``, the function ``rlvr dpo`` runs per optimizer step, on ``--pairs``
@@ -48,8 +48,8 @@ class BenchConfig:
     """Questions per suite (default 512; 4 with --tiny)."""
     max_tokens: int | None = None
     """New tokens per output (default 256; 8 with --tiny)."""
-    engine: str = "hf"
-    """Engine for the eval section (hf; hf-fast supports OLMo-2 layouts only)."""
+    engine: str = "auto"
+    """Engine for the eval section (auto: hf-fast, which runs Llama models, on a GPU; hf on the CPU)."""
     batch_size: int = 256
     """Sequences decoded together."""
     pairs: int | None = None
@@ -106,23 +106,24 @@ def peak_gib(device: torch.device) -> float | None:
 
 
 def eval_section(cfg: BenchConfig, model, tokenizer, device, limit: int, max_tokens: int) -> list[dict]:
-    from rlvr.engines import make_engine
+    from rlvr.engines import make_engine, resolve_engine_name
     from rlvr.instruct import special_prefix
     from rlvr.suites.run import SUITES, load_suite_data, run_suite, wrap_prompt
 
-    engine = make_engine(cfg.engine, model, tokenizer, max_batch_size=cfg.batch_size)
+    name = "hf" if (cfg.engine == "auto" and device.type != "cuda") else resolve_engine_name(cfg.engine, model)
+    engine = make_engine(name, model, tokenizer, max_batch_size=cfg.batch_size)
     prefix = special_prefix(tokenizer)
     rows = []
     warm = load_suite_data("gsm8k", str(cfg.data_dir / "gsm8k"), 2)
     run_suite(SUITES["gsm8k"], warm, engine, "base", 4, prefix)  # kernels and allocator warm
-    for name in ("mmlu", "gsm8k"):
-        examples = load_suite_data(name, str(cfg.data_dir / name), limit)
-        prompt_tokens = [len(tokenizer(wrap_prompt(SUITES[name].instruction(ex), "base", prefix),
+    for suite in ("mmlu", "gsm8k"):
+        examples = load_suite_data(suite, str(cfg.data_dir / suite), limit)
+        prompt_tokens = [len(tokenizer(wrap_prompt(SUITES[suite].instruction(ex), "base", prefix),
                                        add_special_tokens=False)["input_ids"]) for ex in examples]
         sync(device)
-        metrics, _ = run_suite(SUITES[name], examples, engine, "base", max_tokens, prefix, chunk_size=cfg.batch_size)
+        metrics, _ = run_suite(SUITES[suite], examples, engine, "base", max_tokens, prefix, chunk_size=cfg.batch_size)
         sync(device)
-        rows.append({"section": "eval", "run": f"{name} (base mode, {cfg.engine})", "n": metrics["n"],
+        rows.append({"section": "eval", "run": f"{suite} (base mode, {name})", "n": metrics["n"],
                      "examples_per_s": metrics["examples_per_s"], "tokens_per_s": metrics["tokens_per_s"],
                      "time_s": metrics["time_s"], "mean_output_tokens": metrics["mean_output_tokens"],
                      "mean_prompt_tokens": sum(prompt_tokens) / len(prompt_tokens), "peak_gib": peak_gib(device)})

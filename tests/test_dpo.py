@@ -14,6 +14,7 @@ import torch
 
 from rlvr import compute_per_instance_dpo_loss
 from rlvr.dpo import DPOConfig, dpo_loss, hh_pair, hh_turns, load_preference_pairs, run_dpo
+from rlvr.errors import UserError
 from rlvr.instruct import alpaca_format
 
 
@@ -63,6 +64,25 @@ def test_per_instance_loss_equals_a_second_computation(tiny_model, tiny_tokenize
     # policy = reference: margin 0, loss log 2
     same = compute_per_instance_dpo_loss(policy, copy.deepcopy(policy), tiny_tokenizer, 0.1, prompt, chosen, rejected)
     assert same.item() == pytest.approx(math.log(2), abs=1e-6)
+
+
+def test_pairs_per_forward_changes_nothing_but_speed(tiny_model, tiny_tokenizer):
+    from rlvr.dpo import ReferenceCache, dpo_step, pair_token_ids
+
+    reference = copy.deepcopy(tiny_model).requires_grad_(False)
+    token_pairs = [tuple(pair_token_ids(tiny_tokenizer, f"Question {i}?", [f"Yes {i}.", f"No, not at all {i}."]))
+                   for i in range(5)]
+    results = []
+    for per_forward in (1, 2, 5):
+        policy = copy.deepcopy(tiny_model)
+        optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
+        metrics = dpo_step(policy, optimizer, token_pairs, [4, 0, 2, 3], ReferenceCache(reference, 0, 5), 0.2, 0, None,
+                           pairs_per_forward=per_forward)
+        results.append((metrics, [p.detach().clone() for p in policy.parameters()]))
+    for metrics, params in results[1:]:
+        assert metrics["train/loss"] == pytest.approx(results[0][0]["train/loss"], abs=1e-6)
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(params, results[0][1]))
+    assert results[0][0]["train/loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy = reference before the step
 
 
 HH_SINGLE = {"chosen": "\n\nHuman: How do I bake bread?\n\nAssistant: Mix flour, water and yeast.\n\nThen bake it.",
@@ -154,11 +174,13 @@ def test_dpo_run_logs_keeps_the_best_and_scores_each_pair_once(dpo_inputs, tmp_p
     assert all("val/preference_accuracy" in r for r in rows if r["step"] % 2 == 0)
     assert seen["rows"] == 2 * (8 + 4)  # each training and validation pair scored by the reference exactly once
     val = [r for r in rows if r["step"] > 0 and "val/loss" in r]
-    best = max(val, key=lambda r: (r["val/preference_accuracy"], -r["val/loss"]))
+    best = max(val, key=lambda r: r["val/preference_accuracy"])  # the first of the best
     saved = json.loads((out / "best.json").read_text())
     assert saved["step"] == best["step"] and (out / "best" / "config.json").is_file()
     assert rows[-1]["val/preference_accuracy"] > 0.5 and rows[-1]["val/loss"] < math.log(2)
     summary = json.loads((out / "summary.json").read_text())
+    with pytest.raises(UserError, match="--overwrite"):  # a finished run is not replaced by surprise
+        run_dpo(_config(model_dir, path, out))
     assert summary["train_pairs"] == 8 and summary["val_pairs"] == 4 and summary["best_step"] == best["step"]
 
 

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from rlvr.errors import UserError
 from rlvr.instruct import pack_documents
 from rlvr.instruct_sft import InstructSFTConfig, accumulate_step, run_instruct_sft, token_nll
 
@@ -55,7 +56,7 @@ def test_instruct_sft_lowers_validation_loss_and_saves_a_loadable_model(tmp_path
     assert config["val_documents"] == 16 and config["train_documents"] == 104 and config["lr"] == 1e-2
     model, tokenizer = load_model_and_tokenizer(out)
     assert model.config.vocab_size == len(tokenizer)
-    with pytest.raises(FileExistsError, match="--overwrite"):
+    with pytest.raises(UserError, match="--overwrite"):
         run_instruct_sft(InstructSFTConfig(data=str(_data(tmp_path)), model="tiny", out=out, steps=1, val_size=16,
                                              progress=False))
 

@@ -14,6 +14,7 @@ import pytest
 
 from rlvr import parse_gsm8k_response, parse_mmlu_response
 from rlvr.engines.base import Completion
+from rlvr.errors import UserError
 from rlvr.suites.judge import (EndpointJudge, judge_alpaca_eval, judge_sst, length_controlled_win_rate, parse_choice,
                                parse_unsafe)
 from rlvr.suites.parsing import same_number
@@ -268,7 +269,7 @@ def test_loaders_read_the_course_layouts(tmp_path):
     (tmp_path / "sst.csv").write_text("id,harm_area,counter,category,prompts_final\nsst_001,x,1,y,\"Hi, there\"\n")
     assert load_sst(tmp_path / "sst.csv") == [{"id": "sst_001", "harm_area": "x", "counter": "1", "category": "y",
                                                "prompts_final": "Hi, there"}]
-    with pytest.raises(FileNotFoundError, match="alpaca_eval_gpt4_turbo.json"):
+    with pytest.raises(UserError, match="alpaca_eval_gpt4_turbo.json"):
         load_alpaca_eval(tmp_path / "nowhere")
 
 
@@ -300,6 +301,7 @@ def test_cli_runs_all_four_suites_with_and_without_a_judge(model_dir, tmp_path):
     common = ["eval", "--suite", "mmlu", "gsm8k", "alpaca_eval", "sst", "--model", str(model_dir), "--data-dir",
               str(SHARED_DATA), "--limit", "8", "--max-tokens", "6", "--device", "cpu", "--no-progress"]
     assert main(common + ["--out", str(tmp_path / "plain")]) == 0
+    assert main(common + ["--out", str(tmp_path / "plain")]) == 2  # earlier results are kept without --overwrite
     results = json.loads((tmp_path / "plain" / "results.json").read_text())["results"]
     assert set(results) == {"mmlu", "gsm8k", "alpaca_eval", "sst"}
     for name in ("mmlu", "gsm8k"):

@@ -33,8 +33,8 @@ import math
 import random
 import re
 import shutil
-import sys
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Literal
@@ -42,7 +42,11 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from rlvr.data import DataError
+from rlvr.errors import UserError
 from rlvr.instruct import alpaca_format, encode_documents, read_jsonl
+
+OUTPUT_FILES = ("metrics.jsonl", "config.json", "best", "checkpoints", "summary.json")
 
 # ---------------------------------------------------------------------------------------------
 # 1. Preference pairs
@@ -85,7 +89,7 @@ def _data_files(path: Path, split: str) -> list[Path]:
     if not files:
         files = sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith((".jsonl", ".jsonl.gz")))
     if not files:
-        raise FileNotFoundError(f"{path} holds no {split}.jsonl(.gz) nor any .jsonl(.gz) file")
+        raise DataError(f"{path} holds no {split}.jsonl(.gz) nor any .jsonl(.gz) file")
     return files
 
 
@@ -94,7 +98,7 @@ def _detect_format(row: dict, where: str) -> str:
         return "pairs"
     if all(isinstance(row.get(k), str) for k in ("chosen", "rejected")) and "Human:" in row["chosen"]:
         return "hh"
-    raise ValueError(f"{where}: cannot tell the format: expected {{prompt, chosen, rejected}} strings (pairs) or "
+    raise DataError(f"{where}: cannot tell the format: expected {{prompt, chosen, rejected}} strings (pairs) or "
                      "HH transcripts {chosen, rejected}; pass --format")
 
 
@@ -110,6 +114,9 @@ def load_preference_pairs(sources: list[str] | tuple[str, ...], fmt: str = "auto
             rows_by_file = _hub_rows(source, split)
         else:
             root = Path(source)
+            if not root.exists():
+                raise DataError(f"{root}: no such file or directory; pass HH files or directories, or "
+                                "{prompt, chosen, rejected} JSONL files")
             rows_by_file = [(str(f.relative_to(root.parent)) if root.is_dir() else f.name, read_jsonl(f))
                             for f in _data_files(root, split)]
         for name, rows in rows_by_file:
@@ -228,7 +235,9 @@ class DPOConfig:
     optimizer: Literal["rmsprop", "adamw"] = "rmsprop"
     """Optimizer (the course uses RMSprop: one state tensor per parameter instead of AdamW's two)."""
     batch_size: int = 64
-    """Pairs per optimizer step; each pair is one forward (chosen and rejected together), gradients accumulate."""
+    """Pairs per optimizer step; gradients accumulate over the forwards."""
+    pairs_per_forward: int = 1
+    """Pairs per forward (chosen and rejected sequences together); the course uses one. More is faster for short sequences."""
     epochs: float = 1.0
     """Passes over the training pairs (used when --steps is unset)."""
     steps: int | None = None
@@ -273,16 +282,18 @@ class DPOConfig:
     """Continue the run in this directory from its latest checkpoint (with its saved config; --steps may change)."""
 
     def validate(self) -> None:
+        """Reject impossible settings (``UserError``) before any work."""
         if not self.model:
-            raise ValueError("--model is required: the SFT checkpoint to start from (and the reference)")
+            raise UserError("--model is required: the SFT checkpoint to start from (and the reference)")
         if not self.data:
-            raise ValueError("--data is required: HH files or directories, or {prompt, chosen, rejected} JSONL")
+            raise UserError("--data is required: HH files or directories, or {prompt, chosen, rejected} JSONL")
         if self.out is None:
-            raise ValueError("--out DIR is required")
+            raise UserError("--out DIR is required")
         if self.beta <= 0:
-            raise ValueError(f"--beta must be positive, got {self.beta}")
-        if self.batch_size < 1:
-            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+            raise UserError(f"--beta must be positive, got {self.beta}")
+        if self.batch_size < 1 or self.pairs_per_forward < 1:
+            raise UserError(f"--batch-size and --pairs-per-forward must be >= 1, got {self.batch_size} and "
+                            f"{self.pairs_per_forward}")
 
 
 RESUMABLE = ("steps", "eval_every", "save_every", "progress", "wandb", "tensorboard", "resume", "overwrite")
@@ -318,8 +329,8 @@ def tokenize_pairs(tokenizer, pairs: list[PreferencePair], max_tokens: int) -> t
 class ReferenceCache:
     """The reference's summed log-probs of every pair, (n, 2) float32 (NaN until computed).
 
-    ``pairs_per_forward`` should match how the policy's log-probs are computed (one pair per forward
-    in training, ``eval_batch_pairs`` in validation): with equal shapes the policy and the reference
+    ``pairs_per_forward`` should match how the policy's log-probs are computed (``--pairs-per-forward``
+    in training, ``--eval-batch-pairs`` in validation): with equal shapes the policy and the reference
     give bit-identical log-probs while their weights are equal, so every margin starts at exactly 0."""
 
     def __init__(self, ref_model, pad_id: int, n: int):
@@ -369,28 +380,32 @@ def evaluate_pairs(model, ref_cache: ReferenceCache, token_pairs: list, beta: fl
 
 
 def dpo_step(model, optimizer, token_pairs: list, indices: list[int], ref_cache: ReferenceCache, beta: float,
-             pad_id: int, max_grad_norm: float | None, backbone=None) -> dict[str, float]:
-    """One optimizer step over the pairs ``indices``: one forward and backward per pair (its two
-    sequences together), the loss scaled by 1/len(indices) so that the accumulated gradient is that of
-    the mean loss. Returns the step's training metrics."""
-    ref = ref_cache.get(indices, token_pairs)
+             pad_id: int, max_grad_norm: float | None, backbone=None, pairs_per_forward: int = 1) -> dict[str, float]:
+    """One optimizer step over the pairs ``indices``: a forward and backward per ``pairs_per_forward``
+    pairs (each pair's two sequences together; the course runs one pair per forward), the loss scaled
+    by 1/len(indices) so that the accumulated gradient is that of the mean loss. Returns the step's
+    training metrics."""
+    ref = ref_cache.get(indices, token_pairs, pairs_per_forward)
     policy_rows, outs = [], []
-    for j, i in enumerate(indices):
-        policy = sequence_log_probs(model, list(token_pairs[i]), pad_id, backbone=backbone)
-        out = dpo_loss(policy[0], policy[1], ref[j, 0], ref[j, 1], beta)
-        (out["loss"] / len(indices)).backward()
+    for start in range(0, len(indices), pairs_per_forward):
+        chunk = indices[start:start + pairs_per_forward]
+        policy = sequence_log_probs(model, [s for i in chunk for s in token_pairs[i]], pad_id,
+                                    backbone=backbone).view(-1, 2)
+        out = dpo_loss(policy[:, 0], policy[:, 1], ref[start:start + len(chunk), 0], ref[start:start + len(chunk), 1],
+                       beta)
+        (out["loss"].sum() / len(indices)).backward()
         policy_rows.append(policy.detach().float().cpu())
         outs.append({k: v.detach().float().cpu() for k, v in out.items()})
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm or float("inf")))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    stacked = {k: torch.stack([o[k] for o in outs]) for k in outs[0]}
-    return {**_metrics_of(stacked, torch.stack(policy_rows), "train"), "train/grad_norm": grad_norm}
+    stacked = {k: torch.cat([o[k] for o in outs]) for k in outs[0]}
+    return {**_metrics_of(stacked, torch.cat(policy_rows), "train"), "train/grad_norm": grad_norm}
 
 
 def _save_best(out: Path, model, tokenizer, step: int, metrics: dict) -> None:
     """Replace ``OUT/best`` with the current model, atomically (a crash leaves the previous best)."""
-    from rlvr.checkpoint import atomic_write_text
+    from rlvr.rundir import atomic_write_json
 
     tmp = out / ".best-tmp"
     if tmp.exists():
@@ -406,14 +421,13 @@ def _save_best(out: Path, model, tokenizer, step: int, metrics: dict) -> None:
     tmp.rename(best)
     if old.exists():
         shutil.rmtree(old)
-    atomic_write_text(out / "best.json", json.dumps({"step": step, **metrics}, indent=2) + "\n")
+    atomic_write_json(out / "best.json", {"step": step, **metrics})
 
 
 def _better(metrics: dict, best: dict | None) -> bool:
-    if best is None:
-        return True
-    key = lambda m: (m["val/preference_accuracy"], -m["val/loss"])  # noqa: E731
-    return key(metrics) > key(best)
+    """A strictly higher validation preference accuracy: of equally good checkpoints the first, the
+    one closest to the reference, is kept."""
+    return best is None or metrics["val/preference_accuracy"] > best["val/preference_accuracy"]
 
 
 def _make_optimizer(cfg: DPOConfig, model, device: torch.device):
@@ -426,28 +440,31 @@ def _make_optimizer(cfg: DPOConfig, model, device: torch.device):
 
 
 def run_dpo(cfg: DPOConfig) -> Path:
-    """Train per ``cfg`` (or resume ``cfg.resume``); returns the run directory."""
-    from tqdm.auto import tqdm
+    """Train per ``cfg`` (or resume ``cfg.resume``); returns the run directory.
 
-    from rlvr.checkpoint import latest_checkpoint, load_trainer_state, save_checkpoint
-    from rlvr.grpo import compile_backbone
-    from rlvr.grpo.tokenize import pad_token_id
-    from rlvr.instruct_sft import prepare_run_dir, resolve_device, resolve_dtype
-    from rlvr.logging_utils import MetricsLogger, truncate_metrics
-    from rlvr.modeling import load_model_and_tokenizer
-    from rlvr.trainer import batch_indices
+    The run directory is locked for the run (one writer); a new run refuses a directory holding an
+    earlier one unless ``overwrite``; a resumed run continues from its newest intact checkpoint."""
+    from rlvr.checkpoint import resumable_checkpoint
+    from rlvr.rundir import RunDirLock, prepare_output_dir
 
     ckpt = None
     if cfg.resume is not None:
         run_dir = Path(cfg.resume)
         if not (run_dir / "config.json").is_file():
-            raise FileNotFoundError(f"{run_dir}/config.json not found: is {run_dir} a DPO run directory?")
+            raise UserError(f"{run_dir}/config.json not found: is {run_dir} a DPO run directory?")
         saved = _from_dict(json.loads((run_dir / "config.json").read_text()))
         cfg = replace(saved, **{k: getattr(cfg, k) for k in RESUMABLE if k not in ("resume", "overwrite")
                                 if getattr(cfg, k) != getattr(DPOConfig(), k)}, out=run_dir, resume=run_dir)
-        ckpt = latest_checkpoint(run_dir)
+        ckpt = resumable_checkpoint(run_dir)
     cfg.validate()
     out = Path(cfg.out)
+    if ckpt is None:  # a new run (or a resumed one that never reached its first checkpoint)
+        prepare_output_dir(out, OUTPUT_FILES, overwrite=cfg.overwrite or cfg.resume is not None)
+        for name in ("metrics.jsonl", "best.json", "summary.json"):
+            (out / name).unlink(missing_ok=True)
+        for name in ("best", "checkpoints"):
+            if (out / name).is_dir():
+                shutil.rmtree(out / name)
 
     # Data before models: a bad path fails in seconds.
     pairs, counts = load_preference_pairs(cfg.data, cfg.format, cfg.split, cfg.max_pairs)
@@ -456,14 +473,27 @@ def run_dpo(cfg: DPOConfig) -> Path:
         train_pairs = pairs
     else:
         if cfg.val_size >= len(pairs):
-            raise ValueError(f"--val-size {cfg.val_size} leaves no training pairs out of {len(pairs)}; lower it")
+            raise UserError(f"--val-size {cfg.val_size} leaves no training pairs out of {len(pairs)}; lower it")
         order = list(range(len(pairs)))
         random.Random(cfg.seed).shuffle(order)
         held = set(order[:cfg.val_size])
         val_pairs = [pairs[i] for i in sorted(held)]
         train_pairs = [p for i, p in enumerate(pairs) if i not in held]
-    if ckpt is None:
-        prepare_run_dir(out, cfg.overwrite or cfg.resume is not None)
+    with RunDirLock(out, command="rlvr dpo"):
+        return _train(cfg, out, ckpt, train_pairs, val_pairs, counts)
+
+
+def _train(cfg: DPOConfig, out: Path, ckpt: Path | None, train_pairs, val_pairs, counts: dict) -> Path:
+    from tqdm.auto import tqdm
+
+    from rlvr.checkpoint import load_trainer_state, save_checkpoint
+    from rlvr.grpo import compile_backbone
+    from rlvr.grpo.tokenize import pad_token_id
+    from rlvr.instruct_sft import resolve_device, resolve_dtype
+    from rlvr.logging_utils import MetricsLogger, truncate_metrics
+    from rlvr.modeling import load_model_and_tokenizer
+    from rlvr.rundir import atomic_write_json
+    from rlvr.trainer import batch_indices
 
     device = resolve_device(cfg.device)
     ref_device = torch.device(cfg.ref_device) if cfg.ref_device else device
@@ -476,9 +506,10 @@ def run_dpo(cfg: DPOConfig) -> Path:
     train_tokens, train_pairs, dropped_train = tokenize_pairs(tokenizer, train_pairs, cfg.max_tokens)
     val_tokens, val_pairs, dropped_val = tokenize_pairs(tokenizer, val_pairs, cfg.max_tokens)
     if not train_tokens:
-        raise ValueError(f"no training pair fits in --max-tokens {cfg.max_tokens}; raise it")
+        raise UserError(f"no training pair fits in --max-tokens {cfg.max_tokens}; raise it")
     data_counts = {**counts, "train_pairs": len(train_tokens), "val_pairs": len(val_tokens),
-                 "dropped_too_long": dropped_train + dropped_val}
+                   "dropped_too_long": dropped_train + dropped_val,
+                   "train_pairs_by_source": dict(Counter(p.source for p in train_pairs))}
 
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -499,7 +530,7 @@ def run_dpo(cfg: DPOConfig) -> Path:
         train_ref.values, val_ref.values = state["train_ref"], state["val_ref"]
         loop.update(best=state["best"], best_step=state["best_step"])
         truncate_metrics(out / "metrics.jsonl", start)
-    (out / "config.json").write_text(json.dumps(_as_dict(replace(cfg, resume=None, overwrite=False)), indent=2) + "\n")
+    atomic_write_json(out / "config.json", _as_dict(replace(cfg, resume=None, overwrite=False)))
 
     def checkpoint(step: int):
         save_checkpoint(out, step, model, tokenizer, optimizer, scheduler,
@@ -524,7 +555,7 @@ def run_dpo(cfg: DPOConfig) -> Path:
                 lr_used = scheduler.get_last_lr()[0]
                 indices = batch_indices(len(train_tokens), batch, step - 1, cfg.seed)
                 row = {"step": step, **dpo_step(model, optimizer, train_tokens, indices, train_ref, cfg.beta, pad,
-                                                 cfg.max_grad_norm, backbone)}
+                                                 cfg.max_grad_norm, backbone, cfg.pairs_per_forward)}
                 scheduler.step()
                 row.update({"lr": lr_used, "time/step": time.perf_counter() - t0,
                             "data/epoch": (step * batch) // len(train_tokens)})
@@ -543,7 +574,7 @@ def run_dpo(cfg: DPOConfig) -> Path:
     finally:
         logger.close()
     summary = {"status": "finished", "step": step, "best_step": loop["best_step"], "best": loop["best"], **data_counts}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    atomic_write_json(out / "summary.json", summary)
     return out
 
 
@@ -551,10 +582,6 @@ def main(argv: list[str] | None = None) -> int:
     import tyro
 
     cfg = tyro.cli(DPOConfig, args=argv, prog="rlvr dpo", description=__doc__.split("\n\n")[0])
-    try:
-        out = run_dpo(cfg)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"rlvr dpo: {e}", file=sys.stderr)
-        return 2
+    out = run_dpo(cfg)
     print(f"rlvr dpo: finished; the best model (by validation preference accuracy) is in {out / 'best'}")
     return 0

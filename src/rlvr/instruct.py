@@ -72,11 +72,12 @@ def encode_documents(tokenizer, texts: list[str]) -> list[list[int]]:
     if not texts:
         return []
     documents = []
-    for ids in tokenizer(list(texts))["input_ids"]:
-        ids = list(ids)
-        if not ids or ids[-1] != eos:
-            ids.append(eos)
-        documents.append(ids)
+    for start in range(0, len(texts), 4096):  # in slices: a corpus of 200k documents at once holds too much
+        for ids in tokenizer(list(texts[start:start + 4096]))["input_ids"]:
+            ids = list(ids)
+            if not ids or ids[-1] != eos:
+                ids.append(eos)
+            documents.append(ids)
     return documents
 
 
@@ -111,9 +112,11 @@ def _open_text(path: Path):
 
 def read_jsonl(path: str | Path, required: tuple[str, ...] = (), limit: int | None = None) -> list[dict]:
     """Rows of a JSONL or JSONL.gz file; a malformed row is an error naming the file and the line."""
+    from rlvr.data import DataError
+
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file")
+        raise DataError(f"{path}: no such file; pass a JSONL or JSONL.gz file")
     rows: list[dict] = []
     with _open_text(path) as f:
         for lineno, line in enumerate(f, start=1):
@@ -122,10 +125,10 @@ def read_jsonl(path: str | Path, required: tuple[str, ...] = (), limit: int | No
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object") from None
             missing = [k for k in required if not isinstance(row, dict) or not isinstance(row.get(k), str)]
             if missing:
-                raise ValueError(f"{path}:{lineno}: expected string fields {', '.join(required)}; "
+                raise DataError(f"{path}:{lineno}: expected string fields {', '.join(required)}; "
                                  f"{', '.join(missing)} missing or not a string")
             rows.append(row)
             if limit is not None and len(rows) >= limit:
@@ -149,7 +152,9 @@ def load_prompt_response(source: str | Path, split: str = "train", limit: int | 
         ds = datasets.load_dataset(source, split=split)
         missing = {prompt_field, response_field} - set(ds.column_names)
         if missing:
-            raise ValueError(f"the hub dataset {source!r} has no column(s) {sorted(missing)}; its columns are "
+            from rlvr.data import DataError
+
+            raise DataError(f"the hub dataset {source!r} has no column(s) {sorted(missing)}; its columns are "
                              f"{ds.column_names}: name the right ones with --prompt-field / --response-field")
         rows = ds.select(range(min(limit, len(ds)))) if limit is not None else ds
     return [{"prompt": r[prompt_field], "response": r[response_field]} for r in rows]
@@ -166,7 +171,8 @@ class PackedSFTDataset(torch.utils.data.Dataset):
     def __init__(self, stream: torch.Tensor, seq_length: int):
         if seq_length < 1:
             raise ValueError(f"seq_length must be >= 1, got {seq_length}")
-        self.stream = stream.to(torch.long)
+        # int32 storage halves the memory of a large corpus; items come out as int64
+        self.stream = stream.to(torch.int32 if stream.numel() == 0 or int(stream.max()) < 2**31 else torch.long)
         self.seq_length = seq_length
 
     def __len__(self) -> int:
@@ -179,12 +185,18 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         if not 0 <= i < n:
             raise IndexError(f"index {i} is out of range for {n} packed sequences")
         m = self.seq_length
-        return {"input_ids": self.stream[i * m:(i + 1) * m], "labels": self.stream[i * m + 1:(i + 1) * m + 1]}
+        return {"input_ids": self.stream[i * m:(i + 1) * m].long(),
+                "labels": self.stream[i * m + 1:(i + 1) * m + 1].long()}
 
 
 def pack_documents(documents: list[list[int]], seq_length: int) -> PackedSFTDataset:
     """Concatenate token-id documents (already ordered) into one stream and window it."""
-    stream = torch.tensor([t for doc in documents for t in doc], dtype=torch.long)
+    import itertools
+
+    import numpy as np
+
+    total = sum(len(doc) for doc in documents)
+    stream = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(documents), dtype=np.int64, count=total))
     return PackedSFTDataset(stream, seq_length)
 
 

@@ -25,8 +25,6 @@ from __future__ import annotations
 import json
 import math
 import random
-import shutil
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -34,7 +32,10 @@ from typing import Literal
 
 import torch
 
+from rlvr.errors import UserError
 from rlvr.instruct import alpaca_format, encode_pairs, load_prompt_response, pack_documents
+
+OUTPUT_FILES = ("model.safetensors", "metrics.jsonl", "sft_config.json")
 
 
 @dataclass
@@ -111,14 +112,15 @@ class InstructSFTConfig:
     """Replace a run already in --out."""
 
     def validate(self) -> None:
+        """Reject impossible settings (``UserError``) before any work."""
         if self.seq_length < 2:
-            raise ValueError(f"--seq-length must be at least 2, got {self.seq_length}")
+            raise UserError(f"--seq-length must be at least 2, got {self.seq_length}")
         if self.batch_size < 1:
-            raise ValueError(f"--batch-size must be >= 1, got {self.batch_size}")
+            raise UserError(f"--batch-size must be >= 1, got {self.batch_size}")
         if not 0 <= self.warmup_ratio < 1:
-            raise ValueError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
+            raise UserError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
         if self.steps is not None and self.steps < 1:
-            raise ValueError(f"--steps must be >= 1, got {self.steps}")
+            raise UserError(f"--steps must be >= 1, got {self.steps}")
         check_model_name(self.model)
 
 
@@ -127,7 +129,7 @@ def check_model_name(name: str) -> None:
     from rlvr.modeling import MODEL_SIZES
 
     if name not in MODEL_SIZES and not Path(name).exists() and name.count("/") != 1:
-        raise ValueError(f"--model {name!r} is neither a named size ({', '.join(MODEL_SIZES)}), "
+        raise UserError(f"--model {name!r} is neither a named size ({', '.join(MODEL_SIZES)}), "
                          "a local directory, nor a hub id (owner/name)")
 
 
@@ -143,14 +145,15 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return getattr(torch, dtype)
 
 
-def prepare_run_dir(out: Path, overwrite: bool, marker: str = "metrics.jsonl") -> None:
-    """Create ``out``; refuse to mix two runs in it unless ``overwrite``."""
-    out = Path(out)
-    if (out / marker).exists():
-        if not overwrite:
-            raise FileExistsError(f"{out} already holds a run ({marker}); choose a new --out or pass --overwrite")
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+def prepare_run_dir(out: Path, produces: tuple[str, ...], overwrite: bool) -> Path:
+    """Check and create ``out`` before any work (``rlvr.rundir.prepare_output_dir``); with
+    ``overwrite``, drop the earlier run's metrics so that the new run does not append to them."""
+    from rlvr.rundir import prepare_output_dir
+
+    out = prepare_output_dir(out, produces, overwrite=overwrite)
+    if overwrite:
+        (out / "metrics.jsonl").unlink(missing_ok=True)
+    return out
 
 
 def load_or_build_model(name: str, device: torch.device, dtype: torch.dtype, tokenizer_texts, vocab_size: int,
@@ -233,6 +236,7 @@ def run_instruct_sft(cfg: InstructSFTConfig) -> Path:
     from rlvr.trainer import batch_indices, lr_factor
 
     cfg.validate()
+    prepare_run_dir(cfg.out, OUTPUT_FILES, cfg.overwrite)
     # Data first: a bad path fails in seconds, not after a model load.
     pairs = load_prompt_response(cfg.data, cfg.split, cfg.max_examples, cfg.prompt_field, cfg.response_field)
     if cfg.val_data:
@@ -240,11 +244,10 @@ def run_instruct_sft(cfg: InstructSFTConfig) -> Path:
         val_pairs = load_prompt_response(cfg.val_data, cfg.val_split, None, cfg.prompt_field, cfg.response_field)
     else:
         if cfg.val_size >= len(pairs):
-            raise ValueError(f"--val-size {cfg.val_size} leaves no training documents out of {len(pairs)}; lower it")
+            raise UserError(f"--val-size {cfg.val_size} leaves no training documents out of {len(pairs)}; lower it")
         train_pairs, val_pairs = split_documents(pairs, cfg.val_size, cfg.seed)
     if not train_pairs:
-        raise ValueError(f"no training documents in {cfg.data!r}")
-    prepare_run_dir(cfg.out, cfg.overwrite)
+        raise UserError(f"no training documents in {cfg.data!r}")
 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
@@ -257,7 +260,7 @@ def run_instruct_sft(cfg: InstructSFTConfig) -> Path:
     train_ds = pack_documents(documents, cfg.seq_length)
     val_ds = pack_documents(encode_pairs(tokenizer, val_pairs), cfg.seq_length)
     if len(train_ds) == 0:
-        raise ValueError(f"the training data holds fewer than {cfg.seq_length + 1} tokens: nothing to pack into "
+        raise UserError(f"the training data holds fewer than {cfg.seq_length + 1} tokens: nothing to pack into "
                          "one window; lower --seq-length or add data")
 
     if cfg.gradient_checkpointing:
@@ -311,10 +314,6 @@ def main(argv: list[str] | None = None) -> int:
     import tyro
 
     cfg = tyro.cli(InstructSFTConfig, args=argv, prog="rlvr sft instruct", description=__doc__.split("\n\n")[0])
-    try:
-        out = run_instruct_sft(cfg)
-    except (ValueError, FileNotFoundError, FileExistsError) as e:
-        print(f"rlvr sft instruct: {e}", file=sys.stderr)
-        return 2
+    out = run_instruct_sft(cfg)
     print(f"rlvr sft instruct: saved the model and tokenizer to {out}")
     return 0

@@ -8,8 +8,8 @@ For each seed:
    (``"... The answer is 7."``): a wrong solution of the kind that slips into real SFT data, where an
    answer repeats a number from the question.
 2. **SFT from a fresh model** (``rlvr sft instruct``'s loop: packed Alpaca-formatted documents, loss
-   on every token) of a small OLMo-2 with a locally trained tokenizer. It learns the arithmetic and,
-   imitating its data, often ends with the restated amount.
+   on every token) of a tiny OLMo-2 with a locally trained tokenizer. It learns much of the
+   arithmetic and, imitating its data, often ends with the restated amount.
 3. **Preference pairs built from the task**: for other training problems, the correct solution
    (chosen) against the same solution ending in the restated amount (rejected).
 4. **DPO** (``rlvr dpo``'s loop) from the SFT model, with 200 held-out pairs for validation; the best
@@ -18,11 +18,14 @@ For each seed:
    held-out validation problems in fine-tuned mode (Alpaca template, stop at EOS), graded by the last
    number (``parse_gsm8k_response``), through ``rlvr.suites.run.run_suite``.
 
-What the proof shows, plainly: SFT teaches the task from nothing; DPO then removes a decision the
-SFT model half-makes (which number to give as the answer) and so raises task accuracy, while the
-arithmetic itself changes little. It is the preference-learning counterpart of ``rlvr demo``, where
-GRPO fixes a format the warm start half-knows. ``tests/test_learning_assistant.py`` runs this with
-its defaults and checks the bars of ``docs/learning.md``.
+What the proof shows, plainly: SFT teaches the task from nothing, flaw included; DPO then removes a
+decision the SFT model half-makes (which number to give as the answer), and that alone raises task
+accuracy. DPO teaches no arithmetic here: on this 0.2 M-parameter model its updates even make the
+last computed result right less often than after SFT (``result_correct_*`` in ``proof.json``), a
+side effect that the rise in accuracy outweighs. It is the preference-learning counterpart of
+``rlvr demo``, where GRPO fixes a format that the warm start half-knows.
+``tests/test_learning_assistant.py`` runs this with its defaults and checks the bars of
+``docs/learning.md``.
 
     python -m rlvr.experiments.sft_dpo_proof --out runs/sft_dpo_proof
 """
@@ -31,6 +34,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -42,7 +46,7 @@ class ProofConfig:
 
     out: Path = Path("runs/sft_dpo_proof")
     """Run directory: seed_<k>/ (sft/, dpo/, data), proof.json, proof.png."""
-    task: str = "arith:steps=1,max_value=10"
+    task: str = "arith:steps=1,max_value=6"
     """The synthetic task (train split for SFT and pairs, validation split for accuracy)."""
     flaw: float = 0.6
     """Share of SFT responses that restate the starting amount as the answer."""
@@ -72,6 +76,8 @@ class ProofConfig:
     """DPO beta."""
     dpo_batch: int = 16
     """Pairs per DPO optimizer step."""
+    dpo_pairs_per_forward: int = 16
+    """Pairs per forward in DPO (short sequences: one forward for the whole step)."""
     dpo_epochs: float = 1.0
     """Passes over the training pairs."""
     dpo_eval_every: int = 5
@@ -105,7 +111,8 @@ def _write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def task_accuracy(model, tokenizer, problems, max_new_tokens: int) -> dict:
-    """Greedy accuracy on ``problems`` in fine-tuned mode, and how often the answer restates the start."""
+    """Greedy accuracy on ``problems`` in fine-tuned mode; how often the answer restates the start; how
+    often the last computed result (before "The answer is") is right, whatever the answer says."""
     from rlvr.engines.hf import HFEngine
     from rlvr.suites.run import SUITES, Suite, run_suite
 
@@ -113,8 +120,11 @@ def task_accuracy(model, tokenizer, problems, max_new_tokens: int) -> dict:
     rows = [{"question": ex.question, "answer": ex.ground_truth, "start": str(ex.meta["start"])} for ex in problems]
     metrics, samples = run_suite(suite, rows, HFEngine(model, tokenizer, max_batch_size=256), "finetuned",
                                  max_new_tokens)
+    results = [re.search(r"= (-?\d+)\. The answer is", s["output"]) for s in samples]
     return {"accuracy": metrics["accuracy"],
             "restated_start": sum(s["parsed"] == s["start"] for s in samples) / len(samples),
+            "result_correct": sum(m is not None and m.group(1) == s["answer"] for m, s in zip(results, samples))
+            / len(samples),
             "example": samples[0]["output"]}
 
 
@@ -154,7 +164,8 @@ def run_seed(cfg: ProofConfig, seed: int) -> dict:
     dpo_dir = run_dpo(DPOConfig(
         model=str(sft_dir), data=(str(_write_jsonl(out / "pairs.jsonl", pairs)),), out=out / "dpo",
         val_size=cfg.dpo_val_pairs, beta=cfg.dpo_beta, lr=cfg.dpo_lr, batch_size=cfg.dpo_batch, epochs=cfg.dpo_epochs,
-        eval_every=cfg.dpo_eval_every, save_every=0, seed=seed, device="cpu", progress=cfg.progress, overwrite=True))
+        eval_every=cfg.dpo_eval_every, save_every=0, seed=seed, device="cpu", progress=cfg.progress, overwrite=True,
+        pairs_per_forward=cfg.dpo_pairs_per_forward, eval_batch_pairs=50))
     t_dpo = time.perf_counter() - t0
     dpo_model, _ = load_model_and_tokenizer(dpo_dir / "best")
     acc_dpo = task_accuracy(dpo_model, tokenizer, val, cfg.max_new_tokens)
@@ -164,6 +175,7 @@ def run_seed(cfg: ProofConfig, seed: int) -> dict:
     return {
         "seed": seed, "accuracy_fresh": acc_fresh["accuracy"], "accuracy_sft": acc_sft["accuracy"],
         "accuracy_dpo": acc_dpo["accuracy"], "restated_sft": acc_sft["restated_start"],
+        "result_correct_sft": acc_sft["result_correct"], "result_correct_dpo": acc_dpo["result_correct"],
         "restated_dpo": acc_dpo["restated_start"], "val_preference_accuracy": best["val/preference_accuracy"],
         "best_step": best["step"], "preference_curve": curve, "train_pairs": len(pairs) - cfg.dpo_val_pairs,
         "example_sft": acc_sft["example"], "example_dpo": acc_dpo["example"], "seconds_sft": t_sft,
@@ -173,9 +185,6 @@ def run_seed(cfg: ProofConfig, seed: int) -> dict:
 
 def run_proof(cfg: ProofConfig) -> dict:
     """Run every seed; write ``OUT/proof.json`` and ``OUT/proof.png``; returns the summary."""
-    import torch
-
-    torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
     Path(cfg.out).mkdir(parents=True, exist_ok=True)
     seeds = []
     for seed in cfg.seeds:
@@ -187,7 +196,8 @@ def run_proof(cfg: ProofConfig) -> dict:
     mean = lambda key: sum(s[key] for s in seeds) / len(seeds)  # noqa: E731
     summary = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}, "seeds": seeds,
                "mean": {k: mean(k) for k in ("accuracy_fresh", "accuracy_sft", "accuracy_dpo",
-                                             "val_preference_accuracy", "restated_sft", "restated_dpo")}}
+                                             "val_preference_accuracy", "restated_sft", "restated_dpo",
+                                             "result_correct_sft", "result_correct_dpo")}}
     (Path(cfg.out) / "proof.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot(summary, Path(cfg.out) / "proof.png")
     return summary

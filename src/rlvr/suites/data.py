@@ -19,6 +19,8 @@ import csv
 import json
 from pathlib import Path
 
+from rlvr.data import DataError
+
 MMLU_LETTERS = ("A", "B", "C", "D")
 ALPACA_EVAL_FILE = "alpaca_eval_gpt4_turbo.json"
 SST_FILE = "simple_safety_tests.csv"
@@ -36,7 +38,7 @@ def load_mmlu(source: str | Path, split: str = "test", limit: int | None = None)
     folder = root / split if (root / split).is_dir() else root
     files = sorted(folder.glob(f"*_{split}.csv"))
     if not files:
-        raise FileNotFoundError(f"no MMLU files {folder}/<subject>_{split}.csv; pass the MMLU directory "
+        raise DataError(f"no MMLU files {folder}/<subject>_{split}.csv; pass the MMLU directory "
                                 "(with dev/, val/, test/) or the hub id cais/mmlu")
     rows: list[dict] = []
     for path in files:
@@ -44,7 +46,7 @@ def load_mmlu(source: str | Path, split: str = "test", limit: int | None = None)
         with path.open(encoding="utf-8", newline="") as f:
             for lineno, rec in enumerate(csv.reader(f), start=1):
                 if len(rec) != 6 or rec[5].strip() not in MMLU_LETTERS:
-                    raise ValueError(f"{path}:{lineno}: expected 6 columns (question, A, B, C, D, answer letter A-D)")
+                    raise DataError(f"{path}:{lineno}: expected 6 columns (question, A, B, C, D, answer letter A-D)")
                 rows.append({"subject": subject, "question": rec[0], "options": rec[1:5], "answer": rec[5].strip()})
                 if limit is not None and len(rows) >= limit:
                     return rows
@@ -72,7 +74,7 @@ def _file_in(source: str | Path, filename: str, what: str) -> Path:
     if path.is_dir():
         path = path / filename
     if not path.is_file():
-        raise FileNotFoundError(f"{what}: {path} not found; pass the file ({filename}) or its directory")
+        raise DataError(f"{what}: {path} not found; pass the file ({filename}) or its directory")
     return path
 
 
@@ -80,7 +82,7 @@ def load_alpaca_eval(source: str | Path, limit: int | None = None) -> list[dict]
     path = _file_in(source, ALPACA_EVAL_FILE, "AlpacaEval")
     rows = json.loads(path.read_text(encoding="utf-8"))
     if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("instruction"), str) for r in rows):
-        raise ValueError(f"{path}: expected a JSON array of objects with an 'instruction' (and reference 'output')")
+        raise DataError(f"{path}: expected a JSON array of objects with an 'instruction' (and reference 'output')")
     return rows[:limit] if limit is not None else rows
 
 
@@ -89,5 +91,5 @@ def load_sst(source: str | Path, limit: int | None = None) -> list[dict]:
     with path.open(encoding="utf-8", newline="") as f:
         rows = list(csv.DictReader(f))
     if rows and "prompts_final" not in rows[0]:
-        raise ValueError(f"{path}: expected a CSV with a 'prompts_final' column, got {list(rows[0])}")
+        raise DataError(f"{path}: expected a CSV with a 'prompts_final' column, got {list(rows[0])}")
     return rows[:limit] if limit is not None else rows

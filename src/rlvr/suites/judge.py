@@ -37,6 +37,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from rlvr.errors import UserError
+
 PAIRWISE_PROMPT = """You are comparing two responses to the same instruction. Decide which response follows the instruction better: more helpful, more accurate, clearer. Judge the content, not the order in which the responses appear, and do not favour a response for being longer.
 
 # Instruction
@@ -134,7 +136,7 @@ class EndpointJudge:
         response.raise_for_status()
         models = response.json().get("data") or []
         if not models:
-            raise ValueError(f"{self.base_url}/models lists no model; name the judge model with --judge-model")
+            raise UserError(f"{self.base_url}/models lists no model; name the judge model with --judge-model")
         return models[0]["id"]
 
     def _one(self, prompt: str) -> str:
@@ -156,10 +158,10 @@ class EndpointJudge:
                 problem = f"HTTP {response.status_code}"
                 continue
             if response.status_code >= 400:
-                raise RuntimeError(f"the judge endpoint {self.base_url} refused the request: HTTP "
+                raise UserError(f"the judge endpoint {self.base_url} refused the request: HTTP "
                                    f"{response.status_code} {response.text[:200]}")
             return response.json()["choices"][0]["message"]["content"] or ""
-        raise RuntimeError(f"the judge endpoint {self.base_url} kept failing ({self.retries} attempts, last: {problem})")
+        raise UserError(f"the judge endpoint {self.base_url} kept failing ({self.retries} attempts, last: {problem})")
 
     def complete(self, prompts: list[str]) -> list[str]:
         with ThreadPoolExecutor(max_workers=max(1, self.workers)) as pool:

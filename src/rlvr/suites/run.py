@@ -35,17 +35,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Literal
 
+from rlvr.errors import UserError
 from rlvr.instruct import alpaca_format, protocol_template
 from rlvr.suites.parsing import parse_gsm8k_response, parse_mmlu_response, same_number
 
 SuiteName = Literal["mmlu", "gsm8k", "alpaca_eval", "sst"]
 SYSTEM_PROMPT = "zero_shot_system_prompt.prompt"
+OUTPUT_FILES = ("results.json", "samples.jsonl", "alpaca_eval_outputs.json", "simple_safety_tests_outputs.jsonl")
 BASE_STOP = "# Query:"
 
 
@@ -140,10 +141,12 @@ def run_suite(suite: Suite, examples: list[dict], engine, mode: str, max_tokens:
     samples = []
     for i, (ex, prompt, comp) in enumerate(zip(examples, prompts, completions)):
         output = clean_output(comp.text, mode)
-        sample = {"suite": suite.name, "index": i, **ex, "prompt": prompt, "output": output, "raw_output": comp.text,
-                  "finish_reason": comp.finish_reason, "num_tokens": len(comp.token_ids)}
-        if "output" in ex:  # AlpacaEval rows carry the reference answer as "output"
-            sample["reference"] = ex["output"]
+        # AlpacaEval rows carry the reference answer and its generator as "output" and "generator".
+        fields = {k: v for k, v in ex.items() if k not in ("output", "generator")}
+        if "output" in ex:
+            fields.update(reference=ex["output"], reference_generator=ex.get("generator", ""))
+        sample = {"suite": suite.name, "index": i, **fields, "prompt": prompt, "output": output,
+                  "raw_output": comp.text, "finish_reason": comp.finish_reason, "num_tokens": len(comp.token_ids)}
         if suite.grade is not None:
             sample.update(suite.grade(ex, output))
         samples.append(sample)
@@ -194,8 +197,8 @@ class SuiteConfig:
     """Evaluate only the first N examples of each suite."""
     max_tokens: int = 1024
     """Maximum new tokens per output."""
-    engine: Literal["hf", "hf-fast", "hf-worker", "vllm"] = "hf"
-    """Generation engine (hf-fast: the fastest on a GPU, OLMo-2 models)."""
+    engine: Literal["hf", "hf-fast", "auto", "hf-worker", "vllm"] = "hf"
+    """Generation engine: hf, hf-fast (static KV cache and CUDA graphs: the fast one on a GPU; OLMo-2, Llama, Qwen2 and Qwen3 models), auto (hf-fast when it runs the model, else hf), hf-worker or vllm."""
     device: str = "auto"
     """Device of the model (auto: cuda when available)."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
@@ -220,6 +223,8 @@ class SuiteConfig:
     """Requests in flight to a judge URL."""
     progress: bool = True
     """Show progress bars."""
+    overwrite: bool = False
+    """Replace the results of an earlier evaluation in --out."""
 
 
 def _source(cfg: SuiteConfig, name: str) -> str:
@@ -253,13 +258,13 @@ def _engine(cfg: SuiteConfig, model, tokenizer, device: str):
     from rlvr.engines import make_engine
 
     options: dict = {}
-    if cfg.engine in ("hf", "hf-fast", "hf-worker"):
+    if cfg.engine in ("hf", "hf-fast", "auto", "hf-worker"):
         options["max_batch_size"] = cfg.batch_size
     if cfg.engine == "hf-worker":
         options["device"] = device
     if cfg.engine == "vllm":
         options.update(served_model=cfg.model, check_sync=False, base_url=cfg.vllm_base_url,
-                       start_server=cfg.vllm_base_url is None)
+                       start_server=cfg.vllm_base_url is None, gpu=device.split(":")[1] if ":" in device else "0")
     return make_engine(cfg.engine, model, tokenizer, **options)
 
 
@@ -275,20 +280,27 @@ def run_suites(cfg: SuiteConfig, model=None, tokenizer=None, engine=None, judge=
 
     from rlvr.instruct import special_prefix
 
+    from rlvr.rundir import prepare_output_dir
+
     if not cfg.suite:
-        raise ValueError("--suite needs at least one of mmlu gsm8k alpaca_eval sst")
+        raise UserError("--suite needs at least one of mmlu gsm8k alpaca_eval sst")
+    prepare_output_dir(cfg.out, OUTPUT_FILES, overwrite=cfg.overwrite)
     # Data (and a local judge's path) before any model loads.
     data = {name: load_suite_data(name, _source(cfg, name), cfg.limit) for name in dict.fromkeys(cfg.suite)}
     for name, rows in data.items():
         if not rows:
-            raise ValueError(f"no {name} examples loaded from {_source(cfg, name)}")
+            raise UserError(f"no {name} examples loaded from {_source(cfg, name)}")
     if judge is None and cfg.judge and not cfg.judge.startswith(("http://", "https://")) \
             and not Path(cfg.judge).exists() and cfg.judge.count("/") != 1:
-        raise ValueError(f"--judge {cfg.judge!r} is neither an http(s) URL, a local directory, nor a hub id")
+        raise UserError(f"--judge {cfg.judge!r} is neither an http(s) URL, a local directory, nor a hub id")
 
     device = _resolve_device(cfg.device)
     own_engine, own_model = engine is None, model is None
-    if model is None:
+    if model is None and cfg.engine == "vllm":  # the server loads the weights; only the tokenizer is needed here
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(cfg.model)
+    elif model is None:
         from rlvr.modeling import load_model_and_tokenizer
 
         dtype = None if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
@@ -337,7 +349,6 @@ def run_suites(cfg: SuiteConfig, model=None, tokenizer=None, engine=None, judge=
             judge.close()
 
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
     config = {k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v)
               for k, v in dataclasses.asdict(cfg).items()}
     _write_json(out / "results.json", {"config": config, "results": results})
@@ -379,11 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     import tyro
 
     cfg = tyro.cli(SuiteConfig, args=argv, prog="rlvr eval", description=__doc__.split("\n\n")[0])
-    try:
-        results = run_suites(cfg)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"rlvr eval: {e}", file=sys.stderr)
-        return 2
+    results = run_suites(cfg)
     print(format_table(results))
     print(f"rlvr eval: results in {cfg.out}/results.json, every example in {cfg.out}/samples.jsonl")
     return 0
