@@ -258,6 +258,29 @@ def test_gradient_variance_equals_the_train_steps_gradients(tiny_model, tiny_tok
     assert out["run"]["trace"] == pytest.approx(trace(lambda r: (r - r.mean()) / r.mean()), rel=1e-4)  # MaxRL
 
 
+def test_variance_table_and_the_baseline_prediction(tmp_path):
+    from test_plot import write_run
+    from rlvr.experiments.estimators import predicted_baseline_change, variance_table
+
+    # (1 - p) ((1 - p) + p E-/E+): p = 1/2 with incorrect scores 4x as energetic -> 1.25 (more variance);
+    # equal energies -> (1 - p): the textbook reduction
+    assert predicted_baseline_change(0.5, 1.0, 4.0) == pytest.approx(1.25)
+    assert predicted_baseline_change(0.75, 2.0, 2.0) == pytest.approx(0.25)
+    assert predicted_baseline_change(0.5, 0.0, 1.0) is None
+    rows = [{"step": 2, "train/reward": 0.5, "variance/no_baseline/trace": 1.0, "variance/mean_baseline/trace": 1.5,
+             "variance/leave_one_out/trace": 2.0, "variance/score_energy_correct": 1.0, "variance/score_energy_incorrect": 4.0,
+             "variance/baseline_bias_ratio": 1.0},
+            {"step": 4, "train/reward": 0.75, "variance/no_baseline/trace": 2.0, "variance/mean_baseline/trace": 3.0,
+             "variance/leave_one_out/trace": 0.5, "variance/score_energy_correct": 2.0, "variance/score_energy_incorrect": 2.0,
+             "variance/baseline_bias_ratio": 3.0}]
+    write_run(tmp_path / "r", rows, {"seed": 0})
+    table = variance_table(load_runs(tmp_path / "r"))
+    # no baseline / leave-one-out: 1/2 and 4, geometric mean sqrt(2); the second measurement went up although
+    # the prediction (0.25) says down: 1 of 2 agree
+    assert "| r | 2 | 1.5 | 2.25 | 1.25 | – | 1.41 (0.5 – 4) | – | 2 | 2 (1 – 4) | 1/2 |" in table
+    assert "| r | 4 | 0.75 | 2 | 3 | 1.5 | 0.25 | 1 | – | – | 3 |" in table
+
+
 # --- importance ratios by hand ------------------------------------------------------------------------
 
 def test_importance_statistics_by_hand():
