@@ -218,6 +218,69 @@ def test_gradient_variance_by_hand():
         gradient_variance(model, input_ids[:2], labels[:2], mask[:2], rewards[:2], 2, "constant", 1.0)
 
 
+@pytest.mark.parametrize("loss_norm", ["sequence", "constant"])
+def test_gradient_variance_equals_the_train_steps_gradients(tiny_model, tiny_tokenizer, loss_norm):
+    """On a real transformer with responses of different lengths: each group's estimate is the gradient of
+    the train step's own loss (compute_policy_gradient_loss + aggregate_loss_across_microbatch over the
+    whole batch) with every other group's advantages set to zero."""
+    from rlvr import aggregate_loss_across_microbatch, compute_policy_gradient_loss, get_response_log_probs, \
+        tokenize_prompt_and_output
+
+    prompts = ["Tom has 3 cards.", "Mia eats 2 of 7 apples.", "What is 4 + 4?"]
+    responses = [" 7", " seven cards and more", " 5 apples", " five", " 8", " it is 8 or so"]
+    rewards = torch.tensor([1.0, 0.0, 1.0, 0.0, 1.0, 1.0])
+    batch = tokenize_prompt_and_output([p for p in prompts for _ in range(2)], responses, tiny_tokenizer)
+    G, J, C = 2, 3, 40.0
+    params = [p for p in tiny_model.parameters()]
+
+    def group_estimate(advantages):
+        lp = get_response_log_probs(tiny_model, batch["input_ids"], batch["labels"])["log_probs"]
+        per_token, _ = compute_policy_gradient_loss(advantages, lp, "none")
+        loss = aggregate_loss_across_microbatch(per_token, batch["response_mask"], loss_norm, C)
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        return -J * torch.cat([(g if g is not None else torch.zeros_like(p)).flatten() for g, p in zip(grads, params)])
+
+    def trace(advantage_fn):
+        per_group = []
+        for j in range(J):
+            adv = torch.zeros(G * J)
+            r = rewards[j * G:(j + 1) * G]
+            adv[j * G:(j + 1) * G] = advantage_fn(r)
+            per_group.append(group_estimate(adv).double())
+        stacked = torch.stack(per_group)
+        return float(((stacked - stacked.mean(0)) ** 2).sum() / (J - 1))
+
+    out = gradient_variance(tiny_model, batch["input_ids"], batch["labels"], batch["response_mask"], rewards, G,
+                            loss_norm, C, baseline="mean", advantage_normalizer="mean", advantage_eps=0.0)
+    assert out["no_baseline"]["trace"] == pytest.approx(trace(lambda r: r), rel=1e-4)
+    assert out["mean_baseline"]["trace"] == pytest.approx(trace(lambda r: r - r.mean()), rel=1e-4)
+    assert out["leave_one_out"]["trace"] == pytest.approx(trace(lambda r: (r - r.mean()) * G / (G - 1)), rel=1e-4)
+    assert out["run"]["trace"] == pytest.approx(trace(lambda r: (r - r.mean()) / r.mean()), rel=1e-4)  # MaxRL
+
+
+def test_variance_table_and_the_baseline_prediction(tmp_path):
+    from test_plot import write_run
+    from rlvr.experiments.estimators import predicted_baseline_change, variance_table
+
+    # (1 - p) ((1 - p) + p E-/E+): p = 1/2 with incorrect scores 4x as energetic -> 1.25 (more variance);
+    # equal energies -> (1 - p): the textbook reduction
+    assert predicted_baseline_change(0.5, 1.0, 4.0) == pytest.approx(1.25)
+    assert predicted_baseline_change(0.75, 2.0, 2.0) == pytest.approx(0.25)
+    assert predicted_baseline_change(0.5, 0.0, 1.0) is None
+    rows = [{"step": 2, "train/reward": 0.5, "variance/no_baseline/trace": 1.0, "variance/mean_baseline/trace": 1.5,
+             "variance/leave_one_out/trace": 2.0, "variance/score_energy_correct": 1.0, "variance/score_energy_incorrect": 4.0,
+             "variance/baseline_bias_ratio": 1.0},
+            {"step": 4, "train/reward": 0.75, "variance/no_baseline/trace": 2.0, "variance/mean_baseline/trace": 3.0,
+             "variance/leave_one_out/trace": 0.5, "variance/score_energy_correct": 2.0, "variance/score_energy_incorrect": 2.0,
+             "variance/baseline_bias_ratio": 3.0}]
+    write_run(tmp_path / "r", rows, {"seed": 0})
+    table = variance_table(load_runs(tmp_path / "r"))
+    # no baseline / leave-one-out: 1/2 and 4, geometric mean sqrt(2); the second measurement went up although
+    # the prediction (0.25) says down: 1 of 2 agree
+    assert "| r | 2 | 1.5 | 2.25 | 1.25 | – | 1.41 (0.5 – 4) | – | 2 | 2 (1 – 4) | 1/2 |" in table
+    assert "| r | 4 | 0.75 | 2 | 3 | 1.5 | 0.25 | 1 | – | – | 3 |" in table
+
+
 # --- importance ratios by hand ------------------------------------------------------------------------
 
 def test_importance_statistics_by_hand():

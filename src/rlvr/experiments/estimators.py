@@ -244,36 +244,79 @@ def has_variance(runs: Sequence[Run]) -> bool:
     return any(len(r.series("variance/no_baseline/trace")[0]) for r in runs)
 
 
-def variance_table(runs: Sequence[Run]) -> str:
+def variance_measurements(run: Run) -> list[dict]:
+    """One dict per logged variance measurement of ``run``: its step, the batch's mean reward ``p`` and
+    the ``variance/...`` values without the prefix."""
+    out = []
+    for row in run.metrics:
+        if isinstance(row.get("variance/no_baseline/trace"), (int, float)):
+            m = {k[len("variance/"):]: v for k, v in row.items() if k.startswith("variance/")}
+            m.update(step=row.get("step"), p=row.get("train/reward"))
+            out.append(m)
+    return out
+
+
+def predicted_baseline_change(p: float, energy_correct: float, energy_incorrect: float) -> float | None:
+    """``(1 - p) ((1 - p) + p E- / E+)``: the mean baseline's second moment over no baseline's when a
+    group's correct and incorrect score sums are orthogonal (docs/theory.md, section 2)."""
+    if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in (p, energy_correct, energy_incorrect)) \
+            or energy_correct <= 0:
+        return None
+    return (1 - p) * ((1 - p) + p * energy_incorrect / energy_correct)
+
+
+def _g(x) -> str:
+    return f"{x:.3g}" if isinstance(x, (int, float)) and math.isfinite(x) else "–"
+
+
+def variance_table(runs: Sequence[Run], per_measurement_up_to: int = 12) -> str:
     """Markdown: per setting, the per-group gradient variance of each estimator averaged over every
-    measurement (steps and seeds), the ratio without / with the leave-one-out baseline, and the bias check."""
+    measurement (steps and seeds), the ratios without / with the leave-one-out baseline, the bias check,
+    and whether the sign of the mean baseline's effect follows ``predicted_baseline_change``. Settings
+    with at most ``per_measurement_up_to`` measurements also get one row per measurement."""
     lines = ["| setting | measurements | no baseline | mean baseline | leave-one-out | run's estimator | "
              "no baseline / leave-one-out | projected: no baseline / leave-one-out | baseline bias ratio | "
-             "score energy incorrect / correct |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "score energy incorrect / correct | mean baseline up or down as predicted |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    detail = ["| setting | step | mean reward p | no baseline | mean baseline | mean / no baseline | predicted "
+              "(1-p)((1-p)+p E-/E+) | E- / E+ | projected: no baseline | projected: leave-one-out | bias ratio |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for setting, group in group_runs(runs).items():
-        vals = {}
-        for est in ESTIMATORS:
-            for kind in ("trace", "projected"):
-                vals[(est, kind)] = np.concatenate([r.series(f"variance/{est}/{kind}")[1] for r in group])
-        n = len(vals[("no_baseline", "trace")])
-        if not n:
+        ms = [m for run in group for m in variance_measurements(run)]
+        if not ms:
             continue
-        bias = np.concatenate([r.series("variance/baseline_bias_ratio")[1] for r in group])
-        fmt = lambda x: f"{x.mean():.3g}" if len(x) else "–"  # noqa: E731
-        ratio = _ratio(vals[("no_baseline", "trace")], vals[("leave_one_out", "trace")])
-        pratio = _ratio(vals[("no_baseline", "projected")], vals[("leave_one_out", "projected")])
-        energy = {c: np.concatenate([r.series(f"variance/score_energy_{c}")[1] for r in group]) for c in ("correct", "incorrect")}
-        eratio = _ratio(energy["incorrect"], energy["correct"]) if len(energy["incorrect"]) == len(energy["correct"]) else "–"
-        lines.append(f"| {setting} | {n} | {fmt(vals[('no_baseline', 'trace')])} | {fmt(vals[('mean_baseline', 'trace')])} | "
-                     f"{fmt(vals[('leave_one_out', 'trace')])} | {fmt(vals[('run', 'trace')])} | {ratio} | {pratio} | "
-                     f"{fmt(bias)} | {eratio} |")
-    return "\n".join(lines)
+        col = lambda key: np.array([m.get(key) if isinstance(m.get(key), (int, float)) else np.nan for m in ms], dtype=float)  # noqa: E731
+        mean = lambda x: _g(float(np.nanmean(x))) if np.isfinite(x).any() else "–"  # noqa: E731
+        nb, mb = col("no_baseline/trace"), col("mean_baseline/trace")
+        e_c, e_i = col("score_energy_correct"), col("score_energy_incorrect")
+        agree, judged = 0, 0
+        for m, a, b in zip(ms, nb, mb):
+            pred = predicted_baseline_change(m.get("p"), m.get("score_energy_correct"), m.get("score_energy_incorrect"))
+            if pred is not None and a > 0 and pred != 1:
+                judged += 1
+                agree += (b > a) == (pred > 1)
+        lines.append(f"| {setting} | {len(ms)} | {mean(nb)} | {mean(mb)} | {mean(col('leave_one_out/trace'))} | "
+                     f"{mean(col('run/trace'))} | {_ratio(nb, col('leave_one_out/trace'))} | "
+                     f"{_ratio(col('no_baseline/projected'), col('leave_one_out/projected'))} | "
+                     f"{mean(col('baseline_bias_ratio'))} | {_ratio(e_i, e_c)} | {f'{agree}/{judged}' if judged else '–'} |")
+        if len(ms) <= per_measurement_up_to:
+            for m in ms:
+                pred = predicted_baseline_change(m.get("p"), m.get("score_energy_correct"), m.get("score_energy_incorrect"))
+                a, b = m.get("no_baseline/trace"), m.get("mean_baseline/trace")
+                e = (m["score_energy_incorrect"] / m["score_energy_correct"]
+                     if m.get("score_energy_correct") and m.get("score_energy_incorrect") is not None else None)
+                detail.append(f"| {setting} | {m.get('step')} | {_g(m.get('p'))} | {_g(a)} | {_g(b)} | "
+                              f"{_g(b / a) if a else '–'} | {_g(pred)} | {_g(e)} | {_g(m.get('no_baseline/projected'))} | "
+                              f"{_g(m.get('leave_one_out/projected'))} | {_g(m.get('baseline_bias_ratio'))} |")
+    table = "\n".join(lines)
+    return table + ("\n\n" + "\n".join(detail) if len(detail) > 2 else "")
 
 
 def _ratio(a: np.ndarray, b: np.ndarray) -> str:
     """Geometric mean of the per-measurement ratios a / b, with their range."""
-    ok = (a > 0) & (b > 0)
+    if len(a) != len(b):
+        return "–"
+    ok = np.isfinite(a) & np.isfinite(b) & (a > 0) & (b > 0)
     if not ok.any():
         return "–"
     r = a[ok] / b[ok]
@@ -714,7 +757,11 @@ def report_section(runs: Sequence[Run], rel: dict[str, str], level: str = "##") 
                "the other groups). "
                "The baseline bias ratio is J |mean baseline term|^2 / its variance: about 1 when the baseline adds "
                "zero-mean noise only. Score energy: squared norm per sample of the summed scores of a group's "
-               "correct (incorrect) samples; ratios are geometric means over the measurements, with their range.", ""]
+               "correct (E+) and incorrect (E-) samples; ratios are geometric means over the measurements, with "
+               "their range. The mean baseline shrinks the correct samples' weight to 1-p and gives the incorrect "
+               "ones p: if the two score sums were orthogonal it would change the second moment by "
+               "(1-p)((1-p)+p E-/E+), more than 1 meaning more variance; the last column counts the measurements "
+               "where the measured change has that sign.", ""]
         if "estimators/variance" in rel:
             md += [f"![variance]({rel['estimators/variance']})", ""]
         md += [variance_table(runs), ""]
