@@ -21,7 +21,7 @@ import torch
 
 from rlvr.checkpoint import list_checkpoints
 from rlvr.cli import main as cli
-from rlvr.config import AlgorithmConfig, ConfigError, DataConfig, LogConfig, OptimConfig, RolloutConfig, TrainConfig
+from rlvr.config import ConfigError, DataConfig, LogConfig, OptimConfig, RolloutConfig, TrainConfig
 from rlvr.interrupts import Terminated
 from rlvr.logging_utils import read_metrics
 from rlvr.rundir import RunDirBusy
@@ -209,6 +209,10 @@ def test_sigterm_finishes_the_step_saves_and_resumes_to_the_same_run(gsm8k_path,
     assert summary["status"] == "interrupted" and summary["step"] == 2 and "SIGTERM" in summary["message"]
     assert [p.name for p in list_checkpoints(stopped)] == ["step_000002"]  # step 2 finished, then saved
     assert signal.getsignal(signal.SIGTERM) is handler  # the run's handler is gone with it
+
+    with pytest.raises(ConfigError, match="is at step 2 already, past n_steps=1; a run cannot be shortened"):
+        run(dataclasses.replace(cfg, n_steps=1), stopped, fresh_model(tiny_tokenizer), tiny_tokenizer, resume=True)
+    assert (stopped / "checkpoints" / "latest").read_text().strip() == "step_000002"
 
     model_b = fresh_model(tiny_tokenizer)
     run(cfg, stopped, model_b, tiny_tokenizer, resume=True)

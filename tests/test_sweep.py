@@ -45,6 +45,7 @@ def fake_train(config_path, out_dir, resume, stop_at=None):
             f.write(json.dumps({"step": step, "train/reward": cfg["seed"] + step * cfg["optim"]["lr"],
                                 "val/reward": 0.1 * cfg["seed"]}) + "\\n")
             f.flush()
+            (out / "checkpoints" / f"step_{step:06d}").mkdir(parents=True, exist_ok=True)
             time.sleep(float(os.environ.get("FAKE_TRAINER_SLEEP", 0)))
     (out / "summary.json").write_text(json.dumps({"status": "finished", "marker": getattr(builtins, "_sweep_marker", None),
                                                   "resumed_from": start}))
@@ -219,8 +220,9 @@ def test_train_argv_resume_reads_saved_config(tmp_path):
     assert train_argv(Path("c.yaml"), run, resume=True) == ["train", "--resume", str(run)]
 
 
-def test_parallel_subprocesses_import_plugins(tmp_path):
-    """--max-parallel 2: runs go to subprocesses, which import every plugin before `rlvr train`."""
+def test_parallel_subprocesses_import_plugins(tmp_path, fake):
+    """--max-parallel 2: runs go to subprocesses, which import every plugin before `rlvr train`.
+    (The sweep imports them too, to validate the configs: ``fake`` restores `rlvr train` afterwards.)"""
     (tmp_path / "fake_trainer.py").write_text(FAKE_TRAINER)
     (tmp_path / "marker.py").write_text("import builtins\nbuiltins._sweep_marker = 'imported'\n")
     spec = write_spec(tmp_path / "s.yaml", plugins=["fake_trainer.py", "marker.py"])
@@ -561,3 +563,16 @@ def test_sigterm_stops_an_in_process_sweep_with_a_checkpoint(tmp_path, monkeypat
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["status"] == "interrupted" and summary["step"] == 3 and summary["last_checkpoint"] == 3
     assert [p.action for p in plan(SweepSpec.from_file(spec), out)] == [RESUME]
+
+
+def test_run_that_stopped_before_its_first_checkpoint_starts_again_under_a_fixed_spec(tmp_path, fake):
+    spec = write_spec(tmp_path / "s.yaml", seeds=[0])
+    out = tmp_path / "sweep"
+    run_dir = out / "a" / "seed_0"
+    run_dir.mkdir(parents=True)  # an earlier attempt under another lr that failed at its first step
+    (run_dir / "config.json").write_text(json.dumps({"n_steps": 3, "optim": {"lr": 9.0}, "seed": 0}))
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 0}) + "\n")
+    planned = {p.label: p for p in plan(SweepSpec.from_file(spec), out)}
+    assert planned["a/seed_0"].action == RUN and "before its first checkpoint" in planned["a/seed_0"].reason
+    (run_dir / "checkpoints" / "step_000001").mkdir(parents=True)  # with a checkpoint it would be a conflict
+    assert plan(SweepSpec.from_file(spec), out)[0].action == CONFLICT

@@ -67,12 +67,10 @@ import tyro
 from rlvr.checkpoint import (
     damaged_checkpoints, list_checkpoints, load_model_weights, load_trainer_state, resumable_checkpoint, save_checkpoint,
 )
-from rlvr.errors import UserError
-from rlvr.interrupts import DeferInterrupts, Terminated, exit_code, sigterm_as_interrupt
-from rlvr.rundir import RunDirLock, atomic_write_json
 from rlvr.config import (
     RESUMABLE_CHANGES, ConfigError, TrainConfig, config_differences, load_config_file, save_config,
 )
+from rlvr.errors import UserError
 from rlvr.grpo import (
     REWEIGHTINGS, compile_backbone, compute_group_normalized_rewards, compute_log_probs_batched, compute_rollout_rewards,
     pass_at_k, policy_gradient_update, tokenize_from_ids,
@@ -80,8 +78,10 @@ from rlvr.grpo import (
 from rlvr.grpo.diagnostics import update_record
 from rlvr.grpo.tokenize import pad_token_id
 from rlvr.grpo.variance import gradient_variance, variance_metrics
+from rlvr.interrupts import DeferInterrupts, Terminated, exit_code, sigterm_as_interrupt
 from rlvr.logging_utils import MetricsLogger, truncate_metrics, write_jsonl
 from rlvr.optim import make_adamw
+from rlvr.rundir import RunDirLock, atomic_write_json
 
 
 class TrainingError(UserError, RuntimeError):

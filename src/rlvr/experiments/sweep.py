@@ -23,7 +23,8 @@ seed) is written to ``DIR/_sweep/configs/<setting>/seed_<k>.yaml`` and its outpu
 ``DIR/_sweep/logs/``. Running the sweep again skips finished runs (``summary.json`` with status
 ``finished``) and resumes interrupted ones (a run directory without it). A run whose stored
 ``config.json`` disagrees with what the spec now asks for is a conflict: it is left alone and
-reported, since resuming it would mix two experiments under one name. A run directory locked by a
+reported, since resuming it would mix two experiments under one name (unless it stopped before its
+first checkpoint: then nothing of it can be continued, and it starts again under the spec's config). A run directory locked by a
 live process (a run of an earlier sweep that is still stopping, or any other ``rlvr train``) is
 busy: it is left alone and reported, never raced.
 
@@ -278,6 +279,12 @@ def run_state(out_dir: Path, n_steps: int | None = None) -> tuple[str, str]:
     return RUN, "new"
 
 
+def _has_checkpoint(out_dir: Path) -> bool:
+    """Whether the run saved a checkpoint (intact or set aside as damaged)."""
+    root = out_dir / "checkpoints"
+    return root.is_dir() and any(root.glob("step_*")) or any(root.glob("damaged-step_*"))
+
+
 def _count_lines(path: Path) -> int:
     try:
         with path.open() as f:
@@ -339,7 +346,10 @@ def plan(spec: SweepSpec, out: str | Path, seeds: Sequence[int] | None = None,
                 except (OSError, json.JSONDecodeError):
                     stored = {}
                 diffs = config_conflicts(config, stored)
-                if diffs:
+                if diffs and not _has_checkpoint(out_dir):
+                    # Nothing of it can be continued anyway: it starts again under the spec's config.
+                    action, reason = RUN, "stopped before its first checkpoint under another config; starts again"
+                elif diffs:
                     action, reason = CONFLICT, "stored config.json differs from the spec: " + "; ".join(diffs)
             planned.append(PlannedRun(setting=name, seed=seed, out_dir=out_dir,
                                       config_path=out / SWEEP_DIR / "configs" / name / f"seed_{seed}.yaml",
