@@ -306,19 +306,22 @@ def test_update_curves_by_phase_and_kl_growth(tmp_path):
     from rlvr.experiments.estimators import kl_growth_exponent, offpolicy_table, update_curves
 
     rows = []
-    for step in (1, 2, 3, 4):
+    for step in (1, 2, 3, 4, 5, 6):
         ups = [{"update": j, "kl_k3": step * 1e-4 * (j - 1) ** 2, "entropy": float(step), "token_ratio_q99": 1 + 0.01 * j,
-                "skipped_nonfinite": False} for j in (1, 2, 3, 4)]
+                "skipped_nonfinite": False, "n_trained_tokens": 3 if step == 1 else 1} for j in (1, 2, 3, 4)]
         rows.append({"step": step, "train/reward": 0.5, "updates": ups})
     write_run(tmp_path / "r", rows, {"seed": 0})
     c = update_curves("r", load_runs(tmp_path / "r"), n_phases=2)
-    assert c.phases == [(1, 2), (3, 4)] and c.updates.tolist() == [1, 2, 3, 4]
-    assert c.values["entropy"][:, 0].tolist() == [1.5, 3.5]  # mean over the phase's rollout steps
-    assert c.overall["kl_k3"].tolist() == pytest.approx([0, 2.5e-4, 1e-3, 2.25e-3])  # mean step 2.5 x (j-1)^2
+    assert c.phases == [(1, 3), (4, 6)] and c.updates.tolist() == [1, 2, 3, 4]
+    # token-weighted mean over the phase's rollout steps: step 1's updates trained on 3 tokens, the others on 1
+    assert c.values["entropy"][:, 0].tolist() == pytest.approx([(3 * 1 + 2 + 3) / 5, 5.0])
+    # token-weighted mean step (3 + 2 + 3 + 4 + 5 + 6) / 8 = 2.875, times 1e-4 (j-1)^2
+    assert c.overall["kl_k3"].tolist() == pytest.approx([0, 2.875e-4, 1.15e-3, 2.5875e-3])
+    assert update_curves("r", load_runs(tmp_path / "r"), n_phases=4).phases == [(1, 3), (4, 6)]  # >= 3 steps each
     assert kl_growth_exponent(c) == pytest.approx(2.0)
     assert "skipped_nonfinite" not in c.values  # flags are not curves
     row = offpolicy_table({"r": c}).splitlines()[-1]
-    assert row.startswith("| r | 1.01 → 1.04 |") and row.endswith("| 2.00 |")
+    assert row.startswith("| r | 1.01 → 1.04 |") and row.endswith("| 2.00 |")  # first and last quarter: one update each
 
 
 # --- the trainer logs what the figures need; rlvr report draws them ----------------------------------------

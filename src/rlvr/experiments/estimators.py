@@ -344,7 +344,8 @@ def has_updates(runs: Sequence[Run]) -> bool:
 
 @dataclass
 class UpdateCurves:
-    """Per training phase, the mean over rollout steps (and seeds) of each field at each update index."""
+    """Per training phase, the mean over rollout steps (and seeds) of each field at each update index,
+    weighted by the tokens each update trained on."""
 
     setting: str
     updates: np.ndarray
@@ -357,11 +358,12 @@ class UpdateCurves:
 
 
 def update_curves(setting: str, runs: Sequence[Run], n_phases: int = 4) -> UpdateCurves | None:
+    """The records of ``runs`` by update index, in up to ``n_phases`` phases of at least three rollout steps."""
     records = [(s, rec) for r in runs for s, rec in update_records(r)]
     if not records:
         return None
     steps = sorted({s for s, _ in records})
-    n_phases = max(1, min(n_phases, len(steps)))
+    n_phases = max(1, min(n_phases, len(steps) // 3))
     cuts = np.array_split(np.array(steps), n_phases)
     phases = [(int(c[0]), int(c[-1])) for c in cuts if len(c)]
     phase_of = {int(s): i for i, c in enumerate(cuts) for s in c}
@@ -372,11 +374,13 @@ def update_curves(setting: str, runs: Sequence[Run], n_phases: int = 4) -> Updat
     counts = {f: np.zeros((len(phases), len(updates))) for f in fields}
     for s, rec in records:
         i, j = phase_of[s], index[int(rec["update"])]
+        # Weighted by the tokens the update trained on: an update that saw two short sequences says less.
+        weight = max(float(rec.get("n_trained_tokens") or rec.get("n_tokens") or 1), 1.0)
         for f in fields:
             v = rec.get(f)
             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
-                sums[f][i, j] += v
-                counts[f][i, j] += 1
+                sums[f][i, j] += weight * v
+                counts[f][i, j] += weight
     with np.errstate(invalid="ignore"):
         values = {f: np.where(counts[f] > 0, sums[f] / np.maximum(counts[f], 1), np.nan) for f in fields}
         overall = {f: np.where(counts[f].sum(0) > 0, sums[f].sum(0) / np.maximum(counts[f].sum(0), 1), np.nan)
@@ -399,30 +403,30 @@ def kl_growth_exponent(c: UpdateCurves, key: str = "kl_k3") -> float | None:
 
 
 def offpolicy_table(curves: dict[str, UpdateCurves]) -> str:
-    """Markdown: per setting, first and last update of the batch (mean over the whole run), and the
-    growth exponent of the KL within a batch."""
+    """Markdown: per setting, the first and the last quarter of the updates of a batch (mean over the
+    whole run), and the growth exponent of the KL within a batch."""
     cols = [("token_ratio_q99", "token ratio q99"), ("token_ratio_q01", "token ratio q01"), ("seq_ratio_q99", "seq ratio q99"),
             ("token_clip_frac", "token clip frac"), ("seq_clip_frac", "seq clip frac"), ("kl_k3", "KL k3"),
             ("entropy", "entropy"), ("grad_norm", "grad norm")]
-    lines = ["| setting | " + " | ".join(f"{name} (first → last)" for _, name in cols) + " | KL growth exponent |",
+    lines = ["| setting | " + " | ".join(name for _, name in cols) + " | KL growth exponent |",
              "|---|" + "---|" * (len(cols) + 1)]
     for setting, c in curves.items():
         cells = []
         for key, _ in cols:
             v = c.overall.get(key)
-            cells.append("–" if v is None or np.isnan(v).all() else f"{_first(v):.3g} → {_last(v):.3g}")
+            cells.append("–" if v is None or np.isnan(v).all() else f"{_quarter(v, c, first=True)} → {_quarter(v, c, first=False)}")
         a = kl_growth_exponent(c)
         cells.append("–" if a is None else f"{a:.2f}")
         lines.append(f"| {setting} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def _first(v: np.ndarray) -> float:
-    return float(v[~np.isnan(v)][0])
-
-
-def _last(v: np.ndarray) -> float:
-    return float(v[~np.isnan(v)][-1])
+def _quarter(v: np.ndarray, c: UpdateCurves, first: bool) -> str:
+    """Mean of ``v`` over the first (last) quarter of the update indices, at least one update."""
+    n = max(1, len(v) // 4)
+    part = v[:n] if first else v[-n:]
+    part = part[np.isfinite(part)]
+    return f"{part.mean():.3g}" if len(part) else "–"
 
 
 # --- figures ----------------------------------------------------------------------------------------
@@ -578,6 +582,12 @@ def plot_variance(runs: Sequence[Run], path: Path) -> Path | None:
 _PHASE_CMAP = "viridis"
 
 
+def _plot_finite(ax, x: np.ndarray, y: np.ndarray, *args, **kwargs) -> None:
+    """``ax.plot`` of the finite points only, joined across the updates that logged nothing."""
+    ok = np.isfinite(y)
+    ax.plot(x[ok], y[ok], *args, **kwargs)
+
+
 def plot_offpolicy(curves: UpdateCurves, path: Path) -> Path | None:
     """One setting: importance ratios, clip fractions, KL, entropy and gradient norm against the optimizer
     step's index within its rollout batch, one colour per training phase."""
@@ -596,11 +606,13 @@ def plot_offpolicy(curves: UpdateCurves, path: Path) -> Path | None:
                 v = curves.values
                 if f"{prefix}_q50" not in v:
                     continue
-                row_ax.fill_between(x, v[f"{prefix}_q05"][i] - 1, v[f"{prefix}_q95"][i] - 1, color=color, alpha=0.15)
-                row_ax.plot(x, v[f"{prefix}_q50"][i] - 1, color=color, linewidth=1.8, label=f"steps {a}-{b}: median")
-                row_ax.plot(x, v[f"{prefix}_q01"][i] - 1, color=color, linewidth=0.8, linestyle="--")
-                row_ax.plot(x, v[f"{prefix}_q99"][i] - 1, color=color, linewidth=0.8, linestyle="--")
-                row_ax.plot(x, v[f"{prefix}_max"][i] - 1, color=color, linewidth=0.6, linestyle=":")
+                lo, hi = v[f"{prefix}_q05"][i] - 1, v[f"{prefix}_q95"][i] - 1
+                ok = np.isfinite(lo) & np.isfinite(hi)
+                row_ax.fill_between(x[ok], lo[ok], hi[ok], color=color, alpha=0.15)
+                _plot_finite(row_ax, x, v[f"{prefix}_q50"][i] - 1, color=color, linewidth=1.8, label=f"steps {a}-{b}: median")
+                _plot_finite(row_ax, x, v[f"{prefix}_q01"][i] - 1, color=color, linewidth=0.8, linestyle="--")
+                _plot_finite(row_ax, x, v[f"{prefix}_q99"][i] - 1, color=color, linewidth=0.8, linestyle="--")
+                _plot_finite(row_ax, x, v[f"{prefix}_max"][i] - 1, color=color, linewidth=0.6, linestyle=":")
             row_ax.axhline(eps, color="red", linewidth=0.8)
             row_ax.axhline(-eps, color="red", linewidth=0.8)
             row_ax.set_yscale("symlog", linthresh=min(eps, 1e-3) / 3)
@@ -612,7 +624,7 @@ def plot_offpolicy(curves: UpdateCurves, path: Path) -> Path | None:
                                      ("seq_clip_frac", "--", f"sequence (GSPO, eps {SEQ_EPS:g})"),
                                      ("clip_fraction", ":", "the method's own")):
                 if key in curves.values:
-                    ax.plot(x, curves.values[key][i], style, color=color, label=name if i == n_ph - 1 else None)
+                    _plot_finite(ax, x, curves.values[key][i], style, color=color, label=name if i == n_ph - 1 else None)
         ax.set_title("clip fractions (would-be for methods that do not clip)", fontsize=8)
         for ax, key, title, log in ((axes[1, 0], "kl_k3", "KL(sampling || current) per token, k3 estimate", True),
                                     (axes[1, 1], "entropy", "entropy of the current policy per token", False),
@@ -621,17 +633,21 @@ def plot_offpolicy(curves: UpdateCurves, path: Path) -> Path | None:
                 ax.set_title(f"{title}: not logged", fontsize=8)
                 continue
             for i, (a, b) in enumerate(curves.phases):
-                ax.plot(x, curves.values[key][i], color=cmap(i / max(n_ph - 1, 1)), marker="o", markersize=2.5,
-                        label=f"steps {a}-{b}")
-            if log and np.nanmin(curves.values[key]) > 0:
+                y = curves.values[key][i]
+                if log and key == "kl_k3":  # the first update runs on the sampling weights: its KL is rounding
+                    y = np.where((y > 0) & (x > 1), y, np.nan)
+                elif log:
+                    y = np.where(y > 0, y, np.nan)
+                _plot_finite(ax, x, y, color=cmap(i / max(n_ph - 1, 1)), marker="o", markersize=2.5, label=f"steps {a}-{b}")
+            if log:
                 ax.set_yscale("log")
             ax.set_title(title, fontsize=8)
         for ax in axes.flat:
             ax.set_xlabel("optimizer step within the rollout batch")
             ax.grid(alpha=0.3, which="both")
             ax.legend(fontsize=6.5)
-        fig.suptitle(f"{curves.setting}: off-policy drift within a rollout batch (colour: training phase; mean over its "
-                     f"rollout steps and seeds)", fontsize=10)
+        fig.suptitle(f"{curves.setting}: off-policy drift within a rollout batch (colour: training phase; token-weighted "
+                     f"mean over its rollout steps and seeds)", fontsize=10)
         return _save(fig, path)
     finally:
         plt.close(fig)
@@ -643,26 +659,33 @@ def plot_offpolicy_comparison(curves: dict[str, UpdateCurves], path: Path) -> Pa
     if not shown:
         return None
     plt = _pyplot()
-    panels = (("token_ratio_q99", "token ratio q99 - 1", "symlog"), ("seq_ratio_q99", "sequence ratio q99 - 1", "symlog"),
-              ("kl_k3", "KL k3 per token", "log"), ("entropy", "entropy per token", "linear"))
+    panels = (("token_ratio_spread", "token ratio: q99 - q01", "log"), ("seq_ratio_spread", "sequence ratio: q99 - q01", "log"),
+              ("kl_k3", "KL(sampling || current) per token, k3", "log"), ("entropy", "entropy per token", "linear"))
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), dpi=100)
     colors = plt.get_cmap("tab10")
     try:
         for ax, (key, title, scale) in zip(axes, panels):
             for i, (setting, c) in enumerate(shown.items()):
-                if key not in c.overall:
+                if key.endswith("_spread"):
+                    prefix = key[: -len("_spread")]
+                    if f"{prefix}_q99" not in c.overall:
+                        continue
+                    y = c.overall[f"{prefix}_q99"] - c.overall[f"{prefix}_q01"]
+                elif key in c.overall:
+                    y = c.overall[key]
+                else:
                     continue
-                y = c.overall[key] - (1 if key.endswith(("_q99", "_q01")) else 0)
-                ax.plot(c.updates, y, color=colors(i % 10), marker="o", markersize=2.5, label=setting)
-            if scale == "symlog":
-                ax.set_yscale("symlog", linthresh=1e-4)
-            elif scale == "log" and all(np.nanmin(c.overall.get(key, np.array([1.0]))) > 0 for c in shown.values()):
+                if scale == "log":  # the first update runs on the sampling weights: its drift is rounding
+                    y = np.where((y > 0) & (c.updates > 1), y, np.nan)
+                _plot_finite(ax, c.updates, y, color=colors(i % 10), marker="o", markersize=2.5, label=setting)
+            if scale == "log":
                 ax.set_yscale("log")
             ax.set_title(title, fontsize=9)
             ax.set_xlabel("optimizer step within the rollout batch")
             ax.grid(alpha=0.3, which="both")
             ax.legend(fontsize=7)
-        fig.suptitle("Off-policy drift of every setting (mean over all rollout steps and seeds)", fontsize=10)
+        fig.suptitle("Off-policy drift of every setting (token-weighted mean over all rollout steps and seeds; "
+                     "from the second optimizer step on)", fontsize=10)
         return _save(fig, path)
     finally:
         plt.close(fig)
