@@ -366,12 +366,13 @@ def test_shipped_specs_give_valid_train_configs(path, recwarn):
 
     spec = SweepSpec.from_file(path)
     import_plugins(spec.plugins)
-    assert len(spec.seeds) == 4 and spec.name
+    gpu_suite = not path.stem.endswith("_cpu")  # the *_cpu specs are one-seed CPU estimator studies
+    assert spec.name and (len(spec.seeds) == 4 or not gpu_suite)
     for setting in spec.settings:
         cfg = config_mod.TrainConfig.from_dict(spec.config_for(setting, spec.seeds[-1])).resolve()
         cfg.validate()
         assert cfg.seed == spec.seeds[-1]
-        if path.stem.startswith("offpolicy"):
+        if path.stem.startswith("offpolicy") and gpu_suite:
             assert cfg.updates_per_rollout_batch == 32 and cfg.rollout_batch_size == 256 and cfg.microbatch_size == 8
 
 
