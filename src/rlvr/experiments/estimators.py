@@ -40,7 +40,6 @@ class Estimator:
     """Sequences per optimizer step (the B of sequence normalisation)."""
     normalization_constant: float | None
     eps: float
-    reweighting: str
 
     @property
     def has_closed_form(self) -> bool:
@@ -59,8 +58,7 @@ def run_estimator(run: Run) -> Estimator | None:
         return Estimator(baseline=str(flat["algorithm.baseline"]), normalizer=str(flat["algorithm.advantage_normalizer"]),
                          loss_normalization=str(flat["algorithm.loss_normalization"]), group_size=G, batch_size=int(batch),
                          normalization_constant=flat.get("algorithm.normalization_constant"),
-                         eps=float(flat.get("algorithm.advantage_eps", 1e-6)),
-                         reweighting=str(flat.get("algorithm.reweighting", "none")))
+                         eps=float(flat.get("algorithm.advantage_eps", 1e-6)))
     except (KeyError, TypeError, ValueError):
         return None
 
@@ -116,7 +114,8 @@ def load_group_weights(run: Run, est: Estimator | None = None) -> list[GroupWeig
     out = []
     for _, path in run.rollout_dumps("train"):
         rows = read_rollouts(path)
-        if rows and all("advantage" in r and "reward" in r for r in rows):
+        # A dump that is not whole groups with advantages (written by something else) is left out.
+        if rows and len(rows) % est.group_size == 0 and all("advantage" in r and "reward" in r for r in rows):
             out += group_weights(rows, est)
     return out
 
@@ -208,23 +207,23 @@ def weighting_by_setting(runs: Sequence[Run]) -> dict[str, WeightingBins]:
     return out
 
 
-_SHAPES = {
-    ("mean", "none"): ("p(1-p)", lambda p: p * (1 - p)),
-    ("mean", "std"): ("sqrt(p(1-p))", lambda p: np.sqrt(p * (1 - p))),
-    ("mean", "mean"): ("1-p", lambda p: np.where(p > 0, 1 - p, 0.0)),
-    ("none", "none"): ("p", lambda p: p),
+_FORMULAS = {  # (baseline, normalizer): (the advantage mass's coefficient as a function of G, its shape in p)
+    ("mean", "none"): (lambda G: 2 * G, "p(1-p)"),
+    ("mean", "std"): (lambda G: 2 * math.sqrt(G * (G - 1)), "sqrt(p(1-p))"),
+    ("mean", "mean"): (lambda G: 2 * G, "(1-p)"),
+    ("none", "none"): (lambda G: G, "p"),
 }
 
 
 def formula_text(est: Estimator, correct_length: float = 0.0, incorrect_length: float = 0.0) -> str:
-    """The closed form of ``est`` with the run's constants, as plain text."""
+    """The closed form of ``est`` with the run's constants, as plain text (eps left out)."""
     G, B, C = est.group_size, est.batch_size, est.normalization_constant
-    mass = {("mean", "none"): (2 * G, "p(1-p)"), ("mean", "std"): (2 * math.sqrt(G * (G - 1)), "sqrt(p(1-p))"),
-            ("mean", "mean"): (2 * G, "(1-p)"), ("none", "none"): (G, "p")}
     key = (est.baseline, est.normalizer)
-    if key not in mass:
-        return f"no closed form registered for baseline={est.baseline}, normalizer={est.normalizer}"
-    c, shape = mass[key]
+    if key not in _FORMULAS:
+        kind = "the registered closed form" if est.has_closed_form else "measured only, no closed form"
+        return f"baseline={est.baseline}, normalizer={est.normalizer}: {kind}"
+    coef, shape = _FORMULAS[key]
+    c = coef(G)
     if est.loss_normalization == "sequence":
         return f"W = {c:.4g} {shape} / B = {c / B:.4g} {shape}  (G={G}, B={B})"
     if key == ("none", "none"):
@@ -325,9 +324,6 @@ def _ratio(a: np.ndarray, b: np.ndarray) -> str:
 
 # --- 3. off-policy diagnostics per update -----------------------------------------------------------
 
-UPDATE_FIELDS = ("token_ratio", "seq_ratio")
-
-
 def update_records(run: Run) -> list[tuple[int, dict]]:
     """``(rollout step, record)`` of every logged optimizer step of ``run``."""
     out = []
@@ -403,8 +399,8 @@ def kl_growth_exponent(c: UpdateCurves, key: str = "kl_k3") -> float | None:
 
 
 def offpolicy_table(curves: dict[str, UpdateCurves]) -> str:
-    """Markdown: per setting, the first and the last quarter of the updates of a batch (mean over the
-    whole run), and the growth exponent of the KL within a batch."""
+    """Markdown: per setting, the first and the last quarter of the updates of a batch (the median over
+    the quarter's update indices of the run's mean), and the growth exponent of the KL within a batch."""
     cols = [("token_ratio_q99", "token ratio q99"), ("token_ratio_q01", "token ratio q01"), ("seq_ratio_q99", "seq ratio q99"),
             ("token_clip_frac", "token clip frac"), ("seq_clip_frac", "seq clip frac"), ("kl_k3", "KL k3"),
             ("entropy", "entropy"), ("grad_norm", "grad norm")]
@@ -422,11 +418,12 @@ def offpolicy_table(curves: dict[str, UpdateCurves]) -> str:
 
 
 def _quarter(v: np.ndarray, c: UpdateCurves, first: bool) -> str:
-    """Mean of ``v`` over the first (last) quarter of the update indices, at least one update."""
+    """Median of ``v`` over the first (last) quarter of the update indices (at least one update): one
+    update that drifted far does not stand for its quarter."""
     n = max(1, len(v) // 4)
     part = v[:n] if first else v[-n:]
     part = part[np.isfinite(part)]
-    return f"{part.mean():.3g}" if len(part) else "–"
+    return f"{np.median(part):.3g}" if len(part) else "–"
 
 
 # --- figures ----------------------------------------------------------------------------------------
@@ -533,7 +530,7 @@ def plot_weighting_shapes(bins: dict[str, WeightingBins], path: Path) -> Path | 
             ax.errorbar(b.p[ok] + 0.006 * (i - len(shown) / 2), b.mean_weight[ok] / scale, yerr=b.sem_weight[ok] / scale,
                         fmt="o", color=color, capsize=2, markersize=4, label=f"{setting}: measured")
             ax.plot(pp, _smooth_curve(b.est, pp, b.correct_length, b.incorrect_length) / scale, color=color,
-                    linewidth=1.2, alpha=0.8, label=f"{setting}: {_SHAPES.get((b.est.baseline, b.est.normalizer), ('?',))[0]}")
+                    linewidth=1.2, alpha=0.8, label=f"{setting}: {_FORMULAS.get((b.est.baseline, b.est.normalizer), (None, 'closed form'))[1]}")
         ax.set_xlabel("group pass rate p")
         ax.set_ylabel("gradient weight / largest closed-form value")
         ax.set_title("Difficulty weighting of each setting, scaled to its own maximum", fontsize=10)
