@@ -11,7 +11,8 @@ import pytest
 
 from rlvr.experiments import aggregate, final_values, load_runs
 from rlvr.experiments.plot import main as plot_main, metric_filename, plot_final_vs_lr, plot_runs
-from rlvr.experiments.runs import read_metrics, t95
+from rlvr.experiments.runs import t95
+from rlvr.logging_utils import read_metrics
 
 
 def write_run(run_dir: Path, rows: list[dict], config: dict | None = None, finished: bool = True,
@@ -93,7 +94,7 @@ def test_aggregate_unequal_lengths_and_sparse_eval(tmp_path):
 def test_read_metrics_drops_partial_line_and_keeps_last_duplicate(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 0, "x": 1}\n{"step": 1, "x": 2}\n{"step": 1, "x": 7}\n{"step": 2, "x"')
-    rows = read_metrics(path)
+    rows = read_metrics(path, one_row_per_step=True)
     assert [(r["step"], r["x"]) for r in rows] == [(0, 1), (1, 7)]
 
 

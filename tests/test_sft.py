@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from rlvr.data import Example, load_examples
-from rlvr.sft import SFTConfig, lr_at, run_sft, sft_loss, sft_pairs, sft_response
+from rlvr.optim import lr_factor
+from rlvr.sft import SFTConfig, run_sft, sft_loss, sft_pairs, sft_response
 
 SPEC = "arith:steps=1,max_value=10"
 
@@ -60,11 +61,11 @@ def test_loss_is_mean_nll_of_response_tokens_only(tiny_model, tiny_tokenizer):
 
 
 def test_lr_schedule_hand_values():
-    assert lr_at(0, 100, 10, 0.1) == pytest.approx(0.1)
-    assert lr_at(9, 100, 10, 0.1) == pytest.approx(1.0)
-    assert lr_at(10, 100, 10, 0.1) == pytest.approx(1.0)
-    assert lr_at(55, 100, 10, 0.1) == pytest.approx(0.55)  # halfway through the cosine: (1 + 0.1) / 2
-    assert lr_at(100, 100, 10, 0.1) == pytest.approx(0.1)
+    assert lr_factor(0, 100, "cosine", 10, 0.1) == pytest.approx(0.1)
+    assert lr_factor(9, 100, "cosine", 10, 0.1) == pytest.approx(1.0)
+    assert lr_factor(10, 100, "cosine", 10, 0.1) == pytest.approx(1.0)
+    assert lr_factor(55, 100, "cosine", 10, 0.1) == pytest.approx(0.55)  # halfway through the cosine: (1 + 0.1) / 2
+    assert lr_factor(100, 100, "cosine", 10, 0.1) == pytest.approx(0.1)
 
 
 @pytest.fixture(scope="module")

@@ -88,9 +88,9 @@ class AlgorithmConfig:
     normalization_constant: float | None = None
     """Divisor for constant normalization (default: train_batch_size x max_new_tokens, fixed for the whole run)."""
     reweighting: str = "none"
-    """Importance reweighting: none (REINFORCE), noclip, grpo (PPO token clip), gspo (sequence clip), cispo."""
+    """Importance reweighting: none (REINFORCE), noclip, ppo_clip (PPO token clip; also called grpo), gspo (sequence clip), cispo."""
     cliprange: float | None = None
-    """Clip range epsilon of clipping methods (default per method: grpo 0.2, gspo 3e-4, cispo 0.2)."""
+    """Clip range epsilon of clipping methods (default per method: ppo_clip 0.2, gspo 3e-4, cispo 0.2)."""
     skip_zero_advantage: bool = True
     """Do not run sequences with zero advantage through the model (they contribute exactly nothing)."""
 
@@ -244,7 +244,7 @@ class TrainConfig:
     # -- resolution and validation ------------------------------------------------------------
     def resolve(self) -> "TrainConfig":
         """A copy with every default that depends on other fields filled in (idempotent)."""
-        from rlvr.grpo import DEFAULT_CLIPRANGE, PRESETS
+        from rlvr.grpo import AGGREGATIONS, DEFAULT_CLIPRANGE, PRESETS
 
         r = self.rollout
         if r.rollout_batch_size is not None:
@@ -269,7 +269,8 @@ class TrainConfig:
             loss_normalization=a.loss_normalization or preset.loss_normalization,
             cliprange=a.cliprange if a.cliprange is not None else DEFAULT_CLIPRANGE.get(a.reweighting),
         )
-        if a.normalization_constant is None and a.loss_normalization == "constant":
+        aggregation = AGGREGATIONS.get(a.loss_normalization)
+        if a.normalization_constant is None and aggregation is not None and aggregation.needs_normalization_constant:
             # Dr. GRPO: batch size x max generation length, where the batch is what one optimizer
             # step sees; on-policy that is the rollout batch.
             a = dataclasses.replace(a, normalization_constant=float(o.train_batch_size * r.max_new_tokens))
@@ -293,7 +294,7 @@ class TrainConfig:
         Call on a resolved config (``resolve()`` first).
         """
         from rlvr.engines import ENGINES
-        from rlvr.grpo import BASELINES, NORMALIZERS, REWEIGHTINGS
+        from rlvr.grpo import AGGREGATIONS, BASELINES, NORMALIZERS, REWEIGHTINGS
         from rlvr.prompts import PROMPTS
 
         errors: list[str] = []
@@ -307,16 +308,16 @@ class TrainConfig:
         need(a.baseline in BASELINES, f"unknown algorithm.baseline {a.baseline!r}: choose one of {sorted(BASELINES)}")
         need(a.advantage_normalizer in NORMALIZERS,
              f"unknown algorithm.advantage_normalizer {a.advantage_normalizer!r}: choose one of {sorted(NORMALIZERS)}")
-        need(a.loss_normalization in ("sequence", "constant"),
-             f"unknown algorithm.loss_normalization {a.loss_normalization!r}: use sequence or constant")
+        need(a.loss_normalization in AGGREGATIONS,
+             f"unknown algorithm.loss_normalization {a.loss_normalization!r}: use {' or '.join(AGGREGATIONS)}")
         need(a.reweighting in REWEIGHTINGS, f"unknown algorithm.reweighting {a.reweighting!r}: choose one of {sorted(REWEIGHTINGS)}")
         if a.reweighting in REWEIGHTINGS and REWEIGHTINGS[a.reweighting].needs_cliprange:
             need(a.cliprange is not None, f"algorithm.reweighting={a.reweighting!r} clips, so it needs algorithm.cliprange (e.g. 0.2)")
         if a.cliprange is not None:
             need(a.cliprange > 0, f"algorithm.cliprange must be > 0, got {a.cliprange}")
-        if a.loss_normalization == "constant":
+        if a.loss_normalization in AGGREGATIONS and AGGREGATIONS[a.loss_normalization].needs_normalization_constant:
             need(a.normalization_constant is not None and a.normalization_constant > 0,
-                 "algorithm.loss_normalization=constant needs a positive algorithm.normalization_constant "
+                 f"algorithm.loss_normalization={a.loss_normalization} needs a positive algorithm.normalization_constant "
                  "(Dr. GRPO: train batch size x max_new_tokens)")
         need(self.prompt in PROMPTS, f"unknown prompt {self.prompt!r}: choose one of {sorted(PROMPTS)}")
 
@@ -373,7 +374,7 @@ class TrainConfig:
                 need(REWEIGHTINGS[a.reweighting].needs_old_log_probs,
                      "engine.max_staleness=1 samples every batch with weights one step old, and "
                      f"algorithm.reweighting={a.reweighting!r} does not correct for that. Set algorithm.reweighting to "
-                     "grpo (PPO token clip, cliprange 0.2), noclip, gspo or cispo (or max_staleness=0)")
+                     "grpo (also called ppo_clip: PPO token clip, cliprange 0.2), noclip, gspo or cispo (or max_staleness=0)")
         need(self.model.dtype in DTYPES, f"unknown model.dtype {self.model.dtype!r}: choose one of {DTYPES}")
         need(self.engine.dtype in DTYPES, f"unknown engine.dtype {self.engine.dtype!r}: choose one of {DTYPES}")
         if self.model.fresh is not None:
@@ -403,7 +404,7 @@ class TrainConfig:
         if self.off_policy and a.reweighting == "none":
             warns.append(
                 f"{self.updates_per_rollout_batch} optimizer steps per rollout batch with algorithm.reweighting=none: every step "
-                "after the first uses stale samples without importance weights (biased). Use noclip, grpo, gspo or cispo "
+                "after the first uses stale samples without importance weights (biased). Use noclip, ppo_clip, gspo or cispo "
                 "unless this is the 'none' arm of a comparison."
             )
         if r.temperature != 1.0 and a.reweighting != "none":
@@ -636,15 +637,17 @@ RESUMABLE_CHANGES = ("n_steps", "eval_every", "eval_at_start", "dump_every", "sa
 
 def config_differences(a: TrainConfig, b: TrainConfig) -> list[str]:
     """Dotted names of fields that differ between two configs."""
-    fa, fb = _flatten(a.to_dict()), _flatten(b.to_dict())
+    fa, fb = flatten(a.to_dict()), flatten(b.to_dict())
     return sorted(k for k in set(fa) | set(fb) if fa.get(k) != fb.get(k))
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
+def flatten(d: dict, prefix: str = "") -> dict:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (an empty mapping stays a value)."""
     out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
+    for key, value in d.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, name + "."))
         else:
-            out[prefix + k] = list(v) if isinstance(v, tuple) else v
+            out[name] = value
     return out

@@ -233,7 +233,8 @@ def run_instruct_sft(cfg: InstructSFTConfig) -> Path:
     from rlvr.logging_utils import MetricsLogger
     from rlvr.modeling import save_model_and_tokenizer
     from rlvr.optim import make_adamw
-    from rlvr.trainer import batch_indices, lr_factor
+    from rlvr.optim import lr_factor
+    from rlvr.trainer import batch_indices
 
     cfg.validate()
     prepare_run_dir(cfg.out, OUTPUT_FILES, cfg.overwrite)

@@ -29,7 +29,11 @@ def _clean(value):
     return value
 
 
-def read_metrics(path: str | Path) -> list[dict]:
+def read_metrics(path: str | Path, one_row_per_step: bool = False) -> list[dict]:
+    """Rows of a ``metrics.jsonl``, in file order; a line cut by a crash at the end is dropped.
+
+    With ``one_row_per_step`` the rows are sorted by step and a step logged twice (a resumed run
+    restarts from its last checkpoint) keeps its later row; rows without a step come last."""
     path = Path(path)
     if not path.is_file():
         return []
@@ -48,6 +52,9 @@ def read_metrics(path: str | Path) -> list[dict]:
         elif lineno < len(lines):  # the last line may simply have been cut by a crash
             warnings.warn(f"{path}:{lineno}: skipped a line that is not a JSON object (damaged); the other lines "
                           "are kept", stacklevel=2)
+    if one_row_per_step:
+        by_step = {int(r["step"]): r for r in rows if "step" in r}
+        rows = [by_step[s] for s in sorted(by_step)] + [r for r in rows if "step" not in r]
     return rows
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from rlvr.data import DataError, Example, load_examples
+from rlvr.optim import lr_factor
 from rlvr.prompts import render
 
 
@@ -121,14 +122,6 @@ def sft_loss(model, tokenizer, prompts: list[str], responses: list[str]) -> tupl
     return loss, int(batch["response_mask"].sum())
 
 
-def lr_at(step: int, total: int, warmup: int, min_ratio: float) -> float:
-    """Multiplier of the peak learning rate at ``step`` (0-based): linear warm-up, then cosine decay."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
 def init_model(config: SFTConfig, examples: list[Example]):
     """``(model, tokenizer)``: a fresh model of a named size (with a tokenizer trained on ``examples``),
     or a checkpoint from a local directory or the hub."""
@@ -213,7 +206,7 @@ def run_sft(config: SFTConfig) -> Path:
                 rng.shuffle(perm)
                 order += perm
             idx, order = order[:batch_size], order[batch_size:]
-            scale = lr_at(step, total, config.warmup_steps, config.min_lr_ratio)
+            scale = lr_factor(step, total, "cosine", config.warmup_steps, config.min_lr_ratio)
             for group in optimizer.param_groups:
                 group["lr"] = config.lr * scale
             loss, n_tokens = sft_loss(model, tokenizer, [prompts[i] for i in idx], [responses[i] for i in idx])

@@ -54,7 +54,6 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import math
 import sys
 import time
 import warnings
@@ -80,7 +79,7 @@ from rlvr.grpo.tokenize import pad_token_id
 from rlvr.grpo.variance import gradient_variance, variance_metrics
 from rlvr.interrupts import DeferInterrupts, Terminated, exit_code, sigterm_as_interrupt
 from rlvr.logging_utils import MetricsLogger, truncate_metrics, write_jsonl
-from rlvr.optim import make_adamw
+from rlvr.optim import lr_factor, make_adamw
 from rlvr.rundir import RunDirLock, atomic_write_json
 
 
@@ -129,18 +128,6 @@ def batch_indices(n_examples: int, n_prompts: int, step: int, seed: int) -> list
             perms[epoch] = epoch_permutation(n_examples, seed, epoch)
         out.append(perms[epoch][i])
     return out
-
-
-def lr_factor(update: int, total_updates: int, schedule: str, warmup: int, min_ratio: float) -> float:
-    """Multiplier of the peak lr for optimizer step ``update`` (0-based)."""
-    if warmup > 0 and update < warmup:
-        return (update + 1) / warmup
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, (update - warmup) / max(1, total_updates - warmup))
-    if schedule == "cosine":
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    return 1.0 - (1 - min_ratio) * progress
 
 
 # ---------------------------------------------------------------------------------------------

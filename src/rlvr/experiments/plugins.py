@@ -1,7 +1,7 @@
 """Import user modules (custom estimators) before training, in this process or in a child one.
 
 A user's estimator is a function registered under a name (``rlvr.grpo.register_reweighting``,
-``register_baseline``, ``register_normalizer``); the registration runs when its module is imported,
+``register_baseline``, ``register_normalizer``, ``register_aggregation``); the registration runs when its module is imported,
 so that module must be imported before the config names it. A plugin is either an importable module
 name (``my_pkg.my_estimator``) or a path to a ``.py`` file.
 

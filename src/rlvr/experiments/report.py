@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from rlvr.config import flatten
 from rlvr.experiments.estimators import report_section
 from rlvr.experiments.plot import BAND_LABEL, plot_runs
 from rlvr.experiments.runs import BANDS, VAL_REWARD, Run, final_values, group_runs, load_runs, read_rollouts
@@ -141,19 +142,9 @@ def _settings_section(sweep: dict | None) -> str:
         return ""
     lines = ["| setting | overrides |", "|---|---|"]
     for name, over in sweep["settings"].items():
-        text = ", ".join(f"`{k}={json.dumps(v)}`" for k, v in _flat(over).items()) or "(base config)"
+        text = ", ".join(f"`{k}={json.dumps(v)}`" for k, v in flatten(over).items()) or "(base config)"
         lines.append(f"| {name} | {text} |")
     return "\n".join(lines)
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def _figures_md(rel: dict[str, str], level: str) -> list[str]:

@@ -23,6 +23,9 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from rlvr.config import flatten
+from rlvr.logging_utils import read_metrics
+
 SEED_DIR = re.compile(r"^seed_(-?\d+)$")
 BANDS = ("minmax", "ci95")
 VAL_REWARD = "val/reward"
@@ -47,35 +50,6 @@ def _read_json(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-
-
-def read_metrics(path: str | Path) -> list[dict]:
-    """Rows of a ``metrics.jsonl``, one per step, sorted by step.
-
-    An interrupted run can end in a half-written line, which is dropped; a resumed run can log a
-    step twice (it restarts from its last checkpoint), and the later row wins.
-    """
-    by_step: dict[int, dict] = {}
-    unstepped: list[dict] = []
-    path = Path(path)
-    if not path.is_file():
-        return []
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if not isinstance(row, dict):
-                continue
-            if "step" in row:
-                by_step[int(row["step"])] = row
-            else:
-                unstepped.append(row)
-    return [by_step[s] for s in sorted(by_step)] + unstepped
 
 
 def read_rollouts(path: str | Path) -> list[dict]:
@@ -159,18 +133,6 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def flatten(d: dict, prefix: str = "") -> dict:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``."""
-    out = {}
-    for key, value in d.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            out.update(flatten(value, name + "."))
-        else:
-            out[name] = value
-    return out
-
-
 def config_value(config: dict, names: Sequence[str]):
     """The value of the first of ``names`` found in ``config``, matched on the full dotted key or its
     last component (so ``lr`` finds ``optim.lr``); None if absent."""
@@ -198,7 +160,7 @@ def load_run(path: str | Path, setting: str | None = None) -> Run:
         seed = int(s) if _is_number(s) else None
         setting = setting or str(config.get("name") or path.name)
     return Run(path=path, setting=setting, seed=seed, config=config,
-               metrics=read_metrics(path / "metrics.jsonl"), summary=_read_json(path / "summary.json"))
+               metrics=read_metrics(path / "metrics.jsonl", one_row_per_step=True), summary=_read_json(path / "summary.json"))
 
 
 def is_run_dir(path: Path) -> bool:

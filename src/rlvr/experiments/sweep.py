@@ -67,9 +67,9 @@ from typing import Callable, Sequence
 import yaml
 
 from rlvr import config as train_config
+from rlvr.config import flatten
 from rlvr.errors import UserError
 from rlvr.experiments.plugins import import_plugins, resolve_plugin
-from rlvr.experiments.runs import flatten
 from rlvr.interrupts import Terminated, exit_code, sigterm_as_interrupt
 from rlvr.rundir import LOCK_FILE, atomic_write_json, atomic_write_text, describe_holder, lock_holder
 

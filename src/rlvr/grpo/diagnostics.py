@@ -40,6 +40,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from rlvr.grpo.aggregate import get_aggregation
 from rlvr.grpo.presets import DEFAULT_CLIPRANGE
 
 MassFn = Callable[[int, float, float], tuple[float, float]]
@@ -108,13 +109,8 @@ def advantage_mass(baseline: str, normalizer: str, group_size: int, successes: i
 
 def token_coefficient(loss_normalization: str, n_tokens: float, batch_size: int, normalization_constant: float | None) -> float:
     """The aggregation's weight on one token of an ``n_tokens``-token response in a batch of ``batch_size``."""
-    if loss_normalization == "sequence":
-        return 1.0 / (batch_size * max(n_tokens, 1))
-    if loss_normalization == "constant":
-        if not normalization_constant or normalization_constant <= 0:
-            raise ValueError("constant normalisation needs a positive normalization_constant")
-        return 1.0 / normalization_constant
-    raise ValueError(f"unknown loss_normalization {loss_normalization!r}: use 'sequence' or 'constant'")
+    aggregation = get_aggregation(loss_normalization, normalization_constant)
+    return 1.0 / aggregation.divisor(n_tokens, batch_size, normalization_constant)
 
 
 def group_gradient_weight(advantages: Sequence[float], n_tokens: Sequence[float], loss_normalization: str,
@@ -142,7 +138,7 @@ def predicted_group_weight(baseline: str, normalizer: str, group_size: int, succ
 # --- importance ratios per optimizer step -------------------------------------------------------------
 
 RATIO_QUANTILES = (0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99)
-TOKEN_EPS = DEFAULT_CLIPRANGE["grpo"]
+TOKEN_EPS = DEFAULT_CLIPRANGE["ppo_clip"]
 """Reference band of the token clip fraction logged for every method (PPO's default)."""
 SEQ_EPS = DEFAULT_CLIPRANGE["gspo"]
 """Reference band of the sequence clip fraction logged for every method (GSPO's default)."""

@@ -28,7 +28,7 @@ from typing import Sequence
 import torch
 
 from rlvr.grpo.advantages import compute_group_normalized_rewards, compute_rollout_rewards
-from rlvr.grpo.aggregate import aggregate_loss_across_microbatch
+from rlvr.grpo.aggregate import aggregate_loss_across_microbatch, get_aggregation
 from rlvr.grpo.diagnostics import importance_statistics
 from rlvr.grpo.logprobs import DEFAULT_CHUNK_TOKENS, get_response_log_probs
 from rlvr.grpo.losses import compute_policy_gradient_loss, validate_reweighting
@@ -88,10 +88,7 @@ def policy_gradient_update(model, optimizer, input_ids: torch.Tensor, labels: to
     batch = input_ids.shape[0]
     _check_divisible(batch, gradient_accumulation_steps)
     method = validate_reweighting(importance_reweighting_method, old_log_probs, cliprange, check_mask=False)
-    if loss_normalization == "constant" and (normalization_constant is None or normalization_constant <= 0):
-        raise ValueError("loss_normalization='constant' needs a positive normalization_constant (batch size × max generation length)")
-    if loss_normalization not in ("sequence", "constant"):
-        raise ValueError(f"unknown loss_normalization {loss_normalization!r}: use 'sequence' or 'constant'")
+    aggregation = get_aggregation(loss_normalization, normalization_constant)
     advantages = torch.as_tensor(advantages, dtype=torch.float32).flatten()
     if advantages.numel() != batch:
         raise ValueError(f"got {advantages.numel()} advantages for a batch of {batch} sequences")
@@ -124,7 +121,7 @@ def policy_gradient_update(model, optimizer, input_ids: torch.Tensor, labels: to
         if old is not None:
             log_ratios.append(((out["log_probs"].detach() - old.to(out["log_probs"].dtype)), mb_mask, mb_adv))
         loss = aggregate_loss_across_microbatch(per_token, mb_mask, loss_normalization, normalization_constant)
-        if loss_normalization == "sequence":
+        if aggregation.per_sequence:
             loss = loss * (len(rows) / batch)
         loss.backward()
         total_loss += loss.detach()
@@ -201,8 +198,7 @@ def grpo_train_step(model, tokenizer, optimizer, gradient_accumulation_steps: in
         raise ValueError(f"the batch of {batch} rollouts is not divisible by group_size={group_size}; pass whole groups")
     _check_divisible(batch, gradient_accumulation_steps)
     validate_reweighting(importance_reweighting_method, old_log_probs, cliprange, check_mask=False)
-    if loss_normalization == "constant" and (normalization_constant is None or normalization_constant <= 0):
-        raise ValueError("loss_normalization='constant' needs a positive normalization_constant (batch size × max generation length)")
+    get_aggregation(loss_normalization, normalization_constant)
     raw_rewards, reward_meta = compute_rollout_rewards(reward_fn, rollout_responses, repeated_ground_truths)
     advantages, adv_meta = compute_group_normalized_rewards(raw_rewards, group_size, baseline, advantage_eps, advantage_normalizer)
     tok = tokenize_prompt_and_output(list(repeated_prompts), list(rollout_responses), tokenizer)

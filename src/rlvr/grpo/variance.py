@@ -50,6 +50,7 @@ import math
 import torch
 
 from rlvr.grpo.advantages import BASELINES, NORMALIZERS
+from rlvr.grpo.aggregate import get_aggregation
 from rlvr.grpo.logprobs import DEFAULT_CHUNK_TOKENS, get_response_log_probs
 
 ESTIMATORS = ("no_baseline", "mean_baseline", "leave_one_out", "run")
@@ -104,10 +105,7 @@ def gradient_variance(model, input_ids: torch.Tensor, labels: torch.Tensor, resp
     rewards = torch.as_tensor(rewards, dtype=torch.float32).flatten()
     if rewards.numel() != rows:
         raise ValueError(f"got {rewards.numel()} rewards for {rows} rows")
-    if loss_normalization == "constant" and not (normalization_constant and normalization_constant > 0):
-        raise ValueError("loss_normalization='constant' needs a positive normalization_constant")
-    if loss_normalization not in ("sequence", "constant"):
-        raise ValueError(f"unknown loss_normalization {loss_normalization!r}: use 'sequence' or 'constant'")
+    aggregation = get_aggregation(loss_normalization, normalization_constant)
     B = batch_size or rows
     J = rows // G
     params = [p for p in model.parameters() if p.requires_grad]
@@ -122,10 +120,7 @@ def gradient_variance(model, input_ids: torch.Tensor, labels: torch.Tensor, resp
         logp = get_response_log_probs(model, input_ids[rows, :width].to(device), labels[rows, :width].to(device),
                                       chunk_tokens=chunk_tokens, backbone=backbone)["log_probs"]
         m = mask.to(logp.dtype)
-        if loss_normalization == "sequence":
-            seq = (logp * m).sum(dim=1) / (m.sum(dim=1).clamp(min=1) * B)
-        else:
-            seq = (logp * m).sum(dim=1) / normalization_constant
+        seq = (logp * m).sum(dim=1) / aggregation.divisor(m.sum(dim=1), B, normalization_constant)
         return _flat_grad(seq.sum(), params, retain=False)
 
     energy = {"correct": [], "incorrect": []}  # |X_jv|^2 per sample of the class, for 0/1 rewards
