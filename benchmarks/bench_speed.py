@@ -562,13 +562,15 @@ class Bench:
         and the zero-advantage skip would then make training free).
 
         ``lean``: the same run configured for memory, to set beside TRL's peak: the engine frees its cache
-        after every generation (``engine.release_memory``), microbatches of 10,240 tokens (the largest
+        after every generation (``engine.fast.release_memory``), microbatches of 10,240 tokens (the largest
         budget whose training peak stayed below the generation's, docs/benchmarks.md), and AdamW steps
         the bfloat16 weights without float32 master copies (``optim.master_weights: false``, as TRL's bf16
         runs step)."""
         import tempfile
 
-        from rlvr.config import DataConfig, EngineConfig, LogConfig, ModelConfig, OptimConfig, RolloutConfig, TrainConfig
+        from rlvr.config import (
+            DataConfig, EngineConfig, FastEngineConfig, LogConfig, ModelConfig, OptimConfig, RolloutConfig, TrainConfig,
+        )
         from rlvr.logging_utils import read_metrics
         from rlvr.trainer import train
 
@@ -585,7 +587,7 @@ class Bench:
                               master_weights=not lean),
             model=ModelConfig(compile=True),
             engine=EngineConfig(name=self.engine_name, max_batch_size=engine_rows,
-                                release_memory=lean and self.engine_name == "hf-fast"),
+                                fast=FastEngineConfig(release_memory=lean and self.engine_name == "hf-fast")),
             log=LogConfig(progress=False, engine_logprob_check_every=0, val_samples=0),
             n_steps=self.args.trainer_steps, eval_every=0, eval_at_start=False, dump_every=0, save_every=0,
             policy_device=str(self.device), seed=self.args.seed,

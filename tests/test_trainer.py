@@ -379,27 +379,32 @@ def test_hf_fast_engine_gets_the_engine_config(gsm8k_path, tiny_model, tiny_toke
     """``engine.max_batch_size``, ``release_memory``, ``attention``, ``fuse_projections`` and ``cascade_min_rows`` reach the
     hf-fast engine (max_batch_size was once dropped for it), and a run with the cache released after
     every generation trains as usual."""
-    from rlvr.config import ConfigError, EngineConfig
+    from rlvr.config import ConfigError, EngineConfig, FastEngineConfig
     from rlvr.engines.fast import FastHFEngine
 
-    cfg = tiny_config(gsm8k_path, engine=EngineConfig(name="hf-fast", max_batch_size=4, release_memory=True,
-                                                      attention="sdpa", fuse_projections=False,
-                                                      cascade_min_rows=None))
+    cfg = tiny_config(gsm8k_path, engine=EngineConfig(name="hf-fast", max_batch_size=4,
+                                                      fast=FastEngineConfig(release_memory=True, attention="sdpa",
+                                                                            fuse_projections=False,
+                                                                            cascade_min_rows=None)))
     engine = trainer_mod._make_engine(cfg, tiny_model, tiny_tokenizer)
     assert isinstance(engine, FastHFEngine)
     assert (engine.max_batch_size, engine.release_memory, engine.attention, engine.fuse_projections,
             engine.cascade_min_rows) == (4, True, "sdpa", False, None)
     run(cfg, tmp_path, tiny_model, tiny_tokenizer)
     check_sane(read_metrics(tmp_path / "metrics.jsonl"))
-    with pytest.raises(ConfigError, match="engine.release_memory applies to the hf-fast engine"):
-        tiny_config(gsm8k_path, engine=EngineConfig(name="hf", release_memory=True)).resolve().validate()
-    with pytest.raises(ConfigError, match="engine.attention must be auto, triton or sdpa, got 'flash'"):
-        tiny_config(gsm8k_path, engine=EngineConfig(name="hf-fast", attention="flash")).resolve().validate()
-    with pytest.raises(ConfigError, match="engine.attention applies to the hf-fast engine"):
-        tiny_config(gsm8k_path, engine=EngineConfig(name="hf", attention="sdpa")).resolve().validate()
-    with pytest.raises(ConfigError, match="engine.fuse_projections applies to the hf-fast engine"):
-        tiny_config(gsm8k_path, engine=EngineConfig(name="hf", fuse_projections=False)).resolve().validate()
-    with pytest.raises(ConfigError, match="engine.cascade_min_rows applies to the hf-fast engine"):
-        tiny_config(gsm8k_path, engine=EngineConfig(name="hf", cascade_min_rows=8)).resolve().validate()
-    with pytest.raises(ConfigError, match="engine.cascade_min_rows must be >= 1"):
-        tiny_config(gsm8k_path, engine=EngineConfig(name="hf-fast", cascade_min_rows=0)).resolve().validate()
+
+    def fast_engine(name, **options):
+        return EngineConfig(name=name, fast=FastEngineConfig(**options))
+
+    with pytest.raises(ConfigError, match="engine.fast.release_memory applies to the hf-fast engine"):
+        tiny_config(gsm8k_path, engine=fast_engine("hf", release_memory=True)).resolve().validate()
+    with pytest.raises(ConfigError, match="engine.fast.attention must be auto, triton or sdpa, got 'flash'"):
+        tiny_config(gsm8k_path, engine=fast_engine("hf-fast", attention="flash")).resolve().validate()
+    with pytest.raises(ConfigError, match="engine.fast.attention applies to the hf-fast engine"):
+        tiny_config(gsm8k_path, engine=fast_engine("hf", attention="sdpa")).resolve().validate()
+    with pytest.raises(ConfigError, match="engine.fast.fuse_projections applies to the hf-fast engine"):
+        tiny_config(gsm8k_path, engine=fast_engine("hf", fuse_projections=False)).resolve().validate()
+    with pytest.raises(ConfigError, match="engine.fast.cascade_min_rows applies to the hf-fast engine"):
+        tiny_config(gsm8k_path, engine=fast_engine("hf", cascade_min_rows=8)).resolve().validate()
+    with pytest.raises(ConfigError, match="engine.fast.cascade_min_rows must be >= 1"):
+        tiny_config(gsm8k_path, engine=fast_engine("hf-fast", cascade_min_rows=0)).resolve().validate()

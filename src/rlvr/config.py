@@ -142,6 +142,38 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
+class FastEngineConfig:
+    """Options of the hf-fast engine (also used by auto where it picks hf-fast)."""
+
+    release_memory: bool = False
+    """Free the static KV cache and CUDA graphs after every generation, so that the training step on the same GPU can use that memory (each generation then captures its graphs again, which costs time)."""
+    attention: str = "auto"
+    """Decode attention: triton (one kernel over the shared prompt and response caches; CUDA), sdpa (gathers each row's prompt K/V for torch's SDPA; any device; the CPU tests' reference) or auto (triton on CUDA when Triton is installed, else sdpa)."""
+    fuse_projections: bool = True
+    """On a GPU (compiled decode step): multiply by one stacked q/k/v matrix and one stacked gate/up matrix per layer instead of five (faster decoding; the stacked copies hold about half the model's weights, refreshed from the policy at every generation)."""
+    cascade_min_rows: int | None = 64
+    """With Triton attention and several samples per prompt: batch buckets of at least this many rows read each group's shared prompt once per step for all of its rows (cascade attention), instead of once per row; None turns it off. The default was the fastest of those timed (docs/benchmarks.md)."""
+
+
+@dataclass(frozen=True)
+class WorkerEngineConfig:
+    """Options of the hf-worker engine (its own process and copy of the weights)."""
+
+    dtype: str = "auto"
+    """Engine model dtype (auto: bfloat16 on CUDA, float32 on CPU)."""
+
+
+@dataclass(frozen=True)
+class VLLMEngineConfig:
+    """Options of the vllm engine (an OpenAI-compatible vLLM server)."""
+
+    base_url: str | None = None
+    """URL of a running vLLM server (None: the engine starts ``vllm serve`` itself)."""
+    port: int = 8000
+    """Port of the vLLM server the engine starts."""
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     name: str = "hf"
     """Rollout engine: hf (in-process, shares the policy), hf-fast (the same with a static KV cache and CUDA
@@ -149,24 +181,63 @@ class EngineConfig:
     model, else hf), hf-worker (own process and device), vllm (server)."""
     device: str = "auto"
     """Engine device for hf-worker/vllm (auto: cuda:1 when two GPUs are visible, else the policy device)."""
-    dtype: str = "auto"
-    """Engine model dtype for hf-worker (auto: bfloat16 on CUDA, float32 on CPU)."""
     max_batch_size: int = 256
     """Rows (prompts x samples) decoded together by the hf engines."""
-    release_memory: bool = False
-    """hf-fast: free the static KV cache and CUDA graphs after every generation, so that the training step on the same GPU can use that memory (each generation then captures its graphs again, which costs time)."""
-    attention: str = "auto"
-    """hf-fast decode attention: triton (one kernel over the shared prompt and response caches; CUDA), sdpa (gathers each row's prompt K/V for torch's SDPA; any device; the CPU tests' reference) or auto (triton on CUDA when Triton is installed, else sdpa)."""
-    fuse_projections: bool = True
-    """hf-fast on a GPU (compiled decode step): multiply by one stacked q/k/v matrix and one stacked gate/up matrix per layer instead of five (faster decoding; the stacked copies hold about half the model's weights, refreshed from the policy at every generation)."""
-    cascade_min_rows: int | None = 64
-    """hf-fast with Triton attention and several samples per prompt: batch buckets of at least this many rows read each group's shared prompt once per step for all of its rows (cascade attention), instead of once per row; None turns it off. 64 was the fastest of those timed on an H200 (docs/benchmarks.md)."""
-    vllm_base_url: str | None = None
-    """URL of a running vLLM server (None: the engine starts ``vllm serve`` itself)."""
-    vllm_port: int = 8000
-    """Port of the vLLM server the engine starts."""
     max_staleness: int = 0
     """0: synchronous (every batch sampled by the current weights); 1: one-step-async (hf-worker only): the engine samples batch t+1 while the trainer trains on batch t, and the configured importance reweighting corrects the one step of staleness."""
+    fast: FastEngineConfig = field(default_factory=FastEngineConfig)
+    worker: WorkerEngineConfig = field(default_factory=WorkerEngineConfig)
+    vllm: VLLMEngineConfig = field(default_factory=VLLMEngineConfig)
+
+
+# Engine options that moved under their engine's section: old dotted key -> new one.
+MOVED_KEYS = {
+    "engine.release_memory": "engine.fast.release_memory",
+    "engine.attention": "engine.fast.attention",
+    "engine.fuse_projections": "engine.fast.fuse_projections",
+    "engine.cascade_min_rows": "engine.fast.cascade_min_rows",
+    "engine.dtype": "engine.worker.dtype",
+    "engine.vllm_base_url": "engine.vllm.base_url",
+    "engine.vllm_port": "engine.vllm.port",
+}
+
+
+def moved_key_error(old: str, flag: bool = False) -> ConfigError:
+    """The one-line error for a key that moved (``flag``: spelled as a command-line flag)."""
+    new = MOVED_KEYS[old]
+    if flag:
+        return ConfigError(f"--{old} is now --{new}; rename the flag")
+    return ConfigError(f"config key {old} is now {new}; rename it")
+
+
+def check_moved_flags(args: list[str]) -> None:
+    """Raise ``moved_key_error`` for a command-line flag that names a moved key
+    (``--engine.cascade_min_rows``, ``--engine.cascade-min-rows``, ``--engine.no-fuse-projections``...)."""
+    for arg in args:
+        if not arg.startswith("--"):
+            continue
+        section, _, name = arg[2:].split("=", 1)[0].replace("-", "_").rpartition(".")
+        for candidate in (name, name.removeprefix("no_")):
+            old = f"{section}.{candidate}"
+            if old in MOVED_KEYS:
+                raise moved_key_error(old, flag=True)
+
+
+def upgrade_moved_keys(raw: dict) -> dict:
+    """A copy of a config mapping written before the engine options moved, with each moved key in its
+    new place (for reading a run directory's own ``config.json``, which the user did not write)."""
+    out = json.loads(json.dumps(raw))
+    for old, new in MOVED_KEYS.items():
+        old_section, old_name = old.rsplit(".", 1)
+        section = out.get(old_section)
+        if isinstance(section, dict) and old_name in section:
+            value = section.pop(old_name)
+            *path, name = new.split(".")[1:]
+            target = section
+            for part in path:
+                target = target.setdefault(part, {})
+            target[name] = value
+    return out
 
 
 @dataclass(frozen=True)
@@ -293,7 +364,7 @@ class TrainConfig:
 
         Call on a resolved config (``resolve()`` first).
         """
-        from rlvr.engines import ENGINES
+        from rlvr.engines import engine_names
         from rlvr.grpo import AGGREGATIONS, BASELINES, NORMALIZERS, REWEIGHTINGS
         from rlvr.prompts import PROMPTS
 
@@ -350,20 +421,21 @@ class TrainConfig:
         need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), f"optim.betas must be two numbers in [0, 1), got {o.betas}")
 
         fast_engines = ("hf-fast", "auto")  # auto: hf-fast where it runs the model (these settings apply there)
-        need(self.engine.name in ENGINES, f"unknown engine.name {self.engine.name!r}: choose one of {', '.join(ENGINES)}")
-        need(not self.engine.release_memory or self.engine.name in fast_engines,
-             f"engine.release_memory applies to the hf-fast engine (its static KV cache), not to "
-             f"engine.name={self.engine.name!r}; set it to false or use engine.name=hf-fast")
-        need(self.engine.attention in ("auto", "triton", "sdpa"),
-             f"engine.attention must be auto, triton or sdpa, got {self.engine.attention!r}")
-        need(self.engine.attention == "auto" or self.engine.name in fast_engines,
-             f"engine.attention applies to the hf-fast engine, not to engine.name={self.engine.name!r}; leave it auto")
-        need(self.engine.fuse_projections or self.engine.name in fast_engines,
-             f"engine.fuse_projections applies to the hf-fast engine, not to engine.name={self.engine.name!r}; leave it true")
-        need(self.engine.cascade_min_rows == 64 or self.engine.name in fast_engines,
-             f"engine.cascade_min_rows applies to the hf-fast engine, not to engine.name={self.engine.name!r}; leave it 64")
-        need(self.engine.cascade_min_rows is None or self.engine.cascade_min_rows >= 1,
-             f"engine.cascade_min_rows must be >= 1, or null to turn cascade attention off; got {self.engine.cascade_min_rows}")
+        e, fast = self.engine, self.engine.fast
+        need(e.name in engine_names(), f"unknown engine.name {e.name!r}: choose one of {', '.join(engine_names())}")
+        need(not fast.release_memory or e.name in fast_engines,
+             f"engine.fast.release_memory applies to the hf-fast engine (its static KV cache), not to "
+             f"engine.name={e.name!r}; set it to false or use engine.name=hf-fast")
+        need(fast.attention in ("auto", "triton", "sdpa"),
+             f"engine.fast.attention must be auto, triton or sdpa, got {fast.attention!r}")
+        need(fast.attention == "auto" or e.name in fast_engines,
+             f"engine.fast.attention applies to the hf-fast engine, not to engine.name={e.name!r}; leave it auto")
+        need(fast.fuse_projections or e.name in fast_engines,
+             f"engine.fast.fuse_projections applies to the hf-fast engine, not to engine.name={e.name!r}; leave it true")
+        need(fast.cascade_min_rows == 64 or e.name in fast_engines,
+             f"engine.fast.cascade_min_rows applies to the hf-fast engine, not to engine.name={e.name!r}; leave it 64")
+        need(fast.cascade_min_rows is None or fast.cascade_min_rows >= 1,
+             f"engine.fast.cascade_min_rows must be >= 1, or null to turn cascade attention off; got {fast.cascade_min_rows}")
         need(self.engine.max_staleness in (0, 1),
              f"engine.max_staleness must be 0 (synchronous) or 1 (one-step-async), got {self.engine.max_staleness}")
         if self.engine.max_staleness == 1:
@@ -376,7 +448,8 @@ class TrainConfig:
                      f"algorithm.reweighting={a.reweighting!r} does not correct for that. Set algorithm.reweighting to "
                      "grpo (also called ppo_clip: PPO token clip, cliprange 0.2), noclip, gspo or cispo (or max_staleness=0)")
         need(self.model.dtype in DTYPES, f"unknown model.dtype {self.model.dtype!r}: choose one of {DTYPES}")
-        need(self.engine.dtype in DTYPES, f"unknown engine.dtype {self.engine.dtype!r}: choose one of {DTYPES}")
+        need(self.engine.worker.dtype in DTYPES,
+             f"unknown engine.worker.dtype {self.engine.worker.dtype!r}: choose one of {DTYPES}")
         if self.model.fresh is not None:
             from rlvr.modeling import MODEL_SIZES
 
@@ -531,6 +604,9 @@ def _from_dict(cls, d: dict, where: str):
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     unknown = sorted(set(d) - set(fields))
+    for key in unknown:
+        if where + str(key) in MOVED_KEYS:
+            raise moved_key_error(where + str(key))
     if unknown:
         raise ConfigError(
             f"unknown config key(s) {', '.join(where + str(k) for k in unknown)}; valid keys here: {', '.join(sorted(fields))}"
@@ -621,6 +697,7 @@ def parse_overrides(args: list[str], base: TrainConfig | None = None, prog: str 
     """Apply command-line overrides (``--optim.lr 3e-6 --seed 2``) to ``base`` with tyro."""
     import tyro
 
+    check_moved_flags(args)
     return tyro.cli(TrainConfig, args=args, default=base or TrainConfig(), prog=prog, description=description)
 
 

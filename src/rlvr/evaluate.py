@@ -96,9 +96,9 @@ def evaluate(model, tokenizer, examples, prompt_name: str, engine=None, params: 
     from rlvr.prompts import render, reward_fn_for, stop_strings
 
     if engine is None:
-        from rlvr.engines.hf import HFEngine
+        from rlvr.engines import make_engine
 
-        engine = HFEngine(model, tokenizer)
+        engine = make_engine("hf", model, tokenizer)
     params = params or SamplingParams()
     params = dataclasses.replace(params, stop=tuple(stop_strings(prompt_name)), include_stop_str_in_output=True)
     reward_fn = reward_fn_for(prompt_name)
@@ -236,8 +236,9 @@ def run(cfg: EvalConfig) -> dict:
         cfg = dataclasses.replace(cfg, prompt=("r1_zero",))
     check_args(cfg)
 
+    from rlvr.config import EngineConfig
     from rlvr.data import load_examples
-    from rlvr.engines import make_engine
+    from rlvr.engines import build_engine
     from rlvr.modeling import load_model_and_tokenizer
 
     device = _resolve_device(cfg.device)
@@ -246,15 +247,10 @@ def run(cfg: EvalConfig) -> dict:
     if not examples:
         raise UserError(f"no examples loaded from {cfg.data!r} (split {cfg.split!r}); check --data and --split")
     model, tokenizer = load_model_and_tokenizer(cfg.model, device=device, dtype=dtype)
-    options: dict = {}
-    if cfg.engine in ("hf", "hf-fast", "auto", "hf-worker"):
-        options["max_batch_size"] = cfg.batch_size
-    if cfg.engine == "hf-worker":
-        options["device"] = device
-    if cfg.engine == "vllm":
-        options["served_model"] = cfg.model
-        options["check_sync"] = False
-    engine = make_engine(cfg.engine, model, tokenizer, **options)
+    # A vLLM server takes the second GPU, beside the model loaded here for the tokenizer and grading.
+    engine_device = "cuda:1" if cfg.engine == "vllm" else device
+    engine = build_engine(EngineConfig(name=cfg.engine, device=engine_device, max_batch_size=cfg.batch_size), model,
+                          tokenizer, served_model=cfg.model)
     params = SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_tokens,
                             seed=cfg.seed)
     results, all_samples = {}, []

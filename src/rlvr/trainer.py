@@ -67,7 +67,8 @@ from rlvr.checkpoint import (
     damaged_checkpoints, list_checkpoints, load_model_weights, load_trainer_state, resumable_checkpoint, save_checkpoint,
 )
 from rlvr.config import (
-    RESUMABLE_CHANGES, ConfigError, TrainConfig, config_differences, load_config_file, save_config,
+    RESUMABLE_CHANGES, ConfigError, TrainConfig, check_moved_flags, config_differences, load_config_file, save_config,
+    upgrade_moved_keys,
 )
 from rlvr.errors import UserError
 from rlvr.grpo import (
@@ -169,28 +170,13 @@ def _check_engine_runs_model(config: TrainConfig) -> None:
 
 
 def _make_engine(config: TrainConfig, model, tokenizer):
-    from rlvr.engines import make_engine, resolve_engine_name
+    from rlvr.engines import build_engine, resolve_engine_name
 
-    e = config.engine
-    name = resolve_engine_name(e.name, model)
-    if e.name == "auto" and name == "hf":
+    if config.engine.name == "auto" and resolve_engine_name("auto", model) == "hf":
         from rlvr.engines.fast import unsupported_reason
 
         warnings.warn(f"engine.name auto runs the hf engine: {unsupported_reason(model.config)}", stacklevel=2)
-    if name == "hf":
-        return make_engine("hf", model, tokenizer, max_batch_size=e.max_batch_size)
-    if name == "hf-fast":
-        return make_engine("hf-fast", model, tokenizer, max_batch_size=e.max_batch_size, release_memory=e.release_memory,
-                           attention=e.attention, fuse_projections=e.fuse_projections,
-                           cascade_min_rows=e.cascade_min_rows)
-    if e.name == "hf-worker":
-        dtype = None if e.dtype == "auto" else e.dtype
-        return make_engine("hf-worker", model, tokenizer, device=e.device, dtype=dtype, max_batch_size=e.max_batch_size)
-    if e.name != "vllm":  # an engine registered later: its own defaults
-        return make_engine(e.name, model, tokenizer)
-    gpu = e.device.split(":")[-1] if e.device.startswith("cuda") else "0"
-    return make_engine("vllm", model, tokenizer, served_model=config.model.name_or_path, base_url=e.vllm_base_url,
-                       port=e.vllm_port, gpu=gpu, start_server=e.vllm_base_url is None)
+    return build_engine(config.engine, model, tokenizer, served_model=config.model.name_or_path)
 
 
 def _optimizer_and_scheduler(config: TrainConfig, model, device: torch.device):
@@ -420,7 +406,8 @@ def _read_run_config(run_dir: Path) -> TrainConfig | None:
     if not path.is_file():
         return None
     try:
-        return TrainConfig.from_dict(json.loads(path.read_text()))
+        # Written by rlvr, maybe by a version whose engine options had not moved yet.
+        return TrainConfig.from_dict(upgrade_moved_keys(json.loads(path.read_text())))
     except (ValueError, OSError) as e:  # ConfigError is a ValueError too
         raise ConfigError(f"{path} cannot be read ({e}); start a new run with --config FILE --out DIR") from None
 
@@ -822,6 +809,7 @@ def parse_command(argv: list[str]) -> tuple[TrainConfig, Path, bool]:
     pre.add_argument("--out")
     pre.add_argument("--resume")
     known, _ = pre.parse_known_args(argv)
+    check_moved_flags(argv)
     if known.resume:
         if known.config:
             raise ConfigError("--resume DIR reads DIR/config.json; do not pass --config with it")

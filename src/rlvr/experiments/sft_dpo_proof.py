@@ -113,12 +113,12 @@ def _write_jsonl(path: Path, rows: list[dict]) -> Path:
 def task_accuracy(model, tokenizer, problems, max_new_tokens: int) -> dict:
     """Greedy accuracy on ``problems`` in fine-tuned mode; how often the answer restates the start; how
     often the last computed result (before "The answer is") is right, whatever the answer says."""
-    from rlvr.engines.hf import HFEngine
+    from rlvr.engines import make_engine
     from rlvr.suites.run import SUITES, Suite, run_suite
 
     suite = Suite("arith", "", lambda ex: ex["question"], SUITES["gsm8k"].grade)
     rows = [{"question": ex.question, "answer": ex.ground_truth, "start": str(ex.meta["start"])} for ex in problems]
-    metrics, samples = run_suite(suite, rows, HFEngine(model, tokenizer, max_batch_size=256), "finetuned",
+    metrics, samples = run_suite(suite, rows, make_engine("hf", model, tokenizer, max_batch_size=256), "finetuned",
                                  max_new_tokens)
     results = [re.search(r"= (-?\d+)\. The answer is", s["output"]) for s in samples]
     return {"accuracy": metrics["accuracy"],

@@ -255,17 +255,12 @@ def _resolve_device(device: str) -> str:
 
 
 def _engine(cfg: SuiteConfig, model, tokenizer, device: str):
-    from rlvr.engines import make_engine
+    from rlvr.config import EngineConfig, VLLMEngineConfig
+    from rlvr.engines import build_engine
 
-    options: dict = {}
-    if cfg.engine in ("hf", "hf-fast", "auto", "hf-worker"):
-        options["max_batch_size"] = cfg.batch_size
-    if cfg.engine == "hf-worker":
-        options["device"] = device
-    if cfg.engine == "vllm":
-        options.update(served_model=cfg.model, check_sync=False, base_url=cfg.vllm_base_url,
-                       start_server=cfg.vllm_base_url is None, gpu=device.split(":")[1] if ":" in device else "0")
-    return make_engine(cfg.engine, model, tokenizer, **options)
+    config = EngineConfig(name=cfg.engine, device=device, max_batch_size=cfg.batch_size,
+                          vllm=VLLMEngineConfig(base_url=cfg.vllm_base_url))
+    return build_engine(config, model, tokenizer, served_model=cfg.model)
 
 
 def _write_json(path: Path, obj) -> None:
