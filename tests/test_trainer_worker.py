@@ -81,7 +81,7 @@ def test_one_step_async_run_trains_on_the_sampling_weights_log_probs(gsm8k_path,
         return real_step(*args, **kwargs)
 
     def spy_update(model_, optimizer, input_ids, labels, mask, advantages, *args, **kwargs):
-        updates.append((input_ids.clone(), labels.clone(), mask.clone(), args[3].clone()))
+        updates.append((input_ids.clone(), labels.clone(), mask.clone(), kwargs["old_log_probs"].clone()))
         return real_update(model_, optimizer, input_ids, labels, mask, advantages, *args, **kwargs)
 
     submitted = []

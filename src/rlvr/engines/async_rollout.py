@@ -25,8 +25,9 @@ after a load passed the probe check), and the batch is rejected unless the reque
 version both match. Old log-probs travel in the same reply as the completions they score, so they
 cannot be attached to another batch.
 
-The engine must offer ``snapshot``/``load_snapshot``/``rollout`` (``HFWorkerEngine`` does). The
-in-process engines share the trainer's weights, so they cannot run ahead of it.
+The engine must be a ``WorkerEngine`` (``snapshot``/``load_snapshot``/``rollout``; ``HFWorkerEngine``
+is one). The in-process engines share the trainer's weights, so they cannot run ahead of it; they
+get their batches through ``rlvr.engines.rollouts.SyncRollouts``, behind the same ``next_batch``.
 """
 
 from __future__ import annotations
@@ -34,57 +35,15 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Callable
 
-import torch
+from rlvr.engines.base import Completion, SamplingParams, WorkerEngine
+from rlvr.engines.rollouts import RolloutBatch, RolloutRequest
 
-from rlvr.engines.base import Completion, SamplingParams
+__all__ = ["AsyncRollouts", "QueuedEngine", "RolloutBatch", "RolloutOrderError"]
 
 
 class RolloutOrderError(RuntimeError):
     """A rollout came back with a request id or weight version other than the one it was queued with."""
-
-
-@dataclass
-class RolloutBatch:
-    """One step's rollouts, tagged with the weights that sampled them.
-
-    Rows are prompt-major: row ``i`` is sample ``i % n`` of prompt ``i // n``. The token tensors are
-    ``tokenize_prompt_and_output(repeated prompts, responses)`` and ``old_log_probs`` is aligned with
-    ``labels``: log p(labels[i, t]) under ``weight_version`` (0 where the label is padding).
-    """
-
-    step: int
-    weight_version: int
-    request_id: int
-    prompts: list[str]
-    params: SamplingParams
-    completions: list[list[Completion]]
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    response_mask: torch.Tensor
-    old_log_probs: torch.Tensor | None
-    sync: dict = field(default_factory=dict)
-    """Metrics of the load that put ``weight_version`` on the worker (time/sync, sync/probe_max_abs_diff, ...)."""
-    timings: dict = field(default_factory=dict)
-    """time/generate and time/old_logprobs on the worker, time/queue (waiting behind earlier requests)."""
-
-    @property
-    def responses(self) -> list[str]:
-        return [c.text for group in self.completions for c in group]
-
-    @property
-    def flat_completions(self) -> list[Completion]:
-        return [c for group in self.completions for c in group]
-
-    def metrics(self, current_version: int | None = None) -> dict:
-        """Numbers to log for this batch; ``current_version`` (the trainer's) adds the staleness."""
-        out = {"rollout/weight_version": self.weight_version, **self.timings}
-        out.update({k: v for k, v in self.sync.items() if isinstance(v, (int, float))})
-        if current_version is not None:
-            out["rollout/staleness"] = current_version - self.weight_version
-        return out
 
 
 class AsyncRollouts:
@@ -94,13 +53,14 @@ class AsyncRollouts:
     one-step-async). ``logprob_batch_size`` bounds the rows per forward pass of the worker's old
     log-prob computation; ``old_log_probs=False`` skips it (synchronous on-policy training without
     reweighting; batches then carry None). The caller keeps ownership of ``engine`` unless
-    ``close_engine`` is set.
+    ``close_engine`` is set. ``request`` and ``last_step`` are the defaults of ``next_batch``'s.
     """
 
-    def __init__(self, engine, max_staleness: int = 0, logprob_batch_size: int = 16, old_log_probs: bool = True,
-                 close_engine: bool = False):
-        missing = [m for m in ("snapshot", "load_snapshot", "rollout") if not hasattr(engine, m)]
-        if missing:
+    def __init__(self, engine: WorkerEngine, max_staleness: int = 0, logprob_batch_size: int = 16,
+                 old_log_probs: bool = True, close_engine: bool = False, request: RolloutRequest | None = None,
+                 last_step: int | None = None):
+        if not isinstance(engine, WorkerEngine):
+            missing = [m for m in ("snapshot", "load_snapshot", "rollout") if not hasattr(engine, m)]
             raise TypeError(
                 f"{type(engine).__name__} cannot run rollouts ahead of the trainer (it lacks {', '.join(missing)}); "
                 "use the hf-worker engine, which holds its own copy of the weights in its own process"
@@ -114,6 +74,8 @@ class AsyncRollouts:
         if max_staleness and not old_log_probs:
             raise ValueError("asynchronous rollouts need old log-probs: the trainer must reweight stale samples")
         self.close_engine = close_engine
+        self.request = request
+        self.last_step = last_step
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlvr-rollouts")
         self._lock = threading.Lock()
         self._queued_version: int | None = None   # the version the next queued rollout will see
@@ -174,7 +136,7 @@ class AsyncRollouts:
             raise KeyError(f"no rollouts were submitted for step {step}")
         return fut.result(timeout)
 
-    def next_batch(self, step: int, model, request: Callable[[int], tuple[list[str], SamplingParams]],
+    def next_batch(self, step: int, model, request: RolloutRequest | None = None,
                    last_step: int | None = None) -> RolloutBatch:
         """The whole schedule for 1-based trainer step ``step``, whose weights are version ``step - 1``.
 
@@ -182,7 +144,13 @@ class AsyncRollouts:
         yet submitted (``request(s)`` gives step s's prompts and sampling parameters), and returns
         batch ``step``. Call it once per step, before training on the batch. Steps after
         ``last_step`` (the run's final step) are never submitted, so no generation is wasted at the end.
+        Its ``time/rollout_wait`` is how long the caller waited here (the rest overlapped).
         """
+        t0 = time.perf_counter()
+        request = request or self.request
+        last_step = self.last_step if last_step is None else last_step
+        if request is None:
+            raise TypeError("next_batch needs request(step) -> (prompts, params), here or when the rollouts were built")
         self.sync(model, step - 1)
         ahead = step + self.max_staleness
         if last_step is not None:
@@ -191,7 +159,9 @@ class AsyncRollouts:
             prompts, params = request(s)
             self.submit(s, prompts, params)
             self._submitted = s
-        return self.collect(step)
+        batch = self.collect(step)
+        batch.timings["time/rollout_wait"] = time.perf_counter() - t0
+        return batch
 
     def generate(self, prompts: list[str], params: SamplingParams, timeout: float | None = None) -> list[list[Completion]]:
         """A plain generation (validation) queued behind the pending work, with the weights then loaded;
