@@ -603,6 +603,17 @@ def _validation_due(config: TrainConfig, step: int) -> bool:
     return bool((config.eval_every and step % config.eval_every == 0) or step == config.n_steps)
 
 
+def _validation(config: TrainConfig, step: int, run_dir: Path, run: RunParts, state: TrainState) -> dict:
+    """Validate after step ``step`` through the run's rollouts (never racing a rollout for the engine) and
+    keep the result in ``state.last_val``; returns the metrics to log (none without validation data)."""
+    if not run.val_examples:
+        return {}
+    engine = run.rollouts.engine_for_eval(run.model, step)
+    val = _validate(run.model, run.tokenizer, engine, config, run.val_examples, step, run_dir)
+    state.last_val = {k: v for k, v in val.items() if k.startswith("val/")}
+    return val
+
+
 # ---------------------------------------------------------------------------------------------
 # 4. The loop
 # ---------------------------------------------------------------------------------------------
@@ -846,18 +857,13 @@ def _train(config: TrainConfig, run_dir: Path, ckpt: Path | None, *, model, toke
             resources.callback(bar.close)
 
             if state.step == 0 and config.eval_at_start and run.val_examples:
-                val = _validate(run.model, run.tokenizer, run.rollouts.engine_for_eval(run.model, 0), config,
-                                run.val_examples, 0, run_dir)
-                state.last_val = {k: v for k, v in val.items() if k.startswith("val/")}
+                _validation(config, 0, run_dir, run, state)
                 logger.log({"step": 0, **state.last_val})
             for step in range(state.step + 1, config.n_steps + 1):
                 with DeferInterrupts() as deferred:
-                    metrics = _rollout_step(config, step, run_dir, run, state)
-                    if _validation_due(config, step) and run.val_examples:
-                        val = _validate(run.model, run.tokenizer, run.rollouts.engine_for_eval(run.model, step), config,
-                                        run.val_examples, step, run_dir)
-                        metrics.update(val)
-                        state.last_val = {k: v for k, v in val.items() if k.startswith("val/")}
+                    metrics = _rollout_step(config, step, run_dir, run, state)  # rollout, score, advantages, update
+                    if _validation_due(config, step):
+                        metrics.update(_validation(config, step, run_dir, run, state))
                     logger.log(metrics)
                     state.step, state.in_update = step, False
                     if config.save_every and step % config.save_every == 0:
@@ -884,7 +890,6 @@ def progress_postfix(metrics: dict, last_val: dict) -> dict:
     if "val/reward" in last_val:
         postfix["val"] = f"{last_val['val/reward']:.3f}"
     return postfix
-
 
 
 # ---------------------------------------------------------------------------------------------
