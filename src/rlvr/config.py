@@ -12,6 +12,10 @@ key and the expected type (an integer where a float is expected is fine; a quote
 integer is not). YAML files are read with YAML 1.2 numbers, so ``lr: 1e-5`` is a float (PyYAML's
 YAML 1.1 rules would read it as a string).
 
+Options of one engine sit in that engine's section (``engine.fast.*``, ``engine.worker.*``,
+``engine.vllm.*``); a key or flag from before that grouping (``engine.cascade_min_rows``) is an error
+that names the new key (``MOVED_KEYS``).
+
 ``resolve()`` fills what follows from other fields (the preset's axes, the clip range of the
 reweighting method, the Dr. GRPO normalisation constant, the devices) and ``validate()`` rejects
 impossible combinations with a message that names the fix. Both run before any model loads.

@@ -60,10 +60,10 @@ class AsyncRollouts:
                  old_log_probs: bool = True, close_engine: bool = False, request: RolloutRequest | None = None,
                  last_step: int | None = None):
         if not isinstance(engine, WorkerEngine):
-            missing = [m for m in ("snapshot", "load_snapshot", "rollout") if not hasattr(engine, m)]
             raise TypeError(
-                f"{type(engine).__name__} cannot run rollouts ahead of the trainer (it lacks {', '.join(missing)}); "
-                "use the hf-worker engine, which holds its own copy of the weights in its own process"
+                f"{type(engine).__name__} cannot run rollouts ahead of the trainer (it is not a WorkerEngine: no "
+                "snapshot, load_snapshot and rollout); use the hf-worker engine, which holds its own copy of the "
+                "weights in its own process"
             )
         if max_staleness not in (0, 1):
             raise ValueError(f"max_staleness must be 0 (synchronous) or 1 (one-step-async), got {max_staleness}")

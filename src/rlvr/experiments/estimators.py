@@ -21,7 +21,8 @@ from typing import Sequence
 
 import numpy as np
 
-from rlvr.experiments.runs import Run, flatten, group_runs, read_rollouts
+from rlvr.config import flatten
+from rlvr.experiments.runs import Run, group_runs, read_rollouts
 from rlvr.grpo.diagnostics import ADVANTAGE_MASS, SEQ_EPS, TOKEN_EPS, group_gradient_weight, predicted_group_weight
 from rlvr.grpo.variance import ESTIMATORS
 

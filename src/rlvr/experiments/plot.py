@@ -26,9 +26,9 @@ from typing import Sequence
 
 import numpy as np
 
+from rlvr.config import flatten
 from rlvr.experiments.runs import (
-    BANDS, VAL_REWARD, Run, aggregate, config_value, final_values, flatten, group_runs, load_runs,
-    varying_config_keys,
+    BANDS, VAL_REWARD, Run, aggregate, config_value, final_values, group_runs, load_runs, varying_config_keys,
 )
 
 BAND_LABEL = {"minmax": "min/max across seeds", "ci95": "95% t-interval of the mean"}
