@@ -423,6 +423,10 @@ ONE_LINE_CASES = [
     ("train", ["--config", "{tiny}", "--out", "{tmp}/r", "--rollout.group_size", "1",
                "--algorithm.advantage_normalizer", "none"], "makes every advantage 0"),
     ("train", ["--resume", "{tmp}"], "config.json not found"),
+    ("train", ["--config", "{tiny}", "--out", "{tmp}/r", "--engine.cascade_min_rows", "32"],
+     "--engine.cascade_min_rows is now --engine.fast.cascade_min_rows"),
+    ("train", ["--config", "{tmp}/old_keys.yaml", "--out", "{tmp}/r"],
+     "config key engine.release_memory is now engine.fast.release_memory"),
     ("eval", ["--model", "./no/such/model", "--out", "{tmp}/e"], "no such directory"),
     ("eval", ["--model", "{tmp}", "--out", "{tmp}/e"], "without config.json"),
     ("sft", ["--model", "tiny", "--data", "{tmp}/missing.jsonl", "--out", "{tmp}/s"], "no such file"),
@@ -438,6 +442,7 @@ def test_user_errors_are_one_line(command, args, expect, tmp_path, capsys):
     tiny = tmp_path / "tiny.yaml"
     tiny.write_text(TINY_YAML)
     (tmp_path / "file").write_text("not a directory")
+    (tmp_path / "old_keys.yaml").write_text(TINY_YAML + "engine: {name: hf-fast, release_memory: true}\n")
     argv = [a.format(tmp=tmp_path, tiny=tiny) for a in args]
     assert cli([command, *argv]) == 2
     assert expect in one_line_error(capsys, command)
