@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 6's GPU study on one H200, in one command (about 15 minutes: an on-policy run takes ~50 s and an
+# The GPU variant study on one H200, in one command (about 15 minutes: an on-policy run takes ~50 s and an
 # off-policy run ~150 s with 8 runs sharing the GPU):
-#   1. the warm start of issue 5's proof (fresh ~19 M OLMo-2 '20m', `rlvr sft` on
+#   1. the warm start of the learning proof (fresh ~19 M OLMo-2 '20m', `rlvr sft` on
 #      arith:steps=2,max_value=20,format_noise=0.8), and `rlvr eval` of it;
 #   2. the five on-policy presets (configs/sweeps/onpolicy_arith.yaml: grpo, grpo_constant, dr_grpo,
 #      rft, maxrl), 4 seeds each: 16 prompts x 8 samples, one optimizer step per rollout batch,
