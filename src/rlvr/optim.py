@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 
-class _MasterWeights:
+class _MasterWeights(torch.optim.Optimizer):
     """Mixin over a ``torch.optim`` class: the optimizer steps float32 masters of the given
     parameters (same arguments as the optimizer).
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from typing import Any
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -140,7 +141,7 @@ class EndpointJudge:
         return models[0]["id"]
 
     def _one(self, prompt: str) -> str:
-        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "temperature": 0.0,
+        body: dict[str, Any] = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "temperature": 0.0,
                 "max_tokens": self.max_tokens}
         import requests
 
