@@ -157,7 +157,7 @@ def dpo_section(cfg: BenchConfig, model, tokenizer, device, pairs: int, pair_tok
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         times = []
-        for step in range(3):  # step 0: reference log-probs computed; later steps: cached
+        for _ in range(3):  # step 0: reference log-probs computed; later steps: cached
             sync(device)
             t0 = time.perf_counter()
             dpo_step(policy, optimizer, token_pairs, list(range(pairs)), cache, 0.1, pad, 1.0)

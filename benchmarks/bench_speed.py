@@ -724,7 +724,7 @@ class Bench:
         from transformers import AutoConfig
 
         prompts = self.forced_prompts if hasattr(self, "forced_prompts") else self.fixed_length_prompts()
-        P, T = len(prompts), self.new_tokens
+        T = self.new_tokens
         params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=T, seed=0, ignore_eos=True)
         ids = dict(pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id,
                    bos_token_id=self.tok.bos_token_id)
