@@ -84,25 +84,31 @@ def _category(format_reward: float, answer_reward: float) -> str:
     return "correct" if answer_reward > 0.5 else "formatted_wrong"
 
 
-def evaluate(model, tokenizer, examples, prompt_name: str, engine=None, params: SamplingParams | None = None,
-             progress: bool = False, chunk_size: int = 256) -> tuple[dict, list[dict]]:
-    """Sample, grade and summarise ``examples`` under prompt ``prompt_name``.
+def evaluate(model, tokenizer, examples, prompt_name, engine=None, params: SamplingParams | None = None,
+             progress: bool = False, chunk_size: int = 256, reward=None) -> tuple[dict, list[dict]]:
+    """Sample, grade and summarise ``examples`` under a prompt: a ``Prompt`` or a name ``resolve_prompt`` takes.
 
     ``engine`` defaults to an in-process ``HFEngine`` on ``model``. The prompt owns its stop strings
     (they replace ``params.stop`` and are kept in the output). Questions go to the engine in chunks of
     ``chunk_size`` (chunk ``i`` uses seed ``params.seed + i``), which is what the progress bar counts.
+    ``reward`` grades the responses (default: the prompt's own); a ``Reward`` also gets each
+    example's other fields and adds ``rewards`` (the mean of each extra number it reports) to the metrics.
     Returns ``(metrics, samples)``; see the module docstring for the metric keys.
     """
-    from rlvr.prompts import render, reward_fn_for, stop_strings
+    from rlvr.prompts import Prompt, resolve_prompt
+    from rlvr.reward_functions import BUILTIN_REWARDS, Reward, score_responses
 
+    prompt = prompt_name if isinstance(prompt_name, Prompt) else resolve_prompt(prompt_name)
+    prompt = prompt.bind(tokenizer)
+    prompt_name = prompt.name
     if engine is None:
         from rlvr.engines.hf import HFEngine
 
         engine = HFEngine(model, tokenizer)
     params = params or SamplingParams()
-    params = dataclasses.replace(params, stop=tuple(stop_strings(prompt_name)), include_stop_str_in_output=True)
-    reward_fn = reward_fn_for(prompt_name)
-    prompts = [render(prompt_name, ex.question) for ex in examples]
+    params = dataclasses.replace(params, stop=prompt.stop, include_stop_str_in_output=True)
+    reward_fn = reward if reward is not None else BUILTIN_REWARDS[prompt.default_reward]
+    prompts = [prompt.render(ex.question) for ex in examples]
 
     bar = None
     if progress:
@@ -121,16 +127,23 @@ def evaluate(model, tokenizer, examples, prompt_name: str, engine=None, params: 
         bar.close()
 
     samples = []
-    for q, (ex, prompt, group) in enumerate(zip(examples, prompts, outputs)):
-        for j, comp in enumerate(group):
-            r = reward_fn(comp.text, ex.ground_truth)
-            samples.append({
-                "prompt_name": prompt_name, "question_index": q, "sample_index": j, "question": ex.question,
-                "prompt": prompt, "response": comp.text, "ground_truth": ex.ground_truth,
-                "format_reward": float(r["format_reward"]), "answer_reward": float(r["answer_reward"]),
-                "reward": float(r["reward"]), "finish_reason": comp.finish_reason, "num_tokens": len(comp.token_ids),
-                "category": _category(r["format_reward"], r["answer_reward"]),
-            })
+    flat = [(q, j, ex, text, comp) for q, (ex, text, group) in enumerate(zip(examples, prompts, outputs))
+            for j, comp in enumerate(group)]
+    if isinstance(reward_fn, Reward):
+        _, meta = score_responses(reward_fn, [f[4].text for f in flat], [f[2].ground_truth for f in flat],
+                                  [f[2].meta for f in flat])
+        scores, extra = meta["scores"], meta["logged"]
+    else:
+        scores, extra = [reward_fn(f[4].text, f[2].ground_truth) for f in flat], {}
+    for (q, j, ex, text, comp), r in zip(flat, scores):
+        samples.append({
+            "prompt_name": prompt_name, "question_index": q, "sample_index": j, "question": ex.question,
+            "prompt": text, "response": comp.text, "ground_truth": ex.ground_truth,
+            "format_reward": float(r.get("format_reward", 0.0)), "answer_reward": float(r.get("answer_reward", r["reward"])),
+            "reward": float(r["reward"]), "finish_reason": comp.finish_reason, "num_tokens": len(comp.token_ids),
+            "category": _category(r.get("format_reward", 0.0), r.get("answer_reward", r["reward"])),
+            **{k: v for k, v in r.items() if k not in ("reward", "format_reward", "answer_reward")},
+        })
     n = len(samples)
     tokens = sum(s["num_tokens"] for s in samples)
     mean = (lambda key: sum(s[key] for s in samples) / n) if n else (lambda key: 0.0)
@@ -145,6 +158,8 @@ def evaluate(model, tokenizer, examples, prompt_name: str, engine=None, params: 
         "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
         "time_s": elapsed,
     }
+    if extra:
+        metrics["rewards"] = {k.removeprefix("reward/"): v for k, v in extra.items()}
     k = params.n
     if n and k > 1:
         metrics.update(sample_metrics([s["category"] == "correct" for s in samples], k))
