@@ -34,7 +34,6 @@ import tyro
 
 from rlvr.engines.base import SamplingParams
 
-PromptName = Literal["r1_zero", "question_only", "r1_zero_three_shot"]
 CATEGORIES = ("correct", "formatted_wrong", "unformatted")
 
 
@@ -46,14 +45,38 @@ class EvalConfig:
     """Local model directory or hub id (e.g. allenai/OLMo-2-0425-1B)."""
     out: Path
     """Output directory for results.json and samples.jsonl."""
-    prompt: Annotated[tuple[PromptName, ...], tyro.conf.UseAppendAction] = ()
-    """Prompt to evaluate; repeat the flag for several (default: r1_zero)."""
+    prompt: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
+    """Prompt to evaluate: a built-in (r1_zero, question_only, r1_zero_three_shot), a template file with a {question} placeholder, or chat (the model's chat template); repeat the flag for several (default: r1_zero)."""
+    system: str | None = None
+    """prompt chat: the system message."""
+    user_template: str | None = None
+    """prompt chat: the user message, a template text or file with a {question} placeholder."""
+    stop: tuple[str, ...] | None = None
+    """Stop strings, replacing the prompt's own."""
+    reward: str | None = None
+    """Reward function: r1_zero, question_only, boxed, exact, package.module:function or path/to/file.py:function (default: each prompt's own)."""
+    reward_fns: tuple[str, ...] = ()
+    """Several reward functions summed with --reward-weights (instead of --reward)."""
+    reward_weights: tuple[float, ...] = ()
+    """Weight of each of --reward-fns (default: 1 each)."""
+    reward_timeout_s: float = 10.0
+    """Seconds one call of a user reward function may take (then it scores 0 and is counted)."""
     data: str = "openai/gsm8k"
-    """GSM8K JSONL file, a directory with {split}.jsonl, or the hub id openai/gsm8k."""
+    """Data: a JSONL, JSON, Parquet or CSV file, a folder with the split's file, a hub dataset id, or a task such as arith:steps=2."""
     split: str = "test"
     """Data split to evaluate."""
+    data_config: str | None = None
+    """Config (subset) name of a hub dataset."""
+    question_field: str = "question"
+    """Column that holds the question."""
+    answer_field: str = "answer"
+    """Column that holds the answer; the other columns reach the reward function."""
+    answer_format: str = "gsm8k"
+    """How the ground truth comes out of the answer: gsm8k (after the last ####), boxed (the last \\boxed{}) or raw."""
+    config: Path | None = None
+    """A training config file: evaluate its validation sets with its prompt, data and reward settings (instead of the flags above)."""
     limit: int | None = None
-    """Evaluate only the first N questions."""
+    """Evaluate only the first N questions (of each validation set with --config)."""
     temperature: float = 1.0
     """Sampling temperature (0 is greedy)."""
     top_p: float = 1.0
@@ -247,19 +270,23 @@ def run(cfg: EvalConfig) -> dict:
     from rlvr.errors import UserError
     from rlvr.rundir import atomic_write_json, atomic_write_jsonl
 
+    from rlvr.task_config import eval_tasks
+
+    tasks = eval_tasks(cfg)  # the prompts, data sets and reward, checked before anything loads
     if not cfg.prompt:
-        cfg = dataclasses.replace(cfg, prompt=("r1_zero",))
+        cfg = dataclasses.replace(cfg, prompt=tuple(p.name for p in tasks.prompts))
     check_args(cfg)
 
-    from rlvr.data import load_examples
     from rlvr.engines import make_engine
     from rlvr.modeling import load_model_and_tokenizer
 
     device = _resolve_device(cfg.device)
     dtype = None if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
-    examples = load_examples(cfg.data, split=cfg.split, limit=cfg.limit)
-    if not examples:
-        raise UserError(f"no examples loaded from {cfg.data!r} (split {cfg.split!r}); check --data and --split")
+    data_sets = tasks.load_data()
+    for set_name, examples in data_sets:
+        if not examples:
+            raise UserError(f"no examples loaded from {set_name or cfg.data!r}; check --data and --split")
+    rewards = tasks.rewards(data_sets[0][1])
     model, tokenizer = load_model_and_tokenizer(cfg.model, device=device, dtype=dtype)
     options: dict = {}
     if cfg.engine in ("hf", "hf-fast", "auto", "hf-worker"):
@@ -274,12 +301,17 @@ def run(cfg: EvalConfig) -> dict:
                             seed=cfg.seed)
     results, all_samples = {}, []
     try:
-        for name in dict.fromkeys(cfg.prompt):
-            metrics, samples = evaluate(model, tokenizer, examples, name, engine, params, progress=True)
-            results[name] = metrics
-            all_samples += samples
+        for set_name, examples in data_sets:
+            for prompt, reward in zip(tasks.prompts, rewards):
+                metrics, samples = evaluate(model, tokenizer, examples, prompt, engine, params, progress=True,
+                                            reward=reward)
+                key = tasks.result_name(set_name, prompt)
+                results[key] = metrics
+                all_samples += [dict(s, prompt_name=key) for s in samples]
     finally:
         engine.close()
+        for reward in rewards:
+            reward.close()
 
     cfg.out.mkdir(parents=True, exist_ok=True)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()}
