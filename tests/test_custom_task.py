@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import json
+import re
+import shlex
 import shutil
 from pathlib import Path
 
@@ -39,12 +41,36 @@ def save_model(family: str, tokenizer, where: Path) -> Path:
     return where
 
 
+def page_commands() -> dict[str, list[str]]:
+    """The ``rlvr eval`` and ``rlvr train`` commands of docs/custom_task.md, as argument lists."""
+    text = (REPO / "docs" / "custom_task.md").read_text(encoding="utf-8")
+    commands = {}
+    for block in re.findall(r"```bash\n(.*?)```", text, flags=re.S):
+        for line in block.splitlines():
+            if line.startswith("rlvr "):
+                argv = shlex.split(line)[1:]
+                commands[argv[0]] = argv
+    assert set(commands) == {"eval", "train"}, "the page must show one rlvr eval and one rlvr train command"
+    return commands
+
+
+def with_values(argv: list[str], **values) -> list[str]:
+    """``argv`` with the values of the flags named in ``values`` (``out="x"``: ``--out x``) replaced."""
+    argv = list(argv)
+    for flag, value in values.items():
+        i = argv.index(f"--{flag}")
+        argv[i + 1] = value
+    return argv
+
+
 @pytest.mark.parametrize("family, data_format", [("llama", "jsonl"), ("qwen2", "parquet"), ("qwen3", "jsonl"),
                                                  ("olmo2", "parquet")])
 def test_example_task_trains_and_evaluates_on_each_family(family, data_format, chat_tokenizer, tmp_path, monkeypatch):
+    """The page's two commands on a tiny model (``rlvr train`` with hf-fast and the tiny sizes)."""
     from rlvr.cli import main
 
     monkeypatch.chdir(REPO)  # the example's paths are relative to the repository root, as the page runs them
+    commands = page_commands()
     model_dir = save_model(family, chat_tokenizer, tmp_path / "model")
     data = []
     if data_format == "parquet":
@@ -55,8 +81,8 @@ def test_example_task_trains_and_evaluates_on_each_family(family, data_format, c
         pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
         data = ["--data.train_source", str(tmp_path / "train.parquet")]
     run = tmp_path / "run"
-    assert main(["train", "--config", str(EXAMPLE / "config.yaml"), "--out", str(run),
-                 "--model.name_or_path", str(model_dir), *TINY, *data]) == 0
+    assert main([*with_values(commands["train"], out=str(run)), "--model.name_or_path", str(model_dir), *TINY,
+                 *data]) == 0
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows[1:]:
@@ -68,10 +94,11 @@ def test_example_task_trains_and_evaluates_on_each_family(family, data_format, c
     assert "Sort these words alphabetically:" in dumped[0]["prompt"]
 
     out = tmp_path / "eval"
-    assert main(["eval", "--model", str(model_dir), "--config", str(EXAMPLE / "config.yaml"), "--out", str(out),
-                 "--limit", "2", "--n", "2", "--max-tokens", "6", "--engine", "hf-fast", "--device", "cpu"]) == 0
+    assert main([*with_values(commands["eval"], model=str(model_dir), out=str(out)), "--limit", "2",
+                 "--max-tokens", "6", "--engine", "hf-fast", "--device", "cpu"]) == 0
     result = json.loads((out / "results.json").read_text())["results"]["chat"]
-    assert result["n"] == 4 and set(result["pass_at_k"]) == {"1", "2"} and "avg_at_k" in result
+    k = int(commands["eval"][commands["eval"].index("--n") + 1])
+    assert result["n"] == 2 * k and set(result["pass_at_k"]) >= {"1", str(k)} and "avg_at_k" in result
     assert set(result["rewards"]) == {"same_words", "pairs_in_order", "timeouts"}
 
 
