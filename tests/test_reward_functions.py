@@ -116,3 +116,30 @@ def test_bad_specs_are_named_with_the_fix(user_file):
         build_reward("exact", ["boxed"])
     with pytest.raises(RewardConfigError, match="reward.weights has 1 numbers for 2 reward.fns"):
         build_reward(None, ["exact", "boxed"], [1.0])
+
+
+def test_a_function_cut_off_on_every_call_stops_the_run(user_file, monkeypatch):
+    import rlvr.reward_functions as rf
+
+    monkeypatch.setattr(rf, "TIMEOUTS_IN_A_ROW_LIMIT", 3)
+    reward = build_reward(f"{user_file}:slow", timeout_s=0.2)
+    try:
+        assert reward("hang", "x")["timed_out"] == 1.0 and reward("fine", "x")["reward"] == 1.0  # the count resets
+        reward("hang", "x"), reward("hang", "x")
+        with pytest.raises(RewardFunctionError, match=r"took longer than reward.timeout_s=0.2 s on 3 calls in a row"):
+            reward("hang", "x")
+    finally:
+        reward.close()
+
+
+def test_the_trainer_stops_with_the_reward_functions_message(gsm8k_path, tiny_model, tiny_tokenizer, tmp_path,
+                                                             user_file):
+    from test_trainer import tiny_config
+
+    from rlvr.config import RewardConfig
+    from rlvr.trainer import GraderError, train
+
+    cfg = tiny_config(gsm8k_path, reward=RewardConfig(fn=f"{user_file}:broken"), eval_at_start=False)
+    with pytest.raises(GraderError, match=r"the reward function failed at step 1: RewardFunctionError: .*broken' "
+                                          r"raised KeyError: 'no such thing'"):
+        train(cfg, tmp_path / "run", model=tiny_model, tokenizer=tiny_tokenizer)

@@ -265,7 +265,12 @@ def load_hub(name: str, split: str, limit: int | None = None, config: str | None
     try:
         ds = datasets.load_dataset(name, config, split=split)
     except ValueError as e:  # an unknown config or split: datasets names the ones there are
-        raise DataError(f"hub dataset {name} (config {config}, split {split}): {e}; set data.config / the split") from None
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DataError(f"hub dataset {name} (config {config}, split {split}): {first}; set data.config or the split") from None
+    except (OSError, ConnectionError) as e:  # not found, or no network
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DataError(f"hub dataset {name} could not be loaded ({type(e).__name__}: {first}); check the id and your "
+                        "network, or give a local file") from None
     out = []
     for i, row in enumerate(ds):
         if limit is not None and i >= limit:

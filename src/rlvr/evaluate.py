@@ -165,7 +165,8 @@ def evaluate(model, tokenizer, examples, prompt_name, engine=None, params: Sampl
             "format_reward": float(r.get("format_reward", 0.0)), "answer_reward": float(r.get("answer_reward", r["reward"])),
             "reward": float(r["reward"]), "finish_reason": comp.finish_reason, "num_tokens": len(comp.token_ids),
             "category": _category(r.get("format_reward", 0.0), r.get("answer_reward", r["reward"])),
-            **{k: v for k, v in r.items() if k not in ("reward", "format_reward", "answer_reward")},
+            **{k: v for k, v in r.items() if k not in ("reward", "format_reward", "answer_reward")
+               and not (k == "timed_out" and not v)},
         })
     n = len(samples)
     tokens = sum(s["num_tokens"] for s in samples)

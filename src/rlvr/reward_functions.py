@@ -6,7 +6,8 @@
 other numbers, which are logged as ``train/reward/<name>``. It runs in a worker process (see
 ``rlvr.reward_worker``) through the same line protocol as the symbolic grader: a call that takes longer
 than ``reward.timeout_s`` kills the worker, scores 0 and is counted (``reward/timeouts``); the next
-call starts a fresh worker. A function that raises stops the run with its message.
+call starts a fresh worker; a function cut off on ``TIMEOUTS_IN_A_ROW_LIMIT`` calls in a row, or that
+raises, stops the run with a message that says so.
 
 ``reward.fns`` with ``reward.weights`` sums several rewards into one; each one's reward is then
 logged under its own name.
@@ -31,6 +32,8 @@ BUILTIN_REWARDS: dict[str, Callable] = {
 }
 WORKER_STARTUP_TIMEOUT_S = 120.0
 """Seconds a user reward's worker may take to import the function (its module may load a lot)."""
+TIMEOUTS_IN_A_ROW_LIMIT = 8
+"""A user function cut off on this many calls in a row stops the run (it would only burn time)."""
 _PROTOCOL_KEYS = ("reward", "format_reward", "answer_reward")
 
 
@@ -67,7 +70,8 @@ class UserRewardFunction:
         self.name = component_name(spec)
         self.timeout_s = timeout_s
         worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reward_worker.py")
-        self.worker = rewards.LineWorker([sys.executable, "-P", worker, spec], WORKER_STARTUP_TIMEOUT_S)
+        self.worker = rewards.LineWorker([sys.executable, "-P", worker, spec], WORKER_STARTUP_TIMEOUT_S, quiet=False)
+        self.timeouts_in_a_row = 0
 
     def start(self, fields: Sequence[str] = ()) -> None:
         """Load the function now and check that it takes ``(response, ground_truth, **fields)`` with
@@ -88,11 +92,18 @@ class UserRewardFunction:
             reply = self.worker.request({"response": response, "ground_truth": ground_truth, "fields": fields},
                                         self.timeout_s)
         except TimeoutError:
+            self.timeouts_in_a_row += 1
+            if self.timeouts_in_a_row >= TIMEOUTS_IN_A_ROW_LIMIT:
+                # Every call cut off: the function is broken, and each call would cost a full timeout.
+                raise RewardFunctionError(
+                    f"reward function {self.spec!r} took longer than reward.timeout_s={self.timeout_s} s on "
+                    f"{self.timeouts_in_a_row} calls in a row; make it faster or raise reward.timeout_s") from None
             return {"reward": 0.0, "timed_out": 1.0}
         except rewards.WorkerStartError as e:
             raise RewardFunctionError(f"reward function {self.spec!r} could not be loaded: {e}") from None
         except (OSError, ValueError) as e:
             raise RewardFunctionError(f"reward function {self.spec!r} ended its worker process ({e})") from None
+        self.timeouts_in_a_row = 0
         if not reply.get("ok"):
             raise RewardFunctionError(f"reward function {self.spec!r} raised {reply.get('error')}")
         return as_reward_dict(reply["value"], self.spec)

@@ -485,9 +485,11 @@ class LineWorker:
     serve, or one JSON line ``{"error": message}`` and exits when it cannot (``WorkerStartError``).
     """
 
-    def __init__(self, command: list[str], startup_timeout: float) -> None:
+    def __init__(self, command: list[str], startup_timeout: float, quiet: bool = True) -> None:
         self.command = command
         self.startup_timeout = startup_timeout
+        self.quiet = quiet
+        """Discard the child's stderr (else it shares ours, so that a user's prints and warnings show)."""
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._owner_pid = -1
@@ -523,7 +525,7 @@ class LineWorker:
             self._stop()
         if self._proc is None:
             self._proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                          stderr=subprocess.DEVNULL, bufsize=0)
+                                          stderr=subprocess.DEVNULL if self.quiet else None, bufsize=0)
             self._owner_pid = os.getpid()
             try:
                 first = self._read_line(self._proc, self.startup_timeout)
