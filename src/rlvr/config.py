@@ -60,7 +60,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     train_source: str = "openai/gsm8k"
-    """Training data: a GSM8K JSONL file, a directory with {split}.jsonl, the hub id openai/gsm8k, or a task such as arith:steps=2."""
+    """Training data: a JSONL, JSON, Parquet or CSV file, a folder holding the split's file, a hub dataset id such as openai/gsm8k, or a task such as arith:steps=2."""
     train_split: str = "train"
     """Split of ``train_source`` to train on."""
     train_size: int | None = 6400
