@@ -60,12 +60,13 @@ def test_chat_prompt_renders_system_and_user_template(tiny_tokenizer):
 # --- one-line errors before any model loads ------------------------------------------------------
 
 
+def refuse_to_load(*args, **kwargs):
+    raise AssertionError("the model was loaded before the settings were checked")
+
+
 @pytest.fixture()
 def no_model_load(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("the model was loaded before the settings were checked")
-
-    monkeypatch.setattr(trainer_mod, "_load_policy", refuse)
+    monkeypatch.setattr(trainer_mod, "_load_policy", refuse_to_load)
 
 
 @pytest.mark.parametrize("overrides, message", [
@@ -134,3 +135,28 @@ def test_bad_validation_sources_are_named(gsm8k_path, tmp_path, spec, message):
     cfg = tiny_config(gsm8k_path, data=DataConfig(train_source=str(gsm8k_path), train_size=16, val_sources=(spec,)))
     with pytest.raises(UserError, match=message):
         train(cfg, tmp_path / "run")
+
+
+# --- rlvr eval reads the same settings -----------------------------------------------------------
+
+
+def test_eval_refuses_bad_settings_in_one_line_before_loading(tmp_path, capsys, gsm8k_path, tiny_model,
+                                                               tiny_tokenizer, monkeypatch):
+    import rlvr.modeling
+    from rlvr.cli import main
+
+    tiny_model.save_pretrained(tmp_path / "model")
+    tiny_tokenizer.save_pretrained(tmp_path / "model")
+    monkeypatch.setattr(rlvr.modeling, "load_model_and_tokenizer", refuse_to_load)
+    capsys.readouterr()
+    base = ["eval", "--model", str(tmp_path / "model"), "--out", str(tmp_path / "out"), "--data", str(gsm8k_path)]
+    for extra, message in [
+        (["--reward", "nope.py:f"], "reward.fn 'nope.py:f': no such file nope.py"),
+        (["--prompt", "missing.prompt"], "unknown prompt 'missing.prompt'"),
+        (["--question-field", "problem"], "no column 'problem' (columns: question, answer)"),
+        (["--config", str(tmp_path / "c.yaml"), "--prompt", "chat"], "sets the prompt, data and reward; leave out --prompt"),
+    ]:
+        (tmp_path / "c.yaml").write_text("prompt: question_only\n")
+        assert main(base + extra) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and message in err[0], err
