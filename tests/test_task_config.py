@@ -57,6 +57,20 @@ def test_chat_prompt_renders_system_and_user_template(tiny_tokenizer):
         resolve_prompt("r1_zero", system="Be brief.")
 
 
+def test_chat_prompt_warns_when_the_turn_does_not_end_at_eos(tiny_tokenizer):
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    with pytest.warns(UserWarning, match="ends a turn with '<\\|end\\|>' but the tokenizer's EOS token is '<\\|endoftext\\|>'"):
+        resolve_prompt("chat").bind(tok)
+    tok.chat_template = tok.chat_template.replace("<|end|>", tok.eos_token)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resolve_prompt("chat").bind(tok)
+
+
 # --- one-line errors before any model loads ------------------------------------------------------
 
 

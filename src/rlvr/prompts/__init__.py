@@ -20,6 +20,7 @@ Every prompt carries its stop strings; ``PromptOptions.stop`` replaces them.
 from __future__ import annotations
 
 import string
+import warnings
 from dataclasses import dataclass, replace
 from functools import cache
 from importlib import resources
@@ -122,6 +123,11 @@ class Prompt:
         if self.kind != CHAT:
             return self
         check_chat_template(tokenizer)
+        end = end_of_turn(tokenizer)
+        if end and tokenizer.eos_token and end != tokenizer.eos_token:
+            warnings.warn(f"prompt chat: the chat template ends a turn with {end!r} but the tokenizer's EOS token is "
+                          f"{tokenizer.eos_token!r}, where generation stops; responses may run on past the turn. Use "
+                          "the instruct model's tokenizer (its EOS is the end of a turn)", stacklevel=2)
         return replace(self, tokenizer=tokenizer)
 
     def render(self, question: str) -> str:
@@ -184,6 +190,19 @@ def resolve_prompt(prompt: str, system: str | None = None, user_template: str | 
         raise PromptError(f"prompt file {prompt}: cannot be read as text ({e}); pass a UTF-8 template file") from None
     return Prompt(path.stem, "file", tuple(stop or ()), OTHER_PROMPTS_REWARD,
                   template=_check_template(text, f"prompt file {prompt}"))
+
+
+def end_of_turn(tokenizer) -> str | None:
+    """The text the chat template puts after an assistant message (its end-of-turn token), if any."""
+    marker = "\u2063rlvr-end-of-turn\u2063"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}],
+                                             tokenize=False)
+    except Exception:  # noqa: BLE001 (templates may refuse this conversation; then there is nothing to check)
+        return None
+    if marker not in text:
+        return None
+    return text.rsplit(marker, 1)[1].strip() or None
 
 
 def check_chat_template(tokenizer) -> None:
