@@ -159,6 +159,10 @@ class Reward:
     def name(self) -> str:
         return "+".join(n for n, _, _ in self.components)
 
+    @property
+    def has_user_functions(self) -> bool:
+        return any(isinstance(fn, UserRewardFunction) for _, fn, _ in self.components)
+
     def start(self, fields: Sequence[str] = ()) -> None:
         """Start the user functions' workers and check their signatures (before any model loads)."""
         for _, fn, _ in self.components:
@@ -229,7 +233,7 @@ def score_responses(reward_fn, responses: Sequence[str], ground_truths: Sequence
                 sums.setdefault(k, []).append(v)
     n = len(scores)
     logged = {f"reward/{k}": sum(v) / len(v) for k, v in sums.items() if all(math.isfinite(x) for x in v)}
-    if any(isinstance(fn, UserRewardFunction) for _, fn, _ in reward_fn.components):
+    if reward_fn.has_user_functions:
         logged["reward/timeouts"] = float(sum(s["timed_out"] for s in scores))
     meta = {
         "reward_mean": rewards_t.mean().item() if n else 0.0,
