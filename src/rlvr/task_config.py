@@ -111,9 +111,8 @@ def task_config_problems(config) -> list[str]:
         problems.append("prompt chat needs the model tokenizer's chat template, and model.fresh trains a tokenizer "
                         "without one; use a built-in prompt or a template file with model.fresh")
     d = config.data
-    for key in ("answer_format",):
-        if getattr(d, key) not in ANSWER_FORMATS:
-            problems.append(f"unknown data.answer_format {d.answer_format!r}: choose one of {', '.join(ANSWER_FORMATS)}")
+    if d.answer_format not in ANSWER_FORMATS:
+        problems.append(f"unknown data.answer_format {d.answer_format!r}: choose one of {', '.join(ANSWER_FORMATS)}")
     for key in ("question_field", "answer_field"):
         if not getattr(d, key):
             problems.append(f"data.{key} is empty; name the column")
@@ -130,7 +129,7 @@ def task_config_problems(config) -> list[str]:
         if d.val_sources and d.val_source is not None:
             problems.append("set data.val_source (one validation set) or data.val_sources (several, named), not both")
         for s in sets:
-            if s.answer_format not in ANSWER_FORMATS:
+            if s.name and s.answer_format not in ANSWER_FORMATS:
                 problems.append(f"data.val_sources {s.name}: unknown answer_format {s.answer_format!r}: choose one of "
                                 f"{', '.join(ANSWER_FORMATS)}")
     r = config.reward
