@@ -138,3 +138,18 @@ def test_copying_the_example_elsewhere_works_with_paths_relative_to_the_run(chat
         assert reward(f"Answer: {ex.ground_truth}", ex.ground_truth, **ex.meta)["reward"] == 1.0
     finally:
         reward.close()
+
+
+def test_eval_of_a_config_with_named_validation_sets(chat_tokenizer, tmp_path, monkeypatch):
+    from rlvr.cli import main
+
+    monkeypatch.chdir(REPO)
+    model_dir = save_model("llama", chat_tokenizer, tmp_path / "model")
+    text = (EXAMPLE / "config.yaml").read_text().replace(
+        "  val_source: examples/sort_words/test.jsonl\n",
+        "  val_sources: ['held_out=examples/sort_words/test.jsonl', 'seen=examples/sort_words/train.jsonl size=3']\n")
+    (tmp_path / "config.yaml").write_text(text)
+    assert main(["eval", "--model", str(model_dir), "--config", str(tmp_path / "config.yaml"), "--out",
+                 str(tmp_path / "eval"), "--max-tokens", "4", "--device", "cpu", "--limit", "2"]) == 0
+    results = json.loads((tmp_path / "eval" / "results.json").read_text())["results"]
+    assert {name: m["n"] for name, m in results.items()} == {"held_out": 2, "seen": 2}

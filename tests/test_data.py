@@ -228,3 +228,21 @@ def test_boxed_format_needs_a_box_and_unknown_formats_are_refused(tmp_path):
         load_examples(str(path), answer_format="boxed")
     with pytest.raises(DataError, match="answer_format 'latex': choose one of gsm8k, boxed, raw"):
         load_examples(str(path), answer_format="latex")
+
+
+def test_a_hub_dataset_gets_its_config_split_and_columns(monkeypatch):
+    import datasets
+
+    calls = []
+
+    def fake_load_dataset(name, config, split):
+        calls.append((name, config, split))
+        return [{"problem": "1+1?", "solution": "so \\boxed{2}", "type": "Algebra"}]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    [ex] = load_examples("someone/math", "test", question_field="problem", answer_field="solution",
+                         answer_format="boxed", config="algebra")
+    assert calls == [("someone/math", "algebra", "test")]
+    assert (ex.question, ex.ground_truth, ex.meta) == ("1+1?", "2", {"type": "Algebra"})
+    load_examples("openai/gsm8k", "train", question_field="problem", answer_field="solution", answer_format="boxed")
+    assert calls[-1] == ("openai/gsm8k", "main", "train")  # GSM8K's one config by default
