@@ -1,9 +1,10 @@
 """`rlvr eval`: prompting baselines and validation.
 
 For each prompt the model answers every question (``n`` samples each) through an engine; each
-response is graded by the prompt's reward function and falls in one of three categories:
+response is graded by the reward (``--reward``, else the prompt's own) and falls in one of three
+categories:
 
-* ``correct``: formatted and right (format 1, answer 1);
+* ``correct``: formatted and right (format 1, answer above 0.5);
 * ``formatted_wrong``: formatted but wrong (format 1, answer 0);
 * ``unformatted``: the grader could not find an answer (format 0).
 
@@ -13,7 +14,10 @@ response is graded by the prompt's reward function and falls in one of three cat
 with ``n`` = k samples per question also ``avg_at_k`` (the share of a question's k samples that are
 correct, averaged over questions) and ``pass_at_k`` (``{j: pass@j}`` for j = 1, 2, 4, ... and k: the
 chance that at least one of j samples drawn from the k is correct, by the unbiased estimator of Chen
-et al. 2021).
+et al. 2021); with a reward that reports extra numbers, ``rewards`` (the mean of each).
+The prompt, data and reward flags are those of training (``--prompt chat``, ``--question-field``,
+``--reward path/to/file.py:function``, ...); ``--config FILE`` takes them from a training config
+instead and evaluates its validation sets, keyed by their names when ``data.val_sources`` names them.
 ``DIR/samples.jsonl`` has one line per response. The trainer calls ``evaluate()`` for validation.
 ``rlvr eval`` checks its arguments and ``--out`` before loading anything, and refuses to replace an
 earlier evaluation's results in ``--out`` unless given ``--overwrite``.
