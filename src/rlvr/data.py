@@ -44,6 +44,11 @@ class Example:
     meta: dict = field(default_factory=dict, compare=False, hash=False)
     """The row's other columns: they reach the reward function as keyword arguments."""
 
+    @property
+    def fields(self) -> dict:
+        """The keyword arguments of the reward function for this example (the row's other columns)."""
+        return self.meta
+
 
 class DataError(UserError, ValueError):
     """Malformed task data."""

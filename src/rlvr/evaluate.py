@@ -158,7 +158,7 @@ def evaluate(model, tokenizer, examples, prompt_name, engine=None, params: Sampl
             for j, comp in enumerate(group)]
     if isinstance(reward_fn, Reward):
         _, meta = score_responses(reward_fn, [f[4].text for f in flat], [f[2].ground_truth for f in flat],
-                                  [f[2].meta for f in flat])
+                                  [f[2].fields for f in flat])
         scores, extra = meta["scores"], meta["logged"]
     else:
         scores, extra = [reward_fn(f[4].text, f[2].ground_truth) for f in flat], {}

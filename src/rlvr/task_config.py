@@ -184,7 +184,7 @@ def load_task_data(config):
 def prepare_reward(config, examples, prompt=None):
     """The run's ``Reward``, its user functions loaded and checked against the fields of ``examples``."""
     reward = build_reward(config, prompt)
-    fields = sorted({k for ex in examples[:1] for k in ex.meta})
+    fields = sorted({k for ex in examples[:1] for k in ex.fields})
     clash = [f for f in fields if f in ("response", "ground_truth")]
     if clash and reward.has_user_functions:
         raise TaskConfigError(f"the data has a column {clash[0]!r}, the name of a reward function argument; rename the "

@@ -678,7 +678,7 @@ def _rollout_step(config: TrainConfig, step: int, model, tokenizer, engine, opti
     n_gen_tokens = sum(len(c.token_ids) for c in completions)
 
     t0 = time.perf_counter()
-    raw_rewards, reward_meta = _grade(reward_fn, responses, truths, step, [ex.meta for ex in examples for _ in range(G)])
+    raw_rewards, reward_meta = _grade(reward_fn, responses, truths, step, [ex.fields for ex in examples for _ in range(G)])
     advantages, adv_meta = compute_group_normalized_rewards(raw_rewards, G, a.baseline, a.advantage_eps, a.advantage_normalizer)
     metrics["time/reward"] = time.perf_counter() - t0
     ks = sorted({k for k in (2 ** i for i in range(G.bit_length())) if k <= G} | {G})
