@@ -67,7 +67,6 @@ class UserRewardFunction:
 
     def __init__(self, spec: str, timeout_s: float):
         self.spec = spec
-        self.name = component_name(spec)
         self.timeout_s = timeout_s
         worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reward_worker.py")
         self.worker = rewards.LineWorker([sys.executable, "-P", worker, spec], WORKER_STARTUP_TIMEOUT_S, quiet=False)
@@ -154,10 +153,6 @@ class Reward:
             fn = BUILTIN_REWARDS[spec] if spec in BUILTIN_REWARDS else UserRewardFunction(spec, timeout_s)
             self.components.append((name, fn, float(weight)))
         self.specs = list(specs)
-
-    @property
-    def name(self) -> str:
-        return "+".join(n for n, _, _ in self.components)
 
     @property
     def has_user_functions(self) -> bool:

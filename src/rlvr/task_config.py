@@ -43,10 +43,10 @@ class DataSource:
     answer_field: str
     answer_format: str
 
-    def load(self, seed: int = 0, limit: int | None = None):
+    def load(self, seed: int = 0):
         from rlvr.data import load_examples
 
-        return load_examples(self.source, self.split, limit=self.size if limit is None else limit, seed=seed,
+        return load_examples(self.source, self.split, limit=self.size, seed=seed,
                              question_field=self.question_field, answer_field=self.answer_field,
                              answer_format=self.answer_format, config=self.config)
 
