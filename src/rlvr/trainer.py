@@ -72,7 +72,7 @@ from rlvr.config import (
 )
 from rlvr.errors import UserError
 from rlvr.grpo import (
-    REWEIGHTINGS, compile_backbone, compute_group_normalized_rewards, compute_log_probs_batched, compute_rollout_rewards,
+    REWEIGHTINGS, compile_backbone, compute_group_normalized_rewards, compute_log_probs_batched,
     pass_at_k, policy_gradient_update, tokenize_from_ids,
 )
 from rlvr.grpo.diagnostics import update_record
@@ -221,9 +221,11 @@ def _optimizer_and_scheduler(config: TrainConfig, model, device: torch.device):
 # ---------------------------------------------------------------------------------------------
 
 
-def _grade(reward_fn, responses, ground_truths, step: int):
+def _grade(reward_fn, responses, ground_truths, step: int, fields=None):
+    from rlvr.reward_functions import score_responses
+
     try:
-        raw, meta = compute_rollout_rewards(reward_fn, responses, ground_truths)
+        raw, meta = score_responses(reward_fn, responses, ground_truths, fields)
     except Exception as e:  # noqa: BLE001 - any grader bug must stop the run, with its cause
         raise GraderError(
             f"the reward function failed at step {step}: {type(e).__name__}: {e}. Fix the grader."
@@ -265,23 +267,27 @@ def _step_examples(config: TrainConfig, train_examples, step: int) -> list:
                                                      step - 1, config.seed)]
 
 
-def _sampling_params(config: TrainConfig, step: int):
+def _sampling_params(config: TrainConfig, step: int, prompt=None):
     from rlvr.engines.base import SamplingParams
-    from rlvr.prompts import stop_strings
+    from rlvr.task_config import build_prompt
 
     r = config.rollout
+    prompt = prompt or build_prompt(config)
     return SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                          stop=tuple(stop_strings(config.prompt)), include_stop_str_in_output=True,
+                          stop=prompt.stop, include_stop_str_in_output=True,
                           seed=derive_seed(config.seed, "rollout", step))
 
 
-def _rollout_request(config: TrainConfig, train_examples):
-    """``request(s)``: the prompts and sampling parameters of 1-based step s (a pure function of the seed and s)."""
-    from rlvr.prompts import render
+def _rollout_request(config: TrainConfig, train_examples, prompt=None):
+    """``request(s)``: the prompts and sampling parameters of 1-based step s (a pure function of the seed and s).
+    ``prompt``: the run's bound ``Prompt`` (default: the config's, which needs no tokenizer unless it is chat)."""
+    from rlvr.task_config import build_prompt
+
+    prompt = prompt or build_prompt(config)
 
     def request(s: int):
-        prompts = [render(config.prompt, ex.question) for ex in _step_examples(config, train_examples, s)]
-        return prompts, _sampling_params(config, s)
+        prompts = [prompt.render(ex.question) for ex in _step_examples(config, train_examples, s)]
+        return prompts, _sampling_params(config, s, prompt)
 
     return request
 
@@ -301,7 +307,7 @@ def _make_rollouts(config: TrainConfig, engine):
         raise EngineError(f"engine.max_staleness={config.engine.max_staleness} cannot run on this engine: {e}") from e
 
 
-def _sample_in_process(config: TrainConfig, step: int, model, engine, train_examples, metrics: dict):
+def _sample_in_process(config: TrainConfig, step: int, model, engine, train_examples, metrics: dict, prompt=None):
     """Sync the engine, generate step ``step``'s batch; returns (prompts, groups, None)."""
     t0 = time.perf_counter()
     try:
@@ -311,7 +317,7 @@ def _sample_in_process(config: TrainConfig, step: int, model, engine, train_exam
                           "Check the engine (its log, memory, the server).") from e
     metrics["time/sync"] = time.perf_counter() - t0
     metrics.update({k: v for k, v in sync_meta.items() if k != "time/sync" and isinstance(v, (int, float))})
-    prompts, params = _rollout_request(config, train_examples)(step)
+    prompts, params = _rollout_request(config, train_examples, prompt)(step)
     t0 = time.perf_counter()
     try:
         groups = engine.generate(prompts, params)
@@ -323,10 +329,10 @@ def _sample_in_process(config: TrainConfig, step: int, model, engine, train_exam
     return prompts, groups, None
 
 
-def _sample_from_rollouts(config: TrainConfig, step: int, model, rollouts, train_examples, metrics: dict):
+def _sample_from_rollouts(config: TrainConfig, step: int, model, rollouts, train_examples, metrics: dict, prompt=None):
     """Step ``step``'s batch from the rollout queue (sampled ``max_staleness`` steps ago at most);
     returns (prompts, groups, RolloutBatch)."""
-    request = _rollout_request(config, train_examples)
+    request = _rollout_request(config, train_examples, prompt)
     t0 = time.perf_counter()
     try:
         rb = rollouts.next_batch(step, model, request, last_step=config.n_steps)
@@ -350,28 +356,33 @@ def _minibatches(n_rows: int, train_batch: int, shuffle: bool, seed: int, step: 
     return [order[i:i + train_batch] for i in range(0, n_rows, train_batch)]
 
 
-def _validate(model, tokenizer, engine, config: TrainConfig, examples, step: int, run_dir: Path) -> dict:
+def _validate(model, tokenizer, engine, config: TrainConfig, val_sets, step: int, run_dir: Path, prompt=None,
+              reward=None) -> dict:
+    """Validate on each ``(name, examples)`` of ``val_sets`` (a bare list of examples: one unnamed set).
+    The first set is logged as val/reward, ...; each named one also as val/NAME/accuracy, ..."""
     from rlvr.engines.base import SamplingParams
     from rlvr.evaluate import evaluate
+    from rlvr.task_config import validation_metrics
 
+    if val_sets and not isinstance(val_sets[0], tuple):
+        val_sets = [("", val_sets)]
     r = config.rollout
     params = SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                             seed=derive_seed(config.seed, "val"))
     t0 = time.perf_counter()
-    try:
-        metrics, samples = evaluate(model, tokenizer, examples, config.prompt, engine=engine, params=params,
-                                    chunk_size=max(1, config.engine.max_batch_size))
-    except Exception as e:  # noqa: BLE001
-        raise EngineError(f"validation failed at step {step}: {type(e).__name__}: {e}.") from e
+    out, dump = {}, []
+    for i, (name, examples) in enumerate(val_sets):
+        try:
+            metrics, samples = evaluate(model, tokenizer, examples, prompt or config.prompt, engine=engine, params=params,
+                                        chunk_size=max(1, config.engine.max_batch_size), reward=reward)
+        except Exception as e:  # noqa: BLE001
+            raise EngineError(f"validation{' on ' + name if name else ''} failed at step {step}: {type(e).__name__}: {e}.") from e
+        out.update(validation_metrics(metrics, name, first=i == 0))
+        dump += [dict(s, val_set=name) if name else s for s in samples[: config.log.val_samples]]
     if config.log.val_samples:
-        write_jsonl(run_dir / "rollouts" / f"val_step_{step}.jsonl", samples[: config.log.val_samples])
-    return {
-        "val/reward": metrics["accuracy"],
-        "val/format_reward": metrics["format_rate"],
-        "val/response_length": metrics["mean_response_length"],
-        "val/truncated_frac": metrics["truncated_rate"],
-        "time/eval": time.perf_counter() - t0,
-    }
+        write_jsonl(run_dir / "rollouts" / f"val_step_{step}.jsonl", dump)
+    out["time/eval"] = time.perf_counter() - t0
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -456,8 +467,8 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False, *, mod
     With ``resume`` the run continues from the newest checkpoint in ``out_dir`` (or starts if there is
     none; returns at once if ``summary.json`` says it already finished all ``n_steps``). ``model`` and
     ``tokenizer`` replace loading ``config.model``; ``reward_fn(response, ground_truth) -> dict``
-    replaces the prompt's reward function for training rollouts (validation always uses the prompt's
-    grader); ``engine`` replaces building ``config.engine`` (the caller then owns and closes it).
+    replaces the configured reward for training rollouts (validation always uses the configured one:
+    ``reward.fn``, else the prompt's own); ``engine`` replaces building ``config.engine`` (the caller then owns and closes it).
 
     Raises ``ConfigError`` before any model loads for impossible settings, ``RunDirBusy`` when
     another process writes to ``out_dir``, ``TrainingError`` when a fault stops the run (the last
@@ -492,19 +503,18 @@ def _train(config: TrainConfig, run_dir: Path, ckpt: Path | None, *, model, toke
     random.seed(config.seed)
     np.random.seed(config.seed % 2**32)
 
-    # Data before the model: a bad data setting should fail in seconds, not after a model load.
-    from rlvr.data import load_examples
+    # Data and reward before the model: a bad setting should fail in seconds, not after a model load.
+    from rlvr.task_config import build_prompt, check_chat_tokenizer, load_task_data, prepare_reward
 
-    d = config.data
-    train_examples = load_examples(d.train_source, d.train_split, limit=d.train_size, seed=config.seed)
-    val_examples = load_examples(d.val_source or d.train_source, d.val_split, limit=d.val_size or None, seed=config.seed) \
-        if d.val_size else []
-    config.check_data(len(train_examples), len(val_examples))
-    val_examples = val_examples[: d.val_size]
+    train_examples, val_examples = load_task_data(config)
+    config.check_data(len(train_examples), len(val_examples[0][1]) if val_examples and not val_examples[0][0]
+                      else config.data.val_size)
+    prompt = build_prompt(config)
+    if prompt.kind == "chat" and model is None and ckpt is None:
+        check_chat_tokenizer(config.model.name_or_path)
+    val_reward = prepare_reward(config, train_examples, prompt)  # the configured reward; validation always uses it
     if reward_fn is None:
-        from rlvr.prompts import reward_fn_for
-
-        reward_fn = reward_fn_for(config.prompt)
+        reward_fn = val_reward
 
     device = torch.device(config.policy_device)
     dtype = _dtype(config.model.dtype, device)
@@ -518,6 +528,7 @@ def _train(config: TrainConfig, run_dir: Path, ckpt: Path | None, *, model, toke
         model.to(device=device, dtype=dtype)
         if ckpt is not None:
             load_model_weights(model, ckpt / "model")
+    prompt = prompt.bind(tokenizer)
     if config.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     backbone = compile_backbone(model) if config.model.compile else None
@@ -579,17 +590,18 @@ def _train(config: TrainConfig, run_dir: Path, ckpt: Path | None, *, model, toke
                    dynamic_ncols=True)
         if start_step == 0 and config.eval_at_start and val_examples:
             loop["last_val"] = {k: v for k, v in _validate(model, tokenizer, eval_engine(0), config, val_examples, 0,
-                                                           run_dir).items()
+                                                           run_dir, prompt, val_reward).items()
                                 if k.startswith("val/")}
             logger.log({"step": 0, **loop["last_val"]})
         for step in range(start_step + 1, config.n_steps + 1):
             with DeferInterrupts() as deferred:
                 metrics = _rollout_step(config, step, model, tokenizer, engine, optimizer, scheduler, reward_fn,
                                         train_examples, loop, run_dir, mark_dirty=lambda: progress.update(dirty=True),
-                                        rollouts=rollouts, backbone=backbone)
+                                        rollouts=rollouts, backbone=backbone, prompt=prompt)
                 if (config.eval_every and step % config.eval_every == 0) or step == config.n_steps:
                     if val_examples:
-                        val = _validate(model, tokenizer, eval_engine(step), config, val_examples, step, run_dir)
+                        val = _validate(model, tokenizer, eval_engine(step), config, val_examples, step, run_dir,
+                                        prompt, val_reward)
                         metrics.update(val)
                         loop["last_val"] = {k: v for k, v in val.items() if k.startswith("val/")}
                 logger.log(metrics)
@@ -630,6 +642,7 @@ def _train(config: TrainConfig, run_dir: Path, ckpt: Path | None, *, model, toke
             rollouts.close()
         if own_engine and engine is not None:
             engine.close()
+        val_reward.close()
 
 
 def progress_postfix(metrics: dict, last_val: dict) -> dict:
@@ -642,7 +655,7 @@ def progress_postfix(metrics: dict, last_val: dict) -> dict:
 
 
 def _rollout_step(config: TrainConfig, step: int, model, tokenizer, engine, optimizer, scheduler, reward_fn,
-                  train_examples, loop: dict, run_dir: Path, mark_dirty, rollouts=None, backbone=None) -> dict:
+                  train_examples, loop: dict, run_dir: Path, mark_dirty, rollouts=None, backbone=None, prompt=None) -> dict:
     """Steps 1-6 of the module docstring for 1-based rollout step ``step``; returns its metrics.
 
     With ``rollouts`` (an ``AsyncRollouts``) the batch, its tokenisation and its old log-probs come
@@ -653,9 +666,9 @@ def _rollout_step(config: TrainConfig, step: int, model, tokenizer, engine, opti
     t_step = time.perf_counter()
 
     if rollouts is None:
-        prompts, groups, rb = _sample_in_process(config, step, model, engine, train_examples, metrics)
+        prompts, groups, rb = _sample_in_process(config, step, model, engine, train_examples, metrics, prompt)
     else:
-        prompts, groups, rb = _sample_from_rollouts(config, step, model, rollouts, train_examples, metrics)
+        prompts, groups, rb = _sample_from_rollouts(config, step, model, rollouts, train_examples, metrics, prompt)
     examples = _step_examples(config, train_examples, step)
     if len(groups) != P or any(len(g) != G for g in groups):
         raise EngineError(f"the engine returned {[len(g) for g in groups]} completions for {P} prompts x {G} samples at step {step}")
@@ -665,7 +678,7 @@ def _rollout_step(config: TrainConfig, step: int, model, tokenizer, engine, opti
     n_gen_tokens = sum(len(c.token_ids) for c in completions)
 
     t0 = time.perf_counter()
-    raw_rewards, reward_meta = _grade(reward_fn, responses, truths, step)
+    raw_rewards, reward_meta = _grade(reward_fn, responses, truths, step, [ex.fields for ex in examples for _ in range(G)])
     advantages, adv_meta = compute_group_normalized_rewards(raw_rewards, G, a.baseline, a.advantage_eps, a.advantage_normalizer)
     metrics["time/reward"] = time.perf_counter() - t0
     ks = sorted({k for k in (2 ** i for i in range(G.bit_length())) if k <= G} | {G})
@@ -678,6 +691,7 @@ def _rollout_step(config: TrainConfig, step: int, model, tokenizer, engine, opti
         "train/truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
         "train/zero_adv_frac": adv_meta["zero_adv_frac"],
         **{f"train/pass@{k}": v for k, v in pass_at_k(raw_rewards > 0.5, G, ks).items()},
+        **{f"train/{k}": v for k, v in reward_meta.get("logged", {}).items()},
     })
 
     # Tokenise from text (what every engine returns) so that training sees the same ids whatever the
