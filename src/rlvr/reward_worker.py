@@ -93,7 +93,7 @@ def serve(spec: str) -> None:
         try:
             if "bind" in request:
                 inspect.signature(fn).bind("", "", **{k: None for k in request["bind"]})
-                reply = {"ok": True, "value": None}
+                reply: dict[str, object] = {"ok": True, "value": None}
             else:
                 value = fn(request["response"], request["ground_truth"], **request.get("fields", {}))
                 reply = {"ok": True, "value": _jsonable(value)}
