@@ -9,7 +9,7 @@ DEMO_OUT ?= runs/demo
 GPU_PYTHON ?= python3
 GSM8K_DIR ?= ../shared/data/gsm8k
 
-.PHONY: demo test gpu-check venv clean
+.PHONY: demo test test-fast lint gpu-check venv clean
 
 venv: $(STAMP)
 
@@ -26,6 +26,17 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The inner loop: every test but those marked slow (the learning proofs and the fault drills), stopping
+# at the first failure.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -x -m "not slow" tests
+
+# ruff (lint, then format check) over the tree and mypy over src/rlvr; settings in pyproject.toml.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 # What only a GPU runs: the tests marked gpu (Triton and cascade attention over head_dims and batch sizes,
 # CUDA-graph replay, compiled training, a train step per engine, a learning smoke run), then every

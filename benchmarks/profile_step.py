@@ -8,7 +8,10 @@ A diagnostic companion to ``bench_speed.py`` (which measures end to end): prints
 3. the compile time and step time of the training step through ``compile_backbone`` and a
    ``torch.profiler`` table of one compiled step.
 
-Usage: ``PYTHONPATH=src python benchmarks/profile_step.py --data-dir DIR [--tiny]``.
+``--family NAME`` (one of ``bench_speed.FAMILY_MODELS``) runs the decode part on that model's exact shape
+(random weights) instead of OLMo-2-1B's.
+
+Usage: ``PYTHONPATH=src python benchmarks/profile_step.py --data-dir DIR [--tiny] [--only decode] [--family NAME]``.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench_speed import Bench
+from bench_speed import FAMILY_MODELS, TINY_FAMILY_SHAPE, Bench
 from rlvr.engines.base import SamplingParams
 from rlvr.engines.fast import FastHFEngine
 from rlvr.grpo.logprobs import compile_backbone
@@ -162,16 +165,39 @@ def training(bench: Bench):
     bench.free()
 
 
+def use_family_model(bench: Bench, name: str) -> None:
+    """Swap the bench's model for one of ``FAMILY_MODELS`` at its exact shape (random weights)."""
+    from transformers import AutoConfig
+
+    from rlvr.modeling import build_model
+
+    model_type, shape = FAMILY_MODELS[name]
+    shape = dict(shape, **(TINY_FAMILY_SHAPE if bench.tiny else {}))
+    if bench.tiny:
+        shape["vocab_size"] = len(bench.tok) + 64
+    config = AutoConfig.for_model(model_type, **shape, pad_token_id=bench.tok.pad_token_id,
+                                  eos_token_id=bench.tok.eos_token_id, bos_token_id=bench.tok.bos_token_id)
+    del bench.model
+    bench.free()
+    with torch.device(bench.device):
+        bench.model = build_model(config, seed=0, dtype=bench.dtype).eval()
+    print(f"\n# model: {name} ({sum(p.numel() for p in bench.model.parameters()) / 1e9:.2f} B parameters)", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data-dir", required=True)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--only", choices=("decode", "attention", "training"), default=None)
+    ap.add_argument("--family", choices=tuple(FAMILY_MODELS), default=None,
+                    help="profile the decode step on this model's shape instead of OLMo-2-1B's")
     args = ap.parse_args()
     args.seed, args.all_variants, args.skip_baselines = 0, False, True
     bench = Bench(args)
     bench.setup()
     bench.ceilings()
+    if args.family:
+        use_family_model(bench, args.family)
     if args.only in (None, "decode"):
         decode(bench)
     if args.only in (None, "attention"):

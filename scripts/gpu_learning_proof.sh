@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 5's GPU proof on one H200, in one command (about 4 minutes):
+# The GPU learning proof on one H200, in one command (about 4 minutes):
 #   1. warm-start a fresh ~19 M-parameter OLMo-2 ('20m') with `rlvr sft` on a harder arith setting
 #      whose reference solutions are mostly written in a near-miss format (format_noise);
 #   2. `rlvr eval` of the warm start (the three format categories);

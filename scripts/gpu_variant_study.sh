@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Issue 6's GPU study on one H200, in one command (about 15 minutes: an on-policy run takes ~50 s and an
+# The GPU variant study on one H200, in one command (about 15 minutes: an on-policy run takes ~50 s and an
 # off-policy run ~150 s with 8 runs sharing the GPU):
-#   1. the warm start of issue 5's proof (fresh ~19 M OLMo-2 '20m', `rlvr sft` on
+#   1. the warm start of the learning proof (fresh ~19 M OLMo-2 '20m', `rlvr sft` on
 #      arith:steps=2,max_value=20,format_noise=0.8), and `rlvr eval` of it;
 #   2. the five on-policy presets (configs/sweeps/onpolicy_arith.yaml: grpo, grpo_constant, dr_grpo,
 #      rft, maxrl), 4 seeds each: 16 prompts x 8 samples, one optimizer step per rollout batch,
@@ -17,7 +17,7 @@
 # Runs share the one GPU: PARALLEL (default 4) at a time per suite, both suites at once.
 # Usage: scripts/gpu_variant_study.sh OUT_DIR [DEVICE] [SCALE] [SUITES]
 #   SCALE=tiny runs the same pipeline on a CPU in a few minutes (plumbing check, no learning claim).
-#   SUITES: "onpolicy offpolicy" (default) or one of them. A second call with the same OUT_DIR reuses the
+#   SUITES: "onpolicy offpolicy" (default) or one of them. SEEDS (default "0 1 2 3") picks the seeds. A second call with the same OUT_DIR reuses the
 #   warm start found there, so the suites can run one call each and still start from one warm start.
 set -euo pipefail
 OUT=${1:?usage: gpu_variant_study.sh OUT_DIR [DEVICE] [SCALE]}
@@ -30,7 +30,7 @@ if [ "$SCALE" = tiny ]; then
   SEEDS="0 1"; EVAL_EVERY=1; DIAG=1
 else
   SIZE=20m; SFT_STEPS=600; ON_STEPS=50; OFF_STEPS=40; VAL=500; ON_PROMPTS=16; OFF_PROMPTS=32; ENGINE=hf-fast; PAR=${PARALLEL:-4}
-  SEEDS="0 1 2 3"; EVAL_EVERY=10; DIAG=5
+  SEEDS=${SEEDS:-0 1 2 3}; EVAL_EVERY=10; DIAG=5
 fi
 PY=${PYTHON:-python}
 mkdir -p "$OUT"

@@ -1,4 +1,4 @@
-"""Config: defaults reproduce SPEC, presets resolve, impossible settings are errors naming the fix,
+"""Config: defaults reproduce the course's settings, presets resolve, impossible settings are errors naming the fix,
 files (YAML/TOML) plus command-line overrides parse, and the shipped example configs validate."""
 
 from __future__ import annotations

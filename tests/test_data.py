@@ -147,3 +147,102 @@ def test_missing_local_path_is_an_error_not_a_hub_lookup(tmp_path):
         load_examples(str(tmp_path / "no" / "such" / "gsm8k"))
     with pytest.raises(DataError, match="cannot load data"):
         load_examples("./data/gsm8k")
+
+
+# --- other files, columns and answer formats ---------------------------------------------------
+
+
+def custom_rows():
+    return [{"problem": "What is 1/2 + 1/2?", "solution": "It is $\\boxed{1}$.", "level": 2},
+            {"problem": "Simplify x + x.", "solution": "We get \\boxed{2x}.", "level": 3}]
+
+
+def write_table(path: Path, rows: list[dict]) -> Path:
+    """``rows`` as the file type of ``path``'s suffix."""
+    if path.suffix == ".jsonl":
+        return write_jsonl(path, [json.dumps(r) for r in rows])
+    if path.suffix == ".json":
+        path.write_text(json.dumps(rows, indent=2), encoding="utf-8")
+    elif path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    elif path.suffix == ".csv":
+        import csv
+
+        with path.open("w", newline="", encoding="utf-8") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet", ".csv"])
+def test_every_file_type_with_mapped_columns_and_boxed_answers(tmp_path, suffix):
+    path = write_table(tmp_path / f"math{suffix}", custom_rows())
+    examples = load_examples(str(path), question_field="problem", answer_field="solution", answer_format="boxed")
+    assert [(e.question, e.ground_truth) for e in examples] == [("What is 1/2 + 1/2?", "1"), ("Simplify x + x.", "2x")]
+    level = [e.meta["level"] for e in examples]
+    assert level == (["2", "3"] if suffix == ".csv" else [2, 3])  # CSV has no types; the rest keep theirs
+    assert examples[0].solution == "It is $\\boxed{1}$."
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".jsonl", ".csv"])
+def test_a_folder_holds_the_split_as_one_file_or_shards(tmp_path, suffix):
+    rows = [{"q": f"q{i}", "a": i} for i in range(5)]
+    write_table(tmp_path / f"train{suffix}", rows[:3])
+    (tmp_path / "data").mkdir()
+    write_table(tmp_path / "data" / f"test-00000-of-00002{suffix}", rows[3:4])
+    write_table(tmp_path / "data" / f"test-00001-of-00002{suffix}", rows[4:])
+    kw = dict(question_field="q", answer_field="a", answer_format="raw")
+    assert [e.ground_truth for e in load_examples(str(tmp_path), "train", **kw)] == ["0", "1", "2"]
+    assert [e.ground_truth for e in load_examples(str(tmp_path), "test", **kw)] == ["3", "4"]
+    assert [e.ground_truth for e in load_examples(str(tmp_path), "test", limit=1, **kw)] == ["3"]
+    with pytest.raises(DataError, match=r"no validation file .*splits there: test, train"):
+        load_examples(str(tmp_path), "validation", **kw)
+
+
+def test_raw_answers_and_every_other_column_reaches_meta(tmp_path):
+    path = write_table(tmp_path / "d.jsonl", [{"prompt": "Capital of France?", "target": " Paris ", "lang": "en",
+                                               "aliases": ["Paris", "paris"]}])
+    [ex] = load_examples(str(path), question_field="prompt", answer_field="target", answer_format="raw")
+    assert ex.ground_truth == "Paris" and ex.meta == {"lang": "en", "aliases": ["Paris", "paris"]}
+
+
+@pytest.mark.parametrize("suffix, where", [(".jsonl", ":2:"), (".json", ":6:"), (".csv", ":3:"), (".parquet", ": row 2:")])
+def test_a_row_without_the_column_names_file_and_line_and_the_fix(tmp_path, suffix, where):
+    rows = [{"question": "q1", "answer": "#### 1"}, {"question": "q2", "answer": "no marker"}]
+    path = write_table(tmp_path / f"bad{suffix}", rows)
+    with pytest.raises(DataError) as info:
+        load_examples(str(path))
+    assert f"bad{suffix}{where}" in str(info.value) and "####" in str(info.value)
+    with pytest.raises(DataError, match=rf"bad\{suffix}\S*: .*no column 'problem' \(columns: question, answer\); "
+                                        "set data.question_field"):
+        load_examples(str(path), question_field="problem")
+
+
+def test_boxed_format_needs_a_box_and_unknown_formats_are_refused(tmp_path):
+    path = write_table(tmp_path / "d.jsonl", [{"question": "q", "answer": "no box here"}])
+    with pytest.raises(DataError, match=r"d\.jsonl:1: the answer has no \\boxed"):
+        load_examples(str(path), answer_format="boxed")
+    with pytest.raises(DataError, match="answer_format 'latex': choose one of gsm8k, boxed, raw"):
+        load_examples(str(path), answer_format="latex")
+
+
+def test_a_hub_dataset_gets_its_config_split_and_columns(monkeypatch):
+    import datasets
+
+    calls = []
+
+    def fake_load_dataset(name, config, split):
+        calls.append((name, config, split))
+        return [{"problem": "1+1?", "solution": "so \\boxed{2}", "type": "Algebra"}]
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    [ex] = load_examples("someone/math", "test", question_field="problem", answer_field="solution",
+                         answer_format="boxed", config="algebra")
+    assert calls == [("someone/math", "algebra", "test")]
+    assert (ex.question, ex.ground_truth, ex.meta) == ("1+1?", "2", {"type": "Algebra"})
+    load_examples("openai/gsm8k", "train", question_field="problem", answer_field="solution", answer_format="boxed")
+    assert calls[-1] == ("openai/gsm8k", "main", "train")  # GSM8K's one config by default

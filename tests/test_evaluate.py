@@ -22,7 +22,7 @@ class ScriptedEngine:
     def generate(self, prompts, params):
         self.calls.append((list(prompts), params))
         out = []
-        for p in prompts:
+        for _ in prompts:
             text, reason = self.responses[len([q for c in self.calls[:-1] for q in c[0]]) + len(out)]
             out.append([Completion(text=text, token_ids=list(range(len(text.split()))), finish_reason=reason)
                         for _ in range(params.n)])

@@ -83,7 +83,7 @@ def test_r1_zero_reward_values_are_floats_and_reward_equals_answer_reward():
 
 
 def test_r1_zero_text_after_answer_close_is_part_of_the_answer():
-    # SPEC: the text after the last <answer> with "</answer>" removed; a stray number after it counts
+    # The protocol: the text after the last <answer> with "</answer>" removed; a stray number after it counts
     assert r1_zero_reward_fn("</think> <answer>18</answer> or 19", "18") == FORMAT_ONLY
     assert r1_zero_reward_fn("</think> <answer>18</answer>\n", "18") == CORRECT
 

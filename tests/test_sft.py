@@ -11,7 +11,7 @@ from rlvr.data import Example, load_examples
 from rlvr.optim import lr_factor
 from rlvr.sft import SFTConfig, run_sft, sft_loss, sft_pairs, sft_response
 
-SPEC = "arith:steps=1,max_value=10"
+TASK = "arith:steps=1,max_value=10"
 
 
 def test_responses_in_r1_zero_format():
@@ -71,7 +71,7 @@ def test_lr_schedule_hand_values():
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("sft") / "ckpt"
-    config = SFTConfig(data=SPEC, model="tiny", out=out, steps=40, batch_size=16, lr=3e-3, warmup_steps=4,
+    config = SFTConfig(data=TASK, model="tiny", out=out, steps=40, batch_size=16, lr=3e-3, warmup_steps=4,
                        max_examples=400, progress=False, seed=0)
     return config, run_sft(config)
 
@@ -81,7 +81,7 @@ def test_sft_lowers_response_loss_on_held_out(sft_run):
 
     config, out = sft_run
     model, tokenizer = load_model_and_tokenizer(out)
-    val = load_examples(SPEC, "validation", limit=64)
+    val = load_examples(TASK, "validation", limit=64)
     prompts, responses = sft_pairs(val)
     untrained = fresh_model("tiny", tokenizer, seed=config.seed)
     with torch.no_grad():
@@ -100,7 +100,7 @@ def test_checkpoint_reloads_with_identical_log_probs(sft_run, tmp_path):
     _, out = sft_run
     model, tokenizer = load_model_and_tokenizer(out)
     again, tokenizer2 = load_model_and_tokenizer(save_model_and_tokenizer(model, tokenizer, tmp_path / "copy"))
-    prompts, responses = sft_pairs(load_examples(SPEC, "test", limit=8))
+    prompts, responses = sft_pairs(load_examples(TASK, "test", limit=8))
     batch = tokenize_prompt_and_output(prompts, responses, tokenizer)
     assert torch.equal(batch["input_ids"], tokenize_prompt_and_output(prompts, responses, tokenizer2)["input_ids"])
     with torch.no_grad():
@@ -121,4 +121,4 @@ def test_unknown_model_is_a_clear_error(tmp_path):
     from rlvr.errors import UserError
 
     with pytest.raises(UserError, match="named size"):
-        run_sft(SFTConfig(data=SPEC, model="not-a-size", out=tmp_path, steps=1, max_examples=4, progress=False))
+        run_sft(SFTConfig(data=TASK, model="not-a-size", out=tmp_path, steps=1, max_examples=4, progress=False))

@@ -10,13 +10,13 @@ from rlvr.data import DataError, load_examples
 from rlvr.tasks import is_task_spec, load_task
 from rlvr.tasks.arithmetic import Problem, apply_op, load_arithmetic, split_of
 
-SPEC = "arith:steps=2,max_value=20"
+TASK = "arith:steps=2,max_value=20"
 
 
 def test_registered_and_loadable_through_data():
-    assert is_task_spec("arith") and is_task_spec(SPEC)
+    assert is_task_spec("arith") and is_task_spec(TASK)
     for split in ("train", "validation", "test"):
-        examples = load_examples(SPEC, split=split, limit=50)
+        examples = load_examples(TASK, split=split, limit=50)
         assert len(examples) == 50
         assert all(ex.question and ex.ground_truth and ex.solution for ex in examples)
 
@@ -37,14 +37,14 @@ def test_bad_knobs_raise_clear_errors():
 
 
 def test_deterministic_per_seed_and_prefix_stable():
-    a = load_examples(SPEC, "train", limit=100, seed=3)
-    assert a == load_examples(SPEC, "train", limit=100, seed=3)
-    assert a[:40] == load_examples(SPEC, "train", limit=40, seed=3)
-    assert [ex.question for ex in a] != [ex.question for ex in load_examples(SPEC, "train", limit=100, seed=4)]
+    a = load_examples(TASK, "train", limit=100, seed=3)
+    assert a == load_examples(TASK, "train", limit=100, seed=3)
+    assert a[:40] == load_examples(TASK, "train", limit=40, seed=3)
+    assert [ex.question for ex in a] != [ex.question for ex in load_examples(TASK, "train", limit=100, seed=4)]
 
 
 def test_splits_are_disjoint():
-    splits = {s: load_examples(SPEC, s, limit=n) for s, n in (("train", 2000), ("validation", 300), ("test", 300))}
+    splits = {s: load_examples(TASK, s, limit=n) for s, n in (("train", 2000), ("validation", 300), ("test", 300))}
     texts = {s: [ex.question for ex in exs] for s, exs in splits.items()}
     for s in texts:
         assert len(set(texts[s])) == len(texts[s])  # no duplicates inside a split
@@ -52,7 +52,7 @@ def test_splits_are_disjoint():
     assert not set(texts["train"]) & set(texts["validation"])
     assert not set(texts["train"]) & set(texts["test"]) and not set(texts["validation"]) & set(texts["test"])
     # Disjoint whatever the seeds: the split is a function of the question alone.
-    assert not set(texts["train"]) & {ex.question for ex in load_examples(SPEC, "validation", limit=300, seed=7)}
+    assert not set(texts["train"]) & {ex.question for ex in load_examples(TASK, "validation", limit=300, seed=7)}
 
 
 def test_hand_worked_problem():
@@ -66,7 +66,7 @@ def _numbers(text: str) -> list[int]:
     return [int(n) for n in re.findall(r"\d+", text)]
 
 
-@pytest.mark.parametrize("spec", [SPEC, "arith:steps=4,max_value=50,ops=+-*/", "arith:steps=1,max_value=5"])
+@pytest.mark.parametrize("spec", [TASK, "arith:steps=4,max_value=50,ops=+-*/", "arith:steps=1,max_value=5"])
 def test_answers_recomputed_from_structure_and_text(spec):
     for ex in load_examples(spec, "train", limit=200):
         start, ops = ex.meta["start"], [tuple(o) for o in ex.meta["ops"]]

@@ -216,7 +216,7 @@ def resumable_checkpoint(run_dir: str | Path, echo=None) -> Path | None:
     """
     echo = echo or (lambda msg: print(msg, file=sys.stderr))
     run_dir = Path(run_dir)
-    set_aside = []
+    set_aside: list[Path] = []
     for ckpt in reversed(list_checkpoints(run_dir)):
         problems = verify_checkpoint(ckpt)
         if not problems:

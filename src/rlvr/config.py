@@ -64,7 +64,7 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     train_source: str = "openai/gsm8k"
-    """Training data: a GSM8K JSONL file, a directory with {split}.jsonl, the hub id openai/gsm8k, or a task such as arith:steps=2."""
+    """Training data: a JSONL, JSON, Parquet or CSV file, a folder holding the split's file, a hub dataset id such as openai/gsm8k, or a task such as arith:steps=2."""
     train_split: str = "train"
     """Split of ``train_source`` to train on."""
     train_size: int | None = 6400
@@ -75,6 +75,38 @@ class DataConfig:
     """Split of the validation source."""
     val_size: int = 1024
     """Validation examples per evaluation (at least 1024 recommended: CoT evaluations are noisy)."""
+    config: str | None = None
+    """Config (subset) name of a hub dataset source (openai/gsm8k: main)."""
+    question_field: str = "question"
+    """Column that holds the question."""
+    answer_field: str = "answer"
+    """Column that holds the answer; every other column reaches the reward function as a keyword argument."""
+    answer_format: str = "gsm8k"
+    """How the ground truth comes out of the answer column: gsm8k (the text after the last ####), boxed (the last \\boxed{...}) or raw (the whole answer)."""
+    val_sources: tuple[str, ...] = ()
+    """Several validation sets, each 'NAME=SOURCE [split=...] [size=...] [config=...] [question_field=...] [answer_field=...] [answer_format=...]' (unset options as for val_source), logged as val/NAME/...; the first one is also logged as val/reward. Replaces val_source."""
+
+
+@dataclass(frozen=True)
+class PromptOptions:
+    system: str | None = None
+    """prompt chat: the system message (none when unset)."""
+    user_template: str | None = None
+    """prompt chat: the user message, a template text or file with a {question} placeholder (default: the question itself)."""
+    stop: tuple[str, ...] | None = None
+    """Stop strings, kept in the output (default: the prompt's own: </answer> for r1_zero and r1_zero_three_shot, none for the others)."""
+
+
+@dataclass(frozen=True)
+class RewardConfig:
+    fn: str | None = None
+    """Reward function: a built-in (r1_zero, question_only, boxed, exact) or a user function package.module:function or path/to/file.py:function, called as fn(response, ground_truth, **fields) and returning a float or a dict with 'reward' (default: the prompt's own: r1_zero for the r1_zero prompts, question_only for question_only, boxed otherwise)."""
+    fns: tuple[str, ...] = ()
+    """Several reward functions (names as for fn) whose rewards are summed with reward.weights; instead of fn."""
+    weights: tuple[float, ...] = ()
+    """Weight of each of reward.fns (default: 1 each)."""
+    timeout_s: float = 10.0
+    """Seconds one call of a user reward function may take; past it the call is cut off, scores 0 and is counted (train/reward/timeouts)."""
 
 
 @dataclass(frozen=True)
@@ -267,7 +299,9 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     prompt: str = "r1_zero"
-    """Prompt template (r1_zero, question_only, r1_zero_three_shot); also picks the reward function."""
+    """Prompt: a built-in template (r1_zero, question_only, r1_zero_three_shot), a template file with a {question} placeholder, or chat (the model tokenizer's chat template; see prompt_options). Also picks the default reward."""
+    prompt_options: PromptOptions = field(default_factory=PromptOptions)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -370,7 +404,6 @@ class TrainConfig:
         """
         from rlvr.engines import engine_names
         from rlvr.grpo import AGGREGATIONS, BASELINES, NORMALIZERS, REWEIGHTINGS
-        from rlvr.prompts import PROMPTS
 
         errors: list[str] = []
         warns: list[str] = []
@@ -394,7 +427,9 @@ class TrainConfig:
             need(a.normalization_constant is not None and a.normalization_constant > 0,
                  f"algorithm.loss_normalization={a.loss_normalization} needs a positive algorithm.normalization_constant "
                  "(Dr. GRPO: train batch size x max_new_tokens)")
-        need(self.prompt in PROMPTS, f"unknown prompt {self.prompt!r}: choose one of {sorted(PROMPTS)}")
+        from rlvr.task_config import task_config_problems
+
+        errors += task_config_problems(self)
 
         need(r.group_size >= 1, f"rollout.group_size must be >= 1, got {r.group_size}")
         need(r.n_prompts_per_rollout_batch >= 1, f"rollout.n_prompts_per_rollout_batch must be >= 1, got {r.n_prompts_per_rollout_batch}")

@@ -1,18 +1,38 @@
-"""Tasks as lists of ``Example(question, ground_truth)``: GSM8K from a JSONL file or the hub.
+"""Tasks as lists of ``Example(question, ground_truth)``: from local files, the hub, or a registered task.
 
-GSM8K rows are ``{"question": str, "answer": str}``; the ground truth is the text after the last
-``####`` of the answer, stripped (it may keep thousands commas such as ``2,125``; the grader ignores
-them). A malformed line is an error that names the file and the line: nothing is skipped silently.
+A source is one of:
+
+- a local file: JSONL (one object per line), JSON (an array of objects, or an object holding one),
+  Parquet or CSV;
+- a local folder holding the split's file (``{split}.jsonl``, ``{split}.parquet``, ...; also
+  ``{split}-00000-of-00001.parquet`` shards, as the hub stores them, directly or under ``data/``);
+- a hub dataset id (``owner/name``) read through ``datasets`` with a config (``data.config``) and a split;
+- a registered task ``name`` / ``name:key=value,...`` (see ``rlvr.tasks``).
+
+Rows become examples through a ``RowFormat``: ``question_field`` names the question column,
+``answer_field`` the answer column, and ``answer_format`` says how the ground truth comes out of the
+answer: ``gsm8k`` (the text after the last ``####``, stripped; it may keep thousands commas such as
+``2,125``, which the grader ignores), ``boxed`` (the content of the last ``\\boxed{...}``, as in MATH
+solutions) or ``raw`` (the whole answer, stripped; numbers become text). Every other column is kept
+in ``Example.meta`` and reaches the reward function as keyword arguments.
+
+A malformed row is an error that names the file and the line (the row for Parquet and the hub):
+nothing is skipped silently.
 """
 
 from __future__ import annotations
 
+import csv
 import json
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlvr.errors import UserError
+
+ANSWER_FORMATS = ("gsm8k", "boxed", "raw")
+FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
 
 
 @dataclass(frozen=True)
@@ -22,10 +42,72 @@ class Example:
     solution: str | None = None
     """A worked solution when the source has one (GSM8K rationales), for supervised warm starts."""
     meta: dict = field(default_factory=dict, compare=False, hash=False)
+    """The row's other columns: they reach the reward function as keyword arguments."""
+
+    @property
+    def fields(self) -> dict:
+        """The keyword arguments of the reward function for this example (the row's other columns)."""
+        return self.meta
 
 
 class DataError(UserError, ValueError):
     """Malformed task data."""
+
+
+@dataclass(frozen=True)
+class RowFormat:
+    """How a row (a mapping of column to value) becomes an ``Example``."""
+
+    question_field: str = "question"
+    answer_field: str = "answer"
+    answer_format: str = "gsm8k"
+
+    def __post_init__(self):
+        if self.answer_format not in ANSWER_FORMATS:
+            raise DataError(f"unknown data.answer_format {self.answer_format!r}: choose one of {', '.join(ANSWER_FORMATS)}")
+
+    def example(self, row, where: str) -> Example:
+        """The example of ``row``; ``DataError`` starting with ``where`` for a row that does not fit."""
+        q, a = self.question_field, self.answer_field
+        if not isinstance(row, dict):
+            raise DataError(f"{where}: expected an object with string fields {q!r} and {a!r}, got a {type(row).__name__}")
+        missing = [name for name in (q, a) if name not in row]
+        if missing:
+            setting = {q: "data.question_field", a: "data.answer_field"}
+            raise DataError(
+                f"{where}: expected an object with string fields {q!r} and {a!r}; no column {missing[0]!r} "
+                f"(columns: {', '.join(map(str, row)) or 'none'}); set {setting[missing[0]]} to one of them")
+        question, answer = row[q], row[a]
+        raw_number = self.answer_format == "raw" and isinstance(answer, (int, float)) and not isinstance(answer, bool)
+        if not isinstance(question, str) or not (isinstance(answer, str) or raw_number):
+            raise DataError(f"{where}: expected an object with string fields {q!r} and {a!r}, got "
+                            f"{type(question).__name__} and {type(answer).__name__}")
+        meta = {k: v for k, v in row.items() if k not in (q, a)}
+        if raw_number:
+            answer = str(answer)
+        if self.answer_format == "gsm8k":
+            if "####" not in answer:
+                raise DataError(f"{where}: the answer has no '####' marker before its final answer "
+                                "(for other answers set data.answer_format to boxed or raw)")
+            truth, solution = extract_gsm8k_answer(answer), _rationale(answer)
+            if not truth:
+                raise DataError(f"{where}: the final answer after '####' is empty")
+            return Example(question, truth, solution, meta)
+        if self.answer_format == "boxed":
+            from rlvr.rewards import last_boxed
+
+            truth = last_boxed(answer)
+            if not truth or not truth.strip():
+                raise DataError(f"{where}: the answer has no \\boxed{{...}} with a final answer "
+                                "(for other answers set data.answer_format to gsm8k or raw)")
+            return Example(question, truth.strip(), answer, meta)
+        truth = answer.strip()
+        if not truth:
+            raise DataError(f"{where}: the answer in column {a!r} is empty")
+        return Example(question, truth, None, meta)
+
+
+GSM8K_FORMAT = RowFormat()
 
 
 def extract_gsm8k_answer(answer: str) -> str:
@@ -38,9 +120,110 @@ def extract_gsm8k_answer(answer: str) -> str:
 def _rationale(answer: str) -> str:
     body = answer.rsplit("####", 1)[0].strip()
     # GSM8K annotates calculator calls as <<48/2=24>>; they are not part of the written reasoning.
-    import re
-
     return re.sub(r"<<[^>]*>>", "", body)
+
+
+# -- local files ----------------------------------------------------------------------------------
+
+
+def _jsonl_rows(path: Path):
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                yield json.loads(line), where
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+
+
+def _json_rows(path: Path):
+    text = path.read_text(encoding="utf-8")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg}); a .json file holds one array of objects "
+                        "(for one object per line, name the file .jsonl)") from None
+    if isinstance(data, dict):  # {"data": [...]} or {"rows": [...]}: the one list it holds
+        lists = [v for v in data.values() if isinstance(v, list)]
+        if len(lists) != 1:
+            raise DataError(f"{path}: expected a JSON array of objects (or an object holding one array)")
+        data = lists[0]
+    if not isinstance(data, list):
+        raise DataError(f"{path}: expected a JSON array of objects, got {type(data).__name__}")
+    # The line where each item starts, so that an error names it (only for a top-level array).
+    starts = _item_lines(text) if text.lstrip().startswith("[") else []
+    if len(starts) != len(data):  # scalars among the items: count items instead
+        starts = []
+    for i, row in enumerate(data):
+        yield row, f"{path}:{starts[i]}" if starts else f"{path}: item {i + 1}"
+
+
+def _item_lines(text: str) -> list[int]:
+    """Line numbers where the objects and arrays directly inside a top-level JSON array start."""
+    lines: list[int] = []
+    depth, lineno, in_string, escaped = 0, 1, False, False
+    for ch in text:
+        if ch == "\n":
+            lineno += 1
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth == 2:
+                lines.append(lineno)
+        elif ch in "]}":
+            depth -= 1
+    return lines
+
+
+def _parquet_rows(path: Path):
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # noqa: BLE001 (pyarrow raises several types for a broken file)
+        raise DataError(f"{path}: not a readable Parquet file ({type(e).__name__}: {e})") from None
+    for i, row in enumerate(table.to_pylist()):
+        yield row, f"{path}: row {i + 1}"
+
+
+def _csv_rows(path: Path):
+    with path.open(encoding="utf-8", newline="") as f:
+        reader = csv.DictReader(f)
+        for row in reader:
+            where = f"{path}:{reader.line_num}"
+            if None in row:
+                raise DataError(f"{where}: more values than the header has columns")
+            yield row, where
+
+
+_READERS = {".jsonl": _jsonl_rows, ".json": _json_rows, ".parquet": _parquet_rows, ".csv": _csv_rows}
+
+
+def load_file(path: str | Path, limit: int | None = None, fmt: RowFormat = GSM8K_FORMAT) -> list[Example]:
+    """Examples from one local JSONL, JSON, Parquet or CSV file (by its suffix)."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path}: no such file; pass a JSONL, JSON, Parquet or CSV file, a folder of them, "
+                        "or a hub dataset id such as 'openai/gsm8k'")
+    reader = _READERS.get(path.suffix.lower(), _jsonl_rows)
+    examples: list[Example] = []
+    if limit is not None and limit <= 0:
+        return examples
+    for row, where in reader(path):
+        examples.append(fmt.example(row, where))
+        if limit is not None and len(examples) >= limit:
+            break
+    return examples
 
 
 def load_gsm8k_jsonl(path: str | Path, limit: int | None = None) -> list[Example]:
@@ -48,43 +231,62 @@ def load_gsm8k_jsonl(path: str | Path, limit: int | None = None) -> list[Example
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file; pass a GSM8K JSONL file or the hub id 'openai/gsm8k'")
-    examples: list[Example] = []
-    if limit is not None and limit <= 0:
-        return examples
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{lineno}"
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: not valid JSON ({e.msg}); each line must be one JSON object") from None
-            if not isinstance(row, dict) or not isinstance(row.get("question"), str) or not isinstance(row.get("answer"), str):
-                raise DataError(f"{where}: expected an object with string fields 'question' and 'answer'")
-            try:
-                truth = extract_gsm8k_answer(row["answer"])
-            except DataError as e:
-                raise DataError(f"{where}: {e}") from None
-            if not truth:
-                raise DataError(f"{where}: the final answer after '####' is empty")
-            examples.append(Example(row["question"], truth, _rationale(row["answer"])))
-            if limit is not None and len(examples) >= limit:
-                break
-    return examples
+    return load_file(path, limit, GSM8K_FORMAT)
 
 
-def load_gsm8k_hub(split: str, limit: int | None = None, name: str = "openai/gsm8k", config: str = "main") -> list[Example]:
-    """GSM8K from the Hugging Face hub through ``datasets`` (needs network access)."""
+def split_files(folder: Path, split: str) -> list[Path]:
+    """The files of ``split`` in ``folder``: ``{split}.<ext>``, else its shards ``{split}-*.<ext>``
+    (directly or under ``data/``)."""
+    for suffix in FILE_SUFFIXES:
+        if (folder / f"{split}{suffix}").is_file():
+            return [folder / f"{split}{suffix}"]
+    for where in (folder, folder / "data"):
+        for suffix in FILE_SUFFIXES:
+            shards = sorted(where.glob(f"{split}-*{suffix}"))
+            if shards:
+                return shards
+    return []
+
+
+def _splits_in(folder: Path) -> list[str]:
+    names = set()
+    for where in (folder, folder / "data"):
+        for p in where.glob("*"):
+            if p.suffix.lower() in FILE_SUFFIXES:
+                names.add(re.split(r"-\d", p.stem, maxsplit=1)[0])
+    return sorted(names)
+
+
+# -- the hub --------------------------------------------------------------------------------------
+
+
+def load_hub(name: str, split: str, limit: int | None = None, config: str | None = None,
+             fmt: RowFormat = GSM8K_FORMAT) -> list[Example]:
+    """A hub dataset through ``datasets`` (needs network access or the ``datasets`` cache)."""
     import datasets
 
-    ds = datasets.load_dataset(name, config, split=split)
+    if config is None and name == "openai/gsm8k":
+        config = "main"
+    try:
+        ds = datasets.load_dataset(name, config, split=split)
+    except ValueError as e:  # an unknown config or split: datasets names the ones there are
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DataError(f"hub dataset {name} (config {config}, split {split}): {first}; set data.config or the split") from None
+    except (OSError, ConnectionError) as e:  # not found, or no network
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise DataError(f"hub dataset {name} could not be loaded ({type(e).__name__}: {first}); check the id and your "
+                        "network, or give a local file") from None
     out = []
     for i, row in enumerate(ds):
         if limit is not None and i >= limit:
             break
-        out.append(Example(row["question"], extract_gsm8k_answer(row["answer"]), _rationale(row["answer"])))
+        out.append(fmt.example(row, f"{name} [{split}] row {i + 1}"))
     return out
+
+
+def load_gsm8k_hub(split: str, limit: int | None = None, name: str = "openai/gsm8k", config: str = "main") -> list[Example]:
+    """GSM8K from the Hugging Face hub through ``datasets`` (needs network access)."""
+    return load_hub(name, split, limit, config, GSM8K_FORMAT)
 
 
 def _looks_like_hub_id(source: str) -> bool:
@@ -93,31 +295,39 @@ def _looks_like_hub_id(source: str) -> bool:
     return len(parts) == 2 and all(parts) and not source.startswith((".", "~")) and not Path(parts[0]).exists()
 
 
-def load_examples(source: str, split: str = "train", limit: int | None = None, seed: int = 0) -> list[Example]:
-    """Load a task by source.
+# -- any source -----------------------------------------------------------------------------------
 
-    ``source`` is a JSONL path, a directory holding ``{split}.jsonl``, ``openai/gsm8k`` (the hub), or a
-    registered synthetic task ``name`` / ``name:key=value,...`` (see ``rlvr.tasks``).
-    """
+
+def load_examples(source: str, split: str = "train", limit: int | None = None, seed: int = 0, *,
+                  question_field: str = "question", answer_field: str = "answer", answer_format: str = "gsm8k",
+                  config: str | None = None) -> list[Example]:
+    """Load a task by source (see the module docstring); the field and format arguments say how rows
+    become examples (they do not apply to registered tasks, which build their examples themselves)."""
     from rlvr import tasks
 
     if tasks.is_task_spec(source):
         return tasks.load_task(source, split=split, limit=limit, seed=seed)
+    fmt = RowFormat(question_field, answer_field, answer_format)
     p = Path(source)
     if p.is_dir():
-        p = p / f"{split}.jsonl"
-        if not p.is_file():
-            present = sorted(f.stem for f in Path(source).glob("*.jsonl"))
-            raise DataError(f"{source} has no {split}.jsonl (splits there: {', '.join(present) or 'none'}); "
-                            "choose one of those splits or another data directory")
-        return load_gsm8k_jsonl(p, limit)
-    if p.suffix == ".jsonl" or p.exists():
-        return load_gsm8k_jsonl(p, limit)
+        files = split_files(p, split)
+        if not files:
+            present = _splits_in(p)
+            raise DataError(f"{source} has no {split} file ({split}.jsonl, .json, .parquet or .csv; splits there: "
+                            f"{', '.join(present) or 'none'}); choose one of those splits or another data folder")
+        examples: list[Example] = []
+        for f in files:
+            examples += load_file(f, None if limit is None else limit - len(examples), fmt)
+            if limit is not None and len(examples) >= limit:
+                break
+        return examples
+    if p.suffix.lower() in FILE_SUFFIXES or p.exists():
+        return load_file(p, limit, fmt)
     if _looks_like_hub_id(source):
-        return load_gsm8k_hub(split, limit, name=source)
+        return load_hub(source, split, limit, config, fmt)
     raise DataError(
-        f"cannot load data from {source!r}: give a JSONL file, a directory with {split}.jsonl, "
-        f"the hub id 'openai/gsm8k', or a task name from rlvr.tasks ({', '.join(tasks.TASKS)})"
+        f"cannot load data from {source!r}: give a JSONL, JSON, Parquet or CSV file, a folder with the {split} split, "
+        f"a hub dataset id such as 'openai/gsm8k', or a task name from rlvr.tasks ({', '.join(tasks.TASKS)})"
     )
 
 

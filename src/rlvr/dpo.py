@@ -37,7 +37,7 @@ import time
 from collections import Counter
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -522,7 +522,7 @@ def _train(cfg: DPOConfig, out: Path, ckpt: Path | None, train_pairs, val_pairs,
     total = cfg.steps or max(1, math.ceil(cfg.epochs * len(train_tokens) / batch))
     train_ref = ReferenceCache(ref_model, pad, len(train_tokens))
     val_ref = ReferenceCache(ref_model, pad, len(val_tokens))
-    loop = {"best": None, "best_step": None}
+    loop: dict[str, Any] = {"best": None, "best_step": None}
     start = 0
     if ckpt is not None:
         state = load_trainer_state(ckpt, optimizer, scheduler)
@@ -554,7 +554,7 @@ def _train(cfg: DPOConfig, out: Path, ckpt: Path | None, train_pairs, val_pairs,
                 t0 = time.perf_counter()
                 lr_used = scheduler.get_last_lr()[0]
                 indices = batch_indices(len(train_tokens), batch, step - 1, cfg.seed)
-                row = {"step": step, **dpo_step(model, optimizer, train_tokens, indices, train_ref, cfg.beta, pad,
+                row: dict[str, Any] = {"step": step, **dpo_step(model, optimizer, train_tokens, indices, train_ref, cfg.beta, pad,
                                                  cfg.max_grad_norm, backbone, cfg.pairs_per_forward)}
                 scheduler.step()
                 row.update({"lr": lr_used, "time/step": time.perf_counter() - t0,

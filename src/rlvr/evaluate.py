@@ -1,9 +1,10 @@
 """`rlvr eval`: prompting baselines and validation.
 
 For each prompt the model answers every question (``n`` samples each) through an engine; each
-response is graded by the prompt's reward function and falls in one of three categories:
+response is graded by the reward (``--reward``, else the prompt's own) and falls in one of three
+categories:
 
-* ``correct``: formatted and right (format 1, answer 1);
+* ``correct``: formatted and right (format 1, answer above 0.5);
 * ``formatted_wrong``: formatted but wrong (format 1, answer 0);
 * ``unformatted``: the grader could not find an answer (format 0).
 
@@ -13,7 +14,10 @@ response is graded by the prompt's reward function and falls in one of three cat
 with ``n`` = k samples per question also ``avg_at_k`` (the share of a question's k samples that are
 correct, averaged over questions) and ``pass_at_k`` (``{j: pass@j}`` for j = 1, 2, 4, ... and k: the
 chance that at least one of j samples drawn from the k is correct, by the unbiased estimator of Chen
-et al. 2021).
+et al. 2021); with a reward that reports extra numbers, ``rewards`` (the mean of each).
+The prompt, data and reward flags are those of training (``--prompt chat``, ``--question-field``,
+``--reward path/to/file.py:function``, ...); ``--config FILE`` takes them from a training config
+instead and evaluates its validation sets, keyed by their names when ``data.val_sources`` names them.
 ``DIR/samples.jsonl`` has one line per response. The trainer calls ``evaluate()`` for validation.
 ``rlvr eval`` checks its arguments and ``--out`` before loading anything, and refuses to replace an
 earlier evaluation's results in ``--out`` unless given ``--overwrite``.
@@ -34,7 +38,6 @@ import tyro
 
 from rlvr.engines.base import SamplingParams
 
-PromptName = Literal["r1_zero", "question_only", "r1_zero_three_shot"]
 CATEGORIES = ("correct", "formatted_wrong", "unformatted")
 
 
@@ -46,14 +49,38 @@ class EvalConfig:
     """Local model directory or hub id (e.g. allenai/OLMo-2-0425-1B)."""
     out: Path
     """Output directory for results.json and samples.jsonl."""
-    prompt: Annotated[tuple[PromptName, ...], tyro.conf.UseAppendAction] = ()
-    """Prompt to evaluate; repeat the flag for several (default: r1_zero)."""
+    prompt: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
+    """Prompt to evaluate: a built-in (r1_zero, question_only, r1_zero_three_shot), a template file with a {question} placeholder, or chat (the model's chat template); repeat the flag for several (default: r1_zero)."""
+    system: str | None = None
+    """prompt chat: the system message."""
+    user_template: str | None = None
+    """prompt chat: the user message, a template text or file with a {question} placeholder."""
+    stop: tuple[str, ...] | None = None
+    """Stop strings, replacing the prompt's own."""
+    reward: str | None = None
+    """Reward function: r1_zero, question_only, boxed, exact, package.module:function or path/to/file.py:function (default: each prompt's own)."""
+    reward_fns: tuple[str, ...] = ()
+    """Several reward functions summed with --reward-weights (instead of --reward)."""
+    reward_weights: tuple[float, ...] = ()
+    """Weight of each of --reward-fns (default: 1 each)."""
+    reward_timeout_s: float = 10.0
+    """Seconds one call of a user reward function may take (then it scores 0 and is counted)."""
     data: str = "openai/gsm8k"
-    """GSM8K JSONL file, a directory with {split}.jsonl, or the hub id openai/gsm8k."""
+    """Data: a JSONL, JSON, Parquet or CSV file, a folder with the split's file, a hub dataset id, or a task such as arith:steps=2."""
     split: str = "test"
     """Data split to evaluate."""
+    data_config: str | None = None
+    """Config (subset) name of a hub dataset."""
+    question_field: str = "question"
+    """Column that holds the question."""
+    answer_field: str = "answer"
+    """Column that holds the answer; the other columns reach the reward function."""
+    answer_format: str = "gsm8k"
+    """How the ground truth comes out of the answer: gsm8k (after the last ####), boxed (the last \\boxed{}) or raw."""
+    config: Path | None = None
+    """A training config file: evaluate its validation sets with its prompt, data and reward settings (instead of the flags above)."""
     limit: int | None = None
-    """Evaluate only the first N questions."""
+    """Evaluate only the first N questions (of each validation set with --config)."""
     temperature: float = 1.0
     """Sampling temperature (0 is greedy)."""
     top_p: float = 1.0
@@ -84,25 +111,31 @@ def _category(format_reward: float, answer_reward: float) -> str:
     return "correct" if answer_reward > 0.5 else "formatted_wrong"
 
 
-def evaluate(model, tokenizer, examples, prompt_name: str, engine=None, params: SamplingParams | None = None,
-             progress: bool = False, chunk_size: int = 256) -> tuple[dict, list[dict]]:
-    """Sample, grade and summarise ``examples`` under prompt ``prompt_name``.
+def evaluate(model, tokenizer, examples, prompt_name, engine=None, params: SamplingParams | None = None,
+             progress: bool = False, chunk_size: int = 256, reward=None) -> tuple[dict, list[dict]]:
+    """Sample, grade and summarise ``examples`` under a prompt: a ``Prompt`` or a name ``resolve_prompt`` takes.
 
     ``engine`` defaults to an in-process ``HFEngine`` on ``model``. The prompt owns its stop strings
     (they replace ``params.stop`` and are kept in the output). Questions go to the engine in chunks of
     ``chunk_size`` (chunk ``i`` uses seed ``params.seed + i``), which is what the progress bar counts.
+    ``reward`` grades the responses (default: the prompt's own); a ``Reward`` also gets each
+    example's other fields and adds ``rewards`` (the mean of each extra number it reports) to the metrics.
     Returns ``(metrics, samples)``; see the module docstring for the metric keys.
     """
-    from rlvr.prompts import render, reward_fn_for, stop_strings
+    from rlvr.prompts import Prompt, resolve_prompt
+    from rlvr.reward_functions import BUILTIN_REWARDS, Reward, score_responses
 
+    prompt = prompt_name if isinstance(prompt_name, Prompt) else resolve_prompt(prompt_name)
+    prompt = prompt.bind(tokenizer)
+    prompt_name = prompt.name
     if engine is None:
         from rlvr.engines import make_engine
 
         engine = make_engine("hf", model, tokenizer)
     params = params or SamplingParams()
-    params = dataclasses.replace(params, stop=tuple(stop_strings(prompt_name)), include_stop_str_in_output=True)
-    reward_fn = reward_fn_for(prompt_name)
-    prompts = [render(prompt_name, ex.question) for ex in examples]
+    params = dataclasses.replace(params, stop=prompt.stop, include_stop_str_in_output=True)
+    reward_fn = reward if reward is not None else BUILTIN_REWARDS[prompt.default_reward]
+    prompts = [prompt.render(ex.question) for ex in examples]
 
     bar = None
     if progress:
@@ -121,16 +154,24 @@ def evaluate(model, tokenizer, examples, prompt_name: str, engine=None, params: 
         bar.close()
 
     samples = []
-    for q, (ex, prompt, group) in enumerate(zip(examples, prompts, outputs)):
-        for j, comp in enumerate(group):
-            r = reward_fn(comp.text, ex.ground_truth)
-            samples.append({
-                "prompt_name": prompt_name, "question_index": q, "sample_index": j, "question": ex.question,
-                "prompt": prompt, "response": comp.text, "ground_truth": ex.ground_truth,
-                "format_reward": float(r["format_reward"]), "answer_reward": float(r["answer_reward"]),
-                "reward": float(r["reward"]), "finish_reason": comp.finish_reason, "num_tokens": len(comp.token_ids),
-                "category": _category(r["format_reward"], r["answer_reward"]),
-            })
+    flat = [(q, j, ex, text, comp) for q, (ex, text, group) in enumerate(zip(examples, prompts, outputs))
+            for j, comp in enumerate(group)]
+    if isinstance(reward_fn, Reward):
+        _, meta = score_responses(reward_fn, [f[4].text for f in flat], [f[2].ground_truth for f in flat],
+                                  [f[2].fields for f in flat])
+        scores, extra = meta["scores"], meta["logged"]
+    else:
+        scores, extra = [reward_fn(f[4].text, f[2].ground_truth) for f in flat], {}
+    for (q, j, ex, text, comp), r in zip(flat, scores):
+        samples.append({
+            "prompt_name": prompt_name, "question_index": q, "sample_index": j, "question": ex.question,
+            "prompt": text, "response": comp.text, "ground_truth": ex.ground_truth,
+            "format_reward": float(r.get("format_reward", 0.0)), "answer_reward": float(r.get("answer_reward", r["reward"])),
+            "reward": float(r["reward"]), "finish_reason": comp.finish_reason, "num_tokens": len(comp.token_ids),
+            "category": _category(r.get("format_reward", 0.0), r.get("answer_reward", r["reward"])),
+            **{k: v for k, v in r.items() if k not in ("reward", "format_reward", "answer_reward")
+               and not (k == "timed_out" and not v)},
+        })
     n = len(samples)
     tokens = sum(s["num_tokens"] for s in samples)
     mean = (lambda key: sum(s[key] for s in samples) / n) if n else (lambda key: 0.0)
@@ -145,6 +186,8 @@ def evaluate(model, tokenizer, examples, prompt_name: str, engine=None, params: 
         "tokens_per_s": tokens / elapsed if elapsed > 0 else 0.0,
         "time_s": elapsed,
     }
+    if extra:
+        metrics["rewards"] = {k.removeprefix("reward/"): v for k, v in extra.items()}
     k = params.n
     if n and k > 1:
         metrics.update(sample_metrics([s["category"] == "correct" for s in samples], k))
@@ -232,20 +275,24 @@ def run(cfg: EvalConfig) -> dict:
     from rlvr.errors import UserError
     from rlvr.rundir import atomic_write_json, atomic_write_jsonl
 
+    from rlvr.task_config import eval_tasks
+
+    tasks = eval_tasks(cfg)  # the prompts, data sets and reward, checked before anything loads
     if not cfg.prompt:
-        cfg = dataclasses.replace(cfg, prompt=("r1_zero",))
+        cfg = dataclasses.replace(cfg, prompt=tuple(p.name for p in tasks.prompts))
     check_args(cfg)
 
     from rlvr.config import EngineConfig
-    from rlvr.data import load_examples
     from rlvr.engines import build_engine
     from rlvr.modeling import load_model_and_tokenizer
 
     device = _resolve_device(cfg.device)
     dtype = None if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
-    examples = load_examples(cfg.data, split=cfg.split, limit=cfg.limit)
-    if not examples:
-        raise UserError(f"no examples loaded from {cfg.data!r} (split {cfg.split!r}); check --data and --split")
+    data_sets = tasks.load_data()
+    for set_name, examples in data_sets:
+        if not examples:
+            raise UserError(f"no examples loaded from {set_name or cfg.data!r}; check --data and --split")
+    rewards = tasks.rewards(data_sets[0][1])
     model, tokenizer = load_model_and_tokenizer(cfg.model, device=device, dtype=dtype)
     # A vLLM server takes the second GPU, beside the model loaded here for the tokenizer and grading.
     engine_device = "cuda:1" if cfg.engine == "vllm" else device
@@ -255,12 +302,17 @@ def run(cfg: EvalConfig) -> dict:
                             seed=cfg.seed)
     results, all_samples = {}, []
     try:
-        for name in dict.fromkeys(cfg.prompt):
-            metrics, samples = evaluate(model, tokenizer, examples, name, engine, params, progress=True)
-            results[name] = metrics
-            all_samples += samples
+        for set_name, examples in data_sets:
+            for prompt, reward in zip(tasks.prompts, rewards):
+                metrics, samples = evaluate(model, tokenizer, examples, prompt, engine, params, progress=True,
+                                            reward=reward)
+                key = tasks.result_name(set_name, prompt)
+                results[key] = metrics
+                all_samples += [dict(s, prompt_name=key) for s in samples]
     finally:
         engine.close()
+        for reward in rewards:
+            reward.close()
 
     cfg.out.mkdir(parents=True, exist_ok=True)
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in dataclasses.asdict(cfg).items()}

@@ -71,11 +71,10 @@ class DeferInterrupts:
                 self._previous[sig] = signal.signal(sig, self._handler)
         return self
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
-        return False
 
     def raise_if_requested(self) -> None:
         if self.requested == signal.SIGTERM:

@@ -179,4 +179,5 @@ def load_model_and_tokenizer(name_or_path: str | Path, device: str | torch.devic
                         f"({first}); check the name, your network and HF_TOKEN, or give a local directory") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return model.to(device), tokenizer
+    model = model.to(device)  # type: ignore[arg-type]  # transformers' stub of .to takes the model
+    return model, tokenizer

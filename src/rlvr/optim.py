@@ -31,12 +31,12 @@ def lr_factor(update: int, total_updates: int, schedule: str, warmup: int, min_r
     return 1.0 - (1 - min_ratio) * progress
 
 
-class _MasterWeights:
+class _MasterWeights(torch.optim.Optimizer):
     """Mixin over a ``torch.optim`` class: the optimizer steps float32 masters of the given
     parameters (same arguments as the optimizer).
 
-    Gradients are read from the model's parameters at ``step`` (after any clipping); ``zero_grad``
-    clears both. The masters travel in ``state_dict``, so a resumed run continues from the exact
+    Gradients are read from the model's parameters at ``step`` (after any clipping) and released
+    there; ``zero_grad`` clears both. The masters travel in ``state_dict``, so a resumed run continues from the exact
     float32 values, not from their rounded copies in the model.
     """
 
@@ -52,6 +52,9 @@ class _MasterWeights:
         for p, m in zip(self.model_params, self.masters):
             if m is not p:
                 m.grad = None if p.grad is None else p.grad.float()
+                # Freed as soon as it is copied, so the low-precision and float32 gradients of the
+                # whole model never coexist: at 8B that is the difference between fitting and not.
+                p.grad = None
         super().step()
         for p, m in zip(self.model_params, self.masters):
             if m is not p:

@@ -1,6 +1,6 @@
 """Answer extraction and grading for verifiable rewards: pure Python, bounded in time.
 
-Two reward functions, each ``(response, ground_truth) -> {"format_reward", "answer_reward", "reward"}``
+Reward functions, each ``(response, ground_truth) -> {"format_reward", "answer_reward", "reward"}``
 with floats in {0.0, 1.0} and ``reward == answer_reward`` (no partial credit; the format reward is
 only logged):
 
@@ -11,6 +11,8 @@ only logged):
   parseable scores format 1, answer 0.
 - ``question_only_reward_fn``: the answer is the content of the last ``\\boxed{...}`` (nested braces
   allowed, e.g. ``\\boxed{\\frac{1}{2}}``); no box scores all zeros.
+- ``boxed_reward_fn``: the same answer, graded by ``grade_math`` (MATH-style ground truths too).
+- ``exact_reward_fn``: the answer (tagged, boxed or the whole response) must equal the ground truth as text.
 
 ``grade(answer, ground_truth)`` decides whether the answer equals the ground truth *as a value*.
 
@@ -107,6 +109,34 @@ def question_only_reward_fn(response: str, ground_truth: str) -> dict[str, float
     return _rewards(True, grade(answer, ground_truth))
 
 
+def boxed_reward_fn(response: str, ground_truth: str) -> dict[str, float]:
+    """Reward for MATH-style answers: the last ``\\boxed{...}`` graded by ``grade_math`` (``grade``, then
+    math-verify's equivalence for ground truths that are not one number); no box scores 0."""
+    answer = last_boxed(response)
+    if answer is None:
+        return _rewards(False, False)
+    return _rewards(True, grade_math(answer, ground_truth))
+
+
+def exact_reward_fn(response: str, ground_truth: str) -> dict[str, float]:
+    """Reward for answers that must match the ground truth as text: the answer is the content of the
+    last ``<answer>...</answer>``, else of the last ``\\boxed{...}``, else the whole response; it is
+    correct when it equals the ground truth up to surrounding space and runs of white space."""
+    answer = final_answer_text(response)
+    if not answer.strip():
+        return _rewards(False, False)
+    return _rewards(True, " ".join(answer.split()) == " ".join(str(ground_truth).split()))
+
+
+def final_answer_text(response: str) -> str:
+    """The content of the last ``<answer>...</answer>`` (to the end when unclosed), else of the last
+    ``\\boxed{...}``, else the whole response."""
+    if "<answer>" in response:
+        return response.rsplit("<answer>", 1)[1].split("</answer>", 1)[0]
+    boxed = last_boxed(response)
+    return response if boxed is None else boxed
+
+
 def last_boxed(text: str) -> str | None:
     """Content of the last ``\\boxed{...}`` (braces matched, so nesting is fine), or ``None``.
 
@@ -164,6 +194,24 @@ def grade(answer: str, ground_truth: str) -> bool:
     # A symbolic ground truth (another task): the same text, else the symbolic grader.
     pred = _fraction_latex(value) if isinstance(value, Fraction) else value.latex
     return _squash(pred) == _squash(truth.latex) or _symbolic_equal(pred, truth.latex)
+
+
+def grade_math(answer: str, ground_truth: str) -> bool:
+    """``grade``, and for a ground truth that is not one number (an interval, a set, an expression)
+    also math-verify's equivalence, bounded like every symbolic check. A numeric ground truth is
+    decided by ``grade`` alone, so that this never accepts what ``grade`` rejects there."""
+    if grade(answer, ground_truth):
+        return True
+    if not isinstance(answer, str) or not isinstance(ground_truth, str) or not answer.strip():
+        return False
+    try:
+        if isinstance(_analyse(ground_truth), Fraction):
+            return False
+    except _Reject:
+        pass
+    if len(answer) > MAX_SYMBOLIC_CHARS or len(ground_truth) > MAX_SYMBOLIC_CHARS:
+        return False
+    return _WORKER.check(answer.strip(), ground_truth.strip(), SYMBOLIC_TIMEOUT_S, mode="verify")
 
 
 def grade_many(answers: Sequence[str], ground_truths: Sequence[str]) -> list[bool]:
@@ -429,45 +477,66 @@ def _symbolic_equal(pred_latex: str, gold_latex: str) -> bool:
     return _WORKER.check(pred_latex, gold_latex, SYMBOLIC_TIMEOUT_S)
 
 
-class _SymbolicWorker:
-    """One long-lived child process running ``_serve``; killed and restarted after a timeout.
+class LineWorker:
+    """One long-lived child process that answers one JSON line per JSON line; killed and restarted
+    after a timeout.
 
-    Calls are serialised by a lock, so any thread may grade. The child runs this file as a script
-    (``python -P rewards.py --serve``) so it imports only math-verify, never the training stack.
+    Calls are serialised by a lock, so any thread may use it. The child prints ``ready`` once it can
+    serve, or one JSON line ``{"error": message}`` and exits when it cannot (``WorkerStartError``).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, command: list[str], startup_timeout: float, quiet: bool = True) -> None:
+        self.command = command
+        self.startup_timeout = startup_timeout
+        self.quiet = quiet
+        """Discard the child's stderr (else it shares ours, so that a user's prints and warnings show)."""
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._owner_pid = -1
 
-    def check(self, pred: str, gold: str, timeout: float) -> bool:
+    def request(self, payload: dict, timeout: float) -> dict:
+        """The child's answer to ``payload``. Raises ``TimeoutError`` after ``timeout`` seconds (the
+        child is killed), ``WorkerStartError`` when it cannot start and ``OSError``/``ValueError``
+        when it dies or answers garbage (the child is stopped)."""
         with self._lock:
             try:
                 proc = self._ensure_started()
-                proc.stdin.write((json.dumps({"pred": pred, "gold": gold}) + "\n").encode())
+                proc.stdin.write((json.dumps(payload, default=str) + "\n").encode())
                 proc.stdin.flush()
                 line = self._read_line(proc, timeout)
+                return json.loads(line)
             except (OSError, ValueError, TimeoutError):
                 self._stop()
-                return False
+                raise
+
+    def start(self) -> None:
+        """Start the child now (``WorkerStartError`` with its message when it cannot serve)."""
+        with self._lock:
             try:
-                return bool(json.loads(line).get("ok"))
-            except ValueError:
+                self._ensure_started()
+            except (OSError, TimeoutError) as e:
                 self._stop()
-                return False
+                if isinstance(e, WorkerStartError):
+                    raise
+                raise WorkerStartError(f"the worker did not start ({type(e).__name__}: {e})") from None
 
     def _ensure_started(self) -> subprocess.Popen:
         if self._proc is not None and (self._owner_pid != os.getpid() or self._proc.poll() is not None):
             self._stop()
         if self._proc is None:
-            self._proc = subprocess.Popen(
-                [sys.executable, "-P", os.path.abspath(__file__), "--serve"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, bufsize=0,
-            )
+            self._proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                          stderr=subprocess.DEVNULL if self.quiet else None, bufsize=0)
             self._owner_pid = os.getpid()
-            if self._read_line(self._proc, SYMBOLIC_STARTUP_TIMEOUT_S) != b"ready\n":
-                raise OSError("the symbolic grading worker did not start")
+            try:
+                first = self._read_line(self._proc, self.startup_timeout)
+            except OSError as e:
+                raise WorkerStartError(f"the worker exited before it was ready ({e})") from None
+            if first != b"ready\n":
+                try:
+                    message = json.loads(first).get("error") or first.decode(errors="replace").strip()
+                except (ValueError, AttributeError):
+                    message = first.decode(errors="replace").strip()
+                raise WorkerStartError(message)
         return self._proc
 
     @staticmethod
@@ -482,9 +551,9 @@ class _SymbolicWorker:
             left = deadline - time.monotonic()
             if left <= 0 or not poller.poll(left * 1000):
                 raise TimeoutError
-            chunk = os.read(fd, 4096)
+            chunk = os.read(fd, 65536)
             if not chunk:
-                raise OSError("the symbolic grading worker exited")
+                raise OSError("the worker exited")
             chunks.append(chunk)
             if chunk.endswith(b"\n"):
                 return b"".join(chunks)
@@ -507,6 +576,24 @@ class _SymbolicWorker:
         """In a forked child: the parent's worker and lock are not ours; start afresh on demand."""
         self._lock = threading.Lock()
         self._proc = None
+
+
+class WorkerStartError(OSError):
+    """A worker process that could not start; the message says why."""
+
+
+class _SymbolicWorker(LineWorker):
+    """math-verify in a child that runs this file as a script (``python -P rewards.py --serve``), so
+    that it imports only math-verify, never the training stack."""
+
+    def __init__(self) -> None:
+        super().__init__([sys.executable, "-P", os.path.abspath(__file__), "--serve"], SYMBOLIC_STARTUP_TIMEOUT_S)
+
+    def check(self, pred: str, gold: str, timeout: float, mode: str = "exact") -> bool:
+        try:
+            return bool(self.request({"pred": pred, "gold": gold, "mode": mode}, timeout).get("ok"))
+        except (OSError, ValueError, TimeoutError, AttributeError):
+            return False
 
 
 _WORKER = _SymbolicWorker()
@@ -534,7 +621,8 @@ def _serve() -> None:
             # math-verify may read a part of the text; we grade only an expression read whole
             whole = len(pred) > 1 and _squash(str(pred[1])) == _squash(request["pred"])
             if whole and gold and verify(gold, pred, timeout_seconds=None):
-                ok = _exactly_equal(sympy, pred[0], gold[0])
+                # "exact": one number, exactly; "verify": math-verify's equivalence (sets, intervals, ...)
+                ok = request.get("mode") == "verify" or _exactly_equal(sympy, pred[0], gold[0])
         except Exception:  # any failure to parse or compare scores 0
             ok = False
         out.write(b'{"ok": true}\n' if ok else b'{"ok": false}\n')

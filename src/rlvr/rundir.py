@@ -170,9 +170,8 @@ class RunDirLock:
     def __enter__(self) -> "RunDirLock":
         return self.acquire()
 
-    def __exit__(self, *exc) -> bool:
+    def __exit__(self, *exc) -> None:
         self.release()
-        return False
 
 
 def lock_holder(run_dir: str | Path) -> dict | None:

@@ -82,8 +82,8 @@ from rlvr.engines.base import Engine, SamplingParams, WorkerEngine
 from rlvr.engines.rollouts import RolloutBatch, RolloutRequest, Rollouts, SyncRollouts
 from rlvr.errors import EngineError, GraderError, NonFiniteError, TrainingError, UserError
 from rlvr.grpo import (
-    REWEIGHTINGS, compile_backbone, compute_group_normalized_rewards, compute_log_probs_batched, compute_rollout_rewards,
-    pass_at_k, policy_gradient_update,
+    REWEIGHTINGS, compile_backbone, compute_group_normalized_rewards, compute_log_probs_batched, pass_at_k,
+    policy_gradient_update,
 )
 from rlvr.grpo.diagnostics import update_record
 from rlvr.grpo.variance import gradient_variance, variance_metrics
@@ -229,9 +229,15 @@ class RunParts:
     backbone: torch.nn.Module | None
     """A compiled stand-in for the model's decoder stack (``model.compile``), else None."""
     update_spec: UpdateSpec
-    reward_fn: Callable[[str, str], dict]
+    reward_fn: Callable[..., dict]
+    """Grades the training rollouts."""
+    val_reward: Any
+    """The configured reward (``reward.fn``, else the prompt's own): validation always grades with it."""
+    prompt: Any
+    """The run's ``Prompt``, bound to the tokenizer."""
     train_examples: list
     val_examples: list
+    """``(name, examples)`` per validation set; the first is logged as val/reward, ..."""
     request: RolloutRequest
     """``request(s)``: the prompts and sampling parameters of step s."""
     rollouts: Rollouts | None = None
@@ -272,7 +278,7 @@ class Scores:
 
     rewards: torch.Tensor
     meta: dict
-    """``compute_rollout_rewards``'s: means and the per-row format rewards."""
+    """``score_responses``'s: means, the per-row format rewards and the extra numbers the reward logs."""
     ground_truths: list[str]
 
 
@@ -298,22 +304,26 @@ def _step_examples(config: TrainConfig, train_examples, step: int) -> list:
                                                      step - 1, config.seed)]
 
 
-def _sampling_params(config: TrainConfig, step: int) -> SamplingParams:
-    from rlvr.prompts import stop_strings
+def _sampling_params(config: TrainConfig, step: int, prompt=None) -> SamplingParams:
+    from rlvr.task_config import build_prompt
 
     r = config.rollout
+    prompt = prompt or build_prompt(config)
     return SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                          stop=tuple(stop_strings(config.prompt)), include_stop_str_in_output=True,
+                          stop=prompt.stop, include_stop_str_in_output=True,
                           seed=derive_seed(config.seed, "rollout", step))
 
 
-def _rollout_request(config: TrainConfig, train_examples) -> RolloutRequest:
-    """``request(s)``: the prompts and sampling parameters of 1-based step s (a pure function of the seed and s)."""
-    from rlvr.prompts import render
+def _rollout_request(config: TrainConfig, train_examples, prompt=None) -> RolloutRequest:
+    """``request(s)``: the prompts and sampling parameters of 1-based step s (a pure function of the seed and s).
+    ``prompt``: the run's bound ``Prompt`` (default: the config's, which needs no tokenizer unless it is chat)."""
+    from rlvr.task_config import build_prompt
+
+    prompt = prompt or build_prompt(config)
 
     def request(s: int):
-        prompts = [render(config.prompt, ex.question) for ex in _step_examples(config, train_examples, s)]
-        return prompts, _sampling_params(config, s)
+        prompts = [prompt.render(ex.question) for ex in _step_examples(config, train_examples, s)]
+        return prompts, _sampling_params(config, s, prompt)
 
     return request
 
@@ -349,9 +359,11 @@ def _rollout(step: int, model, rollouts: Rollouts, request: RolloutRequest, log:
     return batch
 
 
-def _grade(reward_fn, responses, ground_truths, step: int):
+def _grade(reward_fn, responses, ground_truths, step: int, fields=None):
+    from rlvr.reward_functions import score_responses
+
     try:
-        raw, meta = compute_rollout_rewards(reward_fn, responses, ground_truths)
+        raw, meta = score_responses(reward_fn, responses, ground_truths, fields)
     except Exception as e:  # noqa: BLE001 - any grader bug must stop the run, with its cause
         raise GraderError(
             f"the reward function failed at step {step}: {type(e).__name__}: {e}. Fix the grader."
@@ -362,12 +374,12 @@ def _grade(reward_fn, responses, ground_truths, step: int):
 
 
 def _score(config: TrainConfig, step: int, batch: RolloutBatch, reward_fn, examples: list, log: dict) -> Scores:
-    """Phase 2: grade every response against its question's ground truth."""
+    """Phase 2: grade every response against its question's ground truth (and the example's other fields)."""
     G = config.rollout.group_size
     completions = batch.flat_completions
     truths = [ex.ground_truth for ex in examples for _ in range(G)]
     t0 = time.perf_counter()
-    raw_rewards, reward_meta = _grade(reward_fn, batch.responses, truths, step)
+    raw_rewards, reward_meta = _grade(reward_fn, batch.responses, truths, step, [ex.fields for ex in examples for _ in range(G)])
     log["time/reward"] = time.perf_counter() - t0
     ks = sorted({k for k in (2 ** i for i in range(G.bit_length())) if k <= G} | {G})
     log.update({
@@ -377,6 +389,7 @@ def _score(config: TrainConfig, step: int, batch: RolloutBatch, reward_fn, examp
         "train/response_length": sum(len(c.token_ids) for c in completions) / len(completions),
         "train/truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
         **{f"train/pass@{k}": v for k, v in pass_at_k(raw_rewards > 0.5, G, ks).items()},
+        **{f"train/{k}": v for k, v in reward_meta.get("logged", {}).items()},
     })
     return Scores(raw_rewards, reward_meta, truths)
 
@@ -575,28 +588,32 @@ def _rollout_step(config: TrainConfig, step: int, run_dir: Path, run: RunParts, 
     return log
 
 
-def _validate(model, tokenizer, engine: Engine, config: TrainConfig, examples, step: int, run_dir: Path) -> dict:
-    """Validation of the policy as it is after step ``step``: the mean reward and more on the validation set."""
+def _validate(model, tokenizer, engine: Engine, config: TrainConfig, val_sets, step: int, run_dir: Path, prompt=None,
+              reward=None) -> dict:
+    """Validate on each ``(name, examples)`` of ``val_sets`` (a bare list of examples: one unnamed set).
+    The first set is logged as val/reward, ...; each named one also as val/NAME/accuracy, ..."""
     from rlvr.evaluate import evaluate
+    from rlvr.task_config import validation_metrics
 
+    if val_sets and not isinstance(val_sets[0], tuple):
+        val_sets = [("", val_sets)]
     r = config.rollout
     params = SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
                             seed=derive_seed(config.seed, "val"))
     t0 = time.perf_counter()
-    try:
-        metrics, samples = evaluate(model, tokenizer, examples, config.prompt, engine=engine, params=params,
-                                    chunk_size=max(1, config.engine.max_batch_size))
-    except Exception as e:  # noqa: BLE001
-        raise EngineError(f"validation failed at step {step}: {type(e).__name__}: {e}.") from e
+    out, dump = {}, []
+    for i, (name, examples) in enumerate(val_sets):
+        try:
+            metrics, samples = evaluate(model, tokenizer, examples, prompt or config.prompt, engine=engine, params=params,
+                                        chunk_size=max(1, config.engine.max_batch_size), reward=reward)
+        except Exception as e:  # noqa: BLE001
+            raise EngineError(f"validation{' on ' + name if name else ''} failed at step {step}: {type(e).__name__}: {e}.") from e
+        out.update(validation_metrics(metrics, name, first=i == 0))
+        dump += [dict(s, val_set=name) if name else s for s in samples[: config.log.val_samples]]
     if config.log.val_samples:
-        write_jsonl(run_dir / "rollouts" / f"val_step_{step}.jsonl", samples[: config.log.val_samples])
-    return {
-        "val/reward": metrics["accuracy"],
-        "val/format_reward": metrics["format_rate"],
-        "val/response_length": metrics["mean_response_length"],
-        "val/truncated_frac": metrics["truncated_rate"],
-        "time/eval": time.perf_counter() - t0,
-    }
+        write_jsonl(run_dir / "rollouts" / f"val_step_{step}.jsonl", dump)
+    out["time/eval"] = time.perf_counter() - t0
+    return out
 
 
 def _validation_due(config: TrainConfig, step: int) -> bool:
@@ -609,7 +626,7 @@ def _validation(config: TrainConfig, step: int, run_dir: Path, run: RunParts, st
     if not run.val_examples:
         return {}
     engine = run.rollouts.engine_for_eval(run.model, step)
-    val = _validate(run.model, run.tokenizer, engine, config, run.val_examples, step, run_dir)
+    val = _validate(run.model, run.tokenizer, engine, config, run.val_examples, step, run_dir, run.prompt, run.val_reward)
     state.last_val = {k: v for k, v in val.items() if k.startswith("val/")}
     return val
 
@@ -697,8 +714,8 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False, *, mod
     With ``resume`` the run continues from the newest checkpoint in ``out_dir`` (or starts if there is
     none; returns at once if ``summary.json`` says it already finished all ``n_steps``). ``model`` and
     ``tokenizer`` replace loading ``config.model``; ``reward_fn(response, ground_truth) -> dict``
-    replaces the prompt's reward function for training rollouts (validation always uses the prompt's
-    grader); ``engine`` replaces building ``config.engine`` (the caller then owns and closes it).
+    replaces the configured reward for training rollouts (validation always uses the configured one:
+    ``reward.fn``, else the prompt's own); ``engine`` replaces building ``config.engine`` (the caller then owns and closes it).
 
     Raises ``ConfigError`` before any model loads for impossible settings, ``RunDirBusy`` when
     another process writes to ``out_dir``, ``TrainingError`` when a fault stops the run (the last
@@ -734,19 +751,18 @@ def _setup(config: TrainConfig, run_dir: Path, ckpt: Path | None, *, model, toke
     random.seed(config.seed)
     np.random.seed(config.seed % 2**32)
 
-    # Data before the model: a bad data setting should fail in seconds, not after a model load.
-    from rlvr.data import load_examples
+    # Data and reward before the model: a bad setting should fail in seconds, not after a model load.
+    from rlvr.task_config import build_prompt, check_chat_tokenizer, load_task_data, prepare_reward
 
-    d = config.data
-    train_examples = load_examples(d.train_source, d.train_split, limit=d.train_size, seed=config.seed)
-    val_examples = load_examples(d.val_source or d.train_source, d.val_split, limit=d.val_size or None, seed=config.seed) \
-        if d.val_size else []
-    config.check_data(len(train_examples), len(val_examples))
-    val_examples = val_examples[: d.val_size]
+    train_examples, val_examples = load_task_data(config)
+    config.check_data(len(train_examples), len(val_examples[0][1]) if val_examples and not val_examples[0][0]
+                      else config.data.val_size)
+    prompt = build_prompt(config)
+    if prompt.kind == "chat" and model is None and ckpt is None:
+        check_chat_tokenizer(config.model.name_or_path)
+    val_reward = prepare_reward(config, train_examples, prompt)  # the configured reward; validation always uses it
     if reward_fn is None:
-        from rlvr.prompts import reward_fn_for
-
-        reward_fn = reward_fn_for(config.prompt)
+        reward_fn = val_reward
 
     device = torch.device(config.policy_device)
     dtype = _dtype(config.model.dtype, device)
@@ -760,6 +776,7 @@ def _setup(config: TrainConfig, run_dir: Path, ckpt: Path | None, *, model, toke
         model.to(device=device, dtype=dtype)
         if ckpt is not None:
             load_model_weights(model, ckpt / "model")
+    prompt = prompt.bind(tokenizer)
     if config.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     backbone = compile_backbone(model) if config.model.compile else None
@@ -770,8 +787,9 @@ def _setup(config: TrainConfig, run_dir: Path, ckpt: Path | None, *, model, toke
         _refresh_lr(optimizer, scheduler)
         truncate_metrics(run_dir / "metrics.jsonl", state.step)
     run = RunParts(model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, backbone=backbone,
-                   update_spec=UpdateSpec.from_config(config), reward_fn=reward_fn, train_examples=train_examples,
-                   val_examples=val_examples, request=_rollout_request(config, train_examples))
+                   update_spec=UpdateSpec.from_config(config), reward_fn=reward_fn, val_reward=val_reward, prompt=prompt,
+                   train_examples=train_examples, val_examples=val_examples,
+                   request=_rollout_request(config, train_examples, prompt))
     return run, state
 
 
@@ -843,7 +861,9 @@ def _train(config: TrainConfig, run_dir: Path, ckpt: Path | None, *, model, toke
     run, state = _setup(config, run_dir, ckpt, model=model, tokenizer=tokenizer, reward_fn=reward_fn,
                         own_engine=engine is None)
     record = RunRecord(config, run_dir, run, state)
-    with contextlib.ExitStack() as resources:  # the engine, rollouts, logger and progress bar, closed on every exit
+    # The reward, engine, rollouts, logger and progress bar: closed on every way out, in reverse order.
+    with contextlib.ExitStack() as resources:
+        resources.callback(run.val_reward.close)
         try:
             record.summary("running")
             run.rollouts = _start_rollouts(config, run, engine, resources)

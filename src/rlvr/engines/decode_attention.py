@@ -265,7 +265,8 @@ def prompt_runs(groups: list[int], live: list[bool], most: int) -> tuple[list[in
     per row) and live flags ``live``: maximal stretches of consecutive rows with one prompt, at most
     ``most`` rows long, starting and ending at live rows (finished rows inside a stretch are masked by
     the kernel). Returns (first rows, row counts)."""
-    firsts, counts = [], []
+    firsts: list[int] = []
+    counts: list[int] = []
     for r, (g, ok) in enumerate(zip(groups, live)):
         if not ok:
             continue

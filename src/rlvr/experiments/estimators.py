@@ -285,7 +285,7 @@ def variance_table(runs: Sequence[Run], per_measurement_up_to: int = 12) -> str:
         ms = [m for run in group for m in variance_measurements(run)]
         if not ms:
             continue
-        col = lambda key: np.array([m.get(key) if isinstance(m.get(key), (int, float)) else np.nan for m in ms], dtype=float)  # noqa: E731
+        col = lambda key, ms=ms: np.array([m.get(key) if isinstance(m.get(key), (int, float)) else np.nan for m in ms], dtype=float)  # noqa: E731
         mean = lambda x: _g(float(np.nanmean(x))) if np.isfinite(x).any() else "–"  # noqa: E731
         nb, mb = col("no_baseline/trace"), col("mean_baseline/trace")
         e_c, e_i = col("score_energy_correct"), col("score_energy_incorrect")
@@ -616,7 +616,7 @@ def plot_offpolicy(curves: UpdateCurves, path: Path) -> Path | None:
             row_ax.set_yscale("symlog", linthresh=min(eps, 1e-3) / 3)
             row_ax.set_title(f"{title}\nmedian, band q05-q95, dashed q01/q99, dotted max; red: ±{eps:g}", fontsize=8)
         ax = axes[0, 2]
-        for i, (a, b) in enumerate(curves.phases):
+        for i in range(n_ph):
             color = cmap(i / max(n_ph - 1, 1))
             for key, style, name in (("token_clip_frac", "-", f"token (PPO, eps {TOKEN_EPS:g})"),
                                      ("seq_clip_frac", "--", f"sequence (GSPO, eps {SEQ_EPS:g})"),

@@ -83,7 +83,7 @@ def pick_samples(rows: list[dict], k: int) -> list[dict]:
     """Up to ``k`` rollouts, alternating rewarded and unrewarded ones when both exist (in dump order)."""
     good = [r for r in rows if float(r.get("reward", 0) or 0) > 0]
     bad = [r for r in rows if float(r.get("reward", 0) or 0) <= 0]
-    out = []
+    out: list[dict] = []
     while len(out) < k and (good or bad):
         for pool in (good, bad):
             if pool and len(out) < k:
@@ -180,8 +180,8 @@ def write_report(paths: Sequence[str | Path], out: str | Path, band: str = "minm
     with the same name in two directories are told apart as ``<dir>/<setting>``.
     """
     out = Path(out)
-    paths = [Path(p) for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
-    parts = [(p, load_runs(p)) for p in paths]
+    dirs = [Path(p) for p in ([paths] if isinstance(paths, (str, Path)) else paths)]
+    parts = [(p, load_runs(p)) for p in dirs]
     names = [r.setting for _, runs in parts for r in {r.setting: r for r in runs}.values()]
     prefixed = len(names) != len(set(names))
     if prefixed:
@@ -190,7 +190,7 @@ def write_report(paths: Sequence[str | Path], out: str | Path, band: str = "minm
                 r.setting = f"{p.name}/{r.setting}"
     runs = [r for _, part in parts for r in part]
     sweeps = []
-    for p in paths:
+    for p in dirs:
         if (p / "sweep.json").is_file():
             record = json.loads((p / "sweep.json").read_text())
             if prefixed:

@@ -173,7 +173,7 @@ def importance_statistics(token_log_ratio: torch.Tensor, token_advantage: torch.
     lr = token_log_ratio.detach().double().flatten()
     w = torch.exp(lr)
     s = torch.exp(seq_log_ratio.detach().double().flatten())
-    out = {"n_tokens": int(lr.numel()), "n_sequences": int(s.numel())}
+    out: dict[str, float] = {"n_tokens": int(lr.numel()), "n_sequences": int(s.numel())}
     out.update(_summary("token_ratio", w))
     out.update(_summary("seq_ratio", s))
     out["token_clip_frac"] = _clip_taken(w, token_advantage.detach().flatten().to(w.device), token_eps).double().mean().item()

@@ -71,7 +71,8 @@ _PASSES = (_forward_stats, _forward_stats_entropy, _grad_logits)
 @functools.cache
 def _compiled_passes() -> tuple[Callable, Callable, Callable]:
     """The three passes through ``torch.compile(dynamic=True)``, compiled once per process."""
-    return tuple(_on_fresh_tensors(torch.compile(fn, dynamic=True)) for fn in _PASSES)
+    stats, stats_entropy, grad_logits = (_on_fresh_tensors(torch.compile(fn, dynamic=True)) for fn in _PASSES)
+    return stats, stats_entropy, grad_logits
 
 
 def _passes(compiled: bool) -> tuple[Callable, Callable, Callable]:

@@ -23,7 +23,7 @@ change the sum.
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -133,11 +133,11 @@ def policy_gradient_update(model, optimizer, input_ids: torch.Tensor, labels: to
     params = [p for p in model.parameters() if p.requires_grad]
     have_grads = any(p.grad is not None for p in params)
     if max_grad_norm is not None and have_grads:
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
     else:
         grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
-        grad_norm = torch.stack(grads).norm() if grads else torch.zeros(())
-    grad_norm = float(grad_norm)
+        norm = torch.stack(grads).norm() if grads else torch.zeros(())
+    grad_norm = float(norm)
     loss_value = float(total_loss)
     nonfinite = not (math.isfinite(grad_norm) and math.isfinite(loss_value))
     if step and not nonfinite:
@@ -148,7 +148,7 @@ def policy_gradient_update(model, optimizer, input_ids: torch.Tensor, labels: to
     for p in params:  # optimizers may be given only a subset of the parameters
         p.grad = None
 
-    metadata = {
+    metadata: dict[str, Any] = {
         "grad_norm": grad_norm,
         "entropy": float(ent_sum / max(n_tokens, 1)),
         "n_sequences": sum(len(r) for r in plan),

@@ -123,7 +123,7 @@ def gradient_variance(model, input_ids: torch.Tensor, labels: torch.Tensor, resp
         seq = (logp * m).sum(dim=1) / aggregation.divisor(m.sum(dim=1), B, normalization_constant)
         return _flat_grad(seq.sum(), params, retain=False)
 
-    energy = {"correct": [], "incorrect": []}  # |X_jv|^2 per sample of the class, for 0/1 rewards
+    energy: dict[str, list[float]] = {"correct": [], "incorrect": []}  # |X_jv|^2 per sample of the class, for 0/1 rewards
 
     def group_scores(j: int, record: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         r = rewards[j * G:(j + 1) * G]
@@ -147,7 +147,7 @@ def gradient_variance(model, input_ids: torch.Tensor, labels: torch.Tensor, resp
     # (U_j, S_j) are kept for pass 2 when they fit in keep_bytes, else computed again.
     keep = J * 2 * sum(p.numel() for p in params) * 4 <= keep_bytes
     kept = []
-    total = {n: None for n in names}
+    total: dict[str, torch.Tensor | None] = {n: None for n in names}
     sq_norms = {n: 0.0 for n in names}
     for j in range(J):
         U, S = group_scores(j, record=True)
@@ -161,7 +161,7 @@ def gradient_variance(model, input_ids: torch.Tensor, labels: torch.Tensor, resp
     # Pass 2: each group's estimates projected on the leave-one-out mean of the *other* groups, a direction
     # independent of the group (a direction fitted to the projected vectors themselves would favour the
     # estimator it was fitted to). Groups whose held-out direction is zero are left out.
-    proj = {n: [] for n in names}
+    proj: dict[str, list[float]] = {n: [] for n in names}
     for j in range(J):
         U, S = kept[j] if keep else group_scores(j)
         held_out = J * mean["leave_one_out"] - estimate("leave_one_out", j, U, S)

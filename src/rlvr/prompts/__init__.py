@@ -1,16 +1,39 @@
-"""The protocol prompt templates, shipped verbatim, and how to render them.
+"""Prompts: the protocol templates (shipped verbatim), a user's template file, or the model's chat template.
 
-Each template is a Python ``str.format`` string with one field, ``{question}``. ``r1_zero`` and the
-three-shot prompt end inside ``<think>``: generation stops at ``</answer>``, which is kept in the
-output so that the format rule can see it. ``question_only`` has no stop string and is graded on the
-last ``\\boxed{...}``.
+Each protocol template is a Python ``str.format`` string with one field, ``{question}``. ``r1_zero``
+and the three-shot prompt end inside ``<think>``: generation stops at ``</answer>``, which is kept in
+the output so that the format rule can see it. ``question_only`` has no stop string and is graded on
+the last ``\\boxed{...}``.
+
+``resolve_prompt`` turns the ``prompt`` setting into a ``Prompt``:
+
+- a built-in name (``r1_zero``, ``question_only``, ``r1_zero_three_shot``);
+- a path to a template file of the user's, rendered like the built-ins (``{question}`` is its one
+  field; literal braces are written ``{{`` and ``}}``);
+- ``chat``: the model tokenizer's chat template over an optional system message and a user message
+  (the question, or an optional user-message template with ``{question}``), ending with the
+  generation prompt of the assistant's turn.
+
+Every prompt carries its stop strings; ``PromptOptions.stop`` replaces them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import string
+import warnings
+from dataclasses import dataclass, replace
 from functools import cache
 from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from rlvr.errors import UserError
+
+CHAT = "chat"
+
+
+class PromptError(UserError, ValueError):
+    """A prompt setting that cannot be used."""
 
 
 @dataclass(frozen=True)
@@ -30,12 +53,17 @@ PROMPTS: dict[str, PromptSpec] = {
     ),
 }
 
+# The built-in reward (a name in ``rlvr.reward_functions.BUILTIN_REWARDS``) of each built-in prompt;
+# template files and chat prompts are graded on their last \boxed{} unless reward.fn says otherwise.
+DEFAULT_REWARD = {"r1_zero": "r1_zero", "question_only": "question_only", "r1_zero_three_shot": "r1_zero"}
+OTHER_PROMPTS_REWARD = "boxed"
+
 
 def get_prompt_spec(name: str) -> PromptSpec:
     try:
         return PROMPTS[name]
     except KeyError:
-        raise ValueError(f"unknown prompt {name!r}: choose one of {sorted(PROMPTS)}") from None
+        raise PromptError(f"unknown prompt {name!r}: choose one of {sorted(PROMPTS)}") from None
 
 
 @cache
@@ -46,17 +74,140 @@ def load_template(name: str) -> str:
 
 
 def render(name: str, question: str) -> str:
-    """Render prompt ``name`` for one question with ``str.format(question=...)``."""
-    return load_template(name).format(question=question)
+    """Render prompt ``name`` (a built-in or a template file) for one question."""
+    if name in PROMPTS:
+        return load_template(name).format(question=question)
+    return resolve_prompt(name).render(question)
 
 
 def stop_strings(name: str) -> list[str]:
     """Stop strings for prompt ``name``; generation keeps them in the output."""
-    return list(get_prompt_spec(name).stop)
+    if name in PROMPTS:
+        return list(get_prompt_spec(name).stop)
+    return list(resolve_prompt(name).stop)
 
 
 def reward_fn_for(name: str):
     """The reward function that grades responses to prompt ``name``."""
     from rlvr import rewards
 
-    return getattr(rewards, get_prompt_spec(name).reward_fn_name)
+    if name in PROMPTS:
+        return getattr(rewards, get_prompt_spec(name).reward_fn_name)
+    from rlvr.reward_functions import BUILTIN_REWARDS
+
+    return BUILTIN_REWARDS[resolve_prompt(name).default_reward]
+
+
+# -- resolved prompts -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """How a question becomes the model's input, and where generation stops."""
+
+    name: str
+    """What logs and results call it: the built-in's name, the template file's stem, or chat."""
+    kind: str
+    """builtin, file or chat."""
+    stop: tuple[str, ...]
+    default_reward: str
+    template: str | None = None
+    """The ``str.format`` template of a built-in or a file."""
+    system: str | None = None
+    user_template: str | None = None
+    tokenizer: Any = None
+    """The tokenizer whose chat template a chat prompt renders with (``bind``)."""
+
+    def bind(self, tokenizer) -> "Prompt":
+        """This prompt rendering with ``tokenizer`` (chat prompts need it; others ignore it)."""
+        if self.kind != CHAT:
+            return self
+        check_chat_template(tokenizer)
+        end = end_of_turn(tokenizer)
+        if end and tokenizer.eos_token and end != tokenizer.eos_token:
+            warnings.warn(f"prompt chat: the chat template ends a turn with {end!r} but the tokenizer's EOS token is "
+                          f"{tokenizer.eos_token!r}, where generation stops; responses may run on past the turn. Use "
+                          "the instruct model's tokenizer (its EOS is the end of a turn)", stacklevel=2)
+        return replace(self, tokenizer=tokenizer)
+
+    def render(self, question: str) -> str:
+        if self.kind != CHAT:
+            return self.template.format(question=question)
+        if self.tokenizer is None:
+            raise PromptError("prompt chat renders with the model's tokenizer; bind it first (Prompt.bind)")
+        user = self.user_template.format(question=question) if self.user_template is not None else question
+        messages = ([{"role": "system", "content": self.system}] if self.system is not None else []) + \
+            [{"role": "user", "content": user}]
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def _check_template(text: str, where: str) -> str:
+    """``text`` when it is a ``str.format`` template whose one field is ``{question}``."""
+    try:
+        fields = {f for _, f, _, _ in string.Formatter().parse(text) if f is not None}
+    except ValueError as e:
+        raise PromptError(f"{where}: not a valid template ({e}); write literal braces as {{{{ and }}}}") from None
+    if fields != {"question"}:
+        other = sorted(fields - {"question"})
+        problem = f"has the placeholder(s) {', '.join('{' + f + '}' for f in other)}" if other else "has no {question} placeholder"
+        raise PromptError(f"{where} {problem}; its one placeholder is {{question}} (write literal braces as {{{{ and }}}})")
+    return text
+
+
+def _template_text(value: str, key: str) -> tuple[str, str]:
+    """The template of a setting that is a file path or the text itself, and where it came from."""
+    path = Path(value)
+    if "{" not in value and len(value) < 4096 and path.is_file():
+        return path.read_text(encoding="utf-8"), f"{key} file {value}"
+    return value, key
+
+
+def resolve_prompt(prompt: str, system: str | None = None, user_template: str | None = None,
+                   stop: tuple[str, ...] | None = None) -> Prompt:
+    """The ``Prompt`` that the settings name; ``PromptError`` (one line, with the fix) when they do not fit."""
+    if prompt != CHAT:
+        for value, key in ((system, "prompt_options.system"), (user_template, "prompt_options.user_template")):
+            if value is not None:
+                raise PromptError(f"{key} applies to prompt chat (the model's chat template), not to prompt {prompt!r}; "
+                                  "unset it or write it into the template")
+    if prompt in PROMPTS:
+        spec = PROMPTS[prompt]
+        return Prompt(prompt, "builtin", tuple(spec.stop if stop is None else stop), DEFAULT_REWARD[prompt],
+                      template=load_template(prompt))
+    if prompt == CHAT:
+        template = None
+        if user_template is not None:
+            text, where = _template_text(user_template, "prompt_options.user_template")
+            template = _check_template(text, where)
+        return Prompt(CHAT, CHAT, tuple(stop or ()), OTHER_PROMPTS_REWARD, system=system, user_template=template)
+    path = Path(prompt)
+    if not path.is_file():
+        raise PromptError(f"unknown prompt {prompt!r}: not a built-in ({', '.join(sorted(PROMPTS))}), not chat, "
+                          "and no such template file; name one of those or a file with a {question} placeholder")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise PromptError(f"prompt file {prompt}: cannot be read as text ({e}); pass a UTF-8 template file") from None
+    return Prompt(path.stem, "file", tuple(stop or ()), OTHER_PROMPTS_REWARD,
+                  template=_check_template(text, f"prompt file {prompt}"))
+
+
+def end_of_turn(tokenizer) -> str | None:
+    """The text the chat template puts after an assistant message (its end-of-turn token), if any."""
+    marker = "\u2063rlvr-end-of-turn\u2063"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}],
+                                             tokenize=False)
+    except Exception:  # noqa: BLE001 (templates may refuse this conversation; then there is nothing to check)
+        return None
+    if marker not in text:
+        return None
+    return text.rsplit(marker, 1)[1].strip() or None
+
+
+def check_chat_template(tokenizer) -> None:
+    """``PromptError`` unless ``tokenizer`` has a chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        name = getattr(tokenizer, "name_or_path", "") or "the model"
+        raise PromptError(f"prompt chat: the tokenizer of {name} has no chat template; use a model that has one, "
+                          "a built-in prompt or a template file")

@@ -33,6 +33,7 @@ from __future__ import annotations
 import os
 import re
 import time
+from typing import Any
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -140,7 +141,7 @@ class EndpointJudge:
         return models[0]["id"]
 
     def _one(self, prompt: str) -> str:
-        body = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "temperature": 0.0,
+        body: dict[str, Any] = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "temperature": 0.0,
                 "max_tokens": self.max_tokens}
         import requests
 
@@ -216,7 +217,7 @@ def judge_alpaca_eval(judge, rows: list[dict]) -> tuple[dict, list[dict]]:
         prompts.append(PAIRWISE_PROMPT.format(instruction=r["instruction"], first=r["reference"], second=r["output"]))
     answers = judge.complete(prompts) if prompts else []
     verdicts, failures, consistent = [], 0, 0
-    for i, r in enumerate(rows):
+    for i in range(len(rows)):
         first, second = parse_choice(answers[2 * i]), parse_choice(answers[2 * i + 1])
         # order 1: the model is response 1; order 2: the model is response 2
         wins = [{1: 1.0, 2: 0.0}.get(first, 0.5), {2: 1.0, 1: 0.0}.get(second, 0.5)]

@@ -348,8 +348,8 @@ def run_suites(cfg: SuiteConfig, model=None, tokenizer=None, engine=None, judge=
               for k, v in dataclasses.asdict(cfg).items()}
     _write_json(out / "results.json", {"config": config, "results": results})
     with (out / "samples.jsonl").open("w", encoding="utf-8") as f:
-        for name in samples:
-            for s in samples[name]:
+        for sample_name in samples:
+            for s in samples[sample_name]:
                 f.write(json.dumps(s, ensure_ascii=False) + "\n")
     if "alpaca_eval" in samples:
         generator = cfg.generator or Path(cfg.model.rstrip("/")).name

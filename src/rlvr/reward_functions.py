@@ -1,0 +1,241 @@
+"""Reward functions by name: the built-ins, a user's function in a worker process, and weighted sums.
+
+``reward.fn`` names one of ``BUILTIN_REWARDS`` or a user function, ``package.module:function`` or
+``path/to/file.py:function``. A user function is called as ``fn(response, ground_truth, **fields)``
+(``fields``: the example's other columns) and returns a float, or a dict with ``reward`` and any
+other numbers, which are logged as ``train/reward/<name>``. It runs in a worker process (see
+``rlvr.reward_worker``) through the same line protocol as the symbolic grader: a call that takes longer
+than ``reward.timeout_s`` kills the worker, scores 0 and is counted (``reward/timeouts``); the next
+call starts a fresh worker; a function cut off on ``TIMEOUTS_IN_A_ROW_LIMIT`` calls in a row, or that
+raises, stops the run with a message that says so.
+
+``reward.fns`` with ``reward.weights`` sums several rewards into one; each one's reward is then
+logged under its own name.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from collections.abc import Callable, Sequence
+
+from rlvr import rewards
+from rlvr.errors import UserError
+from rlvr.reward_worker import is_file_spec
+
+BUILTIN_REWARDS: dict[str, Callable] = {
+    "r1_zero": rewards.r1_zero_reward_fn,
+    "question_only": rewards.question_only_reward_fn,
+    "boxed": rewards.boxed_reward_fn,
+    "exact": rewards.exact_reward_fn,
+}
+WORKER_STARTUP_TIMEOUT_S = 120.0
+"""Seconds a user reward's worker may take to import the function (its module may load a lot)."""
+TIMEOUTS_IN_A_ROW_LIMIT = 8
+"""A user function cut off on this many calls in a row stops the run (it would only burn time)."""
+_PROTOCOL_KEYS = ("reward", "format_reward", "answer_reward")
+
+
+class RewardConfigError(UserError, ValueError):
+    """A reward setting that cannot be used."""
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function that raised or returned something that is not a reward."""
+
+
+def spec_problem(spec: str, key: str = "reward.fn") -> str | None:
+    """Why ``spec`` cannot name a reward function, read without importing anything (None: it may)."""
+    if spec in BUILTIN_REWARDS:
+        return None
+    target, sep, name = spec.rpartition(":")
+    hint = f"name a built-in ({', '.join(BUILTIN_REWARDS)}), package.module:function or path/to/file.py:function"
+    if not sep or not target or not name.isidentifier():
+        return f"{key} {spec!r} is not a reward function: {hint}"
+    if is_file_spec(target) and not os.path.isfile(target):
+        return f"{key} {spec!r}: no such file {target} (relative to {os.getcwd()}); {hint}"
+    return None
+
+
+def component_name(spec: str) -> str:
+    return spec if spec in BUILTIN_REWARDS else spec.rpartition(":")[2]
+
+
+class UserRewardFunction:
+    """A user's reward function, called in its own worker process with a time bound per call."""
+
+    def __init__(self, spec: str, timeout_s: float):
+        self.spec = spec
+        self.timeout_s = timeout_s
+        worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reward_worker.py")
+        self.worker = rewards.LineWorker([sys.executable, "-P", worker, spec], WORKER_STARTUP_TIMEOUT_S, quiet=False)
+        self.timeouts_in_a_row = 0
+
+    def start(self, fields: Sequence[str] = ()) -> None:
+        """Load the function now and check that it takes ``(response, ground_truth, **fields)`` with
+        ``fields``; ``RewardConfigError`` naming the problem otherwise."""
+        try:
+            self.worker.start()
+            reply = self.worker.request({"bind": list(fields)}, WORKER_STARTUP_TIMEOUT_S)
+        except (OSError, TimeoutError, ValueError) as e:
+            raise RewardConfigError(f"reward function {self.spec!r}: {e}") from None
+        if not reply.get("ok"):
+            columns = f" and the data's other columns ({', '.join(fields)})" if fields else ""
+            raise RewardConfigError(
+                f"reward function {self.spec!r} cannot be called as fn(response, ground_truth, **fields) with "
+                f"the fields{columns}: {reply.get('error')}; give it a **fields parameter")
+
+    def __call__(self, response: str, ground_truth: str, **fields) -> dict:
+        try:
+            reply = self.worker.request({"response": response, "ground_truth": ground_truth, "fields": fields},
+                                        self.timeout_s)
+        except TimeoutError:
+            self.timeouts_in_a_row += 1
+            if self.timeouts_in_a_row >= TIMEOUTS_IN_A_ROW_LIMIT:
+                # Every call cut off: the function is broken, and each call would cost a full timeout.
+                raise RewardFunctionError(
+                    f"reward function {self.spec!r} took longer than reward.timeout_s={self.timeout_s} s on "
+                    f"{self.timeouts_in_a_row} calls in a row; make it faster or raise reward.timeout_s") from None
+            return {"reward": 0.0, "timed_out": 1.0}
+        except rewards.WorkerStartError as e:
+            raise RewardFunctionError(f"reward function {self.spec!r} could not be loaded: {e}") from None
+        except (OSError, ValueError) as e:
+            raise RewardFunctionError(f"reward function {self.spec!r} ended its worker process ({e})") from None
+        self.timeouts_in_a_row = 0
+        if not reply.get("ok"):
+            raise RewardFunctionError(f"reward function {self.spec!r} raised {reply.get('error')}")
+        return as_reward_dict(reply["value"], self.spec)
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def as_reward_dict(value, where: str) -> dict:
+    """A reward function's result as a dict of floats with ``reward``."""
+    if isinstance(value, (bool, int, float)):
+        return {"reward": float(value)}
+    if isinstance(value, dict) and "reward" in value:
+        out = {}
+        for k, v in value.items():
+            if isinstance(v, (bool, int, float)):
+                out[str(k)] = float(v)
+            elif k in _PROTOCOL_KEYS:
+                raise RewardFunctionError(f"reward function {where!r} returned {k}={v!r}; it must be a number")
+        return out
+    raise RewardFunctionError(f"reward function {where!r} returned {type(value).__name__} {str(value)[:80]!r}; "
+                              "return a float or a dict with a 'reward' number")
+
+
+class Reward:
+    """The run's reward: one function or a weighted sum, called as ``(response, ground_truth, **fields)``.
+
+    Returns ``reward`` (the weighted sum), ``format_reward`` (the lowest of those the functions report;
+    1 when none does), ``answer_reward`` (the one function's, else the sum), ``timed_out`` (1 when a
+    user function was cut off) and the extra numbers to log: each function's other fields, and with
+    several functions each one's reward under its name (its other fields as ``name/field``).
+    """
+
+    def __init__(self, specs: Sequence[str], weights: Sequence[float] | None = None, timeout_s: float = 10.0):
+        weights = list(weights) if weights else [1.0] * len(specs)
+        if len(weights) != len(specs):
+            raise RewardConfigError(f"reward.weights has {len(weights)} numbers for {len(specs)} reward.fns; give one per function")
+        self.components: list[tuple[str, Callable, float]] = []
+        names: set[str] = set()
+        for spec, weight in zip(specs, weights):
+            problem = spec_problem(spec)
+            if problem:
+                raise RewardConfigError(problem)
+            name = component_name(spec)
+            while name in names:
+                name += "_"
+            names.add(name)
+            fn = BUILTIN_REWARDS[spec] if spec in BUILTIN_REWARDS else UserRewardFunction(spec, timeout_s)
+            self.components.append((name, fn, float(weight)))
+        self.specs = list(specs)
+
+    @property
+    def has_user_functions(self) -> bool:
+        return any(isinstance(fn, UserRewardFunction) for _, fn, _ in self.components)
+
+    def start(self, fields: Sequence[str] = ()) -> None:
+        """Start the user functions' workers and check their signatures (before any model loads)."""
+        for _, fn, _ in self.components:
+            if isinstance(fn, UserRewardFunction):
+                fn.start(fields)
+
+    def close(self) -> None:
+        for _, fn, _ in self.components:
+            if isinstance(fn, UserRewardFunction):
+                fn.close()
+
+    def __call__(self, response: str, ground_truth: str, **fields) -> dict:
+        several = len(self.components) > 1
+        total, formats, out = 0.0, [], {"timed_out": 0.0}
+        answer = None
+        for name, fn, weight in self.components:
+            if isinstance(fn, UserRewardFunction):
+                r = fn(response, ground_truth, **fields)
+            else:
+                r = fn(response, ground_truth)
+            out["timed_out"] = max(out["timed_out"], r.get("timed_out", 0.0))
+            total += weight * r["reward"]
+            if "format_reward" in r:
+                formats.append(r["format_reward"])
+            answer = r.get("answer_reward", r["reward"])
+            if several:
+                out[name] = r["reward"]
+            for key, value in r.items():
+                if key not in _PROTOCOL_KEYS and key != "timed_out":
+                    out[f"{name}/{key}" if several else key] = value
+        out.update(reward=total, format_reward=min(formats) if formats else 1.0,
+                   answer_reward=total if several else answer)
+        return out
+
+
+def build_reward(fn: str | None, fns: Sequence[str] = (), weights: Sequence[float] = (), timeout_s: float = 10.0,
+                 default: str = "r1_zero") -> Reward:
+    """The ``Reward`` of the settings (``default``: the prompt's own, when neither fn nor fns is set)."""
+    if fn is not None and fns:
+        raise RewardConfigError("set reward.fn (one function) or reward.fns (several, with reward.weights), not both")
+    if weights and not fns:
+        raise RewardConfigError("reward.weights go with reward.fns; with one reward.fn leave them out")
+    return Reward(list(fns) if fns else [fn or default], weights, timeout_s)
+
+
+def score_responses(reward_fn, responses: Sequence[str], ground_truths: Sequence[str],
+                    fields: Sequence[dict] | None = None):
+    """Score every response like ``compute_rollout_rewards``; a ``Reward`` also gets each example's
+    ``fields`` and adds ``logged`` to the metadata: the mean of each extra number as
+    ``reward/<name>`` and the count of cut-off calls as ``reward/timeouts``."""
+    import torch
+
+    from rlvr.grpo import compute_rollout_rewards
+
+    if not isinstance(reward_fn, Reward):
+        return compute_rollout_rewards(reward_fn, responses, ground_truths)
+    if len(responses) != len(ground_truths):
+        raise ValueError(f"{len(responses)} responses but {len(ground_truths)} ground truths; pass one per response")
+    fields = fields if fields is not None else [{}] * len(responses)
+    scores = [reward_fn(r, g, **f) for r, g, f in zip(responses, ground_truths, fields)]
+    rewards_t = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)
+    fmt = torch.tensor([s["format_reward"] for s in scores], dtype=torch.float32)
+    ans = torch.tensor([s["answer_reward"] for s in scores], dtype=torch.float32)
+    sums: dict[str, list[float]] = {}
+    for s in scores:
+        for k, v in s.items():
+            if k not in _PROTOCOL_KEYS and k != "timed_out":
+                sums.setdefault(k, []).append(v)
+    n = len(scores)
+    logged = {f"reward/{k}": sum(v) / len(v) for k, v in sums.items() if all(math.isfinite(x) for x in v)}
+    if reward_fn.has_user_functions:
+        logged["reward/timeouts"] = float(sum(s["timed_out"] for s in scores))
+    meta = {
+        "reward_mean": rewards_t.mean().item() if n else 0.0,
+        "format_reward_mean": fmt.mean().item() if n else 0.0,
+        "answer_reward_mean": ans.mean().item() if n else 0.0,
+        "format_rewards": fmt,
+        "scores": scores,
+        "logged": logged,
+    }
+    return rewards_t, meta

@@ -1,0 +1,295 @@
+"""The task of a run, from its config: the prompt, the data (training and validation sets) and the reward.
+
+``rlvr train`` and ``rlvr eval`` build the task through these functions, so that in-training
+validation and a separate evaluation read the same settings the same way:
+
+- ``task_config_problems``: what is wrong with the prompt, data and reward settings, found without
+  loading anything (part of ``TrainConfig.validate``);
+- ``load_task_data``: the training examples and the named validation sets;
+- ``prepare_reward``: the ``Reward``, its user functions loaded and checked against the data's fields;
+- ``check_chat_tokenizer``: a chat prompt's model has a chat template (from a local model's
+  tokenizer files, before the weights load).
+
+A validation source of ``data.val_sources`` is ``NAME=SOURCE`` followed by options ``key=value``
+separated by spaces (``split``, ``size``, ``config``, ``question_field``, ``answer_field``,
+``answer_format``); an option left out is taken from the ``data`` section (``val_split``, ``val_size``, ...).
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from rlvr.errors import UserError
+
+VAL_SOURCE_OPTIONS = ("split", "size", "config", "question_field", "answer_field", "answer_format")
+
+
+class TaskConfigError(UserError, ValueError):
+    """Prompt, data or reward settings that cannot be used."""
+
+
+@dataclass(frozen=True)
+class DataSource:
+    """One data set: where it is and how its rows become examples."""
+
+    name: str
+    source: str
+    split: str
+    size: int | None
+    config: str | None
+    question_field: str
+    answer_field: str
+    answer_format: str
+
+    def load(self, seed: int = 0):
+        from rlvr.data import load_examples
+
+        return load_examples(self.source, self.split, limit=self.size, seed=seed,
+                             question_field=self.question_field, answer_field=self.answer_field,
+                             answer_format=self.answer_format, config=self.config)
+
+
+def train_source(config) -> DataSource:
+    d = config.data
+    return DataSource("train", d.train_source, d.train_split, d.train_size, d.config, d.question_field,
+                      d.answer_field, d.answer_format)
+
+
+def val_sources(config) -> list[DataSource]:
+    """The validation sets: each of ``data.val_sources``, else the one of ``data.val_source`` (named ``""``)."""
+    d = config.data
+    base = dict(split=d.val_split, size=d.val_size, config=d.config, question_field=d.question_field,
+                answer_field=d.answer_field, answer_format=d.answer_format)
+    if not d.val_sources:
+        return [DataSource("", d.val_source or d.train_source, **base)]
+    return [parse_val_source(spec, base) for spec in d.val_sources]
+
+
+def parse_val_source(spec: str, base: dict) -> DataSource:
+    """``NAME=SOURCE [key=value ...]`` as a ``DataSource`` (options not given come from ``base``)."""
+    fix = "write data.val_sources entries as 'NAME=SOURCE [split=test] [size=256] [answer_format=boxed] ...'"
+    try:
+        words = shlex.split(spec)
+    except ValueError as e:
+        raise TaskConfigError(f"data.val_sources entry {spec!r}: {e}; {fix}") from None
+    if not words or "=" not in words[0]:
+        raise TaskConfigError(f"data.val_sources entry {spec!r} has no NAME=SOURCE; {fix}")
+    name, _, source = words[0].partition("=")
+    if not name or not source or not all(c.isalnum() or c in "_-." for c in name):
+        raise TaskConfigError(f"data.val_sources entry {spec!r}: the name must be letters, digits, _ - or . and the "
+                              f"source must not be empty; {fix}")
+    options = dict(base)
+    for word in words[1:]:
+        key, sep, value = word.partition("=")
+        if not sep or key not in VAL_SOURCE_OPTIONS:
+            raise TaskConfigError(f"data.val_sources entry {spec!r}: unknown option {word!r}; the options are "
+                                  f"{', '.join(VAL_SOURCE_OPTIONS)}")
+        if key == "size":
+            if not value.isdigit():
+                raise TaskConfigError(f"data.val_sources entry {spec!r}: size must be a whole number, got {value!r}")
+            options[key] = int(value)
+        else:
+            options[key] = value
+    return DataSource(name, source, **options)
+
+
+def task_config_problems(config) -> list[str]:
+    """One line per problem of the prompt, data and reward settings of a ``TrainConfig`` (no loading)."""
+    from rlvr.data import ANSWER_FORMATS
+    from rlvr.prompts import CHAT, PromptError
+    from rlvr.reward_functions import spec_problem
+
+    problems: list[str] = []
+    try:
+        prompt = build_prompt(config)
+    except PromptError as e:
+        problems.append(str(e))
+        prompt = None
+    if prompt is not None and prompt.kind == CHAT and config.model.fresh is not None:
+        problems.append("prompt chat needs the model tokenizer's chat template, and model.fresh trains a tokenizer "
+                        "without one; use a built-in prompt or a template file with model.fresh")
+    d = config.data
+    if d.answer_format not in ANSWER_FORMATS:
+        problems.append(f"unknown data.answer_format {d.answer_format!r}: choose one of {', '.join(ANSWER_FORMATS)}")
+    for key in ("question_field", "answer_field"):
+        if not getattr(d, key):
+            problems.append(f"data.{key} is empty; name the column")
+    if d.question_field == d.answer_field:
+        problems.append(f"data.question_field and data.answer_field are both {d.question_field!r}; name two columns")
+    try:
+        sets = val_sources(config)
+    except TaskConfigError as e:
+        problems.append(str(e))
+    else:
+        names = [s.name for s in sets]
+        if len(set(names)) != len(names):
+            problems.append(f"data.val_sources names a set twice ({', '.join(names)}); give each its own name")
+        if d.val_sources and d.val_source is not None:
+            problems.append("set data.val_source (one validation set) or data.val_sources (several, named), not both")
+        for s in sets:
+            if s.name and s.answer_format not in ANSWER_FORMATS:
+                problems.append(f"data.val_sources {s.name}: unknown answer_format {s.answer_format!r}: choose one of "
+                                f"{', '.join(ANSWER_FORMATS)}")
+    r = config.reward
+    if r.fn is not None and r.fns:
+        problems.append("set reward.fn (one function) or reward.fns (several, with reward.weights), not both")
+    if r.weights and len(r.weights) != len(r.fns):
+        problems.append(f"reward.weights has {len(r.weights)} numbers for {len(r.fns)} reward.fns; give one per function")
+    for spec, key in [(r.fn, "reward.fn")] + [(f, "reward.fns") for f in r.fns]:
+        if spec is not None:
+            problem = spec_problem(spec, key)
+            if problem:
+                problems.append(problem)
+    if not r.timeout_s > 0:
+        problems.append(f"reward.timeout_s must be > 0, got {r.timeout_s}")
+    return problems
+
+
+def build_prompt(config):
+    """The ``Prompt`` of a ``TrainConfig`` (not yet bound to a tokenizer)."""
+    from rlvr.prompts import resolve_prompt
+
+    o = config.prompt_options
+    return resolve_prompt(config.prompt, o.system, o.user_template, o.stop)
+
+
+def build_reward(config, prompt=None):
+    """The ``Reward`` of a ``TrainConfig`` (user functions not started)."""
+    from rlvr.reward_functions import build_reward as build
+
+    prompt = prompt or build_prompt(config)
+    r = config.reward
+    return build(r.fn, r.fns, r.weights, r.timeout_s, default=prompt.default_reward)
+
+
+def load_task_data(config):
+    """``(train_examples, [(name, val_examples), ...])``; ``val_size`` 0 gives no validation sets."""
+    train = train_source(config).load(seed=config.seed)
+    if not config.data.val_size and not config.data.val_sources:
+        return train, []
+    sets = []
+    for s in val_sources(config):
+        if not s.size:
+            continue
+        examples = s.load(seed=config.seed)
+        if len(examples) < s.size and s.name:
+            raise TaskConfigError(f"data.val_sources {s.name}: size={s.size} but {s.source} ({s.split}) has only "
+                                  f"{len(examples)} examples; lower size or choose a larger split")
+        sets.append((s.name, examples[: s.size]))
+    return train, sets
+
+
+def prepare_reward(config, examples, prompt=None):
+    """The run's ``Reward``, its user functions loaded and checked against the fields of ``examples``."""
+    reward = build_reward(config, prompt)
+    fields = sorted({k for ex in examples[:1] for k in ex.fields})
+    clash = [f for f in fields if f in ("response", "ground_truth")]
+    if clash and reward.has_user_functions:
+        raise TaskConfigError(f"the data has a column {clash[0]!r}, the name of a reward function argument; rename the "
+                              "column, or name it as the question or answer column")
+    reward.start(fields)
+    return reward
+
+
+def check_chat_tokenizer(model_source: str) -> None:
+    """For a local model directory: ``PromptError`` unless its tokenizer has a chat template (a hub
+    model is checked once loaded)."""
+    from rlvr.prompts import check_chat_template
+
+    path = Path(model_source)
+    if not (path / "tokenizer_config.json").is_file():
+        return
+    from transformers import AutoTokenizer
+
+    check_chat_template(AutoTokenizer.from_pretrained(str(path)))
+
+
+def validation_metrics(metrics: dict, name: str, first: bool) -> dict:
+    """The logged values of one validation set's ``evaluate`` metrics: ``val/reward``, ... for the first
+    set, and ``val/NAME/accuracy``, ... for a named one (both for a first named one)."""
+    out = {}
+    if first:
+        out.update({"val/reward": metrics["accuracy"], "val/format_reward": metrics["format_rate"],
+                    "val/response_length": metrics["mean_response_length"],
+                    "val/truncated_frac": metrics["truncated_rate"]})
+        out.update({f"val/reward/{k}": v for k, v in metrics.get("rewards", {}).items()})
+    if name:
+        out.update({f"val/{name}/accuracy": metrics["accuracy"], f"val/{name}/format_reward": metrics["format_rate"],
+                    f"val/{name}/response_length": metrics["mean_response_length"],
+                    f"val/{name}/truncated_frac": metrics["truncated_rate"]})
+        out.update({f"val/{name}/reward/{k}": v for k, v in metrics.get("rewards", {}).items()})
+    return out
+
+
+# -- rlvr eval --------------------------------------------------------------------------------------
+
+# The rlvr eval flags that a training config file (--config) sets instead.
+EVAL_TASK_FLAGS = ("prompt", "system", "user_template", "stop", "reward", "reward_fns", "reward_weights",
+                   "reward_timeout_s", "data", "split", "data_config", "question_field", "answer_field",
+                   "answer_format")
+
+
+@dataclass
+class EvalTasks:
+    """What ``rlvr eval`` evaluates: prompts x data sets, graded by the reward of each prompt."""
+
+    configs: list
+    """One ``TrainConfig`` per prompt, holding that prompt's prompt, data and reward settings."""
+    prompts: list
+    sources: list[DataSource]
+
+    def load_data(self) -> list[tuple[str, list]]:
+        return [(s.name, s.load()) for s in self.sources]
+
+    def rewards(self, examples) -> list:
+        """One started ``Reward`` per prompt (user functions checked against the fields of ``examples``)."""
+        return [prepare_reward(c, examples, p) for c, p in zip(self.configs, self.prompts)]
+
+    def result_name(self, set_name: str, prompt) -> str:
+        if not set_name:
+            return prompt.name
+        return set_name if len(self.prompts) == 1 else f"{set_name}/{prompt.name}"
+
+
+def eval_tasks(cfg) -> EvalTasks:
+    """The prompts, data sets and rewards of ``rlvr eval`` flags (an ``EvalConfig``), or of the training
+    config file it names with ``--config`` (its validation sets, as validation in training reads them).
+    ``TaskConfigError`` for settings that cannot work, before anything loads."""
+    import dataclasses
+
+    from rlvr.config import DataConfig, ModelConfig, PromptOptions, RewardConfig, TrainConfig, load_config_file
+    from rlvr.evaluate import EvalConfig
+
+    if cfg.config is not None:
+        defaults = EvalConfig(model=cfg.model, out=cfg.out)
+        given = [f"--{k.replace('_', '-')}" for k in EVAL_TASK_FLAGS if getattr(cfg, k) != getattr(defaults, k)]
+        if given:
+            raise TaskConfigError(f"--config {cfg.config} sets the prompt, data and reward; leave out "
+                                  f"{', '.join(given)} (or leave out --config)")
+        train_config = dataclasses.replace(load_config_file(cfg.config), model=ModelConfig(name_or_path=cfg.model))
+        configs = [train_config]
+        sources = val_sources(train_config) if (train_config.data.val_size or train_config.data.val_sources) else []
+        if not sources:
+            raise TaskConfigError(f"{cfg.config} has no validation set (data.val_size is 0); set data.val_size or "
+                                  "data.val_sources there")
+        if cfg.limit is not None:
+            sources = [dataclasses.replace(s, size=cfg.limit) for s in sources]
+    else:
+        data = DataConfig(train_source=cfg.data, val_split=cfg.split, config=cfg.data_config,
+                          question_field=cfg.question_field, answer_field=cfg.answer_field,
+                          answer_format=cfg.answer_format)
+        options = PromptOptions(system=cfg.system, user_template=cfg.user_template, stop=cfg.stop)
+        reward = RewardConfig(fn=cfg.reward, fns=cfg.reward_fns, weights=cfg.reward_weights, timeout_s=cfg.reward_timeout_s)
+        configs = [TrainConfig(model=ModelConfig(name_or_path=cfg.model), data=data, prompt=p, prompt_options=options,
+                               reward=reward) for p in dict.fromkeys(cfg.prompt or ("r1_zero",))]
+        sources = [DataSource("", cfg.data, cfg.split, cfg.limit, cfg.data_config, cfg.question_field,
+                              cfg.answer_field, cfg.answer_format)]
+    problems = list(dict.fromkeys(p for c in configs for p in task_config_problems(c)))
+    if problems:
+        raise TaskConfigError("; ".join(problems))
+    prompts = [build_prompt(c) for c in configs]
+    if any(p.kind == "chat" for p in prompts):
+        check_chat_tokenizer(cfg.model)
+    return EvalTasks(configs, prompts, sources)
