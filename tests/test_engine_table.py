@@ -9,8 +9,16 @@ import json
 import pytest
 
 from rlvr.config import (
-    ConfigError, EngineConfig, FastEngineConfig, MOVED_KEYS, TrainConfig, VLLMEngineConfig, WorkerEngineConfig,
-    load_config_file, parse_overrides, upgrade_moved_keys,
+    MOVED_KEYS,
+    ConfigError,
+    EngineConfig,
+    FastEngineConfig,
+    TrainConfig,
+    VLLMEngineConfig,
+    WorkerEngineConfig,
+    load_config_file,
+    parse_overrides,
+    upgrade_moved_keys,
 )
 from rlvr.engines import ENGINES, UnknownEngineError, build_engine, engine_entry, engine_names, register_engine
 from rlvr.errors import UserError

@@ -8,8 +8,15 @@ import torch
 
 from rlvr.config import AlgorithmConfig, TrainConfig
 from rlvr.grpo import (
-    AGGREGATIONS, DEFAULT_CLIPRANGE, PRESETS, REWEIGHTINGS, aggregate_loss_across_microbatch,
-    compute_policy_gradient_loss, policy_gradient_update, register_aggregation, tokenize_prompt_and_output,
+    AGGREGATIONS,
+    DEFAULT_CLIPRANGE,
+    PRESETS,
+    REWEIGHTINGS,
+    aggregate_loss_across_microbatch,
+    compute_policy_gradient_loss,
+    policy_gradient_update,
+    register_aggregation,
+    tokenize_prompt_and_output,
 )
 
 

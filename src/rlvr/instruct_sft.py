@@ -232,8 +232,7 @@ def run_instruct_sft(cfg: InstructSFTConfig) -> Path:
     from rlvr.grpo import compile_backbone
     from rlvr.logging_utils import MetricsLogger
     from rlvr.modeling import save_model_and_tokenizer
-    from rlvr.optim import make_adamw
-    from rlvr.optim import lr_factor
+    from rlvr.optim import lr_factor, make_adamw
     from rlvr.trainer import batch_indices
 
     cfg.validate()

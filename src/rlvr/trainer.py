@@ -66,7 +66,8 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, Callable
+from typing import Annotated, Any, cast
+from collections.abc import Callable
 
 import torch
 import tyro
@@ -206,7 +207,7 @@ class UpdateSpec:
     (its updates log importance ratios even without reweighting)."""
 
     @classmethod
-    def from_config(cls, config: TrainConfig) -> "UpdateSpec":
+    def from_config(cls, config: TrainConfig) -> UpdateSpec:
         a, o = config.algorithm, config.optim
         return cls(
             gradient_accumulation_steps=o.gradient_accumulation_steps, max_grad_norm=o.max_grad_norm,
@@ -259,7 +260,7 @@ class TrainState:
     """From a step's first optimizer update until the step is logged: a checkpoint then would hold half a step."""
 
     @classmethod
-    def from_checkpoint(cls, saved: dict) -> "TrainState":
+    def from_checkpoint(cls, saved: dict) -> TrainState:
         fresh = cls()
         return cls(step=saved["step"], nonfinite_total=saved.get("nonfinite_total", fresh.nonfinite_total),
                    nonfinite_consecutive=saved.get("nonfinite_consecutive", fresh.nonfinite_consecutive),
@@ -334,8 +335,8 @@ def _make_rollouts(config: TrainConfig, engine: Engine, tokenizer, request: Roll
 
     if not isinstance(engine, WorkerEngine) and not config.engine.max_staleness:
         return SyncRollouts(engine, tokenizer, request)
-    try:
-        return AsyncRollouts(engine, max_staleness=config.engine.max_staleness,
+    try:  # AsyncRollouts refuses an engine that is not a WorkerEngine (TypeError)
+        return AsyncRollouts(cast(WorkerEngine, engine), max_staleness=config.engine.max_staleness,
                              logprob_batch_size=config.optim.logprob_batch_size,
                              old_log_probs=REWEIGHTINGS[config.algorithm.reweighting].needs_old_log_probs,
                              request=request, last_step=config.n_steps)
@@ -513,7 +514,7 @@ def _update(config: TrainConfig, step: int, run: RunParts, batch: TrainBatch, st
                 warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
                 run.scheduler.step()
             n_updates += 1
-            updates.append({"update": n_updates, **update_record(loss, meta)})
+            updates.append({"update": n_updates, **update_record(float(loss), meta)})
             if meta.get("skipped_nonfinite"):
                 state.nonfinite_total += 1
                 state.nonfinite_consecutive += 1

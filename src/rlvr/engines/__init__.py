@@ -12,8 +12,9 @@ an engine to the table.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from rlvr.engines.base import Completion, Engine, SamplingParams, WorkerEngine
 from rlvr.errors import UserError
@@ -30,7 +31,7 @@ class UnknownEngineError(UserError, ValueError):
 class EngineEntry:
     class_path: str
     """``module:ClassName``, imported on first use so that picking ``hf`` never imports vLLM or the worker."""
-    options: Callable[["EngineConfig", "str | None"], dict[str, Any]]
+    options: Callable[[EngineConfig, str | None], dict[str, Any]]
     """``options(engine_config, served_model)``: the constructor's keyword arguments."""
 
     def load(self) -> type:
@@ -43,27 +44,27 @@ def _gpu_index(device: str) -> str:
     return device.split(":", 1)[1] if device.startswith("cuda:") else "0"
 
 
-def _hf_options(e: "EngineConfig", served_model: str | None) -> dict[str, Any]:
+def _hf_options(e: EngineConfig, served_model: str | None) -> dict[str, Any]:
     return {"max_batch_size": e.max_batch_size}
 
 
-def _fast_options(e: "EngineConfig", served_model: str | None) -> dict[str, Any]:
+def _fast_options(e: EngineConfig, served_model: str | None) -> dict[str, Any]:
     f = e.fast
     return {"max_batch_size": e.max_batch_size, "release_memory": f.release_memory, "attention": f.attention,
             "fuse_projections": f.fuse_projections, "cascade_min_rows": f.cascade_min_rows}
 
 
-def _worker_options(e: "EngineConfig", served_model: str | None) -> dict[str, Any]:
+def _worker_options(e: EngineConfig, served_model: str | None) -> dict[str, Any]:
     dtype = None if e.worker.dtype == "auto" else e.worker.dtype
     return {"device": e.device, "dtype": dtype, "max_batch_size": e.max_batch_size}
 
 
-def _vllm_options(e: "EngineConfig", served_model: str | None) -> dict[str, Any]:
+def _vllm_options(e: EngineConfig, served_model: str | None) -> dict[str, Any]:
     return {"served_model": served_model, "base_url": e.vllm.base_url, "port": e.vllm.port, "gpu": _gpu_index(e.device),
             "start_server": e.vllm.base_url is None}
 
 
-def _no_options(e: "EngineConfig", served_model: str | None) -> dict[str, Any]:
+def _no_options(e: EngineConfig, served_model: str | None) -> dict[str, Any]:
     return {}
 
 
@@ -81,7 +82,7 @@ def engine_names() -> tuple[str, ...]:
     return (*ENGINES, AUTO)
 
 
-def register_engine(name: str, class_path: str, options: Callable[["EngineConfig", "str | None"], dict] = _no_options):
+def register_engine(name: str, class_path: str, options: Callable[[EngineConfig, str | None], dict] = _no_options):
     """Add engine ``name`` to the table: its class as ``module:ClassName`` and how an ``EngineConfig``
     becomes its constructor options (default: none, the class's own defaults)."""
     ENGINES[name] = EngineEntry(class_path, options)
@@ -114,7 +115,7 @@ def make_engine(name: str, model, tokenizer, **options) -> Engine:
     return engine_entry(resolve_engine_name(name, model)).load()(model, tokenizer, **options)
 
 
-def build_engine(config: "EngineConfig", model, tokenizer, served_model: str | None = None, **overrides) -> Engine:
+def build_engine(config: EngineConfig, model, tokenizer, served_model: str | None = None, **overrides) -> Engine:
     """Build ``config.name`` with the options its section of ``config`` gives (``overrides`` win);
     ``served_model`` is the hub id or directory a server engine loads."""
     name = resolve_engine_name(config.name, model)

@@ -14,17 +14,17 @@ methods (``register_aggregation``); each says how a sequence's summed token loss
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Union
 
 import torch
 
-Number = Union[float, torch.Tensor]
+Number = float | torch.Tensor
 
 
 @dataclass(frozen=True)
 class Aggregation:
-    divisor: Callable[[Number, int, "float | None"], Number]
+    divisor: Callable[[Number, int, float | None], Number]
     """``divisor(n_tokens, batch_size, normalization_constant)``: what a sequence's summed token loss is
     divided by, for ``n_tokens`` response tokens (a float, or a tensor of one count per sequence) in a
     batch of ``batch_size`` sequences."""

@@ -110,7 +110,7 @@ def advantage_mass(baseline: str, normalizer: str, group_size: int, successes: i
 def token_coefficient(loss_normalization: str, n_tokens: float, batch_size: int, normalization_constant: float | None) -> float:
     """The aggregation's weight on one token of an ``n_tokens``-token response in a batch of ``batch_size``."""
     aggregation = get_aggregation(loss_normalization, normalization_constant)
-    return 1.0 / aggregation.divisor(n_tokens, batch_size, normalization_constant)
+    return float(1.0 / aggregation.divisor(n_tokens, batch_size, normalization_constant))
 
 
 def group_gradient_weight(advantages: Sequence[float], n_tokens: Sequence[float], loss_normalization: str,
