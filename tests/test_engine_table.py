@@ -36,7 +36,9 @@ def test_table_names_every_engine_and_its_class():
 
 
 def test_unknown_engine_names_the_choices():
-    with pytest.raises(UnknownEngineError, match="unknown engine 'nope': choose one of hf, hf-fast, hf-worker, vllm, auto"):
+    with pytest.raises(
+        UnknownEngineError, match="unknown engine 'nope': choose one of hf, hf-fast, hf-worker, vllm, auto"
+    ):
         engine_entry("nope")
     assert issubclass(UnknownEngineError, UserError) and issubclass(UnknownEngineError, ValueError)
     with pytest.raises(ConfigError, match="unknown engine.name 'nope'"):
@@ -44,16 +46,30 @@ def test_unknown_engine_names_the_choices():
 
 
 def test_options_come_from_the_engine_section():
-    e = EngineConfig(name="hf-fast", device="cuda:1", max_batch_size=16,
-                     fast=FastEngineConfig(release_memory=True, attention="sdpa", fuse_projections=False,
-                                           cascade_min_rows=None),
-                     worker=WorkerEngineConfig(dtype="bfloat16"), vllm=VLLMEngineConfig(base_url="http://h:1", port=9))
+    e = EngineConfig(
+        name="hf-fast",
+        device="cuda:1",
+        max_batch_size=16,
+        fast=FastEngineConfig(release_memory=True, attention="sdpa", fuse_projections=False, cascade_min_rows=None),
+        worker=WorkerEngineConfig(dtype="bfloat16"),
+        vllm=VLLMEngineConfig(base_url="http://h:1", port=9),
+    )
     assert ENGINES["hf"].options(e, None) == {"max_batch_size": 16}
-    assert ENGINES["hf-fast"].options(e, None) == {"max_batch_size": 16, "release_memory": True, "attention": "sdpa",
-                                                   "fuse_projections": False, "cascade_min_rows": None}
+    assert ENGINES["hf-fast"].options(e, None) == {
+        "max_batch_size": 16,
+        "release_memory": True,
+        "attention": "sdpa",
+        "fuse_projections": False,
+        "cascade_min_rows": None,
+    }
     assert ENGINES["hf-worker"].options(e, None) == {"device": "cuda:1", "dtype": "bfloat16", "max_batch_size": 16}
-    assert ENGINES["vllm"].options(e, "m") == {"served_model": "m", "base_url": "http://h:1", "port": 9, "gpu": "1",
-                                               "start_server": False}
+    assert ENGINES["vllm"].options(e, "m") == {
+        "served_model": "m",
+        "base_url": "http://h:1",
+        "port": 9,
+        "gpu": "1",
+        "start_server": False,
+    }
     assert ENGINES["hf-worker"].options(EngineConfig(device="cpu"), None)["dtype"] is None  # auto: the engine decides
 
 
@@ -93,8 +109,17 @@ def test_old_flag_names_the_new_flag():
 
 
 def test_grouped_flags_override():
-    c = parse_overrides(["--engine.fast.cascade_min_rows", "32", "--engine.fast.no-fuse-projections",
-                         "--engine.worker.dtype", "float32", "--engine.vllm.port", "9000"])
+    c = parse_overrides(
+        [
+            "--engine.fast.cascade_min_rows",
+            "32",
+            "--engine.fast.no-fuse-projections",
+            "--engine.worker.dtype",
+            "float32",
+            "--engine.vllm.port",
+            "9000",
+        ]
+    )
     assert c.engine.fast.cascade_min_rows == 32 and c.engine.fast.fuse_projections is False
     assert c.engine.worker.dtype == "float32" and c.engine.vllm.port == 9000
 

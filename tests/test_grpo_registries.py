@@ -43,6 +43,7 @@ def test_both_names_resolve_to_the_same_config():
 @pytest.fixture()
 def sequence_sum():
     """A registered aggregation: each sequence's summed token loss, averaged over sequences."""
+
     @register_aggregation("test_sequence_sum", per_sequence=True)
     def _batch_size(n_tokens, batch_size, normalization_constant):
         return batch_size
@@ -84,8 +85,17 @@ def test_registered_aggregation_accumulates_exactly(sequence_sum, tiny_model, ti
     grads = []
     for accumulation in (1, 4):
         opt = _RecordingSGD(tiny_model.parameters())
-        policy_gradient_update(tiny_model, opt, tok["input_ids"], tok["labels"], tok["response_mask"], advantages,
-                               accumulation, None, loss_normalization=sequence_sum)
+        policy_gradient_update(
+            tiny_model,
+            opt,
+            tok["input_ids"],
+            tok["labels"],
+            tok["response_mask"],
+            advantages,
+            accumulation,
+            None,
+            loss_normalization=sequence_sum,
+        )
         grads.append(opt.recorded)
     for whole, accumulated in zip(*grads):
         torch.testing.assert_close(accumulated, whole, rtol=1e-5, atol=1e-7)

@@ -69,8 +69,10 @@ class _ShortEngine:
     """Answers one completion fewer than asked for the last prompt."""
 
     def generate(self, prompts, params):
-        return [[Completion(text=" x", token_ids=[5], finish_reason="stop")] * (params.n - (i == len(prompts) - 1))
-                for i in range(len(prompts))]
+        return [
+            [Completion(text=" x", token_ids=[5], finish_reason="stop")] * (params.n - (i == len(prompts) - 1))
+            for i in range(len(prompts))
+        ]
 
     def sync_weights(self, model):
         return {}
@@ -80,7 +82,9 @@ class _ShortEngine:
 
 
 def test_sync_rollouts_refuse_a_batch_of_the_wrong_shape(model, tiny_tokenizer):
-    with pytest.raises(EngineError, match=r"the engine returned \[2, 1\] completions for 2 prompts x 2 samples at step 1"):
+    with pytest.raises(
+        EngineError, match=r"the engine returned \[2, 1\] completions for 2 prompts x 2 samples at step 1"
+    ):
         SyncRollouts(_ShortEngine(), tiny_tokenizer, request).next_batch(1, model)
 
 
@@ -106,9 +110,14 @@ def test_trainer_closes_what_it_started_on_every_exit(gsm8k_path, model, tiny_to
     def failing_grader(response, ground_truth):
         raise RuntimeError("grader bug")
 
-    cfg = TrainConfig(data=DataConfig(train_source=str(gsm8k_path), train_size=16, val_size=0), prompt="question_only",
-                      rollout=RolloutConfig(n_prompts_per_rollout_batch=2, group_size=2, max_new_tokens=4),
-                      optim=OptimConfig(gradient_accumulation_steps=1), log=LogConfig(progress=False), n_steps=1)
+    cfg = TrainConfig(
+        data=DataConfig(train_source=str(gsm8k_path), train_size=16, val_size=0),
+        prompt="question_only",
+        rollout=RolloutConfig(n_prompts_per_rollout_batch=2, group_size=2, max_new_tokens=4),
+        optim=OptimConfig(gradient_accumulation_steps=1),
+        log=LogConfig(progress=False),
+        n_steps=1,
+    )
     with pytest.raises(trainer_mod.GraderError, match="grader bug"):
         trainer_mod.train(cfg, tmp_path / "run", model=model, tokenizer=tiny_tokenizer, reward_fn=failing_grader)
     assert closed == ["logger", "rollouts", "engine"]  # the logger first, the engine last
@@ -121,8 +130,10 @@ def test_update_spec_is_read_from_the_config_once():
 
     on_policy = UpdateSpec.from_config(TrainConfig().resolve())
     assert not on_policy.shuffle and not on_policy.uses_old_log_probs and on_policy.epochs == 1
-    cfg = TrainConfig(algorithm=AlgorithmConfig(preset="dr_grpo", reweighting="ppo_clip"),
-                      optim=OptimConfig(train_batch_size=64, epochs_per_rollout_batch=2)).resolve()
+    cfg = TrainConfig(
+        algorithm=AlgorithmConfig(preset="dr_grpo", reweighting="ppo_clip"),
+        optim=OptimConfig(train_batch_size=64, epochs_per_rollout_batch=2),
+    ).resolve()
     spec = UpdateSpec.from_config(cfg)
     assert spec.shuffle and spec.uses_old_log_probs and spec.train_batch_size == 64 and spec.epochs == 2
     assert (spec.reweighting, spec.cliprange, spec.loss_normalization) == ("ppo_clip", 0.2, "constant")

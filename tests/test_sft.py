@@ -43,7 +43,11 @@ def test_loss_is_mean_nll_of_response_tokens_only(tiny_model, tiny_tokenizer):
     batch = tokenize_prompt_and_output(prompts, responses, tiny_tokenizer)
     lp = get_response_log_probs(tiny_model, batch["input_ids"], batch["labels"])["log_probs"]
     mask = batch["response_mask"]
-    assert n_tokens == int(mask.sum()) == sum(len(tiny_tokenizer(r, add_special_tokens=False)["input_ids"]) for r in responses)
+    assert (
+        n_tokens
+        == int(mask.sum())
+        == sum(len(tiny_tokenizer(r, add_special_tokens=False)["input_ids"]) for r in responses)
+    )
     assert torch.allclose(loss, -lp[mask].sum() / n_tokens)
 
     # Changing the labels at prompt and padding positions leaves the loss and its gradient unchanged.
@@ -71,8 +75,18 @@ def test_lr_schedule_hand_values():
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("sft") / "ckpt"
-    config = SFTConfig(data=TASK, model="tiny", out=out, steps=40, batch_size=16, lr=3e-3, warmup_steps=4,
-                       max_examples=400, progress=False, seed=0)
+    config = SFTConfig(
+        data=TASK,
+        model="tiny",
+        out=out,
+        steps=40,
+        batch_size=16,
+        lr=3e-3,
+        warmup_steps=4,
+        max_examples=400,
+        progress=False,
+        seed=0,
+    )
     return config, run_sft(config)
 
 
@@ -112,8 +126,10 @@ def test_checkpoint_reloads_with_identical_log_probs(sft_run, tmp_path):
 def test_cli_parses_options(tmp_path):
     import tyro
 
-    config = tyro.cli(SFTConfig, args=["--data", "arith:steps=3", "--model", "tiny", "--steps", "5", "--lr", "1e-4",
-                                       "--out", str(tmp_path)])
+    config = tyro.cli(
+        SFTConfig,
+        args=["--data", "arith:steps=3", "--model", "tiny", "--steps", "5", "--lr", "1e-4", "--out", str(tmp_path)],
+    )
     assert (config.data, config.model, config.steps, config.lr) == ("arith:steps=3", "tiny", 5, 1e-4)
 
 

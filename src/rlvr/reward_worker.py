@@ -47,8 +47,10 @@ def load_function(spec: str):
         try:
             module = importlib.import_module(target)
         except Exception as e:  # noqa: BLE001
-            raise ValueError(f"importing module {target} failed: {type(e).__name__}: {e} "
-                             "(is it on the path? run from the folder that holds it, or name its .py file)") from None
+            raise ValueError(
+                f"importing module {target} failed: {type(e).__name__}: {e} "
+                "(is it on the path? run from the folder that holds it, or name its .py file)"
+            ) from None
     fn = getattr(module, name, None)
     if fn is None:
         functions = sorted(k for k, v in vars(module).items() if inspect.isfunction(v) and not k.startswith("_"))

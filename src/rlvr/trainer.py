@@ -64,26 +64,41 @@ import json
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, cast
-from collections.abc import Callable
 
 import torch
 import tyro
 
 from rlvr.checkpoint import (
-    damaged_checkpoints, list_checkpoints, load_model_weights, load_trainer_state, resumable_checkpoint, save_checkpoint,
+    damaged_checkpoints,
+    list_checkpoints,
+    load_model_weights,
+    load_trainer_state,
+    resumable_checkpoint,
+    save_checkpoint,
 )
 from rlvr.config import (
-    RESUMABLE_CHANGES, ConfigError, TrainConfig, check_moved_flags, config_differences, load_config_file, save_config,
+    RESUMABLE_CHANGES,
+    ConfigError,
+    TrainConfig,
+    check_moved_flags,
+    config_differences,
+    load_config_file,
+    save_config,
     upgrade_moved_keys,
 )
 from rlvr.engines.base import Engine, SamplingParams, WorkerEngine
 from rlvr.engines.rollouts import RolloutBatch, RolloutRequest, Rollouts, SyncRollouts
 from rlvr.errors import EngineError, GraderError, NonFiniteError, TrainingError, UserError
 from rlvr.grpo import (
-    REWEIGHTINGS, compile_backbone, compute_group_normalized_rewards, compute_log_probs_batched, pass_at_k,
+    REWEIGHTINGS,
+    compile_backbone,
+    compute_group_normalized_rewards,
+    compute_log_probs_batched,
+    pass_at_k,
     policy_gradient_update,
 )
 from rlvr.grpo.diagnostics import update_record
@@ -93,8 +108,20 @@ from rlvr.logging_utils import MetricsLogger, truncate_metrics, write_jsonl
 from rlvr.optim import lr_factor, make_adamw
 from rlvr.rundir import RunDirLock, atomic_write_json
 
-__all__ = ["EngineError", "GraderError", "NonFiniteError", "TrainingError", "TrainState", "UpdateSpec", "batch_indices",
-           "derive_seed", "lr_factor", "main", "read_summary", "train"]
+__all__ = [
+    "EngineError",
+    "GraderError",
+    "NonFiniteError",
+    "TrainingError",
+    "TrainState",
+    "UpdateSpec",
+    "batch_indices",
+    "derive_seed",
+    "lr_factor",
+    "main",
+    "read_summary",
+    "train",
+]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -143,7 +170,9 @@ def _load_policy(config: TrainConfig, train_examples, device, dtype, ckpt: Path 
     if ckpt is not None:
         return load_model_and_tokenizer(ckpt / "model", device=device, dtype=dtype)
     if config.model.fresh is not None:
-        tokenizer = train_tokenizer(tokenizer_corpus(train_examples, config.prompt), vocab_size=config.model.tokenizer_vocab_size)
+        tokenizer = train_tokenizer(
+            tokenizer_corpus(train_examples, config.prompt), vocab_size=config.model.tokenizer_vocab_size
+        )
         model = fresh_model(config.model.fresh, tokenizer, seed=config.seed, dtype=dtype)
         return model.to(device), tokenizer
     return load_model_and_tokenizer(config.model.name_or_path, device=device, dtype=dtype, flag="model.name_or_path")
@@ -176,11 +205,18 @@ def _make_engine(config: TrainConfig, model, tokenizer):
 
 def _optimizer_and_scheduler(config: TrainConfig, model, device: torch.device):
     o = config.optim
-    optimizer = make_adamw(model.parameters(), master_weights=o.master_weights, lr=o.lr, betas=tuple(o.betas),
-                           weight_decay=o.weight_decay, fused=device.type == "cuda")
+    optimizer = make_adamw(
+        model.parameters(),
+        master_weights=o.master_weights,
+        lr=o.lr,
+        betas=tuple(o.betas),
+        weight_decay=o.weight_decay,
+        fused=device.type == "cuda",
+    )
     total = config.n_steps * config.updates_per_rollout_batch
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda u: lr_factor(u, total, o.schedule, o.warmup_steps, o.min_lr_ratio))
+        optimizer, lambda u: lr_factor(u, total, o.schedule, o.warmup_steps, o.min_lr_ratio)
+    )
     return optimizer, scheduler
 
 
@@ -210,11 +246,17 @@ class UpdateSpec:
     def from_config(cls, config: TrainConfig) -> UpdateSpec:
         a, o = config.algorithm, config.optim
         return cls(
-            gradient_accumulation_steps=o.gradient_accumulation_steps, max_grad_norm=o.max_grad_norm,
-            reweighting=a.reweighting, cliprange=a.cliprange, loss_normalization=a.loss_normalization,
-            normalization_constant=a.normalization_constant, skip_zero_advantage=a.skip_zero_advantage,
-            max_tokens_per_microbatch=o.max_tokens_per_microbatch, train_batch_size=config.train_batch_size,
-            epochs=o.epochs_per_rollout_batch, shuffle=config.off_policy,
+            gradient_accumulation_steps=o.gradient_accumulation_steps,
+            max_grad_norm=o.max_grad_norm,
+            reweighting=a.reweighting,
+            cliprange=a.cliprange,
+            loss_normalization=a.loss_normalization,
+            normalization_constant=a.normalization_constant,
+            skip_zero_advantage=a.skip_zero_advantage,
+            max_tokens_per_microbatch=o.max_tokens_per_microbatch,
+            train_batch_size=config.train_batch_size,
+            epochs=o.epochs_per_rollout_batch,
+            shuffle=config.off_policy,
             uses_old_log_probs=REWEIGHTINGS[a.reweighting].needs_old_log_probs or config.off_policy,
         )
 
@@ -262,15 +304,24 @@ class TrainState:
     @classmethod
     def from_checkpoint(cls, saved: dict) -> TrainState:
         fresh = cls()
-        return cls(step=saved["step"], nonfinite_total=saved.get("nonfinite_total", fresh.nonfinite_total),
-                   nonfinite_consecutive=saved.get("nonfinite_consecutive", fresh.nonfinite_consecutive),
-                   last_val=saved.get("last_val", fresh.last_val),
-                   last_train_reward=saved.get("last_train_reward", fresh.last_train_reward), saved_step=saved["step"])
+        return cls(
+            step=saved["step"],
+            nonfinite_total=saved.get("nonfinite_total", fresh.nonfinite_total),
+            nonfinite_consecutive=saved.get("nonfinite_consecutive", fresh.nonfinite_consecutive),
+            last_val=saved.get("last_val", fresh.last_val),
+            last_train_reward=saved.get("last_train_reward", fresh.last_train_reward),
+            saved_step=saved["step"],
+        )
 
     def checkpoint_record(self, data_position: int) -> dict:
         """The loop state a checkpoint saves (``rlvr.checkpoint.save_checkpoint``'s ``state``)."""
-        return {"nonfinite_total": self.nonfinite_total, "nonfinite_consecutive": self.nonfinite_consecutive,
-                "last_val": self.last_val, "last_train_reward": self.last_train_reward, "data_position": data_position}
+        return {
+            "nonfinite_total": self.nonfinite_total,
+            "nonfinite_consecutive": self.nonfinite_consecutive,
+            "last_val": self.last_val,
+            "last_train_reward": self.last_train_reward,
+            "data_position": data_position,
+        }
 
 
 @dataclass
@@ -301,8 +352,10 @@ class TrainBatch:
 
 
 def _step_examples(config: TrainConfig, train_examples, step: int) -> list:
-    return [train_examples[i] for i in batch_indices(len(train_examples), config.rollout.n_prompts_per_rollout_batch,
-                                                     step - 1, config.seed)]
+    return [
+        train_examples[i]
+        for i in batch_indices(len(train_examples), config.rollout.n_prompts_per_rollout_batch, step - 1, config.seed)
+    ]
 
 
 def _sampling_params(config: TrainConfig, step: int, prompt=None) -> SamplingParams:
@@ -310,9 +363,15 @@ def _sampling_params(config: TrainConfig, step: int, prompt=None) -> SamplingPar
 
     r = config.rollout
     prompt = prompt or build_prompt(config)
-    return SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                          stop=prompt.stop, include_stop_str_in_output=True,
-                          seed=derive_seed(config.seed, "rollout", step))
+    return SamplingParams(
+        n=r.group_size,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        max_new_tokens=r.max_new_tokens,
+        stop=prompt.stop,
+        include_stop_str_in_output=True,
+        seed=derive_seed(config.seed, "rollout", step),
+    )
 
 
 def _rollout_request(config: TrainConfig, train_examples, prompt=None) -> RolloutRequest:
@@ -336,10 +395,14 @@ def _make_rollouts(config: TrainConfig, engine: Engine, tokenizer, request: Roll
     if not isinstance(engine, WorkerEngine) and not config.engine.max_staleness:
         return SyncRollouts(engine, tokenizer, request)
     try:  # AsyncRollouts refuses an engine that is not a WorkerEngine (TypeError)
-        return AsyncRollouts(cast(WorkerEngine, engine), max_staleness=config.engine.max_staleness,
-                             logprob_batch_size=config.optim.logprob_batch_size,
-                             old_log_probs=REWEIGHTINGS[config.algorithm.reweighting].needs_old_log_probs,
-                             request=request, last_step=config.n_steps)
+        return AsyncRollouts(
+            cast(WorkerEngine, engine),
+            max_staleness=config.engine.max_staleness,
+            logprob_batch_size=config.optim.logprob_batch_size,
+            old_log_probs=REWEIGHTINGS[config.algorithm.reweighting].needs_old_log_probs,
+            request=request,
+            last_step=config.n_steps,
+        )
     except (TypeError, ValueError) as e:
         raise EngineError(f"engine.max_staleness={config.engine.max_staleness} cannot run on this engine: {e}") from e
 
@@ -351,11 +414,15 @@ def _rollout(step: int, model, rollouts: Rollouts, request: RolloutRequest, log:
     except EngineError:
         raise
     except Exception as e:  # noqa: BLE001 - whatever the engine raised, the run stops with its cause
-        raise EngineError(f"the rollout engine failed at step {step}: {type(e).__name__}: {e}. "
-                          "Check the engine (its log, memory, the server).") from e
+        raise EngineError(
+            f"the rollout engine failed at step {step}: {type(e).__name__}: {e}. "
+            "Check the engine (its log, memory, the server)."
+        ) from e
     if batch.step != step or batch.prompts != request(step)[0]:
-        raise EngineError(f"the rollout queue handed over batch {batch.step} with other prompts at step {step}; this is "
-                          "a bug in the rollout bookkeeping: please report it")
+        raise EngineError(
+            f"the rollout queue handed over batch {batch.step} with other prompts at step {step}; this is "
+            "a bug in the rollout bookkeeping: please report it"
+        )
     log.update(batch.metrics(current_version=step - 1))
     return batch
 
@@ -366,11 +433,11 @@ def _grade(reward_fn, responses, ground_truths, step: int, fields=None):
     try:
         raw, meta = score_responses(reward_fn, responses, ground_truths, fields)
     except Exception as e:  # noqa: BLE001 - any grader bug must stop the run, with its cause
-        raise GraderError(
-            f"the reward function failed at step {step}: {type(e).__name__}: {e}. Fix the grader."
-        ) from e
+        raise GraderError(f"the reward function failed at step {step}: {type(e).__name__}: {e}. Fix the grader.") from e
     if not torch.isfinite(raw).all():
-        raise GraderError(f"the reward function returned a non-finite reward at step {step}; rewards must be finite numbers")
+        raise GraderError(
+            f"the reward function returned a non-finite reward at step {step}; rewards must be finite numbers"
+        )
     return raw, meta
 
 
@@ -380,18 +447,22 @@ def _score(config: TrainConfig, step: int, batch: RolloutBatch, reward_fn, examp
     completions = batch.flat_completions
     truths = [ex.ground_truth for ex in examples for _ in range(G)]
     t0 = time.perf_counter()
-    raw_rewards, reward_meta = _grade(reward_fn, batch.responses, truths, step, [ex.fields for ex in examples for _ in range(G)])
+    raw_rewards, reward_meta = _grade(
+        reward_fn, batch.responses, truths, step, [ex.fields for ex in examples for _ in range(G)]
+    )
     log["time/reward"] = time.perf_counter() - t0
-    ks = sorted({k for k in (2 ** i for i in range(G.bit_length())) if k <= G} | {G})
-    log.update({
-        "train/reward": reward_meta["reward_mean"],
-        "train/format_reward": reward_meta["format_reward_mean"],
-        "train/answer_reward": reward_meta["answer_reward_mean"],
-        "train/response_length": sum(len(c.token_ids) for c in completions) / len(completions),
-        "train/truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
-        **{f"train/pass@{k}": v for k, v in pass_at_k(raw_rewards > 0.5, G, ks).items()},
-        **{f"train/{k}": v for k, v in reward_meta.get("logged", {}).items()},
-    })
+    ks = sorted({k for k in (2**i for i in range(G.bit_length())) if k <= G} | {G})
+    log.update(
+        {
+            "train/reward": reward_meta["reward_mean"],
+            "train/format_reward": reward_meta["format_reward_mean"],
+            "train/answer_reward": reward_meta["answer_reward_mean"],
+            "train/response_length": sum(len(c.token_ids) for c in completions) / len(completions),
+            "train/truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
+            **{f"train/pass@{k}": v for k, v in pass_at_k(raw_rewards > 0.5, G, ks).items()},
+            **{f"train/{k}": v for k, v in reward_meta.get("logged", {}).items()},
+        }
+    )
     return Scores(raw_rewards, reward_meta, truths)
 
 
@@ -422,8 +493,9 @@ def _engine_agreement(completions, output_ids, old_log_probs, response_mask, eos
     return out
 
 
-def _old_log_probs(config: TrainConfig, step: int, batch: RolloutBatch, model, tokenizer, uses_old_log_probs: bool,
-                   log: dict) -> torch.Tensor | None:
+def _old_log_probs(
+    config: TrainConfig, step: int, batch: RolloutBatch, model, tokenizer, uses_old_log_probs: bool, log: dict
+) -> torch.Tensor | None:
     """The sampling weights' log-probs of the batch, when the update uses them or the engine's are checked
     against them: the rollouts' own (a worker sends them), else the trainer's, which are the sampling
     weights only when nothing ran ahead."""
@@ -433,8 +505,10 @@ def _old_log_probs(config: TrainConfig, step: int, batch: RolloutBatch, model, t
     check = engine_has_logprobs and (config.off_policy or (check_every and step % check_every == 0))
     old_log_probs = batch.old_log_probs
     if old_log_probs is None and batch.weight_version != step - 1 and (uses_old_log_probs or check):
-        raise EngineError(f"batch {step} was sampled by weight version {batch.weight_version} but came without old "
-                          "log-probs; the trainer's weights cannot stand in for them")
+        raise EngineError(
+            f"batch {step} was sampled by weight version {batch.weight_version} but came without old "
+            "log-probs; the trainer's weights cannot stand in for them"
+        )
     t0 = time.perf_counter()
     if old_log_probs is None and (uses_old_log_probs or check):
         was_training = model.training
@@ -443,22 +517,28 @@ def _old_log_probs(config: TrainConfig, step: int, batch: RolloutBatch, model, t
         model.train(was_training)
     if check:
         output_ids = tokenizer(batch.responses, add_special_tokens=False)["input_ids"]
-        log.update(_engine_agreement(completions, output_ids, old_log_probs, batch.response_mask, tokenizer.eos_token_id))
+        log.update(
+            _engine_agreement(completions, output_ids, old_log_probs, batch.response_mask, tokenizer.eos_token_id)
+        )
     log["time/logprobs"] = time.perf_counter() - t0
     return old_log_probs
 
 
-def _advantages(config: TrainConfig, step: int, batch: RolloutBatch, scores: Scores, run: RunParts,
-                log: dict) -> TrainBatch:
+def _advantages(
+    config: TrainConfig, step: int, batch: RolloutBatch, scores: Scores, run: RunParts, log: dict
+) -> TrainBatch:
     """Phase 3: group-normalised advantages and the old log-probs: what the updates train on."""
     a = config.algorithm
     t0 = time.perf_counter()
-    advantages, adv_meta = compute_group_normalized_rewards(scores.rewards, config.rollout.group_size, a.baseline,
-                                                            a.advantage_eps, a.advantage_normalizer)
+    advantages, adv_meta = compute_group_normalized_rewards(
+        scores.rewards, config.rollout.group_size, a.baseline, a.advantage_eps, a.advantage_normalizer
+    )
     log["time/reward"] += time.perf_counter() - t0
     log["train/reward_std"] = adv_meta["reward_std"]
     log["train/zero_adv_frac"] = adv_meta["zero_adv_frac"]
-    old_log_probs = _old_log_probs(config, step, batch, run.model, run.tokenizer, run.update_spec.uses_old_log_probs, log)
+    old_log_probs = _old_log_probs(
+        config, step, batch, run.model, run.tokenizer, run.update_spec.uses_old_log_probs, log
+    )
     return TrainBatch(batch.input_ids, batch.labels, batch.response_mask, advantages, old_log_probs)
 
 
@@ -466,19 +546,36 @@ def _gradient_variance(config: TrainConfig, run: RunParts, batch: TrainBatch, sc
     """Diagnostic, before training on the batch: the per-group gradient variance of several estimators."""
     a = config.algorithm
     t0 = time.perf_counter()
-    log.update(variance_metrics(gradient_variance(
-        run.model, batch.input_ids, batch.labels, batch.response_mask, scores.rewards, config.rollout.group_size,
-        a.loss_normalization, a.normalization_constant, config.train_batch_size, a.baseline, a.advantage_normalizer,
-        a.advantage_eps, backbone=run.backbone)))
+    log.update(
+        variance_metrics(
+            gradient_variance(
+                run.model,
+                batch.input_ids,
+                batch.labels,
+                batch.response_mask,
+                scores.rewards,
+                config.rollout.group_size,
+                a.loss_normalization,
+                a.normalization_constant,
+                config.train_batch_size,
+                a.baseline,
+                a.advantage_normalizer,
+                a.advantage_eps,
+                backbone=run.backbone,
+            )
+        )
+    )
     log["time/gradient_variance"] = time.perf_counter() - t0
 
 
 def _minibatches(n_rows: int, train_batch: int, shuffle: bool, seed: int, step: int, epoch: int) -> list[list[int]]:
     if shuffle:
-        order = torch.randperm(n_rows, generator=torch.Generator().manual_seed(derive_seed(seed, "minibatch", step, epoch))).tolist()
+        order = torch.randperm(
+            n_rows, generator=torch.Generator().manual_seed(derive_seed(seed, "minibatch", step, epoch))
+        ).tolist()
     else:
         order = list(range(n_rows))
-    return [order[i:i + train_batch] for i in range(0, n_rows, train_batch)]
+    return [order[i : i + train_batch] for i in range(0, n_rows, train_batch)]
 
 
 def _optimizer_step(run: RunParts, batch: TrainBatch, rows: list[int]) -> tuple[torch.Tensor, dict]:
@@ -486,12 +583,22 @@ def _optimizer_step(run: RunParts, batch: TrainBatch, rows: list[int]) -> tuple[
     spec, rows_t = run.update_spec, torch.tensor(rows)
     old = batch.old_log_probs[rows_t] if (batch.old_log_probs is not None and spec.uses_old_log_probs) else None
     return policy_gradient_update(
-        run.model, run.optimizer, batch.input_ids[rows_t], batch.labels[rows_t], batch.response_mask[rows_t],
-        batch.advantages[rows_t], gradient_accumulation_steps=spec.gradient_accumulation_steps,
-        max_grad_norm=spec.max_grad_norm, importance_reweighting_method=spec.reweighting, old_log_probs=old,
-        cliprange=spec.cliprange, loss_normalization=spec.loss_normalization,
-        normalization_constant=spec.normalization_constant, skip_zero_advantage=spec.skip_zero_advantage,
-        max_tokens_per_microbatch=spec.max_tokens_per_microbatch, backbone=run.backbone,
+        run.model,
+        run.optimizer,
+        batch.input_ids[rows_t],
+        batch.labels[rows_t],
+        batch.response_mask[rows_t],
+        batch.advantages[rows_t],
+        gradient_accumulation_steps=spec.gradient_accumulation_steps,
+        max_grad_norm=spec.max_grad_norm,
+        importance_reweighting_method=spec.reweighting,
+        old_log_probs=old,
+        cliprange=spec.cliprange,
+        loss_normalization=spec.loss_normalization,
+        normalization_constant=spec.normalization_constant,
+        skip_zero_advantage=spec.skip_zero_advantage,
+        max_tokens_per_microbatch=spec.max_tokens_per_microbatch,
+        backbone=run.backbone,
     )
 
 
@@ -534,35 +641,50 @@ def _update(config: TrainConfig, step: int, run: RunParts, batch: TrainBatch, st
                 clips.append(meta["clip_fraction"])
     log["time/train"] = time.perf_counter() - t0
     mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
-    log.update({
-        "train/loss": mean(losses) if losses else 0.0,
-        "train/grad_norm": mean(grad_norms) if grad_norms else 0.0,
-        "train/grad_norm_max": max(grad_norms) if grad_norms else 0.0,
-        "train/entropy": mean(entropies) if entropies else None,  # nothing went through the model
-        "train/n_updates": n_updates,
-        "train/skipped_nonfinite": state.nonfinite_total,
-        "lr": lr_used,
-    })
+    log.update(
+        {
+            "train/loss": mean(losses) if losses else 0.0,
+            "train/grad_norm": mean(grad_norms) if grad_norms else 0.0,
+            "train/grad_norm_max": max(grad_norms) if grad_norms else 0.0,
+            "train/entropy": mean(entropies) if entropies else None,  # nothing went through the model
+            "train/n_updates": n_updates,
+            "train/skipped_nonfinite": state.nonfinite_total,
+            "lr": lr_used,
+        }
+    )
     if REWEIGHTINGS[spec.reweighting].needs_cliprange:
         log["train/clip_fraction"] = mean(clips) if clips else 0.0
     if config.off_policy or config.engine.max_staleness:
         log["updates"] = updates  # one record per optimizer step of this rollout batch (not a plotted series)
 
 
-def _dump_rollouts(config: TrainConfig, step: int, run_dir: Path, batch: RolloutBatch, scores: Scores,
-                   train_batch: TrainBatch) -> None:
+def _dump_rollouts(
+    config: TrainConfig, step: int, run_dir: Path, batch: RolloutBatch, scores: Scores, train_batch: TrainBatch
+) -> None:
     """Phase 5: the step's rollouts, with their rewards and advantages, to DIR/rollouts/step_N.jsonl."""
     G = config.rollout.group_size
     completions, responses = batch.flat_completions, batch.responses
     n_train_tokens = train_batch.response_mask.sum(dim=1).tolist()  # the tokens the loss saw (engine ids may add EOS)
-    write_jsonl(run_dir / "rollouts" / f"step_{step}.jsonl", [
-        {"step": step, "weight_version": batch.weight_version, "group": i // G,
-         "prompt": batch.prompts[i // G], "response": responses[i], "ground_truth": scores.ground_truths[i],
-         "reward": float(scores.rewards[i]), "format_reward": float(scores.meta["format_rewards"][i]),
-         "advantage": float(train_batch.advantages[i]), "finish_reason": completions[i].finish_reason,
-         "n_tokens": len(completions[i].token_ids), "n_train_tokens": n_train_tokens[i]}
-        for i in range(len(responses))
-    ])
+    write_jsonl(
+        run_dir / "rollouts" / f"step_{step}.jsonl",
+        [
+            {
+                "step": step,
+                "weight_version": batch.weight_version,
+                "group": i // G,
+                "prompt": batch.prompts[i // G],
+                "response": responses[i],
+                "ground_truth": scores.ground_truths[i],
+                "reward": float(scores.rewards[i]),
+                "format_reward": float(scores.meta["format_rewards"][i]),
+                "advantage": float(train_batch.advantages[i]),
+                "finish_reason": completions[i].finish_reason,
+                "n_tokens": len(completions[i].token_ids),
+                "n_train_tokens": n_train_tokens[i],
+            }
+            for i in range(len(responses))
+        ],
+    )
 
 
 def _rollout_step(config: TrainConfig, step: int, run_dir: Path, run: RunParts, state: TrainState) -> dict:
@@ -589,8 +711,9 @@ def _rollout_step(config: TrainConfig, step: int, run_dir: Path, run: RunParts, 
     return log
 
 
-def _validate(model, tokenizer, engine: Engine, config: TrainConfig, val_sets, step: int, run_dir: Path, prompt=None,
-              reward=None) -> dict:
+def _validate(
+    model, tokenizer, engine: Engine, config: TrainConfig, val_sets, step: int, run_dir: Path, prompt=None, reward=None
+) -> dict:
     """Validate on each ``(name, examples)`` of ``val_sets`` (a bare list of examples: one unnamed set).
     The first set is logged as val/reward, ...; each named one also as val/NAME/accuracy, ..."""
     from rlvr.evaluate import evaluate
@@ -599,16 +722,31 @@ def _validate(model, tokenizer, engine: Engine, config: TrainConfig, val_sets, s
     if val_sets and not isinstance(val_sets[0], tuple):
         val_sets = [("", val_sets)]
     r = config.rollout
-    params = SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                            seed=derive_seed(config.seed, "val"))
+    params = SamplingParams(
+        n=1,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        max_new_tokens=r.max_new_tokens,
+        seed=derive_seed(config.seed, "val"),
+    )
     t0 = time.perf_counter()
     out, dump = {}, []
     for i, (name, examples) in enumerate(val_sets):
         try:
-            metrics, samples = evaluate(model, tokenizer, examples, prompt or config.prompt, engine=engine, params=params,
-                                        chunk_size=max(1, config.engine.max_batch_size), reward=reward)
+            metrics, samples = evaluate(
+                model,
+                tokenizer,
+                examples,
+                prompt or config.prompt,
+                engine=engine,
+                params=params,
+                chunk_size=max(1, config.engine.max_batch_size),
+                reward=reward,
+            )
         except Exception as e:  # noqa: BLE001
-            raise EngineError(f"validation{' on ' + name if name else ''} failed at step {step}: {type(e).__name__}: {e}.") from e
+            raise EngineError(
+                f"validation{' on ' + name if name else ''} failed at step {step}: {type(e).__name__}: {e}."
+            ) from e
         out.update(validation_metrics(metrics, name, first=i == 0))
         dump += [dict(s, val_set=name) if name else s for s in samples[: config.log.val_samples]]
     if config.log.val_samples:
@@ -627,7 +765,9 @@ def _validation(config: TrainConfig, step: int, run_dir: Path, run: RunParts, st
     if not run.val_examples:
         return {}
     engine = run.rollouts.engine_for_eval(run.model, step)
-    val = _validate(run.model, run.tokenizer, engine, config, run.val_examples, step, run_dir, run.prompt, run.val_reward)
+    val = _validate(
+        run.model, run.tokenizer, engine, config, run.val_examples, step, run_dir, run.prompt, run.val_reward
+    )
     state.last_val = {k: v for k, v in val.items() if k.startswith("val/")}
     return val
 
@@ -656,30 +796,40 @@ def _prepare_run_dir(config: TrainConfig, run_dir: Path, resume: bool) -> tuple[
     summary = read_summary(run_dir)
     if resume and summary and summary.get("status") == "finished" and summary.get("step", -1) >= config.n_steps:
         if summary["step"] > config.n_steps:
-            raise ConfigError(f"{run_dir} finished at step {summary['step']} already, past n_steps={config.n_steps}; "
-                              f"a run cannot be shortened: resume with --n_steps {summary['step']} or more")
+            raise ConfigError(
+                f"{run_dir} finished at step {summary['step']} already, past n_steps={config.n_steps}; "
+                f"a run cannot be shortened: resume with --n_steps {summary['step']} or more"
+            )
         return None, True
     if not resume and (list_checkpoints(run_dir) or damaged_checkpoints(run_dir)):
-        raise ConfigError(f"{run_dir} already holds a run; resume it (`rlvr train --resume {run_dir}`) or choose a new --out")
+        raise ConfigError(
+            f"{run_dir} already holds a run; resume it (`rlvr train --resume {run_dir}`) or choose a new --out"
+        )
     ckpt = resumable_checkpoint(run_dir) if resume else None
     if ckpt is not None:
         at = int(ckpt.name.split("_")[1])
         if at > config.n_steps:
-            raise ConfigError(f"{run_dir} is at step {at} already, past n_steps={config.n_steps}; a run cannot be "
-                              f"shortened: resume with --n_steps {at} or more")
+            raise ConfigError(
+                f"{run_dir} is at step {at} already, past n_steps={config.n_steps}; a run cannot be "
+                f"shortened: resume with --n_steps {at} or more"
+            )
         saved = _read_run_config(run_dir)
         if saved is not None:
             diffs = [d for d in config_differences(saved, config) if not d.startswith(RESUMABLE_CHANGES)]
             if diffs:
-                raise ConfigError(f"cannot resume {run_dir} with a different config: {', '.join(diffs)} changed; "
-                                  "resume with the saved config (only n_steps, cadences and logging may change)")
+                raise ConfigError(
+                    f"cannot resume {run_dir} with a different config: {', '.join(diffs)} changed; "
+                    "resume with the saved config (only n_steps, cadences and logging may change)"
+                )
     else:
         # Nothing was checkpointed, so nothing can be continued: the run starts over (under the
         # config given now, which may fix what stopped the last attempt).
         stale = [name for name in ("metrics.jsonl", "summary.json") if (run_dir / name).exists()]
         if stale:
-            print(f"rlvr: {run_dir} holds a run that stopped before its first checkpoint; starting it again from step 0",
-                  file=sys.stderr)
+            print(
+                f"rlvr: {run_dir} holds a run that stopped before its first checkpoint; starting it again from step 0",
+                file=sys.stderr,
+            )
         for name in stale:
             (run_dir / name).unlink()
     save_config(config, run_dir / "config.json")
@@ -708,8 +858,16 @@ def _refresh_lr(optimizer, scheduler) -> None:
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
-def train(config: TrainConfig, out_dir: str | Path, resume: bool = False, *, model=None, tokenizer=None,
-          reward_fn=None, engine=None) -> Path:
+def train(
+    config: TrainConfig,
+    out_dir: str | Path,
+    resume: bool = False,
+    *,
+    model=None,
+    tokenizer=None,
+    reward_fn=None,
+    engine=None,
+) -> Path:
     """Train a policy as ``config`` says, writing everything to ``out_dir``; returns ``out_dir``.
 
     With ``resume`` the run continues from the newest checkpoint in ``out_dir`` (or starts if there is
@@ -737,8 +895,9 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False, *, mod
         return _train(config, run_dir, ckpt, model=model, tokenizer=tokenizer, reward_fn=reward_fn, engine=engine)
 
 
-def _setup(config: TrainConfig, run_dir: Path, ckpt: Path | None, *, model, tokenizer, reward_fn,
-           own_engine: bool) -> tuple[RunParts, TrainState]:
+def _setup(
+    config: TrainConfig, run_dir: Path, ckpt: Path | None, *, model, tokenizer, reward_fn, own_engine: bool
+) -> tuple[RunParts, TrainState]:
     """Seeds, data, policy, optimizer and the loop state (restored from ``ckpt``); nothing is started yet."""
     if model is None and ckpt is None and config.model.fresh is None:
         from rlvr.modeling import check_model_source
@@ -756,8 +915,10 @@ def _setup(config: TrainConfig, run_dir: Path, ckpt: Path | None, *, model, toke
     from rlvr.task_config import build_prompt, check_chat_tokenizer, load_task_data, prepare_reward
 
     train_examples, val_examples = load_task_data(config)
-    config.check_data(len(train_examples), len(val_examples[0][1]) if val_examples and not val_examples[0][0]
-                      else config.data.val_size)
+    config.check_data(
+        len(train_examples),
+        len(val_examples[0][1]) if val_examples and not val_examples[0][0] else config.data.val_size,
+    )
     prompt = build_prompt(config)
     if prompt.kind == "chat" and model is None and ckpt is None:
         check_chat_tokenizer(config.model.name_or_path)
@@ -787,15 +948,26 @@ def _setup(config: TrainConfig, run_dir: Path, ckpt: Path | None, *, model, toke
         state = TrainState.from_checkpoint(load_trainer_state(ckpt, optimizer, scheduler))
         _refresh_lr(optimizer, scheduler)
         truncate_metrics(run_dir / "metrics.jsonl", state.step)
-    run = RunParts(model=model, tokenizer=tokenizer, optimizer=optimizer, scheduler=scheduler, backbone=backbone,
-                   update_spec=UpdateSpec.from_config(config), reward_fn=reward_fn, val_reward=val_reward, prompt=prompt,
-                   train_examples=train_examples, val_examples=val_examples,
-                   request=_rollout_request(config, train_examples, prompt))
+    run = RunParts(
+        model=model,
+        tokenizer=tokenizer,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        backbone=backbone,
+        update_spec=UpdateSpec.from_config(config),
+        reward_fn=reward_fn,
+        val_reward=val_reward,
+        prompt=prompt,
+        train_examples=train_examples,
+        val_examples=val_examples,
+        request=_rollout_request(config, train_examples, prompt),
+    )
     return run, state
 
 
-def _start_rollouts(config: TrainConfig, run: RunParts, engine: Engine | None,
-                    resources: contextlib.ExitStack) -> Rollouts:
+def _start_rollouts(
+    config: TrainConfig, run: RunParts, engine: Engine | None, resources: contextlib.ExitStack
+) -> Rollouts:
     """The engine (built from the config unless given) and the rollouts over it, each closed by ``resources``."""
     if engine is None:
         try:
@@ -821,46 +993,73 @@ class RunRecord:
         state, run, at = self.state, self.run, self.state.step
         if state.saved_step == at:
             return
-        save_checkpoint(self.run_dir, at, run.model, run.tokenizer, run.optimizer, run.scheduler,
-                        state=state.checkpoint_record(at * self.config.rollout.n_prompts_per_rollout_batch),
-                        keep=self.config.keep_checkpoints)
+        save_checkpoint(
+            self.run_dir,
+            at,
+            run.model,
+            run.tokenizer,
+            run.optimizer,
+            run.scheduler,
+            state=state.checkpoint_record(at * self.config.rollout.n_prompts_per_rollout_batch),
+            keep=self.config.keep_checkpoints,
+        )
         state.saved_step = at
 
     def summary(self, status: str, message: str = "") -> None:
         s = self.state
-        _write_summary(self.run_dir, status=status, step=s.step, n_steps=self.config.n_steps, final=s.last_val,
-                       final_train_reward=s.last_train_reward, nonfinite_skipped=s.nonfinite_total,
-                       last_checkpoint=s.saved_step, message=message, wall_time_s=time.perf_counter() - self.t_start)
+        _write_summary(
+            self.run_dir,
+            status=status,
+            step=s.step,
+            n_steps=self.config.n_steps,
+            final=s.last_val,
+            final_train_reward=s.last_train_reward,
+            nonfinite_skipped=s.nonfinite_total,
+            last_checkpoint=s.saved_step,
+            message=message,
+            wall_time_s=time.perf_counter() - self.t_start,
+        )
 
     def resume_hint(self) -> str:
         if self.state.saved_step is None:
-            return (f"No checkpoint was saved yet, so nothing is lost beyond the steps run: fix the cause and run "
-                    f"`rlvr train --resume {self.run_dir}` to start again from step 0.")
-        return (f"The checkpoint of step {self.state.saved_step} is intact: fix the cause and resume with "
-                f"`rlvr train --resume {self.run_dir}`.")
+            return (
+                f"No checkpoint was saved yet, so nothing is lost beyond the steps run: fix the cause and run "
+                f"`rlvr train --resume {self.run_dir}` to start again from step 0."
+            )
+        return (
+            f"The checkpoint of step {self.state.saved_step} is intact: fix the cause and resume with "
+            f"`rlvr train --resume {self.run_dir}`."
+        )
 
     def interrupted(self, e: KeyboardInterrupt) -> None:
         """Save what is whole (a step interrupted during its updates is not) and say how to go on."""
         how = "stopped by SIGTERM" if isinstance(e, Terminated) else "interrupted"
         if not self.state.in_update:
             self.checkpoint()
-            msg = f"{how}; saved a checkpoint at step {self.state.step}: resume with `rlvr train --resume {self.run_dir}`"
+            msg = (
+                f"{how}; saved a checkpoint at step {self.state.step}: resume with `rlvr train --resume {self.run_dir}`"
+            )
         else:
-            msg = (f"{how} in the middle of step {self.state.step + 1}'s updates, so that step was not saved. "
-                   + self.resume_hint())
+            msg = (
+                f"{how} in the middle of step {self.state.step + 1}'s updates, so that step was not saved. "
+                + self.resume_hint()
+            )
         self.summary("interrupted", msg)
         print(f"rlvr: {msg}", file=sys.stderr)
 
     def failed(self, e: TrainingError) -> None:
         text = str(e).rstrip()
-        e.args = (f"{text}{'' if text.endswith('.') else '.'} {self.resume_hint()}",)  # what is on disk is known only here
+        e.args = (
+            f"{text}{'' if text.endswith('.') else '.'} {self.resume_hint()}",
+        )  # what is on disk is known only here
         self.summary("failed", str(e))
 
 
 def _train(config: TrainConfig, run_dir: Path, ckpt: Path | None, *, model, tokenizer, reward_fn, engine) -> Path:
     """The run itself, in a locked and prepared run directory, from ``ckpt`` (None: from step 0)."""
-    run, state = _setup(config, run_dir, ckpt, model=model, tokenizer=tokenizer, reward_fn=reward_fn,
-                        own_engine=engine is None)
+    run, state = _setup(
+        config, run_dir, ckpt, model=model, tokenizer=tokenizer, reward_fn=reward_fn, own_engine=engine is None
+    )
     record = RunRecord(config, run_dir, run, state)
     # The reward, engine, rollouts, logger and progress bar: closed on every way out, in reverse order.
     with contextlib.ExitStack() as resources:
@@ -868,13 +1067,24 @@ def _train(config: TrainConfig, run_dir: Path, ckpt: Path | None, *, model, toke
         try:
             record.summary("running")
             run.rollouts = _start_rollouts(config, run, engine, resources)
-            logger = MetricsLogger(run_dir, config.to_dict(), wandb=config.log.wandb,
-                                   wandb_project=config.log.wandb_project, tensorboard=config.log.tensorboard)
+            logger = MetricsLogger(
+                run_dir,
+                config.to_dict(),
+                wandb=config.log.wandb,
+                wandb_project=config.log.wandb_project,
+                tensorboard=config.log.tensorboard,
+            )
             resources.callback(logger.close)
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=config.n_steps, initial=state.step, desc="train", unit="step",
-                       disable=not config.log.progress, dynamic_ncols=True)
+            bar = tqdm(
+                total=config.n_steps,
+                initial=state.step,
+                desc="train",
+                unit="step",
+                disable=not config.log.progress,
+                dynamic_ncols=True,
+            )
             resources.callback(bar.close)
 
             if state.step == 0 and config.eval_at_start and run.val_examples:
@@ -906,8 +1116,11 @@ def _train(config: TrainConfig, run_dir: Path, ckpt: Path | None, *, model, toke
 
 def progress_postfix(metrics: dict, last_val: dict) -> dict:
     """What the progress bar shows after a step: train reward, loss, gradient norm, last val reward."""
-    postfix = {"reward": f"{metrics['train/reward']:.3f}", "loss": f"{metrics['train/loss']:.4g}",
-               "gnorm": f"{metrics['train/grad_norm']:.3g}"}
+    postfix = {
+        "reward": f"{metrics['train/reward']:.3f}",
+        "loss": f"{metrics['train/loss']:.4g}",
+        "gnorm": f"{metrics['train/grad_norm']:.3g}",
+    }
     if "val/reward" in last_val:
         postfix["val"] = f"{last_val['val/reward']:.3f}"
     return postfix
@@ -959,13 +1172,19 @@ def parse_command(argv: list[str]) -> tuple[TrainConfig, Path, bool]:
             raise ConfigError("--resume DIR continues in DIR; drop --out or make it the same directory")
         base = _read_run_config(run_dir)
         if base is None:
-            raise ConfigError(f"{run_dir}/config.json not found: is {run_dir} a run directory? Start a new run with "
-                              f"--config FILE --out {run_dir}")
+            raise ConfigError(
+                f"{run_dir}/config.json not found: is {run_dir} a run directory? Start a new run with "
+                f"--config FILE --out {run_dir}"
+            )
     else:
         base = load_config_file(known.config) if known.config else TrainConfig()
         run_dir = Path(known.out) if known.out else None
-    default = TrainCommand(config=known.config and Path(known.config), out=known.out and Path(known.out),
-                           resume=known.resume and Path(known.resume), train=base)
+    default = TrainCommand(
+        config=known.config and Path(known.config),
+        out=known.out and Path(known.out),
+        resume=known.resume and Path(known.resume),
+        train=base,
+    )
     command = tyro.cli(TrainCommand, args=argv, default=default, prog="rlvr train", description=USAGE)
     if run_dir is None:
         raise ConfigError("--out DIR is required (where metrics, checkpoints and the config go)")
@@ -991,4 +1210,3 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
-

@@ -50,8 +50,13 @@ def _hf_options(e: EngineConfig, served_model: str | None) -> dict[str, Any]:
 
 def _fast_options(e: EngineConfig, served_model: str | None) -> dict[str, Any]:
     f = e.fast
-    return {"max_batch_size": e.max_batch_size, "release_memory": f.release_memory, "attention": f.attention,
-            "fuse_projections": f.fuse_projections, "cascade_min_rows": f.cascade_min_rows}
+    return {
+        "max_batch_size": e.max_batch_size,
+        "release_memory": f.release_memory,
+        "attention": f.attention,
+        "fuse_projections": f.fuse_projections,
+        "cascade_min_rows": f.cascade_min_rows,
+    }
 
 
 def _worker_options(e: EngineConfig, served_model: str | None) -> dict[str, Any]:
@@ -60,8 +65,13 @@ def _worker_options(e: EngineConfig, served_model: str | None) -> dict[str, Any]
 
 
 def _vllm_options(e: EngineConfig, served_model: str | None) -> dict[str, Any]:
-    return {"served_model": served_model, "base_url": e.vllm.base_url, "port": e.vllm.port, "gpu": _gpu_index(e.device),
-            "start_server": e.vllm.base_url is None}
+    return {
+        "served_model": served_model,
+        "base_url": e.vllm.base_url,
+        "port": e.vllm.port,
+        "gpu": _gpu_index(e.device),
+        "start_server": e.vllm.base_url is None,
+    }
 
 
 def _no_options(e: EngineConfig, served_model: str | None) -> dict[str, Any]:
@@ -123,5 +133,18 @@ def build_engine(config: EngineConfig, model, tokenizer, served_model: str | Non
     return entry.load()(model, tokenizer, **{**entry.options(config, served_model), **overrides})
 
 
-__all__ = ["Completion", "Engine", "SamplingParams", "WorkerEngine", "ENGINES", "EngineEntry", "UnknownEngineError",
-           "build_engine", "engine_entry", "engine_names", "make_engine", "register_engine", "resolve_engine_name"]
+__all__ = [
+    "Completion",
+    "Engine",
+    "SamplingParams",
+    "WorkerEngine",
+    "ENGINES",
+    "EngineEntry",
+    "UnknownEngineError",
+    "build_engine",
+    "engine_entry",
+    "engine_names",
+    "make_engine",
+    "register_engine",
+    "resolve_engine_name",
+]

@@ -56,9 +56,16 @@ class AsyncRollouts:
     ``close_engine`` is set. ``request`` and ``last_step`` are the defaults of ``next_batch``'s.
     """
 
-    def __init__(self, engine: WorkerEngine, max_staleness: int = 0, logprob_batch_size: int = 16,
-                 old_log_probs: bool = True, close_engine: bool = False, request: RolloutRequest | None = None,
-                 last_step: int | None = None):
+    def __init__(
+        self,
+        engine: WorkerEngine,
+        max_staleness: int = 0,
+        logprob_batch_size: int = 16,
+        old_log_probs: bool = True,
+        close_engine: bool = False,
+        request: RolloutRequest | None = None,
+        last_step: int | None = None,
+    ):
         if not isinstance(engine, WorkerEngine):
             raise TypeError(
                 f"{type(engine).__name__} cannot run rollouts ahead of the trainer (it is not a WorkerEngine: no "
@@ -78,10 +85,10 @@ class AsyncRollouts:
         self.last_step = last_step
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlvr-rollouts")
         self._lock = threading.Lock()
-        self._queued_version: int | None = None   # the version the next queued rollout will see
-        self._sync_meta: dict[int, Future] = {}   # version -> future of its load metrics
-        self._pending: dict[int, Future] = {}     # step -> future of its RolloutBatch
-        self._submitted = 0                       # highest step submitted by next_batch
+        self._queued_version: int | None = None  # the version the next queued rollout will see
+        self._sync_meta: dict[int, Future] = {}  # version -> future of its load metrics
+        self._pending: dict[int, Future] = {}  # step -> future of its RolloutBatch
+        self._submitted = 0  # highest step submitted by next_batch
         self._next_request = 0
         self._closed = False
         self.events: list[tuple] = []
@@ -99,8 +106,10 @@ class AsyncRollouts:
         self._log("sync_requested", version)
         with self._lock:
             if self._queued_version is not None and version < self._queued_version:
-                raise ValueError(f"weight version {version} is older than version {self._queued_version}, already "
-                                 "queued; versions must not go backwards")
+                raise ValueError(
+                    f"weight version {version} is older than version {self._queued_version}, already "
+                    "queued; versions must not go backwards"
+                )
             fut = self._sync_meta.get(version)
             if fut is not None and not (fut.done() and fut.exception() is not None):
                 return fut
@@ -123,8 +132,16 @@ class AsyncRollouts:
                 raise ValueError(f"step {step} was already submitted; collect it first")
             self._next_request += 1
             version = self._queued_version
-            fut = self._pool.submit(self._rollout, step, self._next_request, version, list(prompts), params,
-                                    self._sync_meta[version], time.perf_counter())
+            fut = self._pool.submit(
+                self._rollout,
+                step,
+                self._next_request,
+                version,
+                list(prompts),
+                params,
+                self._sync_meta[version],
+                time.perf_counter(),
+            )
             self._pending[step] = fut
         return fut
 
@@ -136,8 +153,9 @@ class AsyncRollouts:
             raise KeyError(f"no rollouts were submitted for step {step}")
         return fut.result(timeout)
 
-    def next_batch(self, step: int, model, request: RolloutRequest | None = None,
-                   last_step: int | None = None) -> RolloutBatch:
+    def next_batch(
+        self, step: int, model, request: RolloutRequest | None = None, last_step: int | None = None
+    ) -> RolloutBatch:
         """The whole schedule for 1-based trainer step ``step``, whose weights are version ``step - 1``.
 
         Queues the load of version ``step - 1``, submits every step up to ``step + max_staleness`` not
@@ -163,13 +181,15 @@ class AsyncRollouts:
         batch.timings["time/rollout_wait"] = time.perf_counter() - t0
         return batch
 
-    def generate(self, prompts: list[str], params: SamplingParams, timeout: float | None = None) -> list[list[Completion]]:
+    def generate(
+        self, prompts: list[str], params: SamplingParams, timeout: float | None = None
+    ) -> list[list[Completion]]:
         """A plain generation (validation) queued behind the pending work, with the weights then loaded;
         ``sync`` first to evaluate the newest weights."""
         self._check_open()
         return self._pool.submit(self.engine.generate, list(prompts), params).result(timeout)
 
-    def engine_for_eval(self, model, version: int) -> "QueuedEngine":
+    def engine_for_eval(self, model, version: int) -> QueuedEngine:
         """Queue the load of ``model`` as ``version`` and return an ``Engine`` whose ``generate`` runs
         through this queue (after that load): validation sees the newest weights and never races
         the rollouts for the worker."""
@@ -209,8 +229,9 @@ class AsyncRollouts:
         meta["time/sync_queue"] = start - queued_at
         return meta
 
-    def _rollout(self, step: int, request_id: int, version: int, prompts, params, load: Future,
-                 queued_at: float) -> RolloutBatch:
+    def _rollout(
+        self, step: int, request_id: int, version: int, prompts, params, load: Future, queued_at: float
+    ) -> RolloutBatch:
         start = time.perf_counter()
         # The load ran earlier on this same thread; if it failed, the worker holds unverified weights.
         load_meta = load.result()
@@ -228,14 +249,27 @@ class AsyncRollouts:
             )
         n_rows = len(prompts) * params.n
         if len(out["completions"]) != len(prompts) or out["input_ids"].shape[0] != n_rows:
-            raise RolloutOrderError(f"the worker returned {len(out['completions'])} groups and "
-                                    f"{out['input_ids'].shape[0]} rows for {len(prompts)} prompts x {params.n}")
+            raise RolloutOrderError(
+                f"the worker returned {len(out['completions'])} groups and "
+                f"{out['input_ids'].shape[0]} rows for {len(prompts)} prompts x {params.n}"
+            )
         return RolloutBatch(
-            step=step, weight_version=version, request_id=request_id, prompts=prompts, params=params,
-            completions=out["completions"], input_ids=out["input_ids"], labels=out["labels"],
-            response_mask=out["response_mask"], old_log_probs=out["old_log_probs"], sync=dict(load_meta),
-            timings={"time/generate": out["time/generate"], "time/old_logprobs": out["time/old_logprobs"],
-                     "time/queue": start - queued_at},
+            step=step,
+            weight_version=version,
+            request_id=request_id,
+            prompts=prompts,
+            params=params,
+            completions=out["completions"],
+            input_ids=out["input_ids"],
+            labels=out["labels"],
+            response_mask=out["response_mask"],
+            old_log_probs=out["old_log_probs"],
+            sync=dict(load_meta),
+            timings={
+                "time/generate": out["time/generate"],
+                "time/old_logprobs": out["time/old_logprobs"],
+                "time/queue": start - queued_at,
+            },
         )
 
 

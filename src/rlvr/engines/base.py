@@ -59,8 +59,7 @@ class Engine(Protocol):
         """Load the trainer's current weights; returns timing/check metadata (e.g. ``{"time/sync": s}``)."""
         ...
 
-    def close(self) -> None:
-        ...
+    def close(self) -> None: ...
 
 
 @runtime_checkable
@@ -77,8 +76,14 @@ class WorkerEngine(Engine, Protocol):
         """Load a snapshot, check it arrived intact, and tag the engine with its version; returns metrics."""
         ...
 
-    def rollout(self, prompts: list[str], params: SamplingParams, request_id: int, logprob_batch_size: int = 16,
-                score: bool = True) -> dict:
+    def rollout(
+        self,
+        prompts: list[str],
+        params: SamplingParams,
+        request_id: int,
+        logprob_batch_size: int = 16,
+        score: bool = True,
+    ) -> dict:
         """Generate and score in one request: ``request_id``, ``version``, ``completions``, ``input_ids``,
         ``labels``, ``response_mask``, ``old_log_probs`` (None without ``score``), ``time/generate`` and
         ``time/old_logprobs``."""

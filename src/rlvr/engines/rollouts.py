@@ -83,15 +83,16 @@ class Rollouts(Protocol):
         """The engine that validates ``model`` as weight version ``version`` now."""
         ...
 
-    def close(self) -> None:
-        ...
+    def close(self) -> None: ...
 
 
 def check_group_shape(groups: list[list[Completion]], n_prompts: int, group_size: int, step: int) -> None:
     """``EngineError`` unless the engine answered ``group_size`` completions for each of ``n_prompts`` prompts."""
     if len(groups) != n_prompts or any(len(g) != group_size for g in groups):
-        raise EngineError(f"the engine returned {[len(g) for g in groups]} completions for {n_prompts} prompts x "
-                          f"{group_size} samples at step {step}")
+        raise EngineError(
+            f"the engine returned {[len(g) for g in groups]} completions for {n_prompts} prompts x "
+            f"{group_size} samples at step {step}"
+        )
 
 
 class SyncRollouts:
@@ -111,8 +112,10 @@ class SyncRollouts:
         try:
             sync_meta = self.engine.sync_weights(model) or {}
         except Exception as e:  # noqa: BLE001 - whatever the engine raised, the run stops with its cause
-            raise EngineError(f"the engine failed to take new weights at step {step}: {type(e).__name__}: {e}. "
-                              "Check the engine (its log, memory, the server).") from e
+            raise EngineError(
+                f"the engine failed to take new weights at step {step}: {type(e).__name__}: {e}. "
+                "Check the engine (its log, memory, the server)."
+            ) from e
         sync = {"time/sync": time.perf_counter() - t0}
         sync.update({k: v for k, v in sync_meta.items() if k != "time/sync"})
         prompts, params = self.request(step)
@@ -120,8 +123,10 @@ class SyncRollouts:
         try:
             groups = self.engine.generate(prompts, params)
         except Exception as e:  # noqa: BLE001
-            raise EngineError(f"the engine failed to generate at step {step}: {type(e).__name__}: {e}. "
-                              "Check the engine (its log, memory, the server).") from e
+            raise EngineError(
+                f"the engine failed to generate at step {step}: {type(e).__name__}: {e}. "
+                "Check the engine (its log, memory, the server)."
+            ) from e
         generate_time = time.perf_counter() - t0
         check_group_shape(groups, len(prompts), params.n, step)
 
@@ -130,12 +135,21 @@ class SyncRollouts:
         responses = [c.text for g in groups for c in g]
         output_ids = self.tokenizer(responses, add_special_tokens=False)["input_ids"]
         prompt_ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
-        batch = tokenize_from_ids([prompt_ids[i // params.n] for i in range(len(responses))], output_ids,
-                                  pad_token_id(self.tokenizer))
+        batch = tokenize_from_ids(
+            [prompt_ids[i // params.n] for i in range(len(responses))], output_ids, pad_token_id(self.tokenizer)
+        )
         return RolloutBatch(
-            step=step, weight_version=step - 1, request_id=step, prompts=prompts, params=params, completions=groups,
-            input_ids=batch["input_ids"], labels=batch["labels"], response_mask=batch["response_mask"],
-            old_log_probs=None, sync=sync,
+            step=step,
+            weight_version=step - 1,
+            request_id=step,
+            prompts=prompts,
+            params=params,
+            completions=groups,
+            input_ids=batch["input_ids"],
+            labels=batch["labels"],
+            response_mask=batch["response_mask"],
+            old_log_probs=None,
+            sync=sync,
             timings={"time/generate": generate_time, "time/tokenize": time.perf_counter() - t0},
         )
 

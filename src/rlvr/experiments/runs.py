@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -31,9 +31,38 @@ BANDS = ("minmax", "ci95")
 VAL_REWARD = "val/reward"
 
 # Two-sided 95 % critical values of Student's t for 1..30 degrees of freedom (no scipy dependency).
-_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
-        2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
-        2.045, 2.042)
+_T95 = (
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+)
 
 
 def t95(dof: int) -> float:
@@ -159,8 +188,14 @@ def load_run(path: str | Path, setting: str | None = None) -> Run:
         s = config_value(config, ["seed"])
         seed = int(s) if _is_number(s) else None
         setting = setting or str(config.get("name") or path.name)
-    return Run(path=path, setting=setting, seed=seed, config=config,
-               metrics=read_metrics(path / "metrics.jsonl", one_row_per_step=True), summary=_read_json(path / "summary.json"))
+    return Run(
+        path=path,
+        setting=setting,
+        seed=seed,
+        config=config,
+        metrics=read_metrics(path / "metrics.jsonl", one_row_per_step=True),
+        summary=_read_json(path / "summary.json"),
+    )
 
 
 def is_run_dir(path: Path) -> bool:

@@ -5,8 +5,13 @@ what an estimator does to the gradient (``diagnostics``: closed-form difficulty 
 importance-ratio statistics; ``variance``: gradient variance with and without a baseline)."""
 
 from rlvr.grpo.advantages import (
-    BASELINES, NORMALIZERS, compute_group_normalized_rewards, compute_rollout_rewards, pass_at_k,
-    register_baseline, register_normalizer,
+    BASELINES,
+    NORMALIZERS,
+    compute_group_normalized_rewards,
+    compute_rollout_rewards,
+    pass_at_k,
+    register_baseline,
+    register_normalizer,
 )
 from rlvr.grpo.aggregate import AGGREGATIONS, aggregate_loss_across_microbatch, register_aggregation
 from rlvr.grpo.diagnostics import ADVANTAGE_MASS, advantage_mass, importance_statistics, register_advantage_mass
@@ -18,10 +23,34 @@ from rlvr.grpo.train_step import grpo_train_step, microbatch_plan, policy_gradie
 from rlvr.grpo.variance import gradient_variance
 
 __all__ = [
-    "BASELINES", "NORMALIZERS", "REWEIGHTINGS", "AGGREGATIONS", "register_aggregation", "PRESETS", "DEFAULT_CLIPRANGE", "Preset", "get_preset",
-    "compute_group_normalized_rewards", "compute_rollout_rewards", "pass_at_k", "register_baseline",
-    "register_normalizer", "register_reweighting", "aggregate_loss_across_microbatch", "compile_backbone", "compute_log_probs_batched",
-    "get_response_log_probs", "compute_policy_gradient_loss", "tokenize_from_ids", "tokenize_prompt_and_output",
-    "grpo_train_step", "microbatch_plan", "policy_gradient_update", "ADVANTAGE_MASS", "advantage_mass",
-    "register_advantage_mass", "importance_statistics", "gradient_variance",
+    "BASELINES",
+    "NORMALIZERS",
+    "REWEIGHTINGS",
+    "AGGREGATIONS",
+    "register_aggregation",
+    "PRESETS",
+    "DEFAULT_CLIPRANGE",
+    "Preset",
+    "get_preset",
+    "compute_group_normalized_rewards",
+    "compute_rollout_rewards",
+    "pass_at_k",
+    "register_baseline",
+    "register_normalizer",
+    "register_reweighting",
+    "aggregate_loss_across_microbatch",
+    "compile_backbone",
+    "compute_log_probs_batched",
+    "get_response_log_probs",
+    "compute_policy_gradient_loss",
+    "tokenize_from_ids",
+    "tokenize_prompt_and_output",
+    "grpo_train_step",
+    "microbatch_plan",
+    "policy_gradient_update",
+    "ADVANTAGE_MASS",
+    "advantage_mass",
+    "register_advantage_mass",
+    "importance_statistics",
+    "gradient_variance",
 ]

@@ -40,9 +40,11 @@ AGGREGATIONS: dict[str, Aggregation] = {}
 def register_aggregation(name: str, per_sequence: bool, needs_normalization_constant: bool = False):
     """Decorator: make ``divisor(n_tokens, batch_size, normalization_constant)`` selectable as
     ``loss_normalization=name`` (see ``Aggregation``)."""
+
     def deco(divisor):
         AGGREGATIONS[name] = Aggregation(divisor, per_sequence, needs_normalization_constant)
         return divisor
+
     return deco
 
 
@@ -60,8 +62,10 @@ def _fixed_constant(n_tokens, batch_size, normalization_constant):
 def get_aggregation(name: str, normalization_constant: float | None = None) -> Aggregation:
     """The registered aggregation ``name``, after checking it has the constant it needs (ValueError if not)."""
     if name not in AGGREGATIONS:
-        raise ValueError(f"unknown loss_normalization {name!r}: choose one of {', '.join(map(repr, AGGREGATIONS))} "
-                         "or register your own with rlvr.grpo.register_aggregation")
+        raise ValueError(
+            f"unknown loss_normalization {name!r}: choose one of {', '.join(map(repr, AGGREGATIONS))} "
+            "or register your own with rlvr.grpo.register_aggregation"
+        )
     aggregation = AGGREGATIONS[name]
     if aggregation.needs_normalization_constant and (normalization_constant is None or normalization_constant <= 0):
         raise ValueError(
@@ -71,8 +75,12 @@ def get_aggregation(name: str, normalization_constant: float | None = None) -> A
     return aggregation
 
 
-def aggregate_loss_across_microbatch(per_token_policy_gradient_loss: torch.Tensor, mask: torch.Tensor,
-                                     loss_normalization: str = "sequence", normalization_constant: float | None = None):
+def aggregate_loss_across_microbatch(
+    per_token_policy_gradient_loss: torch.Tensor,
+    mask: torch.Tensor,
+    loss_normalization: str = "sequence",
+    normalization_constant: float | None = None,
+):
     loss = per_token_policy_gradient_loss
     m = mask.to(device=loss.device, dtype=loss.dtype)
     if m.shape != loss.shape:

@@ -33,8 +33,14 @@ PRESETS: dict[str, Preset] = {
     "maxrl": Preset("mean", "mean", "constant"),
 }
 
-DEFAULT_CLIPRANGE: dict[str, float | None] = {"none": None, "noclip": None, "ppo_clip": 0.2, "grpo": 0.2, "gspo": 3e-4,
-                                             "cispo": 0.2}
+DEFAULT_CLIPRANGE: dict[str, float | None] = {
+    "none": None,
+    "noclip": None,
+    "ppo_clip": 0.2,
+    "grpo": 0.2,
+    "gspo": 3e-4,
+    "cispo": 0.2,
+}
 
 
 def get_preset(name: str) -> Preset:
