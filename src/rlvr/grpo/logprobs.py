@@ -35,9 +35,15 @@ def _stats_from_logits(logits: torch.Tensor, labels: torch.Tensor, want_entropy:
 def _lm_head(model):
     """The output projection when logits are a plain ``Linear`` of the last hidden state, else None.
 
-    Models that post-process logits (soft-capping, logit scaling) or are wrapped (PEFT) fall back to
-    the model's own logits, still reduced chunk by chunk in float32.
+    Models that post-process logits (soft-capping, logit scaling) or are wrapped (PEFT, DDP, FSDP2)
+    fall back to the model's own logits, still reduced chunk by chunk in float32.
     """
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        # The root's parameters are gathered by its own forward: reading the head's weight outside it
+        # would see a shard.
+        return None
     cfg = getattr(model, "config", None)
     if cfg is None or getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None) not in (None, 1.0):
         return None
