@@ -136,35 +136,34 @@ def policy_gradient_update(model, optimizer, input_ids: torch.Tensor, labels: to
     log_ratios = []  # (log-ratio, mask, advantages) per microbatch, read once after the loop (no syncs inside it)
     n_tokens = 0
     for run in range(n_runs):
-        sync = _gradient_sync(model, last=run == n_runs - 1) if global_batch is not None else contextlib.nullcontext()
-        if run >= len(plan):
-            with sync:
+        # DDP decides at the forward whether the backward reduces, so the whole microbatch sits inside.
+        with _gradient_sync(model, last=run == n_runs - 1) if global_batch is not None else contextlib.nullcontext():
+            if run >= len(plan):
                 _padding_backward(model, input_ids, labels, lengths, device, chunk_tokens, backbone)
-            continue
-        rows = plan[run]
-        idx = torch.tensor(rows)
-        width = max(lengths[i] for i in rows)
-        host_mask = response_mask[idx, :width]
-        n_tokens += int(host_mask.sum())  # counted on the host: no device sync between microbatches
-        mb_mask = host_mask.to(device)
-        out = get_response_log_probs(model, input_ids[idx, :width], labels[idx, :width], return_token_entropy=True,
-                                     chunk_tokens=chunk_tokens, backbone=backbone)
-        old = old_log_probs[idx, :width].to(device) if old_log_probs is not None else None
-        mb_adv = advantages[idx].to(device)
-        per_token, meta = compute_policy_gradient_loss(mb_adv, out["log_probs"], importance_reweighting_method,
-                                                       old if method.needs_old_log_probs else None, cliprange, mb_mask)
-        if old is not None:
-            log_ratios.append(((out["log_probs"].detach() - old.to(out["log_probs"].dtype)), mb_mask, mb_adv))
-        loss = aggregate_loss_across_microbatch(per_token, mb_mask, loss_normalization, normalization_constant)
-        if loss_normalization == "sequence":
-            loss = loss * (len(rows) / denominator)
-        with sync:
+                continue
+            rows = plan[run]
+            idx = torch.tensor(rows)
+            width = max(lengths[i] for i in rows)
+            host_mask = response_mask[idx, :width]
+            n_tokens += int(host_mask.sum())  # counted on the host: no device sync between microbatches
+            mb_mask = host_mask.to(device)
+            out = get_response_log_probs(model, input_ids[idx, :width], labels[idx, :width], return_token_entropy=True,
+                                         chunk_tokens=chunk_tokens, backbone=backbone)
+            old = old_log_probs[idx, :width].to(device) if old_log_probs is not None else None
+            mb_adv = advantages[idx].to(device)
+            per_token, meta = compute_policy_gradient_loss(mb_adv, out["log_probs"], importance_reweighting_method,
+                                                           old if method.needs_old_log_probs else None, cliprange, mb_mask)
+            if old is not None:
+                log_ratios.append(((out["log_probs"].detach() - old.to(out["log_probs"].dtype)), mb_mask, mb_adv))
+            loss = aggregate_loss_across_microbatch(per_token, mb_mask, loss_normalization, normalization_constant)
+            if loss_normalization == "sequence":
+                loss = loss * (len(rows) / denominator)
             (loss * grad_scale if grad_scale != 1 else loss).backward()
-        total_loss += loss.detach()
-        ent_sum += (out["token_entropy"] * mb_mask.float()).sum()
-        if "clip_count" in meta:
-            clip_count += meta["clip_count"]
-            clip_total += meta["clip_total"]
+            total_loss += loss.detach()
+            ent_sum += (out["token_entropy"] * mb_mask.float()).sum()
+            if "clip_count" in meta:
+                clip_count += meta["clip_count"]
+                clip_total += meta["clip_total"]
 
     n_sequences = sum(len(r) for r in plan)
     if global_batch is not None:

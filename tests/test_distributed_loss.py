@@ -1,0 +1,110 @@
+"""Two gloo ranks give the one-process gradient of the same batch: DDP and FSDP2, both loss
+normalisations, on- and off-policy reweighting methods, several microbatches, token budgets, the
+zero-advantage skip, and a rank whose share of a minibatch is all-zero or empty."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from distributed_helpers import run_ranks, tiny_causal_lm
+
+P, G = 4, 2  # prompts × samples: rank 0 holds prompts 0-1, rank 1 prompts 2-3
+
+CASES = {
+    # name: (loss_normalization, method, gradient_accumulation_steps, max_tokens_per_microbatch, advantages, rows)
+    "sequence-none": ("sequence", "none", 1, None, "mixed", "all"),
+    "sequence-grpo-microbatches": ("sequence", "grpo", 2, None, "mixed", "all"),
+    "constant-grpo-token-budget": ("constant", "grpo", 1, 30, "mixed", "all"),
+    "sequence-gspo": ("sequence", "gspo", 1, None, "mixed", "all"),
+    "constant-none-microbatches": ("constant", "none", 2, None, "mixed", "all"),
+    "sequence-cispo": ("sequence", "cispo", 1, None, "mixed", "all"),
+    # rank 1 has only zero advantages: it skips every row and pads to join rank 0's microbatches
+    "sequence-grpo-rank1-all-zero": ("sequence", "grpo", 2, None, "rank1-zero", "all"),
+    # a shuffled minibatch can leave a rank with no rows at all
+    "constant-noclip-rank1-empty": ("constant", "noclip", 1, None, "mixed", "rank0-only"),
+}
+ADVANTAGES = {
+    "mixed": [1.0, -1.0, 0.0, 0.0, 0.5, -0.5, 2.0, -1.5],
+    "rank1-zero": [1.0, -1.0, 0.7, -0.7, 0.0, 0.0, 0.0, 0.0],
+}
+
+
+def _batch():
+    from rlvr.grpo import tokenize_from_ids
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(2, 64, (int(torch.randint(3, 6, (1,), generator=g)),), generator=g).tolist() for _ in range(P)]
+    outputs = [torch.randint(2, 64, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(P * G)]
+    batch = tokenize_from_ids([prompts[i // G] for i in range(P * G)], outputs, 0)
+    with torch.no_grad():
+        from rlvr.grpo import get_response_log_probs
+
+        logp = get_response_log_probs(tiny_causal_lm(seed=0).eval(), batch["input_ids"], batch["labels"])["log_probs"]
+    # Sampling weights a little away from the current ones, so ratios are not one and some clip.
+    batch["old_log_probs"] = logp + 0.3 * torch.randn(logp.shape, generator=g)
+    return batch
+
+
+def _update(model, batch, rows, case, global_batch=None):
+    from rlvr.grpo import policy_gradient_update
+
+    normalization, method, gas, max_tokens, adv_name, _ = case
+    idx = torch.tensor(rows, dtype=torch.long)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # new weights = old − gradient
+    loss, meta = policy_gradient_update(
+        model, optimizer, batch["input_ids"][idx], batch["labels"][idx], batch["response_mask"][idx],
+        torch.tensor(ADVANTAGES[adv_name])[idx], gas, None, method, batch["old_log_probs"][idx],
+        cliprange=None if method in ("none", "noclip") else 0.2, loss_normalization=normalization,
+        normalization_constant=float(P * G * 10), max_tokens_per_microbatch=max_tokens, global_batch=global_batch)
+    return float(loss), meta
+
+
+def _compare_worker(world, strategy, out_path):
+    from rlvr.distributed import GlobalBatch, iter_full_weights, rank_row_range, wrap_model
+
+    batch = _batch()
+    report = {}
+    for name, case in CASES.items():
+        all_rows = list(range(P * G)) if case[5] == "all" else list(range(P * G // 2))
+        reference = tiny_causal_lm(seed=0)
+        ref_loss, ref_meta = _update(reference, batch, all_rows, case)
+        held = rank_row_range(P, G, world.rank, world.world_size)
+        mine = [r for r in all_rows if r in held]
+        model = wrap_model(tiny_causal_lm(seed=0), strategy)
+        loss, meta = _update(model, batch, mine, case, GlobalBatch.of(len(mine)))
+        ref_weights = reference.state_dict()
+        weight_diff = max(float((t - ref_weights[n]).abs().max()) for n, t in iter_full_weights(model))
+        moved = max(float((t - tiny_causal_lm(seed=0).state_dict()[n]).abs().max()) for n, t in reference.state_dict().items())
+        keys = ("grad_norm", "entropy", "n_sequences", "n_tokens", "clip_fraction")
+        report[name] = {
+            "weight_diff": weight_diff, "moved": moved, "loss": [loss, ref_loss],
+            "meta": {k: [meta.get(k), ref_meta.get(k)] for k in keys},
+            "importance": [meta.get("importance", {}), ref_meta.get("importance", {})],
+        }
+    if world.is_main:
+        with open(out_path, "w") as f:
+            json.dump(report, f)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_ranks_give_the_one_process_gradient(strategy, tmp_path):
+    out = tmp_path / "report.json"
+    run_ranks(_compare_worker, strategy, str(out))
+    report = json.loads(out.read_text())
+    assert set(report) == set(CASES)
+    for name, r in report.items():
+        assert r["moved"] > 1e-3, f"{name}: the update did not move the weights, the comparison is empty"
+        assert r["weight_diff"] < 1e-5 * max(1.0, r["moved"]), f"{name}: weights differ by {r['weight_diff']}"
+        assert r["loss"][0] == pytest.approx(r["loss"][1], rel=1e-5, abs=1e-7), name
+        for key, (got, want) in r["meta"].items():
+            if want is None:
+                assert got is None, f"{name}: {key}"
+            else:
+                assert got == pytest.approx(want, rel=1e-4, abs=1e-6), f"{name}: {key} {got} != {want}"
+        got, want = r["importance"]
+        assert set(got) == set(want) and want, name
+        for key in want:
+            assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), f"{name}: importance {key}"
