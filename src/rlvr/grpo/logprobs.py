@@ -11,6 +11,7 @@ a 32-sequence × 1024-token microbatch.
 
 from __future__ import annotations
 
+import sys
 import types
 
 import torch
@@ -35,8 +36,8 @@ def _stats_from_logits(logits: torch.Tensor, labels: torch.Tensor, want_entropy:
 def _lm_head(model):
     """The output projection when logits are a plain ``Linear`` of the last hidden state, else None.
 
-    Models that post-process logits (soft-capping, logit scaling) or are wrapped (PEFT, DDP, FSDP2)
-    fall back to the model's own logits, still reduced chunk by chunk in float32.
+    Models that post-process logits (soft-capping, logit scaling) or are wrapped (DDP, FSDP2) fall
+    back to the model's own logits, still reduced chunk by chunk in float32.
     """
     from torch.distributed.fsdp import FSDPModule
 
@@ -52,6 +53,18 @@ def _lm_head(model):
     if type(head) is not torch.nn.Linear or backbone is None or backbone is model:
         return None
     return head
+
+
+def _without_peft(model):
+    """The transformers model inside a peft wrapper, whose own layers hold the adapters, so its
+    backbone and head compute what the wrapper does; any other model as it is. A sharded (FSDP2)
+    peft root stays whole: its forward is what gathers its parameters."""
+    peft = sys.modules.get("peft")  # a model cannot be a PeftModel if peft was never imported
+    from torch.distributed.fsdp import FSDPModule
+
+    if peft is None or isinstance(model, FSDPModule) or not isinstance(model, peft.PeftModel):
+        return model
+    return model.get_base_model()
 
 
 def inductor_options() -> dict | None:
@@ -125,6 +138,7 @@ def get_response_log_probs(model, input_ids: torch.Tensor, labels: torch.Tensor,
     Numerically stable (logsumexp in float32). Gradients flow into ``log_probs`` when grad is enabled.
     ``backbone``: a stand-in for ``model.base_model`` with the same parameters (``compile_backbone``).
     """
+    model = _without_peft(model)
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     labels = labels.to(device)
