@@ -24,7 +24,9 @@ from rlvr.distributed.wrap import full_state_dict_on_main, unwrap_model
 def _options(trainable_only: bool):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    return StateDictOptions(ignore_frozen_params=trainable_only)
+    # Without the frozen parameters the checkpoint covers only part of the model, so loading must
+    # not insist on every key.
+    return StateDictOptions(ignore_frozen_params=trainable_only, strict=not trainable_only)
 
 
 def _has_frozen(model: nn.Module) -> bool:
@@ -86,6 +88,11 @@ def export_hf(model: nn.Module, out_dir: str | Path, tokenizer=None, merge_lora:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     plain.save_pretrained(str(out_dir), state_dict=state)
+    # fully_shard swaps the class for a generated FSDP subclass; readers such as vLLM pick the model
+    # class from the name recorded in config.json, so record the original one.
+    original = next(c for c in type(plain).__mro__ if not c.__name__.startswith("FSDP"))
+    plain.config.architectures = [original.__name__]
+    plain.config.save_pretrained(str(out_dir))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out_dir))
     return out_dir
