@@ -4,9 +4,7 @@ trains only its adapters, checkpoints only them, and exports a merged model."""
 
 from __future__ import annotations
 
-import pytest
 import torch
-
 from distributed_helpers import run_ranks, tiny_causal_lm
 
 

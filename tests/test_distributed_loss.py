@@ -8,7 +8,6 @@ import json
 
 import pytest
 import torch
-
 from distributed_helpers import run_ranks, tiny_causal_lm
 
 P, G = 4, 2  # prompts × samples: rank 0 holds prompts 0-1, rank 1 prompts 2-3

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from distributed_helpers import run_ranks
 
 
@@ -70,7 +69,12 @@ def test_one_process_world_without_torchrun(monkeypatch):
 
 def _metrics_worker(world, out_dir):
     from rlvr.distributed import (
-        gather_objects, max_metrics, mean_metrics, on_main, reduce_values, sum_metrics,
+        gather_objects,
+        max_metrics,
+        mean_metrics,
+        on_main,
+        reduce_values,
+        sum_metrics,
     )
 
     r = world.rank

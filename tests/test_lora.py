@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from distributed_helpers import tiny_causal_lm
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

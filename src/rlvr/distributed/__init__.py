@@ -4,13 +4,34 @@ weights gathered tensor by tensor, metrics reduced across ranks, and sharded che
 
 from rlvr.distributed.checkpoint import export_hf, load_sharded, save_sharded
 from rlvr.distributed.world import (
-    GlobalBatch, World, all_reduce_tensor, barrier, check_prompts_divisible, current_world, gather_objects,
-    init_distributed, launched_by_torchrun, local_rows, main_first, max_metrics, mean_metrics, on_main,
-    rank_batch_indices, rank_prompt_range, rank_row_range, reduce_metrics, reduce_values, shutdown_distributed,
+    GlobalBatch,
+    World,
+    all_reduce_tensor,
+    barrier,
+    check_prompts_divisible,
+    current_world,
+    gather_objects,
+    init_distributed,
+    launched_by_torchrun,
+    local_rows,
+    main_first,
+    max_metrics,
+    mean_metrics,
+    on_main,
+    rank_batch_indices,
+    rank_prompt_range,
+    rank_row_range,
+    reduce_metrics,
+    reduce_values,
+    shutdown_distributed,
     sum_metrics,
 )
 from rlvr.distributed.wrap import (
-    decoder_layers, full_state_dict_on_main, iter_full_weights, unwrap_model, wrap_model,
+    decoder_layers,
+    full_state_dict_on_main,
+    iter_full_weights,
+    unwrap_model,
+    wrap_model,
 )
 
 __all__ = [

@@ -40,7 +40,7 @@ def save_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Opti
     ``trainable_only`` (default: whenever some parameters are frozen, as with LoRA) leaves out
     frozen parameters, which the run rebuilds from its base model."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     path = Path(path)
     only = _has_frozen(model) if trainable_only is None else trainable_only
@@ -60,7 +60,10 @@ def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Opti
     its parameters (its state is filled from the checkpoint)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (
-        get_model_state_dict, get_state_dict, set_model_state_dict, set_state_dict,
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
     )
 
     only = _has_frozen(model) if trainable_only is None else trainable_only

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Callable, Iterator, Literal, Mapping, Sequence
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -266,7 +267,7 @@ class GlobalBatch:
             raise ValueError(f"bad GlobalBatch(n_sequences={self.n_sequences}, world_size={self.world_size})")
 
     @classmethod
-    def of(cls, local_n_sequences: int, group=None) -> "GlobalBatch":
+    def of(cls, local_n_sequences: int, group=None) -> GlobalBatch:
         """The global batch made of every rank's ``local_n_sequences`` (one collective)."""
         total = reduce_values([local_n_sequences], "sum", group)[0]
         world_size = dist.get_world_size(group) if _active() else 1

@@ -14,7 +14,8 @@ to the rollout engines needs one tensor of extra memory, never a copy of the mod
 
 from __future__ import annotations
 
-from typing import Iterator, Literal
+from collections.abc import Iterator
+from typing import Literal
 
 import torch
 from torch import nn
