@@ -11,6 +11,7 @@ tensor from the shards.
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 from torch import nn
 
@@ -32,7 +33,9 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
     targets: str | list[str] = list(lora.target_modules)
     if targets == ["all-linear"]:
         targets = "all-linear"
-    peft_config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+    # peft annotates lora_alpha as int, but any positive number works: the scale is alpha / rank.
+    peft_config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha,  # type: ignore[arg-type]
+                                 lora_dropout=lora.dropout,
                                  target_modules=targets, bias="none", task_type="CAUSAL_LM")
     return get_peft_model(model, peft_config)
 
@@ -51,7 +54,7 @@ def merge_lora(model: nn.Module, copy_model: bool = True) -> nn.Module:
     as they are. One process, unsharded; for FSDP2 see ``rlvr.distributed.export_hf``."""
     if not is_lora(model):
         return model
-    target = copy.deepcopy(model) if copy_model else model
+    target: Any = copy.deepcopy(model) if copy_model else model
     return target.merge_and_unload()
 
 

@@ -14,6 +14,7 @@ a wrapped model loads into an unwrapped one and back. With LoRA (peft) only the 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -44,6 +45,7 @@ def save_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Opti
 
     path = Path(path)
     only = _has_frozen(model) if trainable_only is None else trainable_only
+    state: dict[str, Any]
     if optimizer is None:
         state = {"model": get_model_state_dict(model, options=_options(only))}
     else:
@@ -68,6 +70,7 @@ def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Opti
 
     only = _has_frozen(model) if trainable_only is None else trainable_only
     options = _options(only)
+    state: dict[str, Any]
     if optimizer is None:
         state = {"model": get_model_state_dict(model, options=options)}
         dcp.load(state, checkpoint_id=str(path))
@@ -85,7 +88,7 @@ def export_hf(model: nn.Module, out_dir: str | Path, tokenizer=None, merge_lora:
     state = full_state_dict_on_main(model, merge_lora=merge_lora)
     if state is None:
         return None
-    plain = unwrap_model(model)
+    plain: Any = unwrap_model(model)
     if hasattr(plain, "get_base_model"):  # peft: the base model's class and config describe the merged weights
         plain = plain.get_base_model()
     out_dir = Path(out_dir)

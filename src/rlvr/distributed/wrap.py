@@ -15,7 +15,7 @@ to the rollout engines needs one tensor of extra memory, never a copy of the mod
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -41,10 +41,11 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if layers:
         return layers
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) and len({type(c) for c in m}) == 1]
+    lists: list[nn.ModuleList] = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)
+                                  and len({type(c) for c in m}) == 1]
     if not lists:
         raise ValueError(f"found no decoder layers in {type(model).__name__}: no _no_split_modules and no ModuleList of one class")
-    return list(max(lists, key=len))
+    return list(max(lists, key=lambda m: len(m._modules)))
 
 
 def wrap_model(model: nn.Module, strategy: Strategy, device: torch.device | None = None, *,
@@ -94,7 +95,7 @@ def _hf_name(name: str) -> str:
     return name.replace(".base_layer.", ".")
 
 
-def _lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+def _lora_layers(model: nn.Module) -> dict[str, Any]:
     """peft LoRA layers by their name in ``model``'s state dict (empty for a model without adapters)."""
     try:
         from peft.tuners.lora import LoraLayer

@@ -213,7 +213,8 @@ def policy_gradient_update(model, optimizer, input_ids: torch.Tensor, labels: to
         metadata["clip_fraction"] = float(clip_count / clip_total.clamp(min=1))
     if log_ratios:
         parts = log_ratios if global_batch is not None else [_importance_parts(log_ratios)]
-        metadata["importance"] = importance_statistics(*(torch.cat([p[k] for p in parts]) for k in range(4)))
+        tok, tok_adv, seq, seq_adv = (torch.cat([p[k] for p in parts]) for k in range(4))
+        metadata["importance"] = importance_statistics(tok, tok_adv, seq, seq_adv)
     return total_loss.detach(), metadata
 
 
