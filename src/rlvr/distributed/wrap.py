@@ -45,7 +45,11 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
                                   and len({type(c) for c in m}) == 1]
     if not lists:
         raise ValueError(f"found no decoder layers in {type(model).__name__}: no _no_split_modules and no ModuleList of one class")
-    return list(max(lists, key=lambda m: len(m._modules)))
+    longest = lists[0]
+    for candidate in lists[1:]:
+        if len(candidate) > len(longest):
+            longest = candidate
+    return list(longest)
 
 
 def wrap_model(model: nn.Module, strategy: Strategy, device: torch.device | None = None, *,
