@@ -16,24 +16,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _enter(rank: int, world_size: int, port: int, fn, args):
+def _enter(rank: int, world_size: int, port: int, device: str, fn, args):
     # torchrun's variables, so the test goes through rlvr.distributed.init_distributed as a launch would.
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from rlvr.distributed import init_distributed, shutdown_distributed
 
-    world = init_distributed("cpu")
+    world = init_distributed(device)
     try:
         fn(world, *args)
     finally:
         shutdown_distributed()
 
 
-def run_ranks(fn, *args, world_size: int = 2) -> None:
-    """``fn(world, *args)`` in ``world_size`` spawned processes joined in a gloo group; a failure in
-    any of them fails the caller."""
-    mp.spawn(_enter, args=(world_size, free_port(), fn, args), nprocs=world_size, join=True)
+def run_ranks(fn, *args, world_size: int = 2, device: str = "cpu") -> None:
+    """``fn(world, *args)`` in ``world_size`` spawned processes joined in one process group (gloo on
+    the CPU, NCCL with ``device="cuda"``); a failure in any of them fails the caller."""
+    mp.spawn(_enter, args=(world_size, free_port(), device, fn, args), nprocs=world_size, join=True)
 
 
 def tiny_config(vocab_size: int = 64, hidden_size: int = 32, num_layers: int = 2):
