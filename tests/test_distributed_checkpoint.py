@@ -1,5 +1,5 @@
 """Sharded checkpoints (DCP) written by two FSDP2 ranks load into one plain process with identical
-weights and optimizer state; the Hugging Face export loads with plain transformers; LoRA under FSDP2
+weights and optimizer state, and one process's load on two FSDP2 ranks; the Hugging Face export loads with plain transformers; LoRA under FSDP2
 trains only its adapters, checkpoints only them, and exports a merged model."""
 
 from __future__ import annotations
@@ -67,6 +67,36 @@ def test_dcp_from_two_fsdp_ranks_loads_in_one_process(tmp_path):
     assert exported.config.architectures == ["Olmo2ForCausalLM"]
     for name, tensor in exported.state_dict().items():
         assert torch.equal(tensor, expected["weights"][name]), name
+
+
+def _load_worker(world, out):
+    from rlvr.distributed import full_state_dict_on_main, load_sharded, wrap_model
+
+    model = wrap_model(tiny_causal_lm(seed=7), "fsdp")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    load_sharded(out / "dcp-one-process", model, optimizer)
+    weights = full_state_dict_on_main(model)
+    optim_state = _full_optimizer_state(model, optimizer)
+    if world.is_main:
+        torch.save({"weights": weights, "optim": optim_state}, out / "loaded-on-two.pt")
+
+
+def test_dcp_from_one_process_loads_on_two_fsdp_ranks(tmp_path):
+    from rlvr.distributed import save_sharded
+
+    model = tiny_causal_lm(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(input_ids=torch.randint(2, 64, (2, 8))).logits.square().mean().backward()
+    optimizer.step()
+    save_sharded(tmp_path / "dcp-one-process", model, optimizer)
+    run_ranks(_load_worker, tmp_path)
+    loaded = torch.load(tmp_path / "loaded-on-two.pt")
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(loaded["weights"][name], tensor), name
+    want = _full_optimizer_state(model, optimizer)["state"]
+    for name in want:
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(loaded["optim"]["state"][name][key], want[name][key]), (name, key)
 
 
 def _lora_worker(world, out):

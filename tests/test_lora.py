@@ -93,3 +93,17 @@ def test_merged_export_gives_the_adapted_logits(tmp_path):
     assert set(streamed) == names
     for name, tensor in merged.state_dict().items():
         torch.testing.assert_close(streamed[name], tensor)
+
+
+def test_adapters_added_at_load(tmp_path, tiny_model, tiny_tokenizer):
+    from rlvr.config import LoraConfig
+    from rlvr.lora import is_lora
+    from rlvr.modeling import load_model_and_tokenizer, save_model_and_tokenizer
+
+    save_model_and_tokenizer(tiny_model, tiny_tokenizer, tmp_path / "m")
+    plain, _ = load_model_and_tokenizer(tmp_path / "m")
+    assert not is_lora(plain)
+    model, _ = load_model_and_tokenizer(tmp_path / "m", lora=LoraConfig(rank=2, target_modules=("q_proj",)))
+    assert is_lora(model)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert len(trainable) == 2 * tiny_model.config.num_hidden_layers and all("q_proj.lora_" in n for n in trainable)

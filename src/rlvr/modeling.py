@@ -152,12 +152,13 @@ def check_model_source(name_or_path: str | Path, flag: str = "--model") -> None:
 
 
 def load_model_and_tokenizer(name_or_path: str | Path, device: str | torch.device = "cpu",
-                             dtype: torch.dtype | None = None, flag: str = "--model"):
+                             dtype: torch.dtype | None = None, flag: str = "--model", lora=None):
     """Load a causal LM and its tokenizer from a local directory or a hub id.
 
     The default dtype is bfloat16 on CUDA and float32 on CPU. A tokenizer without a pad token gets
     its EOS token as pad (right padding is masked everywhere, so the choice does not leak into losses).
     A missing local path, or a hub id that cannot be loaded, is a ``UserError`` naming ``flag``.
+    ``lora`` (a ``rlvr.config.LoraConfig`` with a rank) adds peft LoRA adapters and freezes the rest.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -180,4 +181,8 @@ def load_model_and_tokenizer(name_or_path: str | Path, device: str | torch.devic
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = model.to(device)  # type: ignore[arg-type]  # transformers' stub of .to takes the model
+    if lora is not None and lora.rank:
+        from rlvr.lora import apply_lora
+
+        model = apply_lora(model, lora)
     return model, tokenizer
