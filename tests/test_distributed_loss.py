@@ -13,7 +13,8 @@ from distributed_helpers import run_ranks, tiny_causal_lm
 P, G = 4, 2  # prompts × samples: rank 0 holds prompts 0-1, rank 1 prompts 2-3
 
 CASES = {
-    # name: (loss_normalization, method, gradient_accumulation_steps, max_tokens_per_microbatch, advantages, rows)
+    # name: (loss_normalization, method, gradient_accumulation_steps, max_tokens_per_microbatch, advantages, rows
+    #        [, max_grad_norm])
     "sequence-none": ("sequence", "none", 1, None, "mixed", "all"),
     "sequence-grpo-microbatches": ("sequence", "grpo", 2, None, "mixed", "all"),
     "constant-grpo-token-budget": ("constant", "grpo", 1, 30, "mixed", "all"),
@@ -24,6 +25,8 @@ CASES = {
     "sequence-grpo-rank1-all-zero": ("sequence", "grpo", 2, None, "rank1-zero", "all"),
     # a shuffled minibatch can leave a rank with no rows at all
     "constant-noclip-rank1-empty": ("constant", "noclip", 1, None, "mixed", "rank0-only"),
+    # the gradient norm is clipped (the norm is about 2) with the global norm
+    "sequence-grpo-clipped": ("sequence", "grpo", 2, None, "mixed", "all", 0.5),
 }
 ADVANTAGES = {
     "mixed": [1.0, -1.0, 0.0, 0.0, 0.5, -0.5, 2.0, -1.5],
@@ -50,12 +53,13 @@ def _batch():
 def _update(model, batch, rows, case, global_batch=None):
     from rlvr.grpo import policy_gradient_update
 
-    normalization, method, gas, max_tokens, adv_name, _ = case
+    normalization, method, gas, max_tokens, adv_name, _ = case[:6]
+    max_grad_norm = case[6] if len(case) > 6 else None
     idx = torch.tensor(rows, dtype=torch.long)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # new weights = old − gradient
     loss, meta = policy_gradient_update(
         model, optimizer, batch["input_ids"][idx], batch["labels"][idx], batch["response_mask"][idx],
-        torch.tensor(ADVANTAGES[adv_name])[idx], gas, None, method, batch["old_log_probs"][idx],
+        torch.tensor(ADVANTAGES[adv_name])[idx], gas, max_grad_norm, method, batch["old_log_probs"][idx],
         cliprange=None if method in ("none", "noclip") else 0.2, loss_normalization=normalization,
         normalization_constant=float(P * G * 10), max_tokens_per_microbatch=max_tokens, global_batch=global_batch)
     return float(loss), meta
