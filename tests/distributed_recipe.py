@@ -60,7 +60,7 @@ def train(variant: str | None, rank: int = 0, world_size: int = 1) -> dict[str, 
         tokenize_from_ids,
     )
 
-    model = _policy(lora=variant is not None and variant.endswith("lora") or variant == "reference-lora")
+    model = _policy(lora=variant is not None and variant.endswith("lora"))
     if variant in (None, "reference-lora"):
         rank, world_size = 0, 1
     else:

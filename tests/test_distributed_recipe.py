@@ -32,4 +32,4 @@ def test_torchrun_two_ranks_train_like_one_process(tmp_path):
         moved = max(float((reference[n] - start[n]).abs().max()) for n in reference)
         assert moved > 1e-4, f"{variant}: training moved nothing"
         for name, tensor in reference.items():
-            torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=2e-6, msg=lambda m: f"{variant} {name}: {m}")
+            torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=2e-6, msg=lambda m, where=f"{variant} {name}": f"{where}: {m}")
