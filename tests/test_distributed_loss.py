@@ -1,6 +1,7 @@
 """Two gloo ranks give the one-process gradient of the same batch: DDP and FSDP2, both loss
 normalisations, on- and off-policy reweighting methods, several microbatches, token budgets, the
-zero-advantage skip, and a rank whose share of a minibatch is all-zero or empty."""
+zero-advantage skip, and a rank whose share of a minibatch is all-zero or empty. FSDP2 with bfloat16
+compute keeps float32 master weights and optimizer state, and CPU offload changes no number."""
 
 from __future__ import annotations
 
@@ -111,3 +112,47 @@ def test_two_ranks_give_the_one_process_gradient(strategy, tmp_path):
         assert set(got) == set(want) and want, name
         for key in want:
             assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), f"{name}: importance {key}"
+
+
+def _precision_worker(world, out_path):
+    from rlvr.distributed import GlobalBatch, copy_full_weights, full_state_dict_on_main, wrap_model
+    from rlvr.grpo import policy_gradient_update
+
+    g = torch.Generator().manual_seed(world.rank)
+    ids = torch.randint(2, 64, (4, 12), generator=g)
+    mask = torch.zeros(4, 12, dtype=torch.bool)
+    mask[:, 5:] = True
+    report = {}
+    for name, kwargs in {"float32": {}, "bf16": {"param_dtype": torch.bfloat16},
+                         "bf16-offload": {"param_dtype": torch.bfloat16, "cpu_offload": True}}.items():
+        model = wrap_model(tiny_causal_lm(seed=0), "fsdp", **kwargs)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        loss, meta = policy_gradient_update(model, optimizer, ids, ids, mask, torch.tensor([1.0, -1.0, 0.5, -0.5]), 2, 1.0,
+                                            global_batch=GlobalBatch.of(4))
+        engine_copy = tiny_causal_lm(seed=9).to(torch.bfloat16)  # an engine's own weights, in its own dtype
+        n_copied = copy_full_weights(model, engine_copy)
+        full = full_state_dict_on_main(model)
+        report[name] = {
+            "loss": float(loss), "grad_norm": meta["grad_norm"], "n_copied": n_copied,
+            "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+            "state_dtypes": sorted({str(s["exp_avg"].dtype) for s in optimizer.state.values()}),
+            "copy_matches": None if full is None else all(
+                torch.equal(t, full[n].to(torch.bfloat16)) for n, t in engine_copy.state_dict().items()),
+        }
+    if world.is_main:
+        with open(out_path, "w") as f:
+            json.dump(report, f)
+
+
+def test_fsdp_bf16_compute_float32_master_weights_and_offload(tmp_path):
+    out = tmp_path / "report.json"
+    run_ranks(_precision_worker, str(out))
+    report = json.loads(out.read_text())
+    exact = report["float32"]
+    for name, r in report.items():
+        assert r["param_dtypes"] == ["torch.float32"] and r["state_dtypes"] == ["torch.float32"], name
+        assert r["copy_matches"] and r["n_copied"] == len(tiny_causal_lm().state_dict()), name
+        assert r["loss"] == pytest.approx(exact["loss"], rel=5e-2, abs=2e-3), name
+        assert r["grad_norm"] == pytest.approx(exact["grad_norm"], rel=5e-2), name
+    assert report["bf16"]["loss"] != exact["loss"]  # bf16 compute did happen
+    assert report["bf16-offload"]["loss"] == report["bf16"]["loss"]  # offloading moves memory, not arithmetic

@@ -27,6 +27,7 @@ from rlvr.distributed.world import (
     sum_metrics,
 )
 from rlvr.distributed.wrap import (
+    copy_full_weights,
     decoder_layers,
     full_state_dict_on_main,
     iter_full_weights,
@@ -36,7 +37,7 @@ from rlvr.distributed.wrap import (
 
 __all__ = [
     "GlobalBatch", "World", "all_reduce_tensor", "barrier", "check_prompts_divisible", "current_world",
-    "decoder_layers", "export_hf", "full_state_dict_on_main", "gather_objects", "init_distributed",
+    "copy_full_weights", "decoder_layers", "export_hf", "full_state_dict_on_main", "gather_objects", "init_distributed",
     "iter_full_weights", "launched_by_torchrun", "load_sharded", "local_rows", "main_first", "max_metrics",
     "mean_metrics", "on_main", "rank_batch_indices", "rank_prompt_range", "rank_row_range", "reduce_metrics",
     "reduce_values", "save_sharded", "shutdown_distributed", "sum_metrics", "unwrap_model", "wrap_model",

@@ -79,7 +79,8 @@ def wrap_model(model: nn.Module, strategy: Strategy, device: torch.device | None
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
-    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    # Pinned host memory speeds the copies to a GPU; without one there is nothing to pin.
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     for layer in decoder_layers(model):
         fully_shard(layer, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_after_forward)
     # The root keeps embeddings, final norm and head; it is gathered for the whole forward anyway.
@@ -154,6 +155,30 @@ def _lora_delta(layer, state: dict, owner: str) -> torch.Tensor:
     if delta is None:
         return torch.zeros((), device=_full(state[f"{owner}.base_layer.weight"]).device)
     return delta
+
+
+@torch.no_grad()
+def copy_full_weights(source: nn.Module, target: nn.Module) -> int:
+    """Copy ``source``'s full weights (DDP, FSDP2 or peft: LoRA merged) into the plain model
+    ``target`` (e.g. an in-process engine's own copy, in its own dtype), tensor by tensor; every rank
+    must call it. Returns the number of tensors copied; names or shapes that do not match raise
+    ``ValueError`` (before a collective is left half done, the others are still iterated)."""
+    dest = target.state_dict()
+    copied, problems = set(), []
+    for name, tensor in iter_full_weights(source):
+        if name not in dest:
+            problems.append(f"{name} is not in the target")
+        elif dest[name].shape != tensor.shape:
+            problems.append(f"{name}: shape {tuple(tensor.shape)} into {tuple(dest[name].shape)}")
+        else:
+            dest[name].copy_(tensor)
+            copied.add(name)
+    missing = sorted(set(dest) - copied - {p.split(" ")[0] for p in problems})
+    if missing:
+        problems.append(f"not in the source: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    if problems:
+        raise ValueError("the weights do not fit the target model: " + "; ".join(problems[:5]))
+    return len(copied)
 
 
 def full_state_dict_on_main(model: nn.Module, merge_lora: bool = True) -> dict[str, torch.Tensor] | None:
