@@ -107,3 +107,11 @@ def test_adapters_added_at_load(tmp_path, tiny_model, tiny_tokenizer):
     assert is_lora(model)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert len(trainable) == 2 * tiny_model.config.num_hidden_layers and all("q_proj.lora_" in n for n in trainable)
+
+
+def test_train_refuses_lora_until_it_applies_it():
+    from rlvr.config import ConfigError, TrainConfig
+
+    config = TrainConfig.from_dict({"model": {"lora": {"rank": 4}}})
+    with pytest.raises(ConfigError, match="model.lora is not applied by rlvr train yet"):
+        config.resolve().validate()

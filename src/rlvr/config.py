@@ -44,7 +44,7 @@ class ConfigError(UserError, ValueError):
 @dataclass(frozen=True)
 class LoraConfig:
     rank: int = 0
-    """LoRA rank (0: no adapters, every weight trains). With a rank, only low-rank adapters on ``target_modules`` train (peft); checkpoints hold the adapters and exports merge them."""
+    """LoRA rank (0: no adapters, every weight trains). With a rank, only low-rank adapters on ``target_modules`` train (peft; ``rlvr.lora.apply_lora``). Not yet applied by rlvr train."""
     alpha: float = 16.0
     """LoRA scale numerator: an adapter's update is multiplied by alpha / rank."""
     dropout: float = 0.0
@@ -437,6 +437,8 @@ class TrainConfig:
                      f"algorithm.reweighting={a.reweighting!r} does not correct for that. Set algorithm.reweighting to "
                      "grpo (PPO token clip, cliprange 0.2), noclip, gspo or cispo (or max_staleness=0)")
         need(self.model.dtype in DTYPES, f"unknown model.dtype {self.model.dtype!r}: choose one of {DTYPES}")
+        need(not self.model.lora.rank, "model.lora is not applied by rlvr train yet (rlvr.lora and rlvr.distributed "
+             "hold the pieces); set model.lora.rank to 0")
         need(self.engine.dtype in DTYPES, f"unknown engine.dtype {self.engine.dtype!r}: choose one of {DTYPES}")
         if self.model.fresh is not None:
             from rlvr.modeling import MODEL_SIZES
