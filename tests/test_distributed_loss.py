@@ -1,7 +1,8 @@
 """Two gloo ranks give the one-process gradient of the same batch: DDP and FSDP2, both loss
 normalisations, on- and off-policy reweighting methods, several microbatches, token budgets, the
 zero-advantage skip, and a rank whose share of a minibatch is all-zero or empty. FSDP2 with bfloat16
-compute keeps float32 master weights and optimizer state, and CPU offload changes no number."""
+compute keeps float32 master weights and optimizer state; CPU offload and gradient checkpointing
+(FSDP2 and DDP) change no number."""
 
 from __future__ import annotations
 
@@ -123,9 +124,15 @@ def _precision_worker(world, out_path):
     mask = torch.zeros(4, 12, dtype=torch.bool)
     mask[:, 5:] = True
     report = {}
-    for name, kwargs in {"float32": {}, "bf16": {"param_dtype": torch.bfloat16},
-                         "bf16-offload": {"param_dtype": torch.bfloat16, "cpu_offload": True}}.items():
-        model = wrap_model(tiny_causal_lm(seed=0), "fsdp", **kwargs)
+    variants = {"float32": {}, "bf16": {"param_dtype": torch.bfloat16},
+                "bf16-offload": {"param_dtype": torch.bfloat16, "cpu_offload": True},
+                "float32-checkpointing": {"checkpointing": True}, "ddp-checkpointing": {"checkpointing": True}}
+    for name, kwargs in variants.items():
+        kwargs = dict(kwargs)
+        model = tiny_causal_lm(seed=0)
+        if kwargs.pop("checkpointing", False):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = wrap_model(model, "ddp" if name.startswith("ddp") else "fsdp", **kwargs)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         loss, meta = policy_gradient_update(model, optimizer, ids, ids, mask, torch.tensor([1.0, -1.0, 0.5, -0.5]), 2, 1.0,
                                             global_batch=GlobalBatch.of(4))
@@ -156,3 +163,6 @@ def test_fsdp_bf16_compute_float32_master_weights_and_offload(tmp_path):
         assert r["grad_norm"] == pytest.approx(exact["grad_norm"], rel=5e-2), name
     assert report["bf16"]["loss"] != exact["loss"]  # bf16 compute did happen
     assert report["bf16-offload"]["loss"] == report["bf16"]["loss"]  # offloading moves memory, not arithmetic
+    for name in ("float32-checkpointing", "ddp-checkpointing"):  # recomputation changes no number either
+        assert report[name]["loss"] == pytest.approx(exact["loss"], rel=1e-6), name
+        assert report[name]["grad_norm"] == pytest.approx(exact["grad_norm"], rel=1e-5), name
