@@ -35,7 +35,7 @@ def _policy(lora: bool):
     if lora:
         torch.manual_seed(1)  # the same adapter initialisation in every process
         model = apply_lora(model, LoraConfig(rank=4, alpha=8, target_modules=("q_proj", "v_proj", "up_proj")))
-        with torch.no_grad():  # start away from B = 0, so A gets a gradient at the first step too
+        with torch.no_grad():  # start with B away from zero, so A gets a gradient at the first step too
             for name, p in model.named_parameters():
                 if ".lora_B." in name:
                     p.normal_(std=0.02, generator=torch.Generator().manual_seed(len(name)))

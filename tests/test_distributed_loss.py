@@ -12,7 +12,7 @@ import pytest
 import torch
 from distributed_helpers import run_ranks, tiny_causal_lm
 
-P, G = 4, 2  # prompts × samples: rank 0 holds prompts 0-1, rank 1 prompts 2-3
+P, G = 4, 2  # prompts × samples; each rank holds half of the prompts
 
 CASES = {
     # name: (loss_normalization, method, gradient_accumulation_steps, max_tokens_per_microbatch, advantages, rows
@@ -23,11 +23,11 @@ CASES = {
     "sequence-gspo": ("sequence", "gspo", 1, None, "mixed", "all"),
     "constant-none-microbatches": ("constant", "none", 2, None, "mixed", "all"),
     "sequence-cispo": ("sequence", "cispo", 1, None, "mixed", "all"),
-    # rank 1 has only zero advantages: it skips every row and pads to join rank 0's microbatches
+    # the second rank has only zero advantages: it skips every row and pads to join the first rank's microbatches
     "sequence-grpo-rank1-all-zero": ("sequence", "grpo", 2, None, "rank1-zero", "all"),
     # a shuffled minibatch can leave a rank with no rows at all
     "constant-noclip-rank1-empty": ("constant", "noclip", 1, None, "mixed", "rank0-only"),
-    # the gradient norm is clipped (the norm is about 2) with the global norm
+    # the gradient norm is clipped, with the global norm
     "sequence-grpo-clipped": ("sequence", "grpo", 2, None, "mixed", "all", 0.5),
 }
 ADVANTAGES = {
@@ -58,7 +58,7 @@ def _update(model, batch, rows, case, global_batch=None):
     normalization, method, gas, max_tokens, adv_name, _ = case[:6]
     max_grad_norm = case[6] if len(case) > 6 else None
     idx = torch.tensor(rows, dtype=torch.long)
-    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # new weights = old − gradient
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # a unit step: new weights = old − gradient
     loss, meta = policy_gradient_update(
         model, optimizer, batch["input_ids"][idx], batch["labels"][idx], batch["response_mask"][idx],
         torch.tensor(ADVANTAGES[adv_name])[idx], gas, max_grad_norm, method, batch["old_log_probs"][idx],

@@ -148,7 +148,7 @@ def _as_slice(r: range) -> slice:
 
 
 # ---------------------------------------------------------------------------------------------
-# Reductions and rank-0 output
+# Reductions, and output written by the main rank alone
 # ---------------------------------------------------------------------------------------------
 
 _OPS = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
