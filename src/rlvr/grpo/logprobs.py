@@ -11,6 +11,7 @@ a 32-sequence × 1024-token microbatch.
 
 from __future__ import annotations
 
+import sys
 import types
 
 import torch
@@ -35,17 +36,39 @@ def _stats_from_logits(logits: torch.Tensor, labels: torch.Tensor, want_entropy:
 def _lm_head(model):
     """The output projection when logits are a plain ``Linear`` of the last hidden state, else None.
 
-    Models that post-process logits (soft-capping, logit scaling) or are wrapped (PEFT) fall back to
-    the model's own logits, still reduced chunk by chunk in float32.
+    Models that post-process logits (soft-capping, logit scaling) or are wrapped (DDP, FSDP2) fall
+    back to the model's own logits, still reduced chunk by chunk in float32.
     """
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        # The root's parameters are gathered by its own forward: reading the head's weight outside it
+        # would see a shard.
+        return None
     cfg = getattr(model, "config", None)
-    if cfg is None or getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None) not in (None, 1.0):
+    if (
+        cfg is None
+        or getattr(cfg, "final_logit_softcapping", None)
+        or getattr(cfg, "logit_scale", None) not in (None, 1.0)
+    ):
         return None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     backbone = getattr(model, "base_model", None)
     if type(head) is not torch.nn.Linear or backbone is None or backbone is model:
         return None
     return head
+
+
+def _without_peft(model):
+    """The transformers model inside a peft wrapper, whose own layers hold the adapters, so its
+    backbone and head compute what the wrapper does; any other model as it is. A sharded (FSDP2)
+    peft root stays whole: its forward is what gathers its parameters."""
+    peft = sys.modules.get("peft")  # a model cannot be a PeftModel if peft was never imported
+    from torch.distributed.fsdp import FSDPModule
+
+    if peft is None or isinstance(model, FSDPModule) or not isinstance(model, peft.PeftModel):
+        return model
+    return model.get_base_model()
 
 
 def inductor_options() -> dict | None:
@@ -78,7 +101,9 @@ class LayerwiseCompiledBackbone:
         self.layers = list(self.base_model.layers)
         kinds = {type(layer) for layer in self.layers}
         if len(kinds) != 1:
-            raise ValueError(f"layer-wise compile needs one decoder layer class, got {sorted(k.__name__ for k in kinds)}")
+            raise ValueError(
+                f"layer-wise compile needs one decoder layer class, got {sorted(k.__name__ for k in kinds)}"
+            )
         self.compiled_forward = torch.compile(kinds.pop().forward, dynamic=dynamic, options=inductor_options())
 
     def __call__(self, *args, **kwargs):
@@ -110,15 +135,23 @@ def compile_backbone(model, dynamic: bool = True):
     return torch.compile(model.base_model, dynamic=dynamic, options=inductor_options())
 
 
-def get_response_log_probs(model, input_ids: torch.Tensor, labels: torch.Tensor, return_token_entropy: bool = False,
-                           attention_mask: torch.Tensor | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                           position_ids: torch.Tensor | None = None, backbone=None) -> dict[str, torch.Tensor]:
+def get_response_log_probs(
+    model,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    return_token_entropy: bool = False,
+    attention_mask: torch.Tensor | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    position_ids: torch.Tensor | None = None,
+    backbone=None,
+) -> dict[str, torch.Tensor]:
     """``log_probs`` (B, T): log p(labels[b, t] | input_ids[b, :t+1]); with the flag, ``token_entropy``
     (B, T): entropy of the next-token distribution at t (detached: it is a diagnostic).
 
     Numerically stable (logsumexp in float32). Gradients flow into ``log_probs`` when grad is enabled.
     ``backbone``: a stand-in for ``model.base_model`` with the same parameters (``compile_backbone``).
     """
+    model = _without_peft(model)
     device = next(model.parameters()).device
     input_ids = input_ids.to(device)
     labels = labels.to(device)
@@ -137,11 +170,19 @@ def get_response_log_probs(model, input_ids: torch.Tensor, labels: torch.Tensor,
             copies = 2 if rows == 1 else 1
             input_ids = input_ids.repeat(copies, 1)
             kwargs = {k: v.repeat(copies, 1) for k, v in kwargs.items()}
-        hidden = (model.base_model if backbone is None else backbone)(input_ids=input_ids, use_cache=False,
-                                                                       **kwargs).last_hidden_state[:rows]
+        hidden = (model.base_model if backbone is None else backbone)(
+            input_ids=input_ids, use_cache=False, **kwargs
+        ).last_hidden_state[:rows]
         flat_h = hidden.reshape(-1, hidden.shape[-1])
-        lp, ent = linear_log_probs(flat_h, head.weight, head.bias, labels.reshape(-1), chunk_tokens,
-                                   return_token_entropy, compiled=backbone is not None)
+        lp, ent = linear_log_probs(
+            flat_h,
+            head.weight,
+            head.bias,
+            labels.reshape(-1),
+            chunk_tokens,
+            return_token_entropy,
+            compiled=backbone is not None,
+        )
         out = {"log_probs": lp.view_as(labels)}
         if return_token_entropy:
             out["token_entropy"] = ent.view_as(labels)
@@ -165,8 +206,9 @@ def get_response_log_probs(model, input_ids: torch.Tensor, labels: torch.Tensor,
 
 
 @torch.no_grad()
-def compute_log_probs_batched(model, input_ids: torch.Tensor, labels: torch.Tensor, batch_size: int,
-                              chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+def compute_log_probs_batched(
+    model, input_ids: torch.Tensor, labels: torch.Tensor, batch_size: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+) -> torch.Tensor:
     """``log_probs`` for a large batch in slices of ``batch_size`` rows (no grad), on the model's device.
 
     Used for old log-probs (the sampling policy's) in off-policy training.

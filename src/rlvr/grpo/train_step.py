@@ -18,12 +18,23 @@ Two facts make it both exact and cheap:
 Kept sequences are sorted by length before being cut into microbatches, and each microbatch is
 trimmed to its own longest sequence, so little compute is spent on padding; the grouping does not
 change the sum.
+
+Across data-parallel ranks (``global_batch``, a ``rlvr.distributed.GlobalBatch``) each rank passes its
+own rows of the step's batch. Sequence normalisation then divides by the global number of sequences,
+and every rank's loss is multiplied by the world size, because DDP and FSDP2 average the ranks'
+gradients: the average of W scaled numerators over the global denominator is the one-process
+gradient. Every rank runs the same number of microbatches (the most any rank needs; a rank with fewer
+pads with a row whose loss is multiplied by zero), since each forward and backward of a sharded model
+is a collective. Loss, entropy, clip fraction, token and sequence counts and the importance
+statistics come back reduced over all ranks, so every rank takes the same decision on a non-finite step.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -45,8 +56,9 @@ def _check_divisible(batch: int, gradient_accumulation_steps: int):
         )
 
 
-def microbatch_plan(lengths: Sequence[int], keep: Sequence[bool], microbatch_size: int,
-                    max_tokens_per_microbatch: int | None = None) -> list[list[int]]:
+def microbatch_plan(
+    lengths: Sequence[int], keep: Sequence[bool], microbatch_size: int, max_tokens_per_microbatch: int | None = None
+) -> list[list[int]]:
     """Row indices of each microbatch: kept rows sorted by length (longest first), cut into groups of
     at most ``microbatch_size`` rows and, if given, at most ``max_tokens_per_microbatch`` padded tokens."""
     order = sorted((i for i, k in enumerate(keep) if k), key=lambda i: -lengths[i])
@@ -55,7 +67,9 @@ def microbatch_plan(lengths: Sequence[int], keep: Sequence[bool], microbatch_siz
     for i in order:
         width = lengths[current[0]] if current else lengths[i]
         too_many_rows = len(current) >= microbatch_size
-        too_many_tokens = max_tokens_per_microbatch is not None and current and (len(current) + 1) * width > max_tokens_per_microbatch
+        too_many_tokens = (
+            max_tokens_per_microbatch is not None and current and (len(current) + 1) * width > max_tokens_per_microbatch
+        )
         if current and (too_many_rows or too_many_tokens):
             plan.append(current)
             current = []
@@ -65,13 +79,27 @@ def microbatch_plan(lengths: Sequence[int], keep: Sequence[bool], microbatch_siz
     return plan
 
 
-def policy_gradient_update(model, optimizer, input_ids: torch.Tensor, labels: torch.Tensor, response_mask: torch.Tensor,
-                           advantages: torch.Tensor, gradient_accumulation_steps: int, max_grad_norm: float | None,
-                           importance_reweighting_method: str = "none", old_log_probs: torch.Tensor | None = None,
-                           cliprange: float | None = None, loss_normalization: str = "sequence",
-                           normalization_constant: float | None = None, skip_zero_advantage: bool = True,
-                           max_tokens_per_microbatch: int | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                           step: bool = True, backbone=None):
+def policy_gradient_update(
+    model,
+    optimizer,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    response_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    gradient_accumulation_steps: int,
+    max_grad_norm: float | None,
+    importance_reweighting_method: str = "none",
+    old_log_probs: torch.Tensor | None = None,
+    cliprange: float | None = None,
+    loss_normalization: str = "sequence",
+    normalization_constant: float | None = None,
+    skip_zero_advantage: bool = True,
+    max_tokens_per_microbatch: int | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    step: bool = True,
+    backbone=None,
+    global_batch=None,
+):
     """Accumulate the policy-gradient of a tokenised batch, clip, step once, clear grads.
 
     Returns ``(loss, metadata)``: ``loss`` is the aggregated loss of the whole batch (detached);
@@ -84,9 +112,22 @@ def policy_gradient_update(model, optimizer, input_ids: torch.Tensor, labels: to
 
     ``max_tokens_per_microbatch`` additionally caps each microbatch at that many tokens (rows ×
     longest row); ``backbone`` is a compiled stand-in for ``model.base_model`` (``compile_backbone``).
+
+    ``global_batch`` (a ``rlvr.distributed.GlobalBatch``): this rank holds part of a batch spread over
+    data-parallel ranks, and ``model`` is wrapped by DDP or FSDP2 (see the module docstring). Its
+    microbatches hold ``ceil(global sequences / (gradient_accumulation_steps · world size))`` rows.
     """
     batch = input_ids.shape[0]
-    _check_divisible(batch, gradient_accumulation_steps)
+    if global_batch is None:
+        _check_divisible(batch, gradient_accumulation_steps)
+        denominator, grad_scale = batch, 1
+        rows_per_microbatch = batch // gradient_accumulation_steps
+    else:
+        _check_divisible(global_batch.n_sequences, gradient_accumulation_steps)
+        denominator, grad_scale = global_batch.n_sequences, global_batch.world_size
+        rows_per_microbatch = max(
+            1, -(-global_batch.n_sequences // (gradient_accumulation_steps * global_batch.world_size))
+        )
     method = validate_reweighting(importance_reweighting_method, old_log_probs, cliprange, check_mask=False)
     aggregation = get_aggregation(loss_normalization, normalization_constant)
     advantages = torch.as_tensor(advantages, dtype=torch.float32).flatten()
@@ -98,7 +139,12 @@ def policy_gradient_update(model, optimizer, input_ids: torch.Tensor, labels: to
     lengths = (response_mask.long().cumsum(1).argmax(1) + 1).tolist()  # last response position + 1
     lengths = [max(1, n) for n in lengths]
     keep = (advantages != 0).tolist() if skip_zero_advantage else [True] * batch
-    plan = microbatch_plan(lengths, keep, batch // gradient_accumulation_steps, max_tokens_per_microbatch)
+    plan = microbatch_plan(lengths, keep, rows_per_microbatch, max_tokens_per_microbatch)
+    n_runs = len(plan)
+    if global_batch is not None:
+        from rlvr.distributed.world import reduce_values
+
+        n_runs = int(reduce_values([len(plan)], "max", global_batch.group)[0])
 
     total_loss = torch.zeros((), device=device)
     ent_sum = torch.zeros((), device=device)
@@ -106,37 +152,76 @@ def policy_gradient_update(model, optimizer, input_ids: torch.Tensor, labels: to
     clip_total = torch.zeros((), device=device)
     log_ratios = []  # (log-ratio, mask, advantages) per microbatch, read once after the loop (no syncs inside it)
     n_tokens = 0
-    for rows in plan:
-        idx = torch.tensor(rows)
-        width = max(lengths[i] for i in rows)
-        host_mask = response_mask[idx, :width]
-        n_tokens += int(host_mask.sum())  # counted on the host: no device sync between microbatches
-        mb_mask = host_mask.to(device)
-        out = get_response_log_probs(model, input_ids[idx, :width], labels[idx, :width], return_token_entropy=True,
-                                     chunk_tokens=chunk_tokens, backbone=backbone)
-        old = old_log_probs[idx, :width].to(device) if old_log_probs is not None else None
-        mb_adv = advantages[idx].to(device)
-        per_token, meta = compute_policy_gradient_loss(mb_adv, out["log_probs"], importance_reweighting_method,
-                                                       old if method.needs_old_log_probs else None, cliprange, mb_mask)
-        if old is not None:
-            log_ratios.append(((out["log_probs"].detach() - old.to(out["log_probs"].dtype)), mb_mask, mb_adv))
-        loss = aggregate_loss_across_microbatch(per_token, mb_mask, loss_normalization, normalization_constant)
-        if aggregation.per_sequence:
-            loss = loss * (len(rows) / batch)
-        loss.backward()
-        total_loss += loss.detach()
-        ent_sum += (out["token_entropy"] * mb_mask.float()).sum()
-        if "clip_count" in meta:
-            clip_count += meta["clip_count"]
-            clip_total += meta["clip_total"]
+    for run in range(n_runs):
+        # DDP decides at the forward whether the backward reduces, so the whole microbatch sits inside.
+        with _gradient_sync(model, last=run == n_runs - 1) if global_batch is not None else contextlib.nullcontext():
+            if run >= len(plan):
+                _padding_backward(model, input_ids, labels, lengths, device, chunk_tokens, backbone)
+                continue
+            rows = plan[run]
+            idx = torch.tensor(rows)
+            width = max(lengths[i] for i in rows)
+            host_mask = response_mask[idx, :width]
+            n_tokens += int(host_mask.sum())  # counted on the host: no device sync between microbatches
+            mb_mask = host_mask.to(device)
+            out = get_response_log_probs(
+                model,
+                input_ids[idx, :width],
+                labels[idx, :width],
+                return_token_entropy=True,
+                chunk_tokens=chunk_tokens,
+                backbone=backbone,
+            )
+            old = old_log_probs[idx, :width].to(device) if old_log_probs is not None else None
+            mb_adv = advantages[idx].to(device)
+            per_token, meta = compute_policy_gradient_loss(
+                mb_adv,
+                out["log_probs"],
+                importance_reweighting_method,
+                old if method.needs_old_log_probs else None,
+                cliprange,
+                mb_mask,
+            )
+            if old is not None:
+                log_ratios.append(((out["log_probs"].detach() - old.to(out["log_probs"].dtype)), mb_mask, mb_adv))
+            loss = aggregate_loss_across_microbatch(per_token, mb_mask, loss_normalization, normalization_constant)
+            if aggregation.per_sequence:
+                loss = loss * (len(rows) / denominator)
+            (loss * grad_scale if grad_scale != 1 else loss).backward()
+            total_loss += loss.detach()
+            ent_sum += (out["token_entropy"] * mb_mask.float()).sum()
+            if "clip_count" in meta:
+                clip_count += meta["clip_count"]
+                clip_total += meta["clip_total"]
+
+    n_sequences = sum(len(r) for r in plan)
+    if global_batch is not None:
+        from rlvr.distributed.world import gather_objects, reduce_values
+
+        sums = reduce_values(
+            [float(total_loss), float(ent_sum), float(clip_count), float(clip_total), n_tokens, n_sequences],
+            "sum",
+            global_batch.group,
+        )
+        total_loss = torch.tensor(sums[0], device=device)
+        ent_sum, clip_count, clip_total = (torch.tensor(v) for v in sums[1:4])
+        n_tokens, n_sequences = int(sums[4]), int(sums[5])
+        if old_log_probs is not None:
+            ranks_parts = gather_objects(_importance_parts(log_ratios, cpu=True) if log_ratios else None)
+            log_ratios = [p for p in ranks_parts if p is not None]
 
     params = [p for p in model.parameters() if p.requires_grad]
     have_grads = any(p.grad is not None for p in params)
     if max_grad_norm is not None and have_grads:
         norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+    elif global_batch is not None:
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
     else:
         grads = [p.grad.detach().float().norm() for p in params if p.grad is not None]
         norm = torch.stack(grads).norm() if grads else torch.zeros(())
+    if hasattr(norm, "full_tensor"):  # a sharded model's norm is a DTensor whose full value needs the ranks
+        norm = norm.full_tensor()
     grad_norm = float(norm)
     loss_value = float(total_loss)
     nonfinite = not (math.isfinite(grad_norm) and math.isfinite(loss_value))
@@ -151,7 +236,7 @@ def policy_gradient_update(model, optimizer, input_ids: torch.Tensor, labels: to
     metadata: dict[str, Any] = {
         "grad_norm": grad_norm,
         "entropy": float(ent_sum / max(n_tokens, 1)),
-        "n_sequences": sum(len(r) for r in plan),
+        "n_sequences": n_sequences,
         "n_tokens": n_tokens,
         "n_microbatches": len(plan),
         "skipped_nonfinite": nonfinite,
@@ -159,11 +244,35 @@ def policy_gradient_update(model, optimizer, input_ids: torch.Tensor, labels: to
     if method.needs_cliprange and importance_reweighting_method != "none":
         metadata["clip_fraction"] = float(clip_count / clip_total.clamp(min=1))
     if log_ratios:
-        metadata["importance"] = _importance(log_ratios)
+        parts = log_ratios if global_batch is not None else [_importance_parts(log_ratios)]
+        tok, tok_adv, seq, seq_adv = (torch.cat([p[k] for p in parts]) for k in range(4))
+        metadata["importance"] = importance_statistics(tok, tok_adv, seq, seq_adv)
     return total_loss.detach(), metadata
 
 
-def _importance(log_ratios: list) -> dict:
+def _gradient_sync(model, last: bool):
+    """DDP reduces gradients only on the last microbatch (``no_sync`` before it); FSDP2 reduce-scatters
+    after every microbatch, which keeps only sharded gradients between them."""
+    if last or not hasattr(model, "no_sync"):
+        return contextlib.nullcontext()
+    return model.no_sync()
+
+
+def _padding_backward(model, input_ids, labels, lengths, device, chunk_tokens, backbone) -> None:
+    """A forward and backward with zero loss, so this rank joins the collectives of a microbatch it
+    does not have: the shortest of its rows, or one placeholder token pair when it holds none."""
+    if input_ids.shape[0]:
+        row = min(range(input_ids.shape[0]), key=lambda i: lengths[i])
+        ids, lab = input_ids[row : row + 1, : lengths[row]], labels[row : row + 1, : lengths[row]]
+    else:
+        ids = lab = torch.zeros((1, 2), dtype=torch.long)
+    out = get_response_log_probs(model, ids, lab, chunk_tokens=chunk_tokens, backbone=backbone)
+    (out["log_probs"].sum() * 0.0).backward()
+
+
+def _importance_parts(log_ratios: list, cpu: bool = False) -> tuple:
+    """Token and sequence log-ratios with their advantages, concatenated over microbatches (moved to
+    the CPU to be sent to the other ranks)."""
     tok, tok_adv, seq, seq_adv = [], [], [], []
     for lr, mask, adv in log_ratios:
         m = mask.to(lr.dtype)
@@ -172,16 +281,29 @@ def _importance(log_ratios: list) -> dict:
         has = mask.any(dim=1)
         seq.append(((lr * m).sum(dim=1) / m.sum(dim=1).clamp(min=1))[has])
         seq_adv.append(adv[has])
-    return importance_statistics(torch.cat(tok), torch.cat(tok_adv), torch.cat(seq), torch.cat(seq_adv))
+    return tuple(torch.cat(x).cpu() if cpu else torch.cat(x) for x in (tok, tok_adv, seq, seq_adv))
 
 
-def grpo_train_step(model, tokenizer, optimizer, gradient_accumulation_steps: int, max_grad_norm: float | None,
-                    reward_fn, repeated_prompts: Sequence[str], rollout_responses: Sequence[str],
-                    repeated_ground_truths: Sequence[str], group_size: int, baseline: str = "mean",
-                    advantage_eps: float = 1e-6, advantage_normalizer: str = "std",
-                    importance_reweighting_method: str = "none", old_log_probs: torch.Tensor | None = None,
-                    cliprange: float | None = None, loss_normalization: str = "sequence",
-                    normalization_constant: float | None = None):
+def grpo_train_step(
+    model,
+    tokenizer,
+    optimizer,
+    gradient_accumulation_steps: int,
+    max_grad_norm: float | None,
+    reward_fn,
+    repeated_prompts: Sequence[str],
+    rollout_responses: Sequence[str],
+    repeated_ground_truths: Sequence[str],
+    group_size: int,
+    baseline: str = "mean",
+    advantage_eps: float = 1e-6,
+    advantage_normalizer: str = "std",
+    importance_reweighting_method: str = "none",
+    old_log_probs: torch.Tensor | None = None,
+    cliprange: float | None = None,
+    loss_normalization: str = "sequence",
+    normalization_constant: float | None = None,
+):
     """One GRPO optimizer step from raw rollouts (the course-standard interface).
 
     Returns ``(loss, metadata)``: the aggregated loss of the whole batch, and metadata with at least
@@ -195,22 +317,39 @@ def grpo_train_step(model, tokenizer, optimizer, gradient_accumulation_steps: in
             f"({len(repeated_ground_truths)}) must have the same length"
         )
     if group_size < 1 or batch % group_size:
-        raise ValueError(f"the batch of {batch} rollouts is not divisible by group_size={group_size}; pass whole groups")
+        raise ValueError(
+            f"the batch of {batch} rollouts is not divisible by group_size={group_size}; pass whole groups"
+        )
     _check_divisible(batch, gradient_accumulation_steps)
     validate_reweighting(importance_reweighting_method, old_log_probs, cliprange, check_mask=False)
     get_aggregation(loss_normalization, normalization_constant)
     raw_rewards, reward_meta = compute_rollout_rewards(reward_fn, rollout_responses, repeated_ground_truths)
-    advantages, adv_meta = compute_group_normalized_rewards(raw_rewards, group_size, baseline, advantage_eps, advantage_normalizer)
+    advantages, adv_meta = compute_group_normalized_rewards(
+        raw_rewards, group_size, baseline, advantage_eps, advantage_normalizer
+    )
     tok = tokenize_prompt_and_output(list(repeated_prompts), list(rollout_responses), tokenizer)
     loss, meta = policy_gradient_update(
-        model, optimizer, tok["input_ids"], tok["labels"], tok["response_mask"], advantages, gradient_accumulation_steps,
-        max_grad_norm, importance_reweighting_method, old_log_probs, cliprange, loss_normalization, normalization_constant,
+        model,
+        optimizer,
+        tok["input_ids"],
+        tok["labels"],
+        tok["response_mask"],
+        advantages,
+        gradient_accumulation_steps,
+        max_grad_norm,
+        importance_reweighting_method,
+        old_log_probs,
+        cliprange,
+        loss_normalization,
+        normalization_constant,
     )
-    meta.update({
-        "train_reward": reward_meta["reward_mean"],
-        "format_reward": reward_meta["format_reward_mean"],
-        "zero_adv_frac": adv_meta["zero_adv_frac"],
-        "advantages": advantages,
-        "raw_rewards": raw_rewards,
-    })
+    meta.update(
+        {
+            "train_reward": reward_meta["reward_mean"],
+            "format_reward": reward_meta["format_reward_mean"],
+            "zero_adv_frac": adv_meta["zero_adv_frac"],
+            "advantages": advantages,
+            "raw_rewards": raw_rewards,
+        }
+    )
     return loss, meta

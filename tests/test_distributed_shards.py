@@ -1,0 +1,126 @@
+"""Each rank's share of a rollout batch, metrics reduced across ranks, and rank-0-only output."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from distributed_helpers import run_ranks
+
+
+def test_rank_shares_are_the_one_process_batch_in_order():
+    from rlvr.distributed import rank_batch_indices
+    from rlvr.trainer import batch_indices
+
+    n_examples, n_prompts, seed = 23, 6, 7
+    for world_size in (1, 2, 3, 6):
+        for step in range(12):  # crosses several epochs, one of them inside a batch
+            shares = [rank_batch_indices(n_examples, n_prompts, step, seed, r, world_size) for r in range(world_size)]
+            assert all(len(s) == n_prompts // world_size for s in shares)
+            assert [i for s in shares for i in s] == batch_indices(n_examples, n_prompts, step, seed)
+
+
+def test_every_prompt_once_per_epoch_across_ranks():
+    from rlvr.distributed import rank_batch_indices
+
+    n_examples, n_prompts, world_size = 24, 8, 4  # three steps per epoch
+    for epoch in range(3):
+        seen = [
+            i
+            for step in range(3 * epoch, 3 * epoch + 3)
+            for r in range(world_size)
+            for i in rank_batch_indices(n_examples, n_prompts, step, 0, r, world_size)
+        ]
+        assert sorted(seen) == list(range(n_examples))
+
+
+def test_groups_never_span_ranks():
+    from rlvr.distributed import local_rows, rank_prompt_range, rank_row_range
+
+    P, G, W = 6, 4, 3
+    rows = [rank_row_range(P, G, r, W) for r in range(W)]
+    assert [i for r in rows for i in r] == list(range(P * G))
+    for r in range(W):
+        prompts = rank_prompt_range(P, r, W)
+        assert {row // G for row in rows[r]} == set(prompts)  # whole groups, nothing else
+    minibatch = [17, 3, 9, 22, 4]  # global rows of a shuffled minibatch
+    assert local_rows(minibatch, rows[0]) == [3, 4]
+    assert local_rows(minibatch, rows[1]) == [9 - 8]
+    assert local_rows(minibatch, rows[2]) == [17 - 16, 22 - 16]
+
+
+def test_prompts_not_divisible_by_ranks_is_a_clear_error():
+    from rlvr.config import ConfigError
+    from rlvr.distributed import check_prompts_divisible, rank_batch_indices
+
+    with pytest.raises(ConfigError, match=r"n_prompts_per_rollout_batch=6 does not split over 4 ranks.*multiple of 4"):
+        check_prompts_divisible(6, 4)
+    with pytest.raises(ConfigError):
+        rank_batch_indices(10, 6, 0, 0, 0, 4)
+
+
+def test_one_process_world_without_torchrun(monkeypatch):
+    from rlvr.distributed import init_distributed, mean_metrics, on_main, reduce_values
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    world = init_distributed("cpu")
+    assert (world.rank, world.world_size, world.is_main, world.distributed) == (0, 1, True, False)
+    assert mean_metrics({"a": 2.0}) == {"a": 2.0}
+    assert reduce_values([1, 2], "max") == [1.0, 2.0]
+    assert on_main(lambda: 5) == 5
+
+
+def _metrics_worker(world, out_dir):
+    from rlvr.distributed import (
+        gather_objects,
+        max_metrics,
+        mean_metrics,
+        on_main,
+        reduce_values,
+        sum_metrics,
+    )
+
+    r = world.rank
+    local = {"loss": 1.0 + r, "tokens": 10.0 * (r + 1)}
+    result = {
+        "world": [world.rank, world.world_size, world.backend],
+        "sum": sum_metrics(local),
+        "mean": mean_metrics(local),
+        "max": max_metrics(local),
+        "min": reduce_values([5 - r], "min"),
+        "gathered": gather_objects({"rank": r}),
+        "written_by": on_main(lambda: r),
+    }
+
+    def write():
+        (out_dir / "metrics.jsonl").open("a").write(json.dumps({"rank": r}) + "\n")
+
+    on_main(write)
+    with open(out_dir / f"rank{r}.json", "w") as f:
+        json.dump(result, f)
+    try:
+        on_main(lambda: 1 / 0)
+    except ZeroDivisionError:
+        errors = "raised on rank 0"
+    except RuntimeError as e:
+        errors = str(e)
+    with open(out_dir / f"errors{r}.txt", "w") as f:
+        f.write(errors)
+
+
+def test_metrics_reduced_and_written_once(tmp_path):
+    run_ranks(_metrics_worker, tmp_path)
+    for r in range(2):
+        res = json.loads((tmp_path / f"rank{r}.json").read_text())
+        assert res["world"] == [r, 2, "gloo"]
+        assert res["sum"] == {"loss": 3.0, "tokens": 30.0}
+        assert res["mean"] == {"loss": 1.5, "tokens": 15.0}
+        assert res["max"] == {"loss": 2.0, "tokens": 20.0}
+        assert res["min"] == [4.0]
+        assert res["gathered"] == [{"rank": 0}, {"rank": 1}]
+        assert res["written_by"] == (0 if r == 0 else None)
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines() == ['{"rank": 0}']
+    # a failure on rank 0 reaches the other ranks instead of leaving them in the next collective
+    assert (tmp_path / "errors0.txt").read_text() == "raised on rank 0"
+    assert "failed on rank 0" in (tmp_path / "errors1.txt").read_text()
