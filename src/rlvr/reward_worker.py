@@ -1,6 +1,6 @@
 """The process that runs a user's reward function, so that a call that hangs can be cut off.
 
-Run as ``python -P reward_worker.py SPEC`` (``rlvr.reward_functions`` starts it). ``SPEC`` is
+Run as ``python -P reward_worker.py TARGET`` (``rlvr.reward_functions`` starts it). ``TARGET`` is
 ``package.module:function`` (imported with the working directory on the path) or
 ``path/to/file.py:function``. It prints ``ready`` once the function is loaded, or one line
 ``{"error": message}`` and exits. Then, per stdin line ``{"response", "ground_truth", "fields"}``, it

@@ -94,7 +94,7 @@ def extract_r1_zero_answer(response: str) -> str | None:
 
 
 def r1_zero_reward_fn(response: str, ground_truth: str) -> dict[str, float]:
-    """Reward for the r1_zero prompt: format as SPEC defines it, answer graded by ``grade``."""
+    """Reward for the r1_zero prompt: format as the protocol defines it, answer graded by ``grade``."""
     answer = extract_r1_zero_answer(response)
     if answer is None:
         return _rewards(False, False)

@@ -4,7 +4,7 @@
 is written from vLLM's documented HTTP API and tested only against recorded-shape fixtures and a fake
 HTTP transport (``tests/test_vllm_engine.py``). Treat the first run on a GPU box as its real test.
 
-The protocol (SPEC, "The vLLM protocol"):
+The protocol (the course's vLLM protocol):
 
 * **start**: ``vllm serve MODEL --weight-transfer-config '{"backend": "nccl"}'`` with
   ``VLLM_SERVER_DEV_MODE=1`` (which exposes the weight-transfer routes), bf16, prefix caching, on its

@@ -1,6 +1,6 @@
 """Experiments over seeds and settings: sweeps, plots with the spread across seeds, reports.
 
-- ``rlvr sweep SPEC --out DIR`` (:mod:`rlvr.experiments.sweep`): a grid of named settings × seeds,
+- ``rlvr sweep SWEEP.yaml --out DIR`` (:mod:`rlvr.experiments.sweep`): a grid of named settings × seeds,
   ``DIR/<setting>/seed_<k>/``; finished runs are skipped, interrupted ones resumed.
 - ``rlvr plot RUNS --out DIR`` (:mod:`rlvr.experiments.plot`): every metric over steps, the mean across
   seeds with a min/max or 95 % band and each run faint; final validation reward against lr.
