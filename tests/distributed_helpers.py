@@ -21,11 +21,12 @@ def _enter(rank: int, world_size: int, port: int, device: str, fn, args):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from rlvr.distributed import init_distributed, shutdown_distributed
+    from rlvr.distributed import barrier, init_distributed, shutdown_distributed
 
     world = init_distributed(device)
     try:
         fn(world, *args)
+        barrier()  # no rank tears the group down while another still uses it
     finally:
         shutdown_distributed()
 

@@ -1,6 +1,7 @@
 """Two gloo ranks give the one-process gradient of the same batch: DDP and FSDP2, both loss
 normalisations, on- and off-policy reweighting methods, several microbatches, token budgets, the
-zero-advantage skip, and a rank whose share of a minibatch is all-zero or empty. FSDP2 with bfloat16
+zero-advantage skip, and a rank whose share of a minibatch is all-zero or empty; both wrappers keep
+the fused log-prob head. FSDP2 with bfloat16
 compute keeps float32 master weights and optimizer state; CPU offload and gradient checkpointing
 (FSDP2 and DDP) change no number."""
 
@@ -67,8 +68,15 @@ def _update(model, batch, rows, case, global_batch=None):
     return float(loss), meta
 
 
+def _refuse_full_logits(*args, **kwargs):
+    raise AssertionError("a wrapped model took the full-logits path instead of the fused head")
+
+
 def _compare_worker(world, strategy, out_path):
+    import rlvr.grpo.logprobs
     from rlvr.distributed import GlobalBatch, iter_full_weights, rank_row_range, wrap_model
+
+    rlvr.grpo.logprobs._stats_from_logits = _refuse_full_logits  # DDP and FSDP2 keep the fused head
 
     batch = _batch()
     report = {}

@@ -85,6 +85,9 @@ def wrap_model(model: nn.Module, strategy: Strategy, device: torch.device | None
         fully_shard(layer, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_after_forward)
     # The root keeps embeddings, final norm and head; it is gathered for the whole forward anyway.
     fully_shard(model, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_after_forward)
+    from rlvr.grpo.logprobs import enable_fused_log_probs
+
+    enable_fused_log_probs(model)
     return model
 
 
