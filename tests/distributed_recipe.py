@@ -87,9 +87,8 @@ def train(variant: str | None, rank: int = 0, world_size: int = 1) -> dict[str, 
 
 
 def main(out_dir: str) -> None:
-    from rlvr.distributed import barrier, init_distributed, shutdown_distributed
-
     import rlvr.grpo.logprobs
+    from rlvr.distributed import barrier, init_distributed, shutdown_distributed
 
     def refuse_full_logits(*args, **kwargs):
         raise AssertionError("a wrapped model took the full-logits path instead of the fused head")
