@@ -14,6 +14,7 @@ to the rollout engines needs one tensor of extra memory, never a copy of the mod
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -97,18 +98,16 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 def _hf_name(name: str) -> str:
     """A peft model's state-dict name as the plain model names it."""
-    for prefix in ("base_model.model.",):
-        if name.startswith(prefix):
-            name = name[len(prefix):]
+    name = name.removeprefix("base_model.model.")
     return name.replace(".base_layer.", ".")
 
 
 def _lora_layers(model: nn.Module) -> dict[str, Any]:
     """peft LoRA layers by their name in ``model``'s state dict (empty for a model without adapters)."""
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:
+    if "peft" not in sys.modules:  # no adapters without peft having been imported
         return {}
+    from peft.tuners.lora import LoraLayer
+
     return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
 
 
