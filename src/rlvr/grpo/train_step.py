@@ -97,7 +97,8 @@ def policy_gradient_update(model, optimizer, input_ids: torch.Tensor, labels: to
 
     ``global_batch`` (a ``rlvr.distributed.GlobalBatch``): this rank holds part of a batch spread over
     data-parallel ranks, and ``model`` is wrapped by DDP or FSDP2 (see the module docstring). Its
-    microbatches hold ``ceil(global sequences / (gradient_accumulation_steps · world size))`` rows.
+    microbatches hold at most ``global sequences / gradient_accumulation_steps`` rows, as in one
+    process, so each rank runs about ``gradient_accumulation_steps / world size`` of them.
     """
     batch = input_ids.shape[0]
     if global_batch is None:
@@ -107,7 +108,9 @@ def policy_gradient_update(model, optimizer, input_ids: torch.Tensor, labels: to
     else:
         _check_divisible(global_batch.n_sequences, gradient_accumulation_steps)
         denominator, grad_scale = global_batch.n_sequences, global_batch.world_size
-        rows_per_microbatch = max(1, -(-global_batch.n_sequences // (gradient_accumulation_steps * global_batch.world_size)))
+        # The microbatch keeps its one-process size (a memory setting), so more ranks mean fewer
+        # microbatches per rank, not smaller ones.
+        rows_per_microbatch = max(1, global_batch.n_sequences // gradient_accumulation_steps)
     method = validate_reweighting(importance_reweighting_method, old_log_probs, cliprange, check_mask=False)
     if loss_normalization == "constant" and (normalization_constant is None or normalization_constant <= 0):
         raise ValueError("loss_normalization='constant' needs a positive normalization_constant (batch size × max generation length)")
