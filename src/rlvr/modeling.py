@@ -184,5 +184,5 @@ def load_model_and_tokenizer(name_or_path: str | Path, device: str | torch.devic
     if lora is not None and lora.rank:
         from rlvr.lora import apply_lora
 
-        model = apply_lora(model, lora)
+        return apply_lora(model, lora), tokenizer
     return model, tokenizer
