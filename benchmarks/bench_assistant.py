@@ -79,17 +79,33 @@ def build(cfg: BenchConfig, device: torch.device, dtype: torch.dtype):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400 if cfg.tiny else 16000, special_tokens=[bos, eos],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                                       show_progress=False))
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=400 if cfg.tiny else 16000,
+            special_tokens=[bos, eos],
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        ),
+    )
     tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", special_tokens=[(bos, tok.token_to_id(bos))])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=bos, eos_token=eos, pad_token=eos)
     shape = dict(LLAMA31_8B)
     if cfg.tiny:
-        shape.update(hidden_size=64, intermediate_size=224, num_hidden_layers=2, num_attention_heads=4,
-                     num_key_value_heads=2, vocab_size=len(tokenizer) + 37)
-    config = LlamaConfig(**shape, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
+        shape.update(
+            hidden_size=64,
+            intermediate_size=224,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=len(tokenizer) + 37,
+        )
+    config = LlamaConfig(
+        **shape,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -118,15 +134,30 @@ def eval_section(cfg: BenchConfig, model, tokenizer, device, limit: int, max_tok
     run_suite(SUITES["gsm8k"], warm, engine, "base", 4, prefix)  # kernels and allocator warm
     for suite in ("mmlu", "gsm8k"):
         examples = load_suite_data(suite, str(cfg.data_dir / suite), limit)
-        prompt_tokens = [len(tokenizer(wrap_prompt(SUITES[suite].instruction(ex), "base", prefix),
-                                       add_special_tokens=False)["input_ids"]) for ex in examples]
+        prompt_tokens = [
+            len(
+                tokenizer(wrap_prompt(SUITES[suite].instruction(ex), "base", prefix), add_special_tokens=False)[
+                    "input_ids"
+                ]
+            )
+            for ex in examples
+        ]
         sync(device)
         metrics, _ = run_suite(SUITES[suite], examples, engine, "base", max_tokens, prefix, chunk_size=cfg.batch_size)
         sync(device)
-        rows.append({"section": "eval", "run": f"{suite} (base mode, {name})", "n": metrics["n"],
-                     "examples_per_s": metrics["examples_per_s"], "tokens_per_s": metrics["tokens_per_s"],
-                     "time_s": metrics["time_s"], "mean_output_tokens": metrics["mean_output_tokens"],
-                     "mean_prompt_tokens": sum(prompt_tokens) / len(prompt_tokens), "peak_gib": peak_gib(device)})
+        rows.append(
+            {
+                "section": "eval",
+                "run": f"{suite} (base mode, {name})",
+                "n": metrics["n"],
+                "examples_per_s": metrics["examples_per_s"],
+                "tokens_per_s": metrics["tokens_per_s"],
+                "time_s": metrics["time_s"],
+                "mean_output_tokens": metrics["mean_output_tokens"],
+                "mean_prompt_tokens": sum(prompt_tokens) / len(prompt_tokens),
+                "peak_gib": peak_gib(device),
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
     engine.close()
     return rows
@@ -142,8 +173,13 @@ def dpo_section(cfg: BenchConfig, model, tokenizer, device, pairs: int, pair_tok
     reference = copy.deepcopy(model).to(ref_device).eval().requires_grad_(False)
     g = torch.Generator().manual_seed(0)
     vocab = len(tokenizer)
-    token_pairs = [(torch.randint(2, vocab, (pair_tokens,), generator=g).tolist(),
-                    torch.randint(2, vocab, (pair_tokens * 7 // 8,), generator=g).tolist()) for _ in range(pairs)]
+    token_pairs = [
+        (
+            torch.randint(2, vocab, (pair_tokens,), generator=g).tolist(),
+            torch.randint(2, vocab, (pair_tokens * 7 // 8,), generator=g).tolist(),
+        )
+        for _ in range(pairs)
+    ]
     pad = tokenizer.pad_token_id
     rows = []
     policy = model
@@ -165,8 +201,16 @@ def dpo_section(cfg: BenchConfig, model, tokenizer, device, pairs: int, pair_tok
             times.append(time.perf_counter() - t0)
         label = "RMSprop, fp32 master weights, per-tensor update" if master else "RMSprop on the model's weights"
         for name, t in (("first step (reference scored)", times[0]), ("warm step (reference cached)", min(times[1:]))):
-            rows.append({"section": "dpo", "run": f"{label}: {name}", "n": pairs, "time_s": t,
-                         "s_per_pair": t / pairs, "peak_gib": peak_gib(device)})
+            rows.append(
+                {
+                    "section": "dpo",
+                    "run": f"{label}: {name}",
+                    "n": pairs,
+                    "time_s": t,
+                    "s_per_pair": t / pairs,
+                    "peak_gib": peak_gib(device),
+                }
+            )
             print(json.dumps(rows[-1]), flush=True)
         del optimizer
         gc.collect()
@@ -186,8 +230,11 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     model, tokenizer = build(cfg, device, dtype)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: Llama architecture, {n_params / 1e9:.3f} B parameters, {dtype}, {device}; tokenizer "
-          f"{len(tokenizer)} tokens; built in {time.perf_counter() - t_start:.1f} s", flush=True)
+    print(
+        f"model: Llama architecture, {n_params / 1e9:.3f} B parameters, {dtype}, {device}; tokenizer "
+        f"{len(tokenizer)} tokens; built in {time.perf_counter() - t_start:.1f} s",
+        flush=True,
+    )
     rows: list[dict] = []
     for section in cfg.sections:
         try:
@@ -202,10 +249,12 @@ def main(argv=None) -> int:
     import transformers
 
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
-    print(f"\n{where}, torch {torch.__version__}, transformers {transformers.__version__}, random weights"
-          f"{' (tiny config)' if cfg.tiny else ''}; eval: {limit} questions per suite, {max_tokens} new tokens, "
-          f"batch {cfg.batch_size}; DPO: {pairs} pairs of {pair_tokens}/{pair_tokens * 7 // 8} tokens; "
-          f"total {time.perf_counter() - t_start:.0f} s\n")
+    print(
+        f"\n{where}, torch {torch.__version__}, transformers {transformers.__version__}, random weights"
+        f"{' (tiny config)' if cfg.tiny else ''}; eval: {limit} questions per suite, {max_tokens} new tokens, "
+        f"batch {cfg.batch_size}; DPO: {pairs} pairs of {pair_tokens}/{pair_tokens * 7 // 8} tokens; "
+        f"total {time.perf_counter() - t_start:.0f} s\n"
+    )
     print("| section | run | n | time (s) | examples/s or s/pair | tokens/s | peak GiB |")
     print("|---|---|---:|---:|---:|---:|---:|")
     for r in rows:

@@ -78,8 +78,12 @@ def build(cfg: BenchConfig):
     else:
         if not torch.cuda.is_available():
             raise SystemExit("the full benchmark needs a CUDA GPU; use --tiny to check the script on CPU")
-        config = Olmo2Config(**OLMO2_1B, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                             bos_token_id=tokenizer.bos_token_id)
+        config = Olmo2Config(
+            **OLMO2_1B,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+        )
         device, dtype = torch.device("cuda"), torch.bfloat16
     torch.manual_seed(cfg.seed)
     with torch.device(device):
@@ -101,11 +105,24 @@ def time_generate(model, tokenizer, prompts, max_new_tokens, batch_size, device,
     tokens, t0 = 0, time.perf_counter()
     torch.manual_seed(seed)
     for start in range(0, len(prompts), batch_size):
-        enc = tokenizer(prompts[start:start + batch_size], add_special_tokens=False, padding=True,
-                        padding_side="left", return_tensors="pt").to(device)
-        out = model.generate(**enc, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                             max_new_tokens=max_new_tokens, pad_token_id=tokenizer.pad_token_id, eos_token_id=eos)
-        new = out[:, enc["input_ids"].shape[1]:]
+        enc = tokenizer(
+            prompts[start : start + batch_size],
+            add_special_tokens=False,
+            padding=True,
+            padding_side="left",
+            return_tensors="pt",
+        ).to(device)
+        out = model.generate(
+            **enc,
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            max_new_tokens=max_new_tokens,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=eos,
+        )
+        new = out[:, enc["input_ids"].shape[1] :]
         # tokens up to and including the first EOS of each row
         is_eos = (new == eos).int()
         after = (is_eos.cumsum(-1) - is_eos) > 0
@@ -131,9 +148,12 @@ def main(argv=None) -> int:
     engine = HFEngine(model, tokenizer, max_batch_size=cfg.batch_size)
     params = SamplingParams(n=1, temperature=1.0, top_p=1.0, max_new_tokens=max_new, seed=cfg.seed)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: OLMo-2 architecture, {n_params / 1e9:.3f} B parameters, vocab {model.config.vocab_size}, "
-          f"{next(model.parameters()).dtype}, {device}; tokenizer {len(tokenizer)} tokens; "
-          f"built in {time.perf_counter() - t_start:.1f} s", flush=True)
+    print(
+        f"model: OLMo-2 architecture, {n_params / 1e9:.3f} B parameters, vocab {model.config.vocab_size}, "
+        f"{next(model.parameters()).dtype}, {device}; tokenizer {len(tokenizer)} tokens; "
+        f"built in {time.perf_counter() - t_start:.1f} s",
+        flush=True,
+    )
 
     # Warm up kernels and allocator for both paths so that neither pays first-call costs.
     warm = [render("r1_zero", e.question) for e in examples[:2]]
@@ -144,13 +164,22 @@ def main(argv=None) -> int:
     for name in PROMPTS:
         sync(device)
         t0 = time.perf_counter()
-        metrics, _ = evaluate(model, tokenizer, examples, name, engine, params, progress=True,
-                              chunk_size=cfg.batch_size)
+        metrics, _ = evaluate(
+            model, tokenizer, examples, name, engine, params, progress=True, chunk_size=cfg.batch_size
+        )
         sync(device)
         wall = time.perf_counter() - t0
-        rows.append({"run": f"rlvr eval ({name})", "questions": metrics["n"], "tokens": metrics["tokens"],
-                     "wall_s": wall, "tokens_per_s": metrics["tokens"] / wall,
-                     "truncated_rate": metrics["truncated_rate"], "mean_len": metrics["mean_response_length"]})
+        rows.append(
+            {
+                "run": f"rlvr eval ({name})",
+                "questions": metrics["n"],
+                "tokens": metrics["tokens"],
+                "wall_s": wall,
+                "tokens_per_s": metrics["tokens"] / wall,
+                "truncated_rate": metrics["truncated_rate"],
+                "mean_len": metrics["mean_response_length"],
+            }
+        )
         print(json.dumps(rows[-1]), flush=True)
 
     subset = [render("r1_zero", e.question) for e in examples[: cfg.baseline_n]]
@@ -160,11 +189,21 @@ def main(argv=None) -> int:
     sync(device)
     wall = time.perf_counter() - t0
     tok = sum(len(g[0].token_ids) for g in outs)
-    engine_subset = {"run": f"hf engine, r1_zero subset", "questions": len(subset), "tokens": tok, "wall_s": wall,
-                     "tokens_per_s": tok / wall}
+    engine_subset = {
+        "run": "hf engine, r1_zero subset",
+        "questions": len(subset),
+        "tokens": tok,
+        "wall_s": wall,
+        "tokens_per_s": tok / wall,
+    }
     tok, wall = time_generate(model, tokenizer, subset, max_new, cfg.batch_size, device, cfg.seed)
-    generate_subset = {"run": "model.generate, r1_zero subset", "questions": len(subset), "tokens": tok,
-                       "wall_s": wall, "tokens_per_s": tok / wall}
+    generate_subset = {
+        "run": "model.generate, r1_zero subset",
+        "questions": len(subset),
+        "tokens": tok,
+        "wall_s": wall,
+        "tokens_per_s": tok / wall,
+    }
     rows += [engine_subset, generate_subset]
     base = generate_subset["tokens_per_s"]
 
@@ -172,18 +211,26 @@ def main(argv=None) -> int:
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     print()
-    print(f"GSM8K test, {limit} questions per prompt, max_new_tokens={max_new}, temperature 1.0, top-p 1.0, "
-          f"batch {cfg.batch_size}, {gpu}, torch {torch.__version__}, transformers {transformers.__version__}, "
-          f"random weights{' (tiny config)' if cfg.tiny else ''}; total {time.perf_counter() - t_start:.0f} s")
+    print(
+        f"GSM8K test, {limit} questions per prompt, max_new_tokens={max_new}, temperature 1.0, top-p 1.0, "
+        f"batch {cfg.batch_size}, {gpu}, torch {torch.__version__}, transformers {transformers.__version__}, "
+        f"random weights{' (tiny config)' if cfg.tiny else ''}; total {time.perf_counter() - t_start:.0f} s"
+    )
     print()
     print("| run | questions | new tokens | wall (s) | tokens/s | vs model.generate |")
     print("|---|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['run']} | {r['questions']} | {r['tokens']} | {r['wall_s']:.1f} | {r['tokens_per_s']:.0f} | "
-              f"{r['tokens_per_s'] / base:.2f}x |")
+        print(
+            f"| {r['run']} | {r['questions']} | {r['tokens']} | {r['wall_s']:.1f} | {r['tokens_per_s']:.0f} | "
+            f"{r['tokens_per_s'] / base:.2f}x |"
+        )
     if cfg.json_out:
-        cfg.json_out.write_text(json.dumps({"max_new_tokens": max_new, "limit": limit, "batch_size": cfg.batch_size,
-                                            "device": gpu, "rows": rows}, indent=2))
+        cfg.json_out.write_text(
+            json.dumps(
+                {"max_new_tokens": max_new, "limit": limit, "batch_size": cfg.batch_size, "device": gpu, "rows": rows},
+                indent=2,
+            )
+        )
     return 0
 
 

@@ -70,7 +70,7 @@ from rlvr.engines.fast import FastHFEngine
 from rlvr.engines.hf import HFEngine, sequence_logprobs
 from rlvr.grpo.tokenize import tokenize_from_ids
 from rlvr.grpo.train_step import policy_gradient_update
-from rlvr.modeling import OLMO2_1B, build_model, train_tokenizer, tokenizer_corpus
+from rlvr.modeling import OLMO2_1B, build_model, tokenizer_corpus, train_tokenizer
 from rlvr.prompts import render
 
 
@@ -80,44 +80,102 @@ def coin_reward(response: str, ground_truth: str) -> dict:
     r = float(zlib.crc32(response.encode("utf-8")) % 2)
     return {"reward": r, "answer_reward": r, "format_reward": 0.0}
 
+
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, datasheet
 
 # The exact shapes of three models the fast engine runs besides OLMo-2 (each model's config.json on the
 # Hugging Face hub: Qwen/Qwen2.5-1.5B, meta-llama/Llama-3.2-1B, Qwen/Qwen3-1.7B), for speed measurements
 # with random weights: (transformers model_type, config fields).
 FAMILY_MODELS = {
-    "qwen2.5-1.5b": ("qwen2", dict(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-                                   num_attention_heads=12, num_key_value_heads=2, max_position_embeddings=131072,
-                                   rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                                   use_sliding_window=False, hidden_act="silu")),
-    "llama-3.2-1b": ("llama", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                                   num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-                                   max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
-                                   rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
-                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                                   tie_word_embeddings=True, attention_bias=False, mlp_bias=False, hidden_act="silu")),
-    "qwen3-1.7b": ("qwen3", dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=28,
-                                 num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                                 max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                                 tie_word_embeddings=True, attention_bias=False, hidden_act="silu")),
+    "qwen2.5-1.5b": (
+        "qwen2",
+        dict(
+            vocab_size=151936,
+            hidden_size=1536,
+            intermediate_size=8960,
+            num_hidden_layers=28,
+            num_attention_heads=12,
+            num_key_value_heads=2,
+            max_position_embeddings=131072,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            use_sliding_window=False,
+            hidden_act="silu",
+        ),
+    ),
+    "llama-3.2-1b": (
+        "llama",
+        dict(
+            vocab_size=128256,
+            hidden_size=2048,
+            intermediate_size=8192,
+            num_hidden_layers=16,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=64,
+            max_position_embeddings=131072,
+            rope_theta=500000.0,
+            rms_norm_eps=1e-5,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 32.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            tie_word_embeddings=True,
+            attention_bias=False,
+            mlp_bias=False,
+            hidden_act="silu",
+        ),
+    ),
+    "qwen3-1.7b": (
+        "qwen3",
+        dict(
+            vocab_size=151936,
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            max_position_embeddings=40960,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            attention_bias=False,
+            hidden_act="silu",
+        ),
+    ),
 }
 # --tiny: the same families and traits at a size a CPU decodes in seconds (grouped-query attention kept).
-TINY_FAMILY_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16)
+TINY_FAMILY_SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
 
 # FastHFEngine settings compared (``--all-variants``): attention through the Triton kernel over the
 # shared prompt cache, or by gathering each row's prompt K/V for SDPA; HF's RMSNorm modules or one
 # fused F.rms_norm call each; the decode step's pieces through torch.compile or eager. The first is
 # the engine's default on a GPU.
-VARIANTS = (dict(attention="triton", fused_norms=True, compile_step=True),
-            dict(attention="sdpa", fused_norms=True, compile_step=True),
-            dict(attention="triton", fused_norms=True, compile_step=False),
-            dict(attention="sdpa", fused_norms=False, compile_step=False))
+VARIANTS = (
+    dict(attention="triton", fused_norms=True, compile_step=True),
+    dict(attention="sdpa", fused_norms=True, compile_step=True),
+    dict(attention="triton", fused_norms=True, compile_step=False),
+    dict(attention="sdpa", fused_norms=False, compile_step=False),
+)
 
 
 def variant_name(v: dict) -> str:
-    return (f"{v['attention']}{', fused norms' if v['fused_norms'] else ''}"
-            f"{', compiled step' if v.get('compile_step') else ', eager step'}")
+    return (
+        f"{v['attention']}{', fused norms' if v['fused_norms'] else ''}"
+        f"{', compiled step' if v.get('compile_step') else ', eager step'}"
+    )
 
 
 # ---------------------------------------------------------------- 1. set-up
@@ -126,27 +184,51 @@ def parse_args(argv=None):
     ap.add_argument("--data-dir", required=True, help="folder holding GSM8K train.jsonl")
     ap.add_argument("--out", default=None, help="folder for the JSON log and the table")
     ap.add_argument("--tiny", action="store_true", help="small model on CPU: a smoke test of every section")
-    ap.add_argument("--smoke", action="store_true",
-                    help="--tiny's small model and batches on the GPU when there is one (the real kernels, CUDA graphs "
-                         "and compiled pieces run): a smoke test of every section, used by make gpu-check")
+    ap.add_argument(
+        "--smoke",
+        action="store_true",
+        help="--tiny's small model and batches on the GPU when there is one (the real kernels, CUDA graphs "
+        "and compiled pieces run): a smoke test of every section, used by make gpu-check",
+    )
     ap.add_argument("--skip-baselines", action="store_true", help="skip model.generate and HFEngine (slow)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--all-variants", action="store_true",
-                    help="time every FastHFEngine attention/norm variant (default: only the defaults, triton + fused norms)")
-    ap.add_argument("--lean-budget", type=int, default=None,
-                    help="token budget of the memory-lean trainer run (default: 10,240 at full size, 1,024 with --tiny)")
+    ap.add_argument(
+        "--all-variants",
+        action="store_true",
+        help="time every FastHFEngine attention/norm variant (default: only the defaults, triton + fused norms)",
+    )
+    ap.add_argument(
+        "--lean-budget",
+        type=int,
+        default=None,
+        help="token budget of the memory-lean trainer run (default: 10,240 at full size, 1,024 with --tiny)",
+    )
     ap.add_argument("--no-trl", action="store_true", help="skip the TRL GRPOTrainer side-by-side")
-    ap.add_argument("--sections", default=None,
-                    help="comma-separated subset of: checks, forced_length, realistic, training, compiled, "
-                         "trainer_step, trainer_step_lean, trl, families (default: all; ceilings always run; "
-                         "compiled needs training)")
-    ap.add_argument("--families", default=",".join(FAMILY_MODELS),
-                    help=f"comma-separated models of the families section (default: all of {', '.join(FAMILY_MODELS)})")
+    ap.add_argument(
+        "--sections",
+        default=None,
+        help="comma-separated subset of: checks, forced_length, realistic, training, compiled, "
+        "trainer_step, trainer_step_lean, trl, families (default: all; ceilings always run; "
+        "compiled needs training)",
+    )
+    ap.add_argument(
+        "--families",
+        default=",".join(FAMILY_MODELS),
+        help=f"comma-separated models of the families section (default: all of {', '.join(FAMILY_MODELS)})",
+    )
     ap.add_argument("--trl-steps", type=int, default=2, help="TRL optimizer steps (the last one is timed)")
-    ap.add_argument("--trainer-steps", type=int, default=4,
-                    help="rlvr trainer steps (model.compile: steps 3+ are averaged; 1 and 2 compile)")
-    ap.add_argument("--deadline-s", type=float, default=570.0,
-                    help="skip the sections that would start after this many seconds (the table is printed anyway)")
+    ap.add_argument(
+        "--trainer-steps",
+        type=int,
+        default=4,
+        help="rlvr trainer steps (model.compile: steps 3+ are averaged; 1 and 2 compile)",
+    )
+    ap.add_argument(
+        "--deadline-s",
+        type=float,
+        default=570.0,
+        help="skip the sections that would start after this many seconds (the table is printed anyway)",
+    )
     return ap.parse_args(argv)
 
 
@@ -161,7 +243,7 @@ class Bench:
         self.variants = VARIANTS if args.all_variants else VARIANTS[:1]
         if self.device.type != "cuda":  # the Triton kernel needs CUDA: the CPU smoke test takes the SDPA path
             self.variants = [dict(v, attention="sdpa") for v in self.variants]
-        self.rows: list[dict] = []   # the table
+        self.rows: list[dict] = []  # the table
         self.forced_rate: dict = {}  # variant name -> (best warm time, tokens) of the forced batch
         self.log: dict = {"argv": sys.argv, "date": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
         if self.tiny:
@@ -206,23 +288,39 @@ class Bench:
 
         shape = dict(OLMO2_1B)
         if self.tiny:
-            shape.update(hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=4, vocab_size=len(self.tok) + 64)
-        config = Olmo2Config(**shape, pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id,
-                             bos_token_id=self.tok.bos_token_id)
+            shape.update(
+                hidden_size=64,
+                intermediate_size=256,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=4,
+                vocab_size=len(self.tok) + 64,
+            )
+        config = Olmo2Config(
+            **shape,
+            pad_token_id=self.tok.pad_token_id,
+            eos_token_id=self.tok.eos_token_id,
+            bos_token_id=self.tok.bos_token_id,
+        )
         t0 = time.perf_counter()
         with torch.device(self.device):
             self.model = build_model(config, seed=self.args.seed, dtype=self.dtype)
         self.model.eval()
         self.n_params, self.n_matmul = param_counts(self.model)
-        self.log.update(model_build_s=time.perf_counter() - t0, n_params=self.n_params, vocab_tokenizer=len(self.tok),
-                        device=torch.cuda.get_device_name() if self.device.type == "cuda" else "cpu",
-                        torch=torch.__version__)
+        self.log.update(
+            model_build_s=time.perf_counter() - t0,
+            n_params=self.n_params,
+            vocab_tokenizer=len(self.tok),
+            device=torch.cuda.get_device_name() if self.device.type == "cuda" else "cpu",
+            torch=torch.__version__,
+        )
         import transformers
 
         self.log["transformers"] = transformers.__version__
-        print(f"model: {self.n_params / 1e9:.3f} B params on {self.log['device']}, tokenizer {len(self.tok)} tokens",
-              flush=True)
+        print(
+            f"model: {self.n_params / 1e9:.3f} B params on {self.log['device']}, tokenizer {len(self.tok)} tokens",
+            flush=True,
+        )
 
     # ------------------------------------------------------------ ceilings
     def ceilings(self):
@@ -261,7 +359,7 @@ class Bench:
         weight_bytes = n_params * size
         steps = max(new_lens)
         kv = sum(kv_per_token * n * (n + 1) / 2 for n in new_lens)
-        kv += sum(kv_per_token * prompt_lens[i] * max(new_lens[i:i + group]) for i in range(0, len(new_lens), group))
+        kv += sum(kv_per_token * prompt_lens[i] * max(new_lens[i : i + group]) for i in range(0, len(new_lens), group))
         bytes_ = steps * weight_bytes + kv
         flops = 2 * n_matmul * sum(new_lens)
         return max(bytes_ / self.bw, flops / self.mm)
@@ -293,12 +391,18 @@ class Bench:
         greedy = SamplingParams(temperature=0.0, max_new_tokens=T, ignore_eos=True)
         # The same step (compiled pieces where the default uses them) without graphs: isolates the replay.
         fast = FastHFEngine(self.model, self.tok, max_batch_size=64)
-        eager = FastHFEngine(self.model, self.tok, max_batch_size=64, use_cuda_graphs=False,
-                             compile_step=fast._step_compiled()).generate(prompts, greedy)
+        eager = FastHFEngine(
+            self.model, self.tok, max_batch_size=64, use_cuda_graphs=False, compile_step=fast._step_compiled()
+        ).generate(prompts, greedy)
         graphed = fast.generate(prompts, greedy)
         same = sum(a[0].token_ids == b[0].token_ids for a, b in zip(eager, graphed))
-        self.row("check: graph replay = eager step (greedy tokens)", f"{same}/{len(prompts)} rows identical", "",
-                 "", f"{T} tokens")
+        self.row(
+            "check: graph replay = eager step (greedy tokens)",
+            f"{same}/{len(prompts)} rows identical",
+            "",
+            "",
+            f"{T} tokens",
+        )
         hf = HFEngine(self.model, self.tok, max_batch_size=64)
         hf.eos_ids = set()
         ref = hf.generate(prompts, greedy)
@@ -310,25 +414,41 @@ class Bench:
             return k
 
         shared = [prefix(a[0].token_ids, b[0].token_ids) for a, b in zip(graphed, ref)]
-        self.row("check: greedy fast vs HFEngine", f"shared prefix {statistics.mean(shared):.1f}/{T} tokens (min {min(shared)})",
-                 "", "", "bf16: different attention kernels may flip near-ties")
-        out = fast.generate(prompts[:4], SamplingParams(n=2, temperature=1.0, max_new_tokens=T, seed=1, ignore_eos=True))
+        self.row(
+            "check: greedy fast vs HFEngine",
+            f"shared prefix {statistics.mean(shared):.1f}/{T} tokens (min {min(shared)})",
+            "",
+            "",
+            "bf16: different attention kernels may flip near-ties",
+        )
+        out = fast.generate(
+            prompts[:4], SamplingParams(n=2, temperature=1.0, max_new_tokens=T, seed=1, ignore_eos=True)
+        )
         worst = 0.0
         for p, group in zip(prompts, out):
             p_ids = self.tok(p, add_special_tokens=False)["input_ids"]
             for c in group:
                 ids = torch.tensor([p_ids + c.token_ids], device=self.device)
-                lp = sequence_logprobs(self.model, ids, torch.ones_like(ids))[0, len(p_ids) - 1:].float().cpu()
+                lp = sequence_logprobs(self.model, ids, torch.ones_like(ids))[0, len(p_ids) - 1 :].float().cpu()
                 worst = max(worst, (lp - torch.tensor(c.logprobs)).abs().max().item())
-        self.row("check: sampled log-probs vs teacher-forced", f"max abs diff {worst:.3g}", "", "",
-                 "same model, different batch shapes (bf16)")
+        self.row(
+            "check: sampled log-probs vs teacher-forced",
+            f"max abs diff {worst:.3g}",
+            "",
+            "",
+            "same model, different batch shapes (bf16)",
+        )
         if self.device.type == "cuda":  # the SDPA (gather) path under CUDA graphs, against the kernel's tokens
             sdpa = FastHFEngine(self.model, self.tok, max_batch_size=64, attention="sdpa")
             other = sdpa.generate(prompts, greedy)
             shared = [prefix(a[0].token_ids, b[0].token_ids) for a, b in zip(graphed, other)]
-            self.row("check: greedy fast [sdpa gather] vs fast [triton]",
-                     f"shared prefix {statistics.mean(shared):.1f}/{T} tokens (min {min(shared)})", "", "",
-                     "bf16: the two attention kernels round differently")
+            self.row(
+                "check: greedy fast [sdpa gather] vs fast [triton]",
+                f"shared prefix {statistics.mean(shared):.1f}/{T} tokens (min {min(shared)})",
+                "",
+                "",
+                "bf16: the two attention kernels round differently",
+            )
             sdpa.close()
         fast.close()
         self.free()
@@ -360,14 +480,31 @@ class Bench:
         errs, cache_ok = [], True
         for rows in (b, 16):
             k2, v2 = rk.clone(), rv.clone()
-            out = triton_decode_attention(q[:rows], pk, pv, k2, v2, grp, start, plen, rlen, k_new=kn[:rows],
-                                          v_new=vn[:rows], live=live, splits=default_splits(rows, H))
+            out = triton_decode_attention(
+                q[:rows],
+                pk,
+                pv,
+                k2,
+                v2,
+                grp,
+                start,
+                plen,
+                rlen,
+                k_new=kn[:rows],
+                v_new=vn[:rows],
+                live=live,
+                splits=default_splits(rows, H),
+            )
             errs.append((out.float() - ref[:rows]).abs().max().item())
             cache_ok &= torch.equal(k2[:rows], ref_k[:rows]) and torch.equal(v2[:rows], ref_v[:rows])
-        self.row("check: Triton decode attention vs index_copy_ + SDPA reference",
-                 f"max abs diff {errs[0]:.3g} ({b} rows), {errs[1]:.3g} (16 rows, {default_splits(16, H)} splits); "
-                 f"cache {'identical' if cache_ok else 'DIFFERS'}", "", "",
-                 "every 5th row flagged finished (0); bf16 outputs (one bf16 ulp at 1 is 0.0078)")
+        self.row(
+            "check: Triton decode attention vs index_copy_ + SDPA reference",
+            f"max abs diff {errs[0]:.3g} ({b} rows), {errs[1]:.3g} (16 rows, {default_splits(16, H)} splits); "
+            f"cache {'identical' if cache_ok else 'DIFFERS'}",
+            "",
+            "",
+            "every 5th row flagged finished (0); bf16 outputs (one bf16 ulp at 1 is 0.0078)",
+        )
 
     # ------------------------------------------------------------ 3. forced length
     def forced_length(self):
@@ -383,21 +520,39 @@ class Bench:
 
             def plain():
                 with torch.inference_mode():
-                    return self.model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0,
-                                               top_p=1.0, top_k=0, max_new_tokens=T, min_new_tokens=T,
-                                               pad_token_id=self.tok.pad_token_id)
+                    return self.model.generate(
+                        input_ids=ids,
+                        attention_mask=mask,
+                        do_sample=True,
+                        temperature=1.0,
+                        top_p=1.0,
+                        top_k=0,
+                        max_new_tokens=T,
+                        min_new_tokens=T,
+                        pad_token_id=self.tok.pad_token_id,
+                    )
 
             out, base_t = self.timed(plain)
             assert out.shape[1] - ids.shape[1] == T
             del out
-            self.row(f"(a) model.generate {P}x{self.prompt_len}+{T} forced, dynamic cache", f"{base_t:.2f} s "
-                     f"({tokens / base_t:,.0f} tok/s)", f"{floor:.2f} s", "1.0x", "baseline")
+            self.row(
+                f"(a) model.generate {P}x{self.prompt_len}+{T} forced, dynamic cache",
+                f"{base_t:.2f} s ({tokens / base_t:,.0f} tok/s)",
+                f"{floor:.2f} s",
+                "1.0x",
+                "baseline",
+            )
             self.free()
             hf = HFEngine(self.model, self.tok, max_batch_size=P)
             hf.eos_ids = set()  # forced length: HFEngine has no ignore_eos, so it gets no EOS to stop at
             _, t = self.timed(lambda: hf.generate(prompts, params))
-            self.row("(b) HFEngine, same batch", f"{t:.2f} s ({tokens / t:,.0f} tok/s)", f"{floor:.2f} s",
-                     f"{base_t / t:.1f}x", "own decode loop, dynamic cache")
+            self.row(
+                "(b) HFEngine, same batch",
+                f"{t:.2f} s ({tokens / t:,.0f} tok/s)",
+                f"{floor:.2f} s",
+                f"{base_t / t:.1f}x",
+                "own decode loop, dynamic cache",
+            )
             del hf
             self.free()
         self.forced_prompts = prompts
@@ -409,10 +564,15 @@ class Bench:
             assert all(len(c.token_ids) == T for g in out for c in g)
             ratio = f"{base_t / warm:.1f}x" if base_t else ""
             name = variant_name(variant)
-            self.row(f"(c) FastHFEngine [{name}], same batch, warm", f"{warm:.2f} s ({tokens / warm:,.0f} tok/s)",
-                     f"{floor:.2f} s", ratio, f"goal <= 6 s; {warm / floor:.1f}x the floor; best of 3 warm calls "
-                     f"({', '.join(f'{x:.2f}' for x in warm_all)} s); cold (first call) {cold:.2f} s, "
-                     f"{fast.stats['graphs_captured']} graphs captured in {cap:.1f} s")
+            self.row(
+                f"(c) FastHFEngine [{name}], same batch, warm",
+                f"{warm:.2f} s ({tokens / warm:,.0f} tok/s)",
+                f"{floor:.2f} s",
+                ratio,
+                f"goal <= 6 s; {warm / floor:.1f}x the floor; best of 3 warm calls "
+                f"({', '.join(f'{x:.2f}' for x in warm_all)} s); cold (first call) {cold:.2f} s, "
+                f"{fast.stats['graphs_captured']} graphs captured in {cap:.1f} s",
+            )
             self.log[f"fast_stats_forced[{name}]"] = dict(fast.stats)
             self.forced_rate[name] = (warm, tokens)
             fast.close()
@@ -425,8 +585,15 @@ class Bench:
         exs = rng.sample(self.examples, self.rl_prompts)
         prompts = [render("r1_zero", ex.question) for ex in exs]
         lens = [[rng.randint(self.len_lo, self.len_hi) for _ in range(self.group)] for _ in prompts]
-        params = SamplingParams(n=self.group, temperature=1.0, top_p=1.0, max_new_tokens=self.len_hi,
-                                stop=("</answer>",), seed=2, ignore_eos=True)
+        params = SamplingParams(
+            n=self.group,
+            temperature=1.0,
+            top_p=1.0,
+            max_new_tokens=self.len_hi,
+            stop=("</answer>",),
+            seed=2,
+            ignore_eos=True,
+        )
         for variant in self.variants:
             self.realistic_one(prompts, params, lens, variant)
 
@@ -440,29 +607,42 @@ class Bench:
         calls = len(t_all)
         real = sum(len(c.token_ids) for g in out for c in g)
         p_lens = [len(self.tok(p, add_special_tokens=False)["input_ids"]) for p in prompts]
-        floor = self.decode_floor([p for p in p_lens for _ in range(self.group)], [x for row in lens for x in row],
-                                  self.group)
+        floor = self.decode_floor(
+            [p for p in p_lens for _ in range(self.group)], [x for row in lens for x in row], self.group
+        )
         stopped = sum(c.finish_reason == "stop" for g in out for c in g)
-        self.row(f"(d) realistic [{variant_name(variant)}]: {self.rl_prompts} r1_zero prompts x {self.group}, "
-                 f"lengths U[{self.len_lo},{self.len_hi}]",
-                 f"{t:.2f} s ({real / t:,.0f} real tok/s)", f"{floor:.2f} s", "",
-                 f"best of {calls} warm calls ({', '.join(f'{x:.2f}' for x in t_all)} s); "
-                 f"{real} tokens, mean prompt {statistics.mean(p_lens):.0f} tok; per call "
-                 f"{(fast.stats['compactions'] - comp0) // calls} compactions, {(fast.stats['host_syncs'] - syncs0) // calls} "
-                 f"host checks, {(fast.stats['cascade_steps'] - casc0) // calls} steps with cascade attention; "
-                 f"{cold_graphs} extra graphs on first call; {stopped} rows hit </answer> by chance")
+        self.row(
+            f"(d) realistic [{variant_name(variant)}]: {self.rl_prompts} r1_zero prompts x {self.group}, "
+            f"lengths U[{self.len_lo},{self.len_hi}]",
+            f"{t:.2f} s ({real / t:,.0f} real tok/s)",
+            f"{floor:.2f} s",
+            "",
+            f"best of {calls} warm calls ({', '.join(f'{x:.2f}' for x in t_all)} s); "
+            f"{real} tokens, mean prompt {statistics.mean(p_lens):.0f} tok; per call "
+            f"{(fast.stats['compactions'] - comp0) // calls} compactions, {(fast.stats['host_syncs'] - syncs0) // calls} "
+            f"host checks, {(fast.stats['cascade_steps'] - casc0) // calls} steps with cascade attention; "
+            f"{cold_graphs} extra graphs on first call; {stopped} rows hit </answer> by chance",
+        )
         self.log[f"fast_stats_realistic[{variant_name(variant)}]"] = dict(fast.stats)
         forced = self.forced_rate.get(variant_name(variant))
         if forced:
             f_time, f_tokens = forced
             target = f_time * real / f_tokens
-            self.row(f"(d') realistic [{variant_name(variant)}] against the forced batch in proportion to real tokens",
-                     f"{t / target:.3f}x the proportional time", "", "",
-                     f"goal <= 1: {t:.3f} s against {f_time:.3f} s x {real:,} / {f_tokens:,} = {target:.3f} s "
-                     f"({'met' if t <= target else 'not met'})")
+            self.row(
+                f"(d') realistic [{variant_name(variant)}] against the forced batch in proportion to real tokens",
+                f"{t / target:.3f}x the proportional time",
+                "",
+                "",
+                f"goal <= 1: {t:.3f} s against {f_time:.3f} s x {real:,} / {f_tokens:,} = {target:.3f} s "
+                f"({'met' if t <= target else 'not met'})",
+            )
         self.rollout_time = min(t, getattr(self, "rollout_time", float("inf")))
-        self.rl = dict(prompts=prompts, p_ids=[self.tok(p, add_special_tokens=False)["input_ids"] for p in prompts],
-                       out=out, lens=lens)
+        self.rl = dict(
+            prompts=prompts,
+            p_ids=[self.tok(p, add_special_tokens=False)["input_ids"] for p in prompts],
+            out=out,
+            lens=lens,
+        )
         fast.close()
         del fast, out
         self.free()
@@ -495,8 +675,18 @@ class Bench:
         steps = steps or (2 if self.tiny else 4)
         first = None
         for k in range(steps):
-            (loss, meta), t = self.timed(lambda: policy_gradient_update(model, opt, batch["input_ids"], batch["labels"],
-                                                                        batch["response_mask"], adv, max_grad_norm=1.0, **kw))
+            (loss, meta), t = self.timed(
+                lambda: policy_gradient_update(
+                    model,
+                    opt,
+                    batch["input_ids"],
+                    batch["labels"],
+                    batch["response_mask"],
+                    adv,
+                    max_grad_norm=1.0,
+                    **kw,
+                )
+            )
             if k == 0:
                 first = t
             else:
@@ -505,7 +695,7 @@ class Bench:
         t = statistics.median(times)
         mask = batch["response_mask"]
         keep = (adv != 0) if kw.get("skip_zero_advantage", True) else torch.ones_like(adv, dtype=torch.bool)
-        last = mask.long().cumsum(1).argmax(1) + 1   # prompt + response tokens of each row (labels side)
+        last = mask.long().cumsum(1).argmax(1) + 1  # prompt + response tokens of each row (labels side)
         real = int(last[keep].sum())  # positions that go through the model
         flops = 6 * self.n_params * real
         # Stricter count: matmul parameters only (no input-embedding lookup) plus causal attention
@@ -514,13 +704,25 @@ class Bench:
         attn = 6 * cfg.num_hidden_layers * cfg.hidden_size * int((last[keep].double() ** 2).sum())
         strict = 6 * self.n_matmul * real + attn
         mfu, mfu_meas, mfu_strict = flops / t / PEAK_BF16, flops / t / self.mm, strict / t / PEAK_BF16
-        self.row(f"(e) train step: {name}", f"{t:.2f} s/step, peak {peak:.1f} GiB", f"{flops / self.mm:.2f} s",
-                 "", f"MFU {100 * mfu_meas:.0f}% of the measured matmul rate (the speed goals' convention: 790 TF), "
-                     f"{100 * mfu:.0f}% of 989 TF datasheet, stricter count {100 * mfu_strict:.0f}% of 989; "
-                     f"{real:,} real tokens, {meta['n_microbatches']} microbatches; "
-                     f"first step {first:.1f} s")
-        self.log.setdefault("train_cases", {})[name] = dict(t=t, first=first, peak_gb=peak, real_tokens=real, mfu=mfu,
-                                                            mfu_strict=mfu_strict, n_microbatches=meta["n_microbatches"])
+        self.row(
+            f"(e) train step: {name}",
+            f"{t:.2f} s/step, peak {peak:.1f} GiB",
+            f"{flops / self.mm:.2f} s",
+            "",
+            f"MFU {100 * mfu_meas:.0f}% of the measured matmul rate (the speed goals' convention: 790 TF), "
+            f"{100 * mfu:.0f}% of 989 TF datasheet, stricter count {100 * mfu_strict:.0f}% of 989; "
+            f"{real:,} real tokens, {meta['n_microbatches']} microbatches; "
+            f"first step {first:.1f} s",
+        )
+        self.log.setdefault("train_cases", {})[name] = dict(
+            t=t,
+            first=first,
+            peak_gb=peak,
+            real_tokens=real,
+            mfu=mfu,
+            mfu_strict=mfu_strict,
+            n_microbatches=meta["n_microbatches"],
+        )
         del opt
         model.zero_grad(set_to_none=True)
         model.eval()
@@ -534,18 +736,39 @@ class Bench:
         budgets = (1024, 2048) if self.tiny else (16384, 32768)
         best = None
         for budget in budgets:
-            t = self.train_case(f"rlvr: {B} seqs, token budget {budget:,}, chunked log-probs, zero-adv skip, eager",
-                                batch, adv, gradient_accumulation_steps=1, max_tokens_per_microbatch=budget)
+            t = self.train_case(
+                f"rlvr: {B} seqs, token budget {budget:,}, chunked log-probs, zero-adv skip, eager",
+                batch,
+                adv,
+                gradient_accumulation_steps=1,
+                max_tokens_per_microbatch=budget,
+            )
             if best is None or t < best[0]:
                 best = (t, budget)
         self.train_time, self.best_budget = best
-        t_naive = self.train_case("naive: microbatch 8, full float32 logits, no skip", batch, adv,
-                                  gradient_accumulation_steps=B // 8, chunk_tokens=10**9, skip_zero_advantage=False)
-        self.row("(e') train speed-up over naive", f"{t_naive / self.train_time:.2f}x", "", "",
-                 f"best eager budget ({self.best_budget:,} tokens)")
+        t_naive = self.train_case(
+            "naive: microbatch 8, full float32 logits, no skip",
+            batch,
+            adv,
+            gradient_accumulation_steps=B // 8,
+            chunk_tokens=10**9,
+            skip_zero_advantage=False,
+        )
+        self.row(
+            "(e') train speed-up over naive",
+            f"{t_naive / self.train_time:.2f}x",
+            "",
+            "",
+            f"best eager budget ({self.best_budget:,} tokens)",
+        )
         step = self.rollout_time + self.train_time
-        self.row("GRPO step (realistic rollout + train, in-process, sync 0 s)", f"{step:.2f} s", "", "",
-                 "goal <= 10 s; rewards/tokenisation not included")
+        self.row(
+            "GRPO step (realistic rollout + train, in-process, sync 0 s)",
+            f"{step:.2f} s",
+            "",
+            "",
+            "goal <= 10 s; rewards/tokenisation not included",
+        )
 
     def compiled(self):
         """The training step through ``torch.compile(model.base_model, dynamic=True)`` (``model.compile``)."""
@@ -554,9 +777,15 @@ class Bench:
         batch, adv = self.train_batch
         B = batch["input_ids"].shape[0]
         backbone = compile_backbone(self.model)
-        t = self.train_case(f"rlvr: {B} seqs, token budget {self.best_budget:,}, torch.compile (model.compile)", batch,
-                            adv, steps=3 if self.tiny else 4, gradient_accumulation_steps=1,
-                            max_tokens_per_microbatch=self.best_budget, backbone=backbone)
+        t = self.train_case(
+            f"rlvr: {B} seqs, token budget {self.best_budget:,}, torch.compile (model.compile)",
+            batch,
+            adv,
+            steps=3 if self.tiny else 4,
+            gradient_accumulation_steps=1,
+            max_tokens_per_microbatch=self.best_budget,
+            backbone=backbone,
+        )
         self.row("(e'') compiled vs eager, same budget", f"{self.train_time / t:.2f}x", "", "", "")
         del backbone
         self.free()
@@ -569,13 +798,22 @@ class Bench:
         and the zero-advantage skip would then make training free).
 
         ``lean``: the same run configured for memory, to set beside TRL's peak: the engine frees its cache
-        after every generation (``engine.release_memory``), microbatches of 10,240 tokens (the largest
+        after every generation (``engine.fast.release_memory``), microbatches of 10,240 tokens (the largest
         budget whose training peak stayed below the generation's, docs/benchmarks.md), and AdamW steps
         the bfloat16 weights without float32 master copies (``optim.master_weights: false``, as TRL's bf16
         runs step)."""
         import tempfile
 
-        from rlvr.config import DataConfig, EngineConfig, LogConfig, ModelConfig, OptimConfig, RolloutConfig, TrainConfig
+        from rlvr.config import (
+            DataConfig,
+            EngineConfig,
+            FastEngineConfig,
+            LogConfig,
+            ModelConfig,
+            OptimConfig,
+            RolloutConfig,
+            TrainConfig,
+        )
         from rlvr.logging_utils import read_metrics
         from rlvr.trainer import train
 
@@ -588,14 +826,23 @@ class Bench:
             data=DataConfig(train_source=str(Path(self.args.data_dir)), train_size=6400, val_size=0),
             prompt="r1_zero",
             rollout=RolloutConfig(n_prompts_per_rollout_batch=n_prompts, group_size=group, max_new_tokens=new),
-            optim=OptimConfig(lr=1e-5, gradient_accumulation_steps=1, max_tokens_per_microbatch=budget,
-                              master_weights=not lean),
+            optim=OptimConfig(
+                lr=1e-5, gradient_accumulation_steps=1, max_tokens_per_microbatch=budget, master_weights=not lean
+            ),
             model=ModelConfig(compile=True),
-            engine=EngineConfig(name=self.engine_name, max_batch_size=engine_rows,
-                                release_memory=lean and self.engine_name == "hf-fast"),
+            engine=EngineConfig(
+                name=self.engine_name,
+                max_batch_size=engine_rows,
+                fast=FastEngineConfig(release_memory=lean and self.engine_name == "hf-fast"),
+            ),
             log=LogConfig(progress=False, engine_logprob_check_every=0, val_samples=0),
-            n_steps=self.args.trainer_steps, eval_every=0, eval_at_start=False, dump_every=0, save_every=0,
-            policy_device=str(self.device), seed=self.args.seed,
+            n_steps=self.args.trainer_steps,
+            eval_every=0,
+            eval_at_start=False,
+            dump_every=0,
+            save_every=0,
+            policy_device=str(self.device),
+            seed=self.args.seed,
         )
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -608,23 +855,37 @@ class Bench:
         first_steady = 2 if len(rows) >= 3 else (1 if len(rows) == 2 else 0)
         later = rows[first_steady:]
         mean = lambda k: statistics.mean(r.get(k, 0.0) or 0.0 for r in later)  # noqa: E731
-        result = dict(step=mean("time/step"), generate=mean("time/generate"), train=mean("time/train"),
-                      tokenize=mean("time/tokenize"),
-                      sync=mean("time/sync"), reward=mean("time/reward"), peak_gb=peak,
-                      response_length=mean("train/response_length"))
+        result = dict(
+            step=mean("time/step"),
+            generate=mean("time/generate"),
+            train=mean("time/train"),
+            tokenize=mean("time/tokenize"),
+            sync=mean("time/sync"),
+            reward=mean("time/reward"),
+            peak_gb=peak,
+            response_length=mean("train/response_length"),
+        )
         setattr(self, "trainer_lean" if lean else "trainer", result)
         self.log["trainer_lean_rows" if lean else "trainer_rows"] = rows
         steps_s = ", ".join(f"{r['time/step']:.2f}" for r in rows)
-        what = (f"(f') rlvr trainer, memory-lean: (f) with the engine's cache freed after generating, token "
-                f"budget {budget:,}, bf16 AdamW (no float32 master weights)"
-                if lean else f"(f) rlvr trainer, whole step: {n_prompts} GSM8K r1_zero prompts x {group}, {new} new tokens, "
-                             f"{self.engine_name}, token budget {budget:,}")
-        self.row(what, f"{result['step']:.2f} s/step, peak {peak:.1f} GiB", "", "",
-                 f"goal <= 10 s; generate {result['generate']:.2f} s, train {result['train']:.2f} s, tokenize "
-                 f"{result['tokenize']:.2f} s, sync "
-                 f"{result['sync']:.2f} s, reward {result['reward']:.2f} s; mean response "
-                 f"{result['response_length']:.0f} tokens; model.compile; mean of steps {first_steady + 1}-{len(rows)}"
-                 f" (all steps: {steps_s} s)")
+        what = (
+            f"(f') rlvr trainer, memory-lean: (f) with the engine's cache freed after generating, token "
+            f"budget {budget:,}, bf16 AdamW (no float32 master weights)"
+            if lean
+            else f"(f) rlvr trainer, whole step: {n_prompts} GSM8K r1_zero prompts x {group}, {new} new tokens, "
+            f"{self.engine_name}, token budget {budget:,}"
+        )
+        self.row(
+            what,
+            f"{result['step']:.2f} s/step, peak {peak:.1f} GiB",
+            "",
+            "",
+            f"goal <= 10 s; generate {result['generate']:.2f} s, train {result['train']:.2f} s, tokenize "
+            f"{result['tokenize']:.2f} s, sync "
+            f"{result['sync']:.2f} s, reward {result['reward']:.2f} s; mean response "
+            f"{result['response_length']:.0f} tokens; model.compile; mean of steps {first_steady + 1}-{len(rows)}"
+            f" (all steps: {steps_s} s)",
+        )
         self.model.eval()
         self.free()
 
@@ -654,8 +915,10 @@ class Bench:
         exs = rng.sample(self.examples, n_prompts * steps)
         # Built with a fixed fingerprint: ``Dataset.from_dict`` hashes its Arrow table, which breaks on some
         # pyarrow / dill pairs, and that hashing is not what is being timed.
-        ds = datasets.Dataset(InMemoryTable.from_pydict({"prompt": [render("r1_zero", ex.question) for ex in exs]}),
-                              fingerprint="rlvr-bench-prompts")
+        ds = datasets.Dataset(
+            InMemoryTable.from_pydict({"prompt": [render("r1_zero", ex.question) for ex in exs]}),
+            fingerprint="rlvr-bench-prompts",
+        )
 
         def coin(completions, **kw):
             return [coin_reward(c, "")["reward"] for c in completions]
@@ -682,18 +945,36 @@ class Bench:
         model.generate = timed_generate
         vocab = model.config.vocab_size
         cfg = trl.GRPOConfig(
-            output_dir=tempfile.mkdtemp(prefix="bench_trl_"), per_device_train_batch_size=per_device,
-            gradient_accumulation_steps=n_prompts * group // per_device, num_generations=group,
-            max_completion_length=new, temperature=1.0, top_p=1.0, learning_rate=1e-5, adam_beta1=0.9,
-            adam_beta2=0.95, weight_decay=0.0, max_grad_norm=1.0, beta=0.0, max_steps=steps, logging_steps=1,
-            save_strategy="no", report_to="none", bf16=self.device.type == "cuda", use_cpu=self.device.type == "cpu",
-            gradient_checkpointing=False, use_vllm=False, seed=self.args.seed, dataloader_num_workers=0,
+            output_dir=tempfile.mkdtemp(prefix="bench_trl_"),
+            per_device_train_batch_size=per_device,
+            gradient_accumulation_steps=n_prompts * group // per_device,
+            num_generations=group,
+            max_completion_length=new,
+            temperature=1.0,
+            top_p=1.0,
+            learning_rate=1e-5,
+            adam_beta1=0.9,
+            adam_beta2=0.95,
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            beta=0.0,
+            max_steps=steps,
+            logging_steps=1,
+            save_strategy="no",
+            report_to="none",
+            bf16=self.device.type == "cuda",
+            use_cpu=self.device.type == "cpu",
+            gradient_checkpointing=False,
+            use_vllm=False,
+            seed=self.args.seed,
+            dataloader_num_workers=0,
             generation_kwargs={"suppress_tokens": list(range(len(self.tok), vocab))} if vocab > len(self.tok) else None,
         )
         tok = self.tok
         tok.padding_side = "left"
-        trainer = trl.GRPOTrainer(model=model, reward_funcs=coin, args=cfg, train_dataset=ds, processing_class=tok,
-                                  callbacks=[Clock()])
+        trainer = trl.GRPOTrainer(
+            model=model, reward_funcs=coin, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[Clock()]
+        )
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         self.sync()
@@ -704,14 +985,23 @@ class Bench:
         step_times = [b - a for a, b in zip([t0] + stamps[:-1], stamps)]
         t_trl = step_times[-1]
         self.log["trl"] = dict(version=trl.__version__, step_times=step_times, gen_times=gen_times, peak_gb=peak)
-        self.row(f"(g) TRL {trl.__version__} GRPOTrainer (no vLLM), same model / prompts / {n_prompts * group} x {new} / coin reward",
-                 f"{t_trl:.2f} s/step, peak {peak:.1f} GiB", "", "",
-                 f"step {len(step_times)} of {len(step_times)} (step 1: {step_times[0]:.1f} s); generate "
-                 f"{gen_times[-1] if gen_times else float('nan'):.2f} s of it; microbatch {per_device}, no checkpointing")
+        self.row(
+            f"(g) TRL {trl.__version__} GRPOTrainer (no vLLM), same model / prompts / {n_prompts * group} x {new} / coin reward",
+            f"{t_trl:.2f} s/step, peak {peak:.1f} GiB",
+            "",
+            "",
+            f"step {len(step_times)} of {len(step_times)} (step 1: {step_times[0]:.1f} s); generate "
+            f"{gen_times[-1] if gen_times else float('nan'):.2f} s of it; microbatch {per_device}, no checkpointing",
+        )
         for name, r in (("(f)", getattr(self, "trainer", None)), ("(f')", getattr(self, "trainer_lean", None))):
             if r:
-                self.row(f"(g') rlvr whole step {name} vs TRL (g)", f"{t_trl / r['step']:.2f}x faster", "", "",
-                         f"goal >= 3x with equal or lower peak memory: rlvr {r['peak_gb']:.1f} GiB vs TRL {peak:.1f} GiB")
+                self.row(
+                    f"(g') rlvr whole step {name} vs TRL (g)",
+                    f"{t_trl / r['step']:.2f}x faster",
+                    "",
+                    "",
+                    f"goal >= 3x with equal or lower peak memory: rlvr {r['peak_gb']:.1f} GiB vs TRL {peak:.1f} GiB",
+                )
         del trainer
         model.eval()
         self.free()
@@ -726,8 +1016,9 @@ class Bench:
         prompts = self.forced_prompts if hasattr(self, "forced_prompts") else self.fixed_length_prompts()
         T = self.new_tokens
         params = SamplingParams(temperature=1.0, top_p=1.0, max_new_tokens=T, seed=0, ignore_eos=True)
-        ids = dict(pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id,
-                   bos_token_id=self.tok.bos_token_id)
+        ids = dict(
+            pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id, bos_token_id=self.tok.bos_token_id
+        )
         for name in self.args.families.split(","):
             if name not in FAMILY_MODELS:
                 raise ValueError(f"unknown --families entry {name!r}: choose from {', '.join(FAMILY_MODELS)}")
@@ -758,14 +1049,20 @@ class Bench:
         out, warm, warm_all = self.best_of(lambda: fast.generate(prompts, params))
         assert all(len(c.token_ids) == T for g in out for c in g)
         lay = fast.layout
-        shape = (f"{n_params / 1e9:.2f} B params, {lay.layers} layers, {lay.heads} heads / {lay.kv_heads} kv heads of "
-                 f"{lay.head_dim}, {'tied' if cfg.tie_word_embeddings else 'untied'} embeddings")
-        self.row(f"(h) {name} (random weights): FastHFEngine [{variant_name(self.variants[0])}], {P}x{self.prompt_len}"
-                 f"+{T} forced, warm", f"{warm:.2f} s ({P * T / warm:,.0f} tok/s)", f"{floor:.2f} s",
-                 f"{warm / floor:.2f}x the floor",
-                 f"goal <= 1.6x the floor; {shape}; best of 3 warm calls ({', '.join(f'{x:.2f}' for x in warm_all)} s); "
-                 f"cold (first call) {cold:.2f} s, {fast.stats['graphs_captured']} graphs captured in "
-                 f"{fast.stats['capture_time']:.1f} s")
+        shape = (
+            f"{n_params / 1e9:.2f} B params, {lay.layers} layers, {lay.heads} heads / {lay.kv_heads} kv heads of "
+            f"{lay.head_dim}, {'tied' if cfg.tie_word_embeddings else 'untied'} embeddings"
+        )
+        self.row(
+            f"(h) {name} (random weights): FastHFEngine [{variant_name(self.variants[0])}], {P}x{self.prompt_len}"
+            f"+{T} forced, warm",
+            f"{warm:.2f} s ({P * T / warm:,.0f} tok/s)",
+            f"{floor:.2f} s",
+            f"{warm / floor:.2f}x the floor",
+            f"goal <= 1.6x the floor; {shape}; best of 3 warm calls ({', '.join(f'{x:.2f}' for x in warm_all)} s); "
+            f"cold (first call) {cold:.2f} s, {fast.stats['graphs_captured']} graphs captured in "
+            f"{fast.stats['capture_time']:.1f} s",
+        )
         self.log[f"fast_stats_family[{name}]"] = dict(fast.stats, warm=warm, warm_all=warm_all, cold=cold, floor=floor)
         # The same engine, fewer rows: sampled log-probs against the model's own forward on the sequence.
         check = prompts[:4]
@@ -775,12 +1072,17 @@ class Bench:
             p_ids = self.tok(p, add_special_tokens=False)["input_ids"]
             for c in group:
                 seq = torch.tensor([p_ids + c.token_ids], device=self.device)
-                lp = sequence_logprobs(model, seq, torch.ones_like(seq))[0, len(p_ids) - 1:].float().cpu()
+                lp = sequence_logprobs(model, seq, torch.ones_like(seq))[0, len(p_ids) - 1 :].float().cpu()
                 diffs.append((lp - torch.tensor(c.logprobs)).abs())
         diffs = torch.cat(diffs)
-        self.row(f"(h') {name}: sampled log-probs vs the HF forward, teacher-forced", f"max abs diff {diffs.max():.3g}, "
-                 f"mean {diffs.mean():.3g}", "", "", f"{len(check)} prompts x 2 samples x {short.max_new_tokens} tokens; "
-                 f"{str(self.dtype).replace('torch.', '')}, different kernels and batch shapes")
+        self.row(
+            f"(h') {name}: sampled log-probs vs the HF forward, teacher-forced",
+            f"max abs diff {diffs.max():.3g}, mean {diffs.mean():.3g}",
+            "",
+            "",
+            f"{len(check)} prompts x 2 samples x {short.max_new_tokens} tokens; "
+            f"{str(self.dtype).replace('torch.', '')}, different kernels and batch shapes",
+        )
         fast.close()
         del fast, out
 
@@ -810,8 +1112,18 @@ def main(argv=None):
     bench = Bench(args)
     t_start = bench.t_start
     bench.setup()
-    sections = (bench.ceilings, bench.checks, bench.forced_length, bench.realistic, bench.training, bench.compiled,
-                bench.trainer_step, bench.trainer_step_lean, bench.trl, bench.families)
+    sections = (
+        bench.ceilings,
+        bench.checks,
+        bench.forced_length,
+        bench.realistic,
+        bench.training,
+        bench.compiled,
+        bench.trainer_step,
+        bench.trainer_step_lean,
+        bench.trl,
+        bench.families,
+    )
     if args.sections:
         wanted = {"ceilings", *args.sections.split(",")}
         sections = tuple(s for s in sections if s.__name__ in wanted)
@@ -836,8 +1148,10 @@ def main(argv=None):
         out.mkdir(parents=True, exist_ok=True)
         (out / "bench_speed.json").write_text(json.dumps(bench.log, indent=1, default=str))
         (out / "bench_speed.md").write_text(table + "\n")
-    print(f"\n{bench.log['date']} | {bench.log['device']} | torch {bench.log['torch']} | transformers "
-          f"{bench.log['transformers']} | total {bench.log['total_s']:.0f} s\n")
+    print(
+        f"\n{bench.log['date']} | {bench.log['device']} | torch {bench.log['torch']} | transformers "
+        f"{bench.log['transformers']} | total {bench.log['total_s']:.0f} s\n"
+    )
     print(table)
 
 

@@ -109,6 +109,7 @@ class BenchConfig:
 # Setup
 # ---------------------------------------------------------------------------------------------
 
+
 def load_questions(cfg: BenchConfig) -> list[tuple[str, str]]:
     """(question, ground truth) pairs: GSM8K train rows, or synthetic ones without a data dir."""
     if cfg.data_dir is not None:
@@ -119,8 +120,12 @@ def load_questions(cfg: BenchConfig) -> list[tuple[str, str]]:
     out = []
     for _ in range(2000):
         a, b, c = rng.randint(2, 90), rng.randint(2, 90), rng.randint(2, 9)
-        out.append((f"Tom has {a} apples and buys {b} more bags with {c} apples each. How many apples does he have now?",
-                    str(a + b * c)))
+        out.append(
+            (
+                f"Tom has {a} apples and buys {b} more bags with {c} apples each. How many apples does he have now?",
+                str(a + b * c),
+            )
+        )
     return out
 
 
@@ -139,8 +144,12 @@ def build(cfg: BenchConfig, questions):
     else:
         if torch.cuda.device_count() < 2:
             raise SystemExit(f"this benchmark needs 2 GPUs, found {torch.cuda.device_count()}; use --tiny on CPU")
-        config = Olmo2Config(**OLMO2_1B, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                             bos_token_id=tokenizer.bos_token_id)
+        config = Olmo2Config(
+            **OLMO2_1B,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+            bos_token_id=tokenizer.bos_token_id,
+        )
         devices, dtype = (torch.device("cuda:0"), torch.device("cuda:1")), torch.bfloat16
         torch.cuda.set_device(devices[0])
     torch.manual_seed(cfg.seed)
@@ -159,6 +168,7 @@ def cuda_sync(*devices):
 # ---------------------------------------------------------------------------------------------
 # GPU utilisation
 # ---------------------------------------------------------------------------------------------
+
 
 class UtilSampler:
     """Samples each GPU's utilisation (percent of time a kernel ran) in a thread until stopped."""
@@ -182,8 +192,17 @@ class UtilSampler:
     def _nvidia_smi(self) -> dict[int, float]:
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         physical = [visible.split(",")[d].strip() for d in self.devices] if visible else [str(d) for d in self.devices]
-        out = subprocess.run(["nvidia-smi", f"--id={','.join(physical)}", "--query-gpu=utilization.gpu",
-                              "--format=csv,noheader,nounits"], capture_output=True, text=True, timeout=10).stdout
+        out = subprocess.run(
+            [
+                "nvidia-smi",
+                f"--id={','.join(physical)}",
+                "--query-gpu=utilization.gpu",
+                "--format=csv,noheader,nounits",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
         values = [float(x) for x in out.split()]
         return dict(zip(self.devices, values))
 
@@ -216,11 +235,13 @@ class UtilSampler:
 # 1. Weight sync
 # ---------------------------------------------------------------------------------------------
 
+
 def bench_sync(worker, model, cfg: BenchConfig, devices) -> dict:
     from rlvr.engines.worker import build_plan
 
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters()) + sum(
-        b.numel() * b.element_size() for b in model.buffers())
+        b.numel() * b.element_size() for b in model.buffers()
+    )
     plain, snap_make, snap_send, snap_total = [], [], [], []
     for r in range(cfg.sync_repeats + 1):
         meta = worker.sync_weights(model)
@@ -236,20 +257,30 @@ def bench_sync(worker, model, cfg: BenchConfig, devices) -> dict:
         snap_make.append(t1 - t0)
         snap_send.append(meta2["time/sync"])
         snap_total.append(meta2["time/sync_with_probe"])
-        print(f"  sync {r}: sync_weights {1e3 * meta['time/sync']:.1f} ms (probe diff {meta['sync/probe_max_abs_diff']:.2g}); "
-              f"snapshot {1e3 * (t1 - t0):.1f} ms + load {1e3 * meta2['time/sync']:.1f} ms "
-              f"(+probe {1e3 * (meta2['time/sync_with_probe'] - meta2['time/sync']):.1f} ms)", flush=True)
+        print(
+            f"  sync {r}: sync_weights {1e3 * meta['time/sync']:.1f} ms (probe diff {meta['sync/probe_max_abs_diff']:.2g}); "
+            f"snapshot {1e3 * (t1 - t0):.1f} ms + load {1e3 * meta2['time/sync']:.1f} ms "
+            f"(+probe {1e3 * (meta2['time/sync_with_probe'] - meta2['time/sync']):.1f} ms)",
+            flush=True,
+        )
     med = statistics.median
-    return {"bytes": nbytes, "n_buckets": len(build_plan(model, cfg.bucket_mb)),
-            "sync_weights_ms": 1e3 * med(plain), "sync_weights_min_ms": 1e3 * min(plain),
-            "snapshot_ms": 1e3 * med(snap_make), "load_snapshot_ms": 1e3 * med(snap_send),
-            "load_snapshot_min_ms": 1e3 * min(snap_send), "load_with_probe_ms": 1e3 * med(snap_total),
-            "gb_per_s": nbytes / med(snap_send) / 1e9}
+    return {
+        "bytes": nbytes,
+        "n_buckets": len(build_plan(model, cfg.bucket_mb)),
+        "sync_weights_ms": 1e3 * med(plain),
+        "sync_weights_min_ms": 1e3 * min(plain),
+        "snapshot_ms": 1e3 * med(snap_make),
+        "load_snapshot_ms": 1e3 * med(snap_send),
+        "load_snapshot_min_ms": 1e3 * min(snap_send),
+        "load_with_probe_ms": 1e3 * med(snap_total),
+        "gb_per_s": nbytes / med(snap_send) / 1e9,
+    }
 
 
 # ---------------------------------------------------------------------------------------------
 # 2. Steps
 # ---------------------------------------------------------------------------------------------
+
 
 class Run:
     def __init__(self, cfg: BenchConfig, model, tokenizer, questions, devices):
@@ -261,9 +292,15 @@ class Run:
         self.G = cfg.group_size or (2 if cfg.tiny else 4)
         self.T = cfg.max_new_tokens or (8 if cfg.tiny else 256)
         self.budget = cfg.token_budget or (2048 if cfg.tiny else 16384)
-        self.params = lambda step: SamplingParams(n=self.G, temperature=1.0, top_p=1.0, max_new_tokens=self.T,
-                                                  stop=tuple(stop_strings("r1_zero")), seed=cfg.seed * 100003 + step,
-                                                  ignore_eos=True)
+        self.params = lambda step: SamplingParams(
+            n=self.G,
+            temperature=1.0,
+            top_p=1.0,
+            max_new_tokens=self.T,
+            stop=tuple(stop_strings("r1_zero")),
+            seed=cfg.seed * 100003 + step,
+            ignore_eos=True,
+        )
         fused = devices[0].type == "cuda"
         self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=fused)
 
@@ -294,8 +331,20 @@ class Run:
 
         t0 = time.perf_counter()
         self.model.train()
-        policy_gradient_update(self.model, self.opt, input_ids, labels, mask, self.advantages(step), 1, 1.0, method,
-                               old, 0.2 if method == "grpo" else None, max_tokens_per_microbatch=self.budget)
+        policy_gradient_update(
+            self.model,
+            self.opt,
+            input_ids,
+            labels,
+            mask,
+            self.advantages(step),
+            1,
+            1.0,
+            method,
+            old,
+            0.2 if method == "grpo" else None,
+            max_tokens_per_microbatch=self.budget,
+        )
         self.model.eval()
         cuda_sync(self.devices[0])
         return time.perf_counter() - t0
@@ -317,8 +366,13 @@ class Run:
                 self.grade(step, responses)
                 batch = tokenize_prompt_and_output([p for p in prompts for _ in range(self.G)], responses, self.tok)
                 t_train = self.train(step, batch["input_ids"], batch["labels"], batch["response_mask"])
-                yield {"time/step": time.perf_counter() - t0, "time/generate": t_gen, "time/train": t_train,
-                       "time/wait": t_gen, "time/sync": 0.0}
+                yield {
+                    "time/step": time.perf_counter() - t0,
+                    "time/generate": t_gen,
+                    "time/train": t_train,
+                    "time/wait": t_gen,
+                    "time/sync": 0.0,
+                }
         finally:
             engine.close()
             del engine
@@ -333,15 +387,22 @@ class Run:
                 t_wait = time.perf_counter() - t0
                 self.grade(step, batch.responses)
                 if staleness:
-                    t_train = self.train(step, batch.input_ids, batch.labels, batch.response_mask, "grpo",
-                                         batch.old_log_probs)
+                    t_train = self.train(
+                        step, batch.input_ids, batch.labels, batch.response_mask, "grpo", batch.old_log_probs
+                    )
                 else:
                     t_train = self.train(step, batch.input_ids, batch.labels, batch.response_mask)
                 m = batch.metrics(step - 1)
-                yield {"time/step": time.perf_counter() - t0, "time/generate": m["time/generate"],
-                       "time/old_logprobs": m["time/old_logprobs"], "time/train": t_train, "time/wait": t_wait,
-                       "time/sync": m.get("time/sync", 0.0), "staleness": m["rollout/staleness"],
-                       "probe_diff": m.get("sync/probe_max_abs_diff")}
+                yield {
+                    "time/step": time.perf_counter() - t0,
+                    "time/generate": m["time/generate"],
+                    "time/old_logprobs": m["time/old_logprobs"],
+                    "time/train": t_train,
+                    "time/wait": t_wait,
+                    "time/sync": m.get("time/sync", 0.0),
+                    "staleness": m["rollout/staleness"],
+                    "probe_diff": m.get("sync/probe_max_abs_diff"),
+                }
 
 
 def run_mode(run: Run, mode: str, worker, cfg: BenchConfig) -> dict:
@@ -359,11 +420,14 @@ def run_mode(run: Run, mode: str, worker, cfg: BenchConfig) -> dict:
             sampler.__enter__()
         rec = next(gen)
         records.append(rec)
-        print(f"  {mode} step {i + 1}{' (warmup)' if i < cfg.warmup else ''}: "
-              + ", ".join(f"{k.split('/')[-1]} {v:.3f}" for k, v in rec.items() if isinstance(v, float)), flush=True)
+        print(
+            f"  {mode} step {i + 1}{' (warmup)' if i < cfg.warmup else ''}: "
+            + ", ".join(f"{k.split('/')[-1]} {v:.3f}" for k, v in rec.items() if isinstance(v, float)),
+            flush=True,
+        )
     sampler.__exit__()
     gen.close()
-    measured = records[cfg.warmup:]
+    measured = records[cfg.warmup :]
     mean = lambda k: statistics.mean(r[k] for r in measured) if measured and k in measured[0] else None  # noqa: E731
     out = {k: mean(k) for k in measured[0]} if measured else {}
     out["util"] = {f"gpu{d}": sampler.mean(d) for d in sampler.devices}
@@ -379,6 +443,7 @@ def run_mode(run: Run, mode: str, worker, cfg: BenchConfig) -> dict:
 # Main
 # ---------------------------------------------------------------------------------------------
 
+
 def fmt(x, spec=".2f", none="n/a"):
     return none if x is None else format(x, spec)
 
@@ -392,23 +457,39 @@ def main(argv=None) -> int:
     questions = load_questions(cfg)
     model, tok, devices, dtype = build(cfg, questions)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params / 1e6:.1f} M parameters, {dtype}, trainer on {devices[0]}, worker on {devices[1]}; "
-          f"tokenizer {len(tok)} tokens; NCCL_NVLS_ENABLE={os.environ['NCCL_NVLS_ENABLE']}; "
-          f"setup {time.perf_counter() - t_start:.1f} s", flush=True)
+    print(
+        f"model: {n_params / 1e6:.1f} M parameters, {dtype}, trainer on {devices[0]}, worker on {devices[1]}; "
+        f"tokenizer {len(tok)} tokens; NCCL_NVLS_ENABLE={os.environ['NCCL_NVLS_ENABLE']}; "
+        f"setup {time.perf_counter() - t_start:.1f} s",
+        flush=True,
+    )
     run = Run(cfg, model, tok, questions, devices)
-    results: dict = {"config": {k: str(v) for k, v in asdict(cfg).items()}, "params": n_params,
-                     "host": platform.node(), "torch": torch.__version__,
-                     "gpus": [torch.cuda.get_device_name(d) for d in devices if d.type == "cuda"]}
+    results: dict = {
+        "config": {k: str(v) for k, v in asdict(cfg).items()},
+        "params": n_params,
+        "host": platform.node(),
+        "torch": torch.__version__,
+        "gpus": [torch.cuda.get_device_name(d) for d in devices if d.type == "cuda"],
+    }
 
     worker = None
     if any(m in cfg.modes for m in ("sync", "async")):
         from rlvr.engines.worker import HFWorkerEngine
 
         t0 = time.perf_counter()
-        worker = HFWorkerEngine(model, tok, device=str(devices[1]), dtype=dtype, bucket_mb=cfg.bucket_mb,
-                                engine=cfg.engine, max_batch_size=cfg.max_batch_size)
-        print(f"worker engine ({cfg.engine}, backend {worker.backend}) started in {time.perf_counter() - t0:.1f} s",
-              flush=True)
+        worker = HFWorkerEngine(
+            model,
+            tok,
+            device=str(devices[1]),
+            dtype=dtype,
+            bucket_mb=cfg.bucket_mb,
+            engine=cfg.engine,
+            max_batch_size=cfg.max_batch_size,
+        )
+        print(
+            f"worker engine ({cfg.engine}, backend {worker.backend}) started in {time.perf_counter() - t0:.1f} s",
+            flush=True,
+        )
     try:
         if worker is not None:
             print("== weight sync", flush=True)
@@ -430,27 +511,37 @@ def main(argv=None) -> int:
     base = modes.get("colocated", {}).get("time/step")
     size = "a tiny OLMo-2 on CPU (--tiny)" if cfg.tiny else "OLMo-2-0425-1B size, random bf16 weights"
     print(f"\n## Two GPUs: {size} ({n_params / 1e6:.1f} M params)\n")
-    print(f"{run.P} prompts x {run.G} samples, {run.T} new tokens (forced), engine {cfg.engine}, "
-          f"{cfg.steps} measured steps after {cfg.warmup} warmup; total run {results['total_s']:.0f} s; "
-          f"GPUs: {', '.join(results['gpus']) or 'CPU'}; utilisation via {next(iter(modes.values()), {}).get('util_source', 'n/a')}\n")
+    print(
+        f"{run.P} prompts x {run.G} samples, {run.T} new tokens (forced), engine {cfg.engine}, "
+        f"{cfg.steps} measured steps after {cfg.warmup} warmup; total run {results['total_s']:.0f} s; "
+        f"GPUs: {', '.join(results['gpus']) or 'CPU'}; utilisation via {next(iter(modes.values()), {}).get('util_source', 'n/a')}\n"
+    )
     if "sync" in results:
         s = results["sync"]
         print("| weight sync (full model) | value |\n|---|---|")
         print(f"| size | {s['bytes'] / 1e9:.2f} GB in {s['n_buckets']} buckets of <= {cfg.bucket_mb:.0f} MB |")
-        print(f"| sync_weights (sync path), median / min | {s['sync_weights_ms']:.1f} / {s['sync_weights_min_ms']:.1f} ms |")
+        print(
+            f"| sync_weights (sync path), median / min | {s['sync_weights_ms']:.1f} / {s['sync_weights_min_ms']:.1f} ms |"
+        )
         print(f"| snapshot on GPU 0 (async path) | {s['snapshot_ms']:.1f} ms |")
-        print(f"| load_snapshot transfer, median / min | {s['load_snapshot_ms']:.1f} / {s['load_snapshot_min_ms']:.1f} ms "
-              f"({s['gb_per_s']:.0f} GB/s) |")
+        print(
+            f"| load_snapshot transfer, median / min | {s['load_snapshot_ms']:.1f} / {s['load_snapshot_min_ms']:.1f} ms "
+            f"({s['gb_per_s']:.0f} GB/s) |"
+        )
         print(f"| load_snapshot incl. probe check | {s['load_with_probe_ms']:.1f} ms |")
         print(f"| goal < 100 ms | {'met' if s['load_snapshot_ms'] < 100 else 'NOT met'} |\n")
-    print("| mode | s/step | vs colocated | generate s | train s | trainer waits s | sync ms (in step) | GPU0 util % | GPU1 util % |")
+    print(
+        "| mode | s/step | vs colocated | generate s | train s | trainer waits s | sync ms (in step) | GPU0 util % | GPU1 util % |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for mode, m in modes.items():
         speed = f"{base / m['time/step']:.2f}x" if base and m.get("time/step") else "n/a"
         u = m["util"]
-        print(f"| {mode} | {fmt(m.get('time/step'))} | {speed} | {fmt(m.get('time/generate'))} | {fmt(m.get('time/train'))} | "
-              f"{fmt(m.get('time/wait'))} | {fmt(1e3 * m['time/sync'] if m.get('time/sync') is not None else None, '.1f')} | "
-              f"{fmt(u.get('gpu0'), '.0f')} | {fmt(u.get('gpu1'), '.0f')} |")
+        print(
+            f"| {mode} | {fmt(m.get('time/step'))} | {speed} | {fmt(m.get('time/generate'))} | {fmt(m.get('time/train'))} | "
+            f"{fmt(m.get('time/wait'))} | {fmt(1e3 * m['time/sync'] if m.get('time/sync') is not None else None, '.1f')} | "
+            f"{fmt(u.get('gpu0'), '.0f')} | {fmt(u.get('gpu1'), '.0f')} |"
+        )
     return 0
 
 

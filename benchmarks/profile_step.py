@@ -8,7 +8,10 @@ A diagnostic companion to ``bench_speed.py`` (which measures end to end): prints
 3. the compile time and step time of the training step through ``compile_backbone`` and a
    ``torch.profiler`` table of one compiled step.
 
-Usage: ``PYTHONPATH=src python benchmarks/profile_step.py --data-dir DIR [--tiny]``.
+``--family NAME`` (one of ``bench_speed.FAMILY_MODELS``) runs the decode part on that model's exact shape
+(random weights) instead of OLMo-2-1B's.
+
+Usage: ``PYTHONPATH=src python benchmarks/profile_step.py --data-dir DIR [--tiny] [--only decode] [--family NAME]``.
 """
 
 from __future__ import annotations
@@ -17,9 +20,9 @@ import argparse
 import time
 
 import torch
+from bench_speed import FAMILY_MODELS, TINY_FAMILY_SHAPE, Bench
 from torch.profiler import ProfilerActivity, profile
 
-from bench_speed import Bench
 from rlvr.engines.base import SamplingParams
 from rlvr.engines.fast import FastHFEngine
 from rlvr.grpo.logprobs import compile_backbone
@@ -38,8 +41,11 @@ def decode(bench: Bench):
     engine = FastHFEngine(bench.model, bench.tok, max_batch_size=len(prompts))
     engine.generate(prompts, params)  # allocates the state at its full size
     st = engine._state
-    print(f"\n## decode step: graph replay time (ms) by batch rows x attended response slots (prompt "
-          f"{bench.prompt_len} slots)", flush=True)
+    print(
+        f"\n## decode step: graph replay time (ms) by batch rows x attended response slots (prompt "
+        f"{bench.prompt_len} slots)",
+        flush=True,
+    )
     slots_list = [s for s in (128, 256, 384, 512) if s <= st.slots_cap]
     print("rows | " + " | ".join(str(s) for s in slots_list))
     for b in [x for x in (256, 128, 64, 32, 8, 1) if x <= st.rows_cap]:
@@ -104,20 +110,35 @@ def attention(bench: Bench):
             lens = torch.tensor([plen], device=bench.device), torch.tensor([slots - plen], device=bench.device)
             cells = []
             for block, warps, stages in ((16, 2, 2), (16, 2, 3), (32, 4, 2), (16, 2, 1), (32, 4, 1), (64, 4, 1)):
-                fn = lambda: triton_decode_attention(q, pk, pv, rk, rv, grp, start, *lens, block=block,  # noqa: E731
-                                                     num_warps=warps, num_stages=stages)
+                fn = lambda: triton_decode_attention(
+                    q,
+                    pk,
+                    pv,
+                    rk,
+                    rv,
+                    grp,
+                    start,
+                    *lens,
+                    block=block,  # noqa: E731
+                    num_warps=warps,
+                    num_stages=stages,
+                )
                 fn()
                 _, t = bench.timed(lambda: [fn() for _ in range(50)])
                 cells.append(f"block {block} warps {warps} stages {stages}: {1e6 * t / 50:.0f}")
             print(f"{rows} x {slots} (shared prompt of {plen}), triton: " + "; ".join(cells), flush=True)
-    for slots in ((32,) if bench.tiny else (384, 640)):
+    for slots in (32,) if bench.tiny else (384, 640):
         q = torch.randn(rows, heads, 1, dim, device=bench.device, dtype=bench.dtype)
         k, v = (torch.randn(rows, heads, slots, dim, device=bench.device, dtype=bench.dtype) for _ in range(2))
-        mask = (torch.arange(slots, device=bench.device)[None, :] >= torch.randint(0, 30, (rows, 1), device=bench.device))
+        mask = torch.arange(slots, device=bench.device)[None, :] >= torch.randint(0, 30, (rows, 1), device=bench.device)
         mask = mask[:, None, None, :]
         cells = []
-        for name, backend, m in (("cudnn", SDPBackend.CUDNN_ATTENTION, mask), ("efficient", SDPBackend.EFFICIENT_ATTENTION, mask),
-                                 ("flash (no mask)", SDPBackend.FLASH_ATTENTION, None), ("math", SDPBackend.MATH, mask)):
+        for name, backend, m in (
+            ("cudnn", SDPBackend.CUDNN_ATTENTION, mask),
+            ("efficient", SDPBackend.EFFICIENT_ATTENTION, mask),
+            ("flash (no mask)", SDPBackend.FLASH_ATTENTION, None),
+            ("math", SDPBackend.MATH, mask),
+        ):
             try:
                 with sdpa_kernel(backend):
                     fn = lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=m)  # noqa: E731
@@ -141,8 +162,18 @@ def training(bench: Bench):
     backbone = compile_backbone(model)
 
     def step():
-        return policy_gradient_update(model, opt, batch["input_ids"], batch["labels"], batch["response_mask"], adv, 1,
-                                      1.0, max_tokens_per_microbatch=budget, backbone=backbone)
+        return policy_gradient_update(
+            model,
+            opt,
+            batch["input_ids"],
+            batch["labels"],
+            batch["response_mask"],
+            adv,
+            1,
+            1.0,
+            max_tokens_per_microbatch=budget,
+            backbone=backbone,
+        )
 
     step()
     bench.sync()
@@ -151,8 +182,11 @@ def training(bench: Bench):
     for _ in range(3):
         _, t = bench.timed(step)
         times.append(t)
-    print(f"\n## compiled training step (layer-wise compile): first step {first:.1f} s, then "
-          f"{', '.join(f'{t:.3f}' for t in times)} s", flush=True)
+    print(
+        f"\n## compiled training step (layer-wise compile): first step {first:.1f} s, then "
+        f"{', '.join(f'{t:.3f}' for t in times)} s",
+        flush=True,
+    )
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=acts) as prof:
         step()
@@ -162,16 +196,48 @@ def training(bench: Bench):
     bench.free()
 
 
+def use_family_model(bench: Bench, name: str) -> None:
+    """Swap the bench's model for one of ``FAMILY_MODELS`` at its exact shape (random weights)."""
+    from transformers import AutoConfig
+
+    from rlvr.modeling import build_model
+
+    model_type, shape = FAMILY_MODELS[name]
+    shape = dict(shape, **(TINY_FAMILY_SHAPE if bench.tiny else {}))
+    if bench.tiny:
+        shape["vocab_size"] = len(bench.tok) + 64
+    config = AutoConfig.for_model(
+        model_type,
+        **shape,
+        pad_token_id=bench.tok.pad_token_id,
+        eos_token_id=bench.tok.eos_token_id,
+        bos_token_id=bench.tok.bos_token_id,
+    )
+    del bench.model
+    bench.free()
+    with torch.device(bench.device):
+        bench.model = build_model(config, seed=0, dtype=bench.dtype).eval()
+    print(f"\n# model: {name} ({sum(p.numel() for p in bench.model.parameters()) / 1e9:.2f} B parameters)", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data-dir", required=True)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--only", choices=("decode", "attention", "training"), default=None)
+    ap.add_argument(
+        "--family",
+        choices=tuple(FAMILY_MODELS),
+        default=None,
+        help="profile the decode step on this model's shape instead of OLMo-2-1B's",
+    )
     args = ap.parse_args()
     args.seed, args.all_variants, args.skip_baselines = 0, False, True
     bench = Bench(args)
     bench.setup()
     bench.ceilings()
+    if args.family:
+        use_family_model(bench, args.family)
     if args.only in (None, "decode"):
         decode(bench)
     if args.only in (None, "attention"):

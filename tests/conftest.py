@@ -16,7 +16,7 @@ GSM8K_DIR = REPO.parent / "shared" / "data" / "gsm8k"
 
 def gsm8k_dir() -> Path:
     if not (GSM8K_DIR / "train.jsonl").is_file():
-        pytest.skip(f"GSM8K copy not found at ../shared/data/gsm8k relative to the repo")
+        pytest.skip("GSM8K copy not found at ../shared/data/gsm8k relative to the repo")
     return GSM8K_DIR
 
 
@@ -65,10 +65,22 @@ def tiny_model(tiny_tokenizer):
 # hidden_size / heads.
 FAMILY_SHAPES = {
     "olmo2": dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False),
-    "llama": dict(hidden_size=48, num_attention_heads=6, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
-                  max_position_embeddings=4096, rope_theta=500000.0,
-                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                "original_max_position_embeddings": 64}),
+    "llama": dict(
+        hidden_size=48,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=True,
+        max_position_embeddings=4096,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
     "qwen2": dict(hidden_size=48, num_attention_heads=4, num_key_value_heads=1, tie_word_embeddings=True),
     "qwen3": dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=48, tie_word_embeddings=False),
 }
@@ -80,9 +92,15 @@ def family_config(family: str, tokenizer, num_layers: int = 2, **overrides):
 
     shape = dict(FAMILY_SHAPES[family], **overrides)
     shape.setdefault("intermediate_size", 2 * shape["hidden_size"])
-    return AutoConfig.for_model(family, vocab_size=len(tokenizer), num_hidden_layers=num_layers,
-                                pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
-                                bos_token_id=tokenizer.bos_token_id, **shape)
+    return AutoConfig.for_model(
+        family,
+        vocab_size=len(tokenizer),
+        num_hidden_layers=num_layers,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        **shape,
+    )
 
 
 def family_model(family: str, tokenizer, seed: int = 0, **overrides):
@@ -112,11 +130,17 @@ def greedy_generate_reference(model, tok, prompts, max_new_tokens):
     ids = torch.full((len(enc), L), tok.pad_token_id)
     mask = torch.zeros((len(enc), L), dtype=torch.long)
     for r, e in enumerate(enc):
-        ids[r, L - len(e):] = torch.tensor(e)
-        mask[r, L - len(e):] = 1
+        ids[r, L - len(e) :] = torch.tensor(e)
+        mask[r, L - len(e) :] = 1
     device = next(model.parameters()).device
-    out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
-                         max_new_tokens=max_new_tokens, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    out = model.generate(
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        pad_token_id=tok.pad_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
     refs = []
     for row in out[:, L:].tolist():
         if tok.eos_token_id in row:

@@ -18,8 +18,9 @@ def free_port() -> int:
 
 def _enter(rank: int, world_size: int, port: int, device: str, fn, args):
     # torchrun's variables, so the test goes through rlvr.distributed.init_distributed as a launch would.
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    )
     torch.set_num_threads(1)
     from rlvr.distributed import barrier, init_distributed, shutdown_distributed
 
@@ -40,10 +41,19 @@ def run_ranks(fn, *args, world_size: int = 2, device: str = "cpu") -> None:
 def tiny_config(vocab_size: int = 64, hidden_size: int = 32, num_layers: int = 2):
     from transformers import Olmo2Config
 
-    return Olmo2Config(vocab_size=vocab_size, hidden_size=hidden_size, num_hidden_layers=num_layers,
-                       num_attention_heads=4, num_key_value_heads=4, intermediate_size=2 * hidden_size,
-                       max_position_embeddings=128, pad_token_id=0, eos_token_id=1, bos_token_id=1,
-                       tie_word_embeddings=False)
+    return Olmo2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        intermediate_size=2 * hidden_size,
+        max_position_embeddings=128,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=1,
+        tie_word_embeddings=False,
+    )
 
 
 def tiny_causal_lm(seed: int = 0, **kwargs):

@@ -78,11 +78,23 @@ def train(variant: str | None, rank: int = 0, world_size: int = 1) -> dict[str, 
         for epoch in range(EPOCHS):
             order = torch.randperm(P * G, generator=torch.Generator().manual_seed(100 * step + epoch)).tolist()
             for start in range(0, P * G, TRAIN_BATCH):
-                mine = torch.tensor(local_rows(order[start:start + TRAIN_BATCH], held), dtype=torch.long)
+                mine = torch.tensor(local_rows(order[start : start + TRAIN_BATCH], held), dtype=torch.long)
                 policy_gradient_update(
-                    model, optimizer, batch["input_ids"][mine], batch["labels"][mine], batch["response_mask"][mine],
-                    advantages[mine], 2, 1.0, "grpo", old[mine], 0.2,
-                    global_batch=None if world_size == 1 and variant in (None, "reference-lora") else GlobalBatch.of(len(mine)))
+                    model,
+                    optimizer,
+                    batch["input_ids"][mine],
+                    batch["labels"][mine],
+                    batch["response_mask"][mine],
+                    advantages[mine],
+                    2,
+                    1.0,
+                    "grpo",
+                    old[mine],
+                    0.2,
+                    global_batch=None
+                    if world_size == 1 and variant in (None, "reference-lora")
+                    else GlobalBatch.of(len(mine)),
+                )
     return {name: t.detach().cpu().clone() for name, t in iter_full_weights(model)}
 
 

@@ -73,24 +73,30 @@ def versions(trainer_model, base_state, tiny_tokenizer):
 def engine(trainer_model, base_state, tiny_tokenizer):
     set_version(trainer_model, base_state, 0)
     # several buckets per sync, like a real model
-    eng = make_engine("hf-worker", trainer_model, tiny_tokenizer, device="cpu", bucket_mb=0.05, max_batch_size=MAX_BATCH)
+    eng = make_engine(
+        "hf-worker", trainer_model, tiny_tokenizer, device="cpu", bucket_mb=0.05, max_batch_size=MAX_BATCH
+    )
     yield eng
     eng.close()
 
 
 def sampled_by(batch, versions, tokenizer) -> list[int]:
     """Every version whose in-process engine reproduces the batch's completions exactly."""
-    return [v for v, m in versions.items()
-            if _ids(HFEngine(m, tokenizer, max_batch_size=MAX_BATCH).generate(batch.prompts, batch.params))
-            == _ids(batch.completions)]
+    return [
+        v
+        for v, m in versions.items()
+        if _ids(HFEngine(m, tokenizer, max_batch_size=MAX_BATCH).generate(batch.prompts, batch.params))
+        == _ids(batch.completions)
+    ]
 
 
 def masked_max_diff(a, b, mask):
     return float((a - b).abs()[mask].max())
 
 
-def test_one_step_async_schedule_tags_versions_and_old_log_probs(engine, trainer_model, base_state, versions,
-                                                                  tiny_tokenizer):
+def test_one_step_async_schedule_tags_versions_and_old_log_probs(
+    engine, trainer_model, base_state, versions, tiny_tokenizer
+):
     set_version(trainer_model, base_state, 0)
     with AsyncRollouts(engine, max_staleness=1) as rollouts:
         for step in range(1, 5):
@@ -112,7 +118,9 @@ def test_one_step_async_schedule_tags_versions_and_old_log_probs(engine, trainer
             # the retokenised batch is the trainer's own tokenisation of the same text
             from rlvr.grpo import tokenize_prompt_and_output
 
-            mine = tokenize_prompt_and_output([p for p in batch.prompts for _ in range(2)], batch.responses, tiny_tokenizer)
+            mine = tokenize_prompt_and_output(
+                [p for p in batch.prompts for _ in range(2)], batch.responses, tiny_tokenizer
+            )
             assert torch.equal(mine["input_ids"], batch.input_ids) and torch.equal(mine["response_mask"], mask)
             set_version(trainer_model, base_state, step)  # "train" on the batch: version step
         syncs = [e[1] for e in rollouts.events if e[0] == "sync_start"]
@@ -145,12 +153,15 @@ def test_synchronous_mode_is_on_policy(engine, trainer_model, base_state, versio
         set_version(trainer_model, base_state, 4)
         greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
         evaluated = rollouts.engine_for_eval(trainer_model, 4).generate(PROMPTS, greedy)
-        assert _ids(evaluated) == _ids(HFEngine(versions[4], tiny_tokenizer, max_batch_size=MAX_BATCH).generate(PROMPTS, greedy))
+        assert _ids(evaluated) == _ids(
+            HFEngine(versions[4], tiny_tokenizer, max_batch_size=MAX_BATCH).generate(PROMPTS, greedy)
+        )
         assert rollouts.events[-2:] == [("sync_start", 4), ("sync_end", 4)]
 
 
-def test_sync_requested_during_generation_is_queued_after_it(engine, trainer_model, base_state, versions,
-                                                              tiny_tokenizer):
+def test_sync_requested_during_generation_is_queued_after_it(
+    engine, trainer_model, base_state, versions, tiny_tokenizer
+):
     set_version(trainer_model, base_state, 0)
     long = SamplingParams(n=4, temperature=1.0, max_new_tokens=48, seed=3)
     with AsyncRollouts(engine, max_staleness=1) as rollouts:
@@ -170,8 +181,12 @@ def test_sync_requested_during_generation_is_queued_after_it(engine, trainer_mod
             ref = compute_log_probs_batched(versions[batch.weight_version], batch.input_ids, batch.labels, 16)
             assert masked_max_diff(batch.old_log_probs, ref, batch.response_mask) <= 1e-5
         kinds = [(e[0], e[1]) for e in rollouts.events]
-        assert (kinds.index(("rollout_start", 1)) < kinds.index(("sync_requested", 1)) < kinds.index(("sync_start", 1))
-                < kinds.index(("rollout_start", 2)))
+        assert (
+            kinds.index(("rollout_start", 1))
+            < kinds.index(("sync_requested", 1))
+            < kinds.index(("sync_start", 1))
+            < kinds.index(("rollout_start", 2))
+        )
         assert kinds.index(("rollout_end", 1)) < kinds.index(("sync_start", 1))
         with pytest.raises(ValueError, match="older"):
             rollouts.sync(trainer_model, 0)

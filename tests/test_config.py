@@ -11,8 +11,16 @@ from pathlib import Path
 import pytest
 
 from rlvr.config import (
-    AlgorithmConfig, ConfigError, DataConfig, EngineConfig, OptimConfig, RolloutConfig, TrainConfig, load_config_file,
-    parse_overrides, save_config,
+    AlgorithmConfig,
+    ConfigError,
+    DataConfig,
+    EngineConfig,
+    OptimConfig,
+    RolloutConfig,
+    TrainConfig,
+    load_config_file,
+    parse_overrides,
+    save_config,
 )
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -30,27 +38,42 @@ def test_defaults_are_spec_hyperparameters():
     assert (c.rollout.temperature, c.rollout.top_p, c.rollout.max_new_tokens) == (1.0, 1.0, 512)
     assert c.eval_every == 10 and c.data.val_size >= 1024 and c.dump_every == 40 and c.data.train_size == 6400
     assert not c.off_policy and c.updates_per_rollout_batch == 1
-    assert (c.algorithm.baseline, c.algorithm.advantage_normalizer, c.algorithm.loss_normalization) == ("mean", "std", "sequence")
+    assert (c.algorithm.baseline, c.algorithm.advantage_normalizer, c.algorithm.loss_normalization) == (
+        "mean",
+        "std",
+        "sequence",
+    )
     assert c.validate() == []
 
 
-@pytest.mark.parametrize("preset,axes", [
-    ("grpo", ("mean", "std", "sequence")), ("grpo_constant", ("mean", "std", "constant")),
-    ("dr_grpo", ("mean", "none", "constant")), ("rft", ("none", "none", "constant")), ("maxrl", ("mean", "mean", "constant")),
-])
+@pytest.mark.parametrize(
+    "preset,axes",
+    [
+        ("grpo", ("mean", "std", "sequence")),
+        ("grpo_constant", ("mean", "std", "constant")),
+        ("dr_grpo", ("mean", "none", "constant")),
+        ("rft", ("none", "none", "constant")),
+        ("maxrl", ("mean", "mean", "constant")),
+    ],
+)
 def test_presets_resolve_and_axes_override(preset, axes):
     a = resolved(algorithm=AlgorithmConfig(preset=preset)).algorithm
     assert (a.baseline, a.advantage_normalizer, a.loss_normalization) == axes
     if axes[2] == "constant":
         assert a.normalization_constant == 256 * 512  # Dr. GRPO: batch x max generation length
-    b = resolved(algorithm=AlgorithmConfig(preset=preset, advantage_normalizer="none", normalization_constant=7.0)).algorithm
+    b = resolved(
+        algorithm=AlgorithmConfig(preset=preset, advantage_normalizer="none", normalization_constant=7.0)
+    ).algorithm
     assert b.advantage_normalizer == "none" and b.baseline == axes[0]
     if axes[2] == "constant":
         assert b.normalization_constant == 7.0
 
 
 def test_cliprange_defaults_per_method_and_off_policy_32x():
-    c = resolved(algorithm=AlgorithmConfig(reweighting="gspo"), optim=OptimConfig(train_batch_size=8, gradient_accumulation_steps=1))
+    c = resolved(
+        algorithm=AlgorithmConfig(reweighting="gspo"),
+        optim=OptimConfig(train_batch_size=8, gradient_accumulation_steps=1),
+    )
     assert c.algorithm.cliprange == 3e-4 and c.off_policy and c.updates_per_rollout_batch == 32
     assert resolved(algorithm=AlgorithmConfig(reweighting="grpo")).algorithm.cliprange == 0.2
     assert resolved(algorithm=AlgorithmConfig(reweighting="grpo", cliprange=0.1)).algorithm.cliprange == 0.1
@@ -58,25 +81,36 @@ def test_cliprange_defaults_per_method_and_off_policy_32x():
     assert c.validate() == []
 
 
-@pytest.mark.parametrize("kw,fix", [
-    (dict(optim=OptimConfig(train_batch_size=48)), "pick a divisor of 256"),
-    (dict(optim=OptimConfig(gradient_accumulation_steps=3)), "not divisible by optim.gradient_accumulation_steps=3"),
-    (dict(algorithm=AlgorithmConfig(preset="ppo")), "unknown algorithm.preset 'ppo'"),
-    (dict(algorithm=AlgorithmConfig(reweighting="clipped")), "unknown algorithm.reweighting 'clipped'"),
-    (dict(algorithm=AlgorithmConfig(baseline="median")), "unknown algorithm.baseline"),
-    (dict(algorithm=AlgorithmConfig(reweighting="grpo", cliprange=-0.2)), "cliprange must be > 0"),
-    (dict(algorithm=AlgorithmConfig(preset="dr_grpo", normalization_constant=0.0)), "positive algorithm.normalization_constant"),
-    (dict(rollout=RolloutConfig(group_size=1)), "group_size >= 2"),
-    (dict(rollout=RolloutConfig(rollout_batch_size=100, group_size=8)), "not divisible by rollout.group_size=8"),
-    (dict(rollout=RolloutConfig(temperature=0.0)), "temperature must be > 0"),
-    (dict(prompt="cot"), "unknown prompt 'cot'"),
-    (dict(optim=OptimConfig(schedule="step")), "unknown optim.schedule"),
-    (dict(data=DataConfig(train_size=16)), "smaller than one rollout batch"),
-    (dict(engine=EngineConfig(max_staleness=2)), "engine.max_staleness must be 0"),
-    (dict(engine=EngineConfig(name="hf", max_staleness=1), algorithm=AlgorithmConfig(reweighting="grpo")),
-     "Set engine.name=hf-worker"),
-    (dict(engine=EngineConfig(name="hf-worker", max_staleness=1)), "Set algorithm.reweighting to grpo"),
-])
+@pytest.mark.parametrize(
+    "kw,fix",
+    [
+        (dict(optim=OptimConfig(train_batch_size=48)), "pick a divisor of 256"),
+        (
+            dict(optim=OptimConfig(gradient_accumulation_steps=3)),
+            "not divisible by optim.gradient_accumulation_steps=3",
+        ),
+        (dict(algorithm=AlgorithmConfig(preset="ppo")), "unknown algorithm.preset 'ppo'"),
+        (dict(algorithm=AlgorithmConfig(reweighting="clipped")), "unknown algorithm.reweighting 'clipped'"),
+        (dict(algorithm=AlgorithmConfig(baseline="median")), "unknown algorithm.baseline"),
+        (dict(algorithm=AlgorithmConfig(reweighting="grpo", cliprange=-0.2)), "cliprange must be > 0"),
+        (
+            dict(algorithm=AlgorithmConfig(preset="dr_grpo", normalization_constant=0.0)),
+            "positive algorithm.normalization_constant",
+        ),
+        (dict(rollout=RolloutConfig(group_size=1)), "group_size >= 2"),
+        (dict(rollout=RolloutConfig(rollout_batch_size=100, group_size=8)), "not divisible by rollout.group_size=8"),
+        (dict(rollout=RolloutConfig(temperature=0.0)), "temperature must be > 0"),
+        (dict(prompt="cot"), "unknown prompt 'cot'"),
+        (dict(optim=OptimConfig(schedule="step")), "unknown optim.schedule"),
+        (dict(data=DataConfig(train_size=16)), "smaller than one rollout batch"),
+        (dict(engine=EngineConfig(max_staleness=2)), "engine.max_staleness must be 0"),
+        (
+            dict(engine=EngineConfig(name="hf", max_staleness=1), algorithm=AlgorithmConfig(reweighting="grpo")),
+            "Set engine.name=hf-worker",
+        ),
+        (dict(engine=EngineConfig(name="hf-worker", max_staleness=1)), "Set algorithm.reweighting to grpo"),
+    ],
+)
 def test_impossible_settings_name_the_fix(kw, fix):
     with pytest.raises(ConfigError, match=fix.replace("(", r"\(").replace(".", r"\.")):
         TrainConfig(**kw).resolve().validate()
@@ -130,8 +164,15 @@ def test_config_json_round_trips(tmp_path):
     assert back == c
 
 
-@pytest.mark.parametrize("name", ["gsm8k_olmo2_1b_grpo.yaml", "gsm8k_olmo2_1b_offpolicy_32x.toml", "tiny_cpu.yaml",
-                                  "gsm8k_olmo2_1b_async_2gpu.yaml"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "gsm8k_olmo2_1b_grpo.yaml",
+        "gsm8k_olmo2_1b_offpolicy_32x.toml",
+        "tiny_cpu.yaml",
+        "gsm8k_olmo2_1b_async_2gpu.yaml",
+    ],
+)
 def test_example_configs_validate(name):
     c = load_config_file(CONFIGS / name).resolve()
     with warnings.catch_warnings():
@@ -144,7 +185,12 @@ def test_example_configs_validate(name):
         assert c.updates_per_rollout_batch == 32 and c.algorithm.cliprange == 0.2
     if "olmo2_1b_grpo" in name:
         defaults = TrainConfig().resolve()
-        assert dataclasses.replace(c, engine=defaults.engine, policy_device=defaults.policy_device, save_every=defaults.save_every) == defaults
+        assert (
+            dataclasses.replace(
+                c, engine=defaults.engine, policy_device=defaults.policy_device, save_every=defaults.save_every
+            )
+            == defaults
+        )
 
 
 def test_async_on_the_policy_gpu_warns_that_nothing_overlaps():
@@ -160,10 +206,17 @@ def test_async_on_the_policy_gpu_warns_that_nothing_overlaps():
 # Typed values: one reader for files, sweeps and config.json
 # -------------------------------------------------------------------------------------------------
 
+
 def test_values_are_converted_to_their_field_types():
-    c = TrainConfig.from_dict({"optim": {"lr": 1, "betas": [0.8, 1], "train_batch_size": None},
-                               "algorithm": {"advantage_eps": 0, "cliprange": 2},
-                               "data": {"train_size": 64.0}, "plugins": ["a.py"], "n_steps": 5})
+    c = TrainConfig.from_dict(
+        {
+            "optim": {"lr": 1, "betas": [0.8, 1], "train_batch_size": None},
+            "algorithm": {"advantage_eps": 0, "cliprange": 2},
+            "data": {"train_size": 64.0},
+            "plugins": ["a.py"],
+            "n_steps": 5,
+        }
+    )
     assert c.optim.lr == 1.0 and isinstance(c.optim.lr, float)
     assert c.optim.betas == (0.8, 1.0) and all(isinstance(b, float) for b in c.optim.betas)
     assert isinstance(c.algorithm.advantage_eps, float) and c.algorithm.cliprange == 2.0
@@ -171,18 +224,24 @@ def test_values_are_converted_to_their_field_types():
     assert c.plugins == ("a.py",) and c.n_steps == 5
 
 
-@pytest.mark.parametrize("data,message", [
-    ({"n_steps": "3"}, "config key n_steps must be an integer, got string '3' (write the number without quotes)"),
-    ({"optim": {"lr": "1e-3"}}, "config key optim.lr must be a number, got string '1e-3' (write the number without quotes)"),
-    ({"n_steps": 2.5}, "config key n_steps must be an integer, got number 2.5"),
-    ({"log": {"wandb": "yes"}}, "config key log.wandb must be true or false, got string 'yes'"),
-    ({"optim": {"schedule": "cosin"}}, "config key optim.schedule must be one of 'constant', 'cosine', 'linear'"),
-    ({"optim": {"betas": [0.9]}}, "config key optim.betas must be a list of 2 numbers, got list [0.9]"),
-    ({"data": {"train_size": "all"}}, "config key data.train_size must be an integer (or null), got string 'all'"),
-    ({"seed": True}, "config key seed must be an integer, got boolean True"),
-    ({"model": "tiny"}, "config key model must be a mapping of keys to values, got string 'tiny'"),
-    ({"plugins": "a.py"}, "config key plugins must be a list of strings"),
-])
+@pytest.mark.parametrize(
+    "data,message",
+    [
+        ({"n_steps": "3"}, "config key n_steps must be an integer, got string '3' (write the number without quotes)"),
+        (
+            {"optim": {"lr": "1e-3"}},
+            "config key optim.lr must be a number, got string '1e-3' (write the number without quotes)",
+        ),
+        ({"n_steps": 2.5}, "config key n_steps must be an integer, got number 2.5"),
+        ({"log": {"wandb": "yes"}}, "config key log.wandb must be true or false, got string 'yes'"),
+        ({"optim": {"schedule": "cosin"}}, "config key optim.schedule must be one of 'constant', 'cosine', 'linear'"),
+        ({"optim": {"betas": [0.9]}}, "config key optim.betas must be a list of 2 numbers, got list [0.9]"),
+        ({"data": {"train_size": "all"}}, "config key data.train_size must be an integer (or null), got string 'all'"),
+        ({"seed": True}, "config key seed must be an integer, got boolean True"),
+        ({"model": "tiny"}, "config key model must be a mapping of keys to values, got string 'tiny'"),
+        ({"plugins": "a.py"}, "config key plugins must be a list of strings"),
+    ],
+)
 def test_wrong_types_name_the_key_and_the_expected_type(data, message):
     with pytest.raises(ConfigError) as e:
         TrainConfig.from_dict(data)

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlvr.experiments.plugins import import_plugin, main as plugins_main
+from rlvr.experiments.plugins import import_plugin
+from rlvr.experiments.plugins import main as plugins_main
 from rlvr.grpo import REWEIGHTINGS, compute_policy_gradient_loss
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "my_estimator.py"
@@ -96,9 +97,19 @@ def test_selectable_in_the_train_step(clip_higher_module, tiny_model):
     old = torch.full((B, T), -math.log(100.0))  # far from the model's log-probs: many ratios clip
     opt = torch.optim.SGD(tiny_model.parameters(), lr=0.1)
     before = [p.detach().clone() for p in tiny_model.parameters()]
-    loss, meta = policy_gradient_update(tiny_model, opt, input_ids, labels, mask, torch.tensor([1.0, -1.0, 0.5, -0.5]),
-                                        gradient_accumulation_steps=2, max_grad_norm=1.0,
-                                        importance_reweighting_method="clip_higher", old_log_probs=old, cliprange=0.2)
+    loss, meta = policy_gradient_update(
+        tiny_model,
+        opt,
+        input_ids,
+        labels,
+        mask,
+        torch.tensor([1.0, -1.0, 0.5, -0.5]),
+        gradient_accumulation_steps=2,
+        max_grad_norm=1.0,
+        importance_reweighting_method="clip_higher",
+        old_log_probs=old,
+        cliprange=0.2,
+    )
     assert 0.0 <= meta["clip_fraction"] <= 1.0 and math.isfinite(float(loss))
     assert any(not torch.equal(a, b) for a, b in zip(before, tiny_model.parameters()))
 
@@ -108,8 +119,10 @@ def test_plugin_launcher_imports_before_running(tmp_path, monkeypatch):
     import rlvr.cli
 
     probe = tmp_path / "probe_cmd.py"
-    probe.write_text("from rlvr.grpo import REWEIGHTINGS\n"
-                     "def main(argv):\n    import builtins\n    builtins._probe = ('clip_higher' in REWEIGHTINGS, argv)\n    return 0\n")
+    probe.write_text(
+        "from rlvr.grpo import REWEIGHTINGS\n"
+        "def main(argv):\n    import builtins\n    builtins._probe = ('clip_higher' in REWEIGHTINGS, argv)\n    return 0\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setitem(rlvr.cli.COMMANDS, "probe", ("probe_cmd", "test"))
     assert plugins_main(["--plugin", str(EXAMPLE), "--", "probe", "--x", "1"]) == 0

@@ -19,13 +19,42 @@ from rlvr.logging_utils import read_metrics
 
 EXAMPLE = REPO / "examples" / "sort_words"
 # A ChatML-like template: enough for the tiny tokenizer to render system, user and assistant turns.
-CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
 # The example's config with a tiny model's sizes: two prompts of two samples, a few tokens each.
-TINY = ["--engine.name", "hf-fast", "--engine.max_batch_size", "8", "--n_steps", "2", "--eval_every", "0",
-        "--save_every", "0", "--dump_every", "1", "--rollout.n_prompts_per_rollout_batch", "2", "--rollout.group_size", "2",
-        "--rollout.max_new_tokens", "6", "--optim.lr", "1e-3", "--optim.gradient_accumulation_steps", "1",
-        "--data.train_size", "8", "--data.val_size", "2", "--log.no-progress", "--policy_device", "cpu"]
+TINY = [
+    "--engine.name",
+    "hf-fast",
+    "--engine.max_batch_size",
+    "8",
+    "--n_steps",
+    "2",
+    "--eval_every",
+    "0",
+    "--save_every",
+    "0",
+    "--dump_every",
+    "1",
+    "--rollout.n_prompts_per_rollout_batch",
+    "2",
+    "--rollout.group_size",
+    "2",
+    "--rollout.max_new_tokens",
+    "6",
+    "--optim.lr",
+    "1e-3",
+    "--optim.gradient_accumulation_steps",
+    "1",
+    "--data.train_size",
+    "8",
+    "--data.val_size",
+    "2",
+    "--log.no-progress",
+    "--policy_device",
+    "cpu",
+]
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +92,9 @@ def with_values(argv: list[str], **values) -> list[str]:
     return argv
 
 
-@pytest.mark.parametrize("family, data_format", [("llama", "jsonl"), ("qwen2", "parquet"), ("qwen3", "jsonl"),
-                                                 ("olmo2", "parquet")])
+@pytest.mark.parametrize(
+    "family, data_format", [("llama", "jsonl"), ("qwen2", "parquet"), ("qwen3", "jsonl"), ("olmo2", "parquet")]
+)
 def test_example_task_trains_and_evaluates_on_each_family(family, data_format, chat_tokenizer, tmp_path, monkeypatch):
     """The page's two commands on a tiny model (``rlvr train`` with hf-fast and the tiny sizes)."""
     from rlvr.cli import main
@@ -81,8 +111,9 @@ def test_example_task_trains_and_evaluates_on_each_family(family, data_format, c
         pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
         data = ["--data.train_source", str(tmp_path / "train.parquet")]
     run = tmp_path / "run"
-    assert main([*with_values(commands["train"], out=str(run)), "--model.name_or_path", str(model_dir), *TINY,
-                 *data]) == 0
+    assert (
+        main([*with_values(commands["train"], out=str(run)), "--model.name_or_path", str(model_dir), *TINY, *data]) == 0
+    )
     rows = read_metrics(run / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows[1:]:
@@ -90,12 +121,28 @@ def test_example_task_trains_and_evaluates_on_each_family(family, data_format, c
         assert 0 <= r["train/reward/same_words"] <= 1 and 0 <= r["train/reward/pairs_in_order"] <= 1
     assert "val/reward" in rows[-1] and "val/reward/same_words" in rows[-1]
     dumped = [json.loads(line) for line in (run / "rollouts" / "step_1.jsonl").read_text().splitlines()]
-    assert dumped[0]["prompt"].startswith("<|system|>\nSort the words") and dumped[0]["prompt"].endswith("<|assistant|>\n")
+    assert dumped[0]["prompt"].startswith("<|system|>\nSort the words") and dumped[0]["prompt"].endswith(
+        "<|assistant|>\n"
+    )
     assert "Sort these words alphabetically:" in dumped[0]["prompt"]
 
     out = tmp_path / "eval"
-    assert main([*with_values(commands["eval"], model=str(model_dir), out=str(out)), "--limit", "2",
-                 "--max-tokens", "6", "--engine", "hf-fast", "--device", "cpu"]) == 0
+    assert (
+        main(
+            [
+                *with_values(commands["eval"], model=str(model_dir), out=str(out)),
+                "--limit",
+                "2",
+                "--max-tokens",
+                "6",
+                "--engine",
+                "hf-fast",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 0
+    )
     result = json.loads((out / "results.json").read_text())["results"]["chat"]
     k = int(commands["eval"][commands["eval"].index("--n") + 1])
     assert result["n"] == 2 * k and set(result["pass_at_k"]) >= {"1", str(k)} and "avg_at_k" in result
@@ -110,11 +157,35 @@ def test_eval_flags_give_the_same_prompt_data_and_reward_as_the_config(chat_toke
     model_dir = save_model("qwen2", chat_tokenizer, tmp_path / "model")
     common = ["--model", str(model_dir), "--limit", "3", "--max-tokens", "4", "--device", "cpu", "--temperature", "0"]
     assert main(["eval", *common, "--config", str(EXAMPLE / "config.yaml"), "--out", str(tmp_path / "a")]) == 0
-    system = ("Sort the words the user gives you. End your reply with one line 'Answer: ' followed by the sorted "
-              "words, separated by spaces.")
-    assert main(["eval", *common, "--out", str(tmp_path / "b"), "--prompt", "chat", "--system", system,
-                 "--data", str(EXAMPLE / "test.jsonl"), "--question-field", "task", "--answer-field", "sorted",
-                 "--answer-format", "raw", "--reward", "examples/sort_words/reward.py:sort_reward"]) == 0
+    system = (
+        "Sort the words the user gives you. End your reply with one line 'Answer: ' followed by the sorted "
+        "words, separated by spaces."
+    )
+    assert (
+        main(
+            [
+                "eval",
+                *common,
+                "--out",
+                str(tmp_path / "b"),
+                "--prompt",
+                "chat",
+                "--system",
+                system,
+                "--data",
+                str(EXAMPLE / "test.jsonl"),
+                "--question-field",
+                "task",
+                "--answer-field",
+                "sorted",
+                "--answer-format",
+                "raw",
+                "--reward",
+                "examples/sort_words/reward.py:sort_reward",
+            ]
+        )
+        == 0
+    )
     a, b = ([json.loads(x) for x in (tmp_path / d / "samples.jsonl").read_text().splitlines()] for d in "ab")
     keys = ("prompt", "ground_truth", "response", "reward", "same_words")
     assert [[s[k] for k in keys] for s in a] == [[s[k] for k in keys] for s in b]
@@ -145,11 +216,34 @@ def test_eval_of_a_config_with_named_validation_sets(chat_tokenizer, tmp_path, m
 
     monkeypatch.chdir(REPO)
     model_dir = save_model("llama", chat_tokenizer, tmp_path / "model")
-    text = (EXAMPLE / "config.yaml").read_text().replace(
-        "  val_source: examples/sort_words/test.jsonl\n",
-        "  val_sources: ['held_out=examples/sort_words/test.jsonl', 'seen=examples/sort_words/train.jsonl size=3']\n")
+    text = (
+        (EXAMPLE / "config.yaml")
+        .read_text()
+        .replace(
+            "  val_source: examples/sort_words/test.jsonl\n",
+            "  val_sources: ['held_out=examples/sort_words/test.jsonl', 'seen=examples/sort_words/train.jsonl size=3']\n",
+        )
+    )
     (tmp_path / "config.yaml").write_text(text)
-    assert main(["eval", "--model", str(model_dir), "--config", str(tmp_path / "config.yaml"), "--out",
-                 str(tmp_path / "eval"), "--max-tokens", "4", "--device", "cpu", "--limit", "2"]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--model",
+                str(model_dir),
+                "--config",
+                str(tmp_path / "config.yaml"),
+                "--out",
+                str(tmp_path / "eval"),
+                "--max-tokens",
+                "4",
+                "--device",
+                "cpu",
+                "--limit",
+                "2",
+            ]
+        )
+        == 0
+    )
     results = json.loads((tmp_path / "eval" / "results.json").read_text())["results"]
     assert {name: m["n"] for name, m in results.items()} == {"held_out": 2, "seen": 2}

@@ -77,7 +77,9 @@ def test_extract_gsm8k_answer_without_marker_is_an_error():
 
 
 def test_jsonl_rows_become_examples(tmp_path):
-    path = write_jsonl(tmp_path / "tiny.jsonl", [row("How many?", "3 + 4 = <<3+4=7>>7\n#### 7"), "", row("Big?", "#### 1,000")])
+    path = write_jsonl(
+        tmp_path / "tiny.jsonl", [row("How many?", "3 + 4 = <<3+4=7>>7\n#### 7"), "", row("Big?", "#### 1,000")]
+    )
     examples = load_gsm8k_jsonl(path)
     assert examples == [Example("How many?", "7", "3 + 4 = 7"), Example("Big?", "1,000", "")]
 
@@ -153,8 +155,10 @@ def test_missing_local_path_is_an_error_not_a_hub_lookup(tmp_path):
 
 
 def custom_rows():
-    return [{"problem": "What is 1/2 + 1/2?", "solution": "It is $\\boxed{1}$.", "level": 2},
-            {"problem": "Simplify x + x.", "solution": "We get \\boxed{2x}.", "level": 3}]
+    return [
+        {"problem": "What is 1/2 + 1/2?", "solution": "It is $\\boxed{1}$.", "level": 2},
+        {"problem": "Simplify x + x.", "solution": "We get \\boxed{2x}.", "level": 3},
+    ]
 
 
 def write_table(path: Path, rows: list[dict]) -> Path:
@@ -204,21 +208,28 @@ def test_a_folder_holds_the_split_as_one_file_or_shards(tmp_path, suffix):
 
 
 def test_raw_answers_and_every_other_column_reaches_meta(tmp_path):
-    path = write_table(tmp_path / "d.jsonl", [{"prompt": "Capital of France?", "target": " Paris ", "lang": "en",
-                                               "aliases": ["Paris", "paris"]}])
+    path = write_table(
+        tmp_path / "d.jsonl",
+        [{"prompt": "Capital of France?", "target": " Paris ", "lang": "en", "aliases": ["Paris", "paris"]}],
+    )
     [ex] = load_examples(str(path), question_field="prompt", answer_field="target", answer_format="raw")
     assert ex.ground_truth == "Paris" and ex.meta == {"lang": "en", "aliases": ["Paris", "paris"]}
 
 
-@pytest.mark.parametrize("suffix, where", [(".jsonl", ":2:"), (".json", ":6:"), (".csv", ":3:"), (".parquet", ": row 2:")])
+@pytest.mark.parametrize(
+    "suffix, where", [(".jsonl", ":2:"), (".json", ":6:"), (".csv", ":3:"), (".parquet", ": row 2:")]
+)
 def test_a_row_without_the_column_names_file_and_line_and_the_fix(tmp_path, suffix, where):
     rows = [{"question": "q1", "answer": "#### 1"}, {"question": "q2", "answer": "no marker"}]
     path = write_table(tmp_path / f"bad{suffix}", rows)
     with pytest.raises(DataError) as info:
         load_examples(str(path))
     assert f"bad{suffix}{where}" in str(info.value) and "####" in str(info.value)
-    with pytest.raises(DataError, match=rf"bad\{suffix}\S*: .*no column 'problem' \(columns: question, answer\); "
-                                        "set data.question_field"):
+    with pytest.raises(
+        DataError,
+        match=rf"bad\{suffix}\S*: .*no column 'problem' \(columns: question, answer\); "
+        "set data.question_field",
+    ):
         load_examples(str(path), question_field="problem")
 
 
@@ -240,8 +251,14 @@ def test_a_hub_dataset_gets_its_config_split_and_columns(monkeypatch):
         return [{"problem": "1+1?", "solution": "so \\boxed{2}", "type": "Algebra"}]
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    [ex] = load_examples("someone/math", "test", question_field="problem", answer_field="solution",
-                         answer_format="boxed", config="algebra")
+    [ex] = load_examples(
+        "someone/math",
+        "test",
+        question_field="problem",
+        answer_field="solution",
+        answer_format="boxed",
+        config="algebra",
+    )
     assert calls == [("someone/math", "algebra", "test")]
     assert (ex.question, ex.ground_truth, ex.meta) == ("1+1?", "2", {"type": "Algebra"})
     load_examples("openai/gsm8k", "train", question_field="problem", answer_field="solution", answer_format="boxed")

@@ -45,8 +45,8 @@ def per_row_softmax(q, pk, pv, rk, rv, grp, start, plen, rlen):
     out = torch.empty(q.shape, dtype=torch.float64)
     for b in range(q.shape[0]):
         g, s0 = int(grp[b]), int(start[b])
-        keys = torch.cat([pk[g, :, s0:int(plen)], rk[b, :, :int(rlen)]], dim=1).double()
-        vals = torch.cat([pv[g, :, s0:int(plen)], rv[b, :, :int(rlen)]], dim=1).double()
+        keys = torch.cat([pk[g, :, s0 : int(plen)], rk[b, :, : int(rlen)]], dim=1).double()
+        vals = torch.cat([pv[g, :, s0 : int(plen)], rv[b, :, : int(rlen)]], dim=1).double()
         for h in range(q.shape[1]):
             w = torch.softmax(keys[h] @ q[b, h, 0].double() / math.sqrt(q.shape[-1]), dim=0)
             out[b, h, 0] = w @ vals[h]
@@ -59,10 +59,15 @@ def test_reference_by_hand():
     weights 2/6, 1/6, 3/6 on values (6, 0), (0, 6), (2, 2) give (3, 2). Slot 0 of the prompt (padding)
     and response slot 1 (not yet written) hold huge scores that must be masked out."""
     big = 100.0
-    pk = torch.tensor([[[[big, 0.0], [math.log(2), 5.0], [0.0, 7.0], [big, 0.0]]],
-                       [[[0.0, 0.0], [0.0, 0.0], [math.log(5), 0.0], [big, 0.0]]]])   # (2 groups, 1, 4, 2)
-    pv = torch.tensor([[[[9.0, 9.0], [6.0, 0.0], [0.0, 6.0], [9.0, 9.0]]],
-                       [[[9.0, 9.0], [9.0, 9.0], [4.0, 0.0], [9.0, 9.0]]]])
+    pk = torch.tensor(
+        [
+            [[[big, 0.0], [math.log(2), 5.0], [0.0, 7.0], [big, 0.0]]],
+            [[[0.0, 0.0], [0.0, 0.0], [math.log(5), 0.0], [big, 0.0]]],
+        ]
+    )  # (2 groups, 1, 4, 2)
+    pv = torch.tensor(
+        [[[[9.0, 9.0], [6.0, 0.0], [0.0, 6.0], [9.0, 9.0]]], [[[9.0, 9.0], [9.0, 9.0], [4.0, 0.0], [9.0, 9.0]]]]
+    )
     rk = torch.tensor([[[[math.log(3), -1.0], [big, 0.0]]], [[[0.0, 0.0], [big, 0.0]]]])  # (2 rows, 1, 2, 2)
     rv = torch.tensor([[[[2.0, 2.0], [9.0, 9.0]]], [[[0.0, 1.0], [9.0, 9.0]]]])
     q = torch.tensor([[[[math.sqrt(2), 0.0]]], [[[math.sqrt(2), 0.0]]]])
@@ -78,8 +83,9 @@ def test_reference_by_hand():
 @pytest.mark.parametrize("rlen", [1, 7, 19])
 def test_reference_equals_per_row_softmax(seed, rlen):
     c = random_case(seed)
-    out = reference_decode_attention(**c, rlen=torch.tensor([rlen]), prompt_slots=c["pk"].shape[2],
-                                     response_slots=c["rk"].shape[2])
+    out = reference_decode_attention(
+        **c, rlen=torch.tensor([rlen]), prompt_slots=c["pk"].shape[2], response_slots=c["rk"].shape[2]
+    )
     expected = per_row_softmax(**c, rlen=rlen)
     assert torch.allclose(out.double(), expected, atol=1e-5)
 
@@ -118,12 +124,12 @@ def test_reference_reads_responses_through_cache_rows():
 
 def test_default_splits_by_hand():
     """Powers of two bringing rows x heads x splits to at most 1,024 programs, at most 16 splits."""
-    assert default_splits(256, 16) == 1   # 4,096 programs already
-    assert default_splits(64, 16) == 1    # 1,024
-    assert default_splits(32, 16) == 2    # 512 -> 1,024
+    assert default_splits(256, 16) == 1  # 4,096 programs already
+    assert default_splits(64, 16) == 1  # 1,024
+    assert default_splits(32, 16) == 2  # 512 -> 1,024
     assert default_splits(16, 16) == 4
     assert default_splits(8, 16) == 8
-    assert default_splits(1, 16) == 16    # capped (64 would reach 1,024)
+    assert default_splits(1, 16) == 16  # capped (64 would reach 1,024)
     assert default_splits(3, 16, programs=100) == 2  # 48 -> 96
 
 
@@ -144,7 +150,13 @@ def test_triton_kernel_and_engine_under_the_interpreter():
     ``attention="triton"`` against the SDPA path) in a child pytest with ``TRITON_INTERPRET=1``."""
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / "interpreted")],
-                          cwd=TESTS.parent, env=env, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(TESTS / "interpreted")],
+        cwd=TESTS.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and "skipped" not in proc.stdout, proc.stdout[-2000:]

@@ -17,8 +17,9 @@ def _train_one_step(model, world):
     mask = torch.zeros(4, 10, dtype=torch.bool)
     mask[:, 4:] = True
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    policy_gradient_update(model, optimizer, ids, ids, mask, torch.tensor([1.0, -1.0, 0.5, -0.5]), 1, 1.0,
-                           global_batch=GlobalBatch.of(4))
+    policy_gradient_update(
+        model, optimizer, ids, ids, mask, torch.tensor([1.0, -1.0, 0.5, -0.5]), 1, 1.0, global_batch=GlobalBatch.of(4)
+    )
     return optimizer
 
 
@@ -105,7 +106,9 @@ def _lora_worker(world, out):
     from rlvr.lora import apply_lora
 
     torch.manual_seed(11)  # the same adapter initialisation on every rank
-    model = apply_lora(tiny_causal_lm(seed=0), LoraConfig(rank=4, alpha=8, target_modules=("q_proj", "v_proj", "down_proj")))
+    model = apply_lora(
+        tiny_causal_lm(seed=0), LoraConfig(rank=4, alpha=8, target_modules=("q_proj", "v_proj", "down_proj"))
+    )
     trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
     model = wrap_model(model, "fsdp")
     before = {n: p.full_tensor().clone() for n, p in model.named_parameters()}
@@ -131,7 +134,9 @@ def test_lora_under_fsdp_trains_adapters_and_exports_merged(tmp_path):
 
     # the adapters alone were checkpointed: rebuild base + adapters in one process and load them
     torch.manual_seed(99)
-    adapted = apply_lora(tiny_causal_lm(seed=0), LoraConfig(rank=4, alpha=8, target_modules=("q_proj", "v_proj", "down_proj")))
+    adapted = apply_lora(
+        tiny_causal_lm(seed=0), LoraConfig(rank=4, alpha=8, target_modules=("q_proj", "v_proj", "down_proj"))
+    )
     load_sharded(tmp_path / "dcp", adapted)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     assert not any("lora" in n for n in merged.state_dict())

@@ -41,8 +41,12 @@ def _batch():
     from rlvr.grpo import tokenize_from_ids
 
     g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(2, 64, (int(torch.randint(3, 6, (1,), generator=g)),), generator=g).tolist() for _ in range(P)]
-    outputs = [torch.randint(2, 64, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(P * G)]
+    prompts = [
+        torch.randint(2, 64, (int(torch.randint(3, 6, (1,), generator=g)),), generator=g).tolist() for _ in range(P)
+    ]
+    outputs = [
+        torch.randint(2, 64, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(P * G)
+    ]
     batch = tokenize_from_ids([prompts[i // G] for i in range(P * G)], outputs, 0)
     with torch.no_grad():
         from rlvr.grpo import get_response_log_probs
@@ -61,10 +65,22 @@ def _update(model, batch, rows, case, global_batch=None):
     idx = torch.tensor(rows, dtype=torch.long)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # a unit step: new weights = old − gradient
     loss, meta = policy_gradient_update(
-        model, optimizer, batch["input_ids"][idx], batch["labels"][idx], batch["response_mask"][idx],
-        torch.tensor(ADVANTAGES[adv_name])[idx], gas, max_grad_norm, method, batch["old_log_probs"][idx],
-        cliprange=None if method in ("none", "noclip") else 0.2, loss_normalization=normalization,
-        normalization_constant=float(P * G * 10), max_tokens_per_microbatch=max_tokens, global_batch=global_batch)
+        model,
+        optimizer,
+        batch["input_ids"][idx],
+        batch["labels"][idx],
+        batch["response_mask"][idx],
+        torch.tensor(ADVANTAGES[adv_name])[idx],
+        gas,
+        max_grad_norm,
+        method,
+        batch["old_log_probs"][idx],
+        cliprange=None if method in ("none", "noclip") else 0.2,
+        loss_normalization=normalization,
+        normalization_constant=float(P * G * 10),
+        max_tokens_per_microbatch=max_tokens,
+        global_batch=global_batch,
+    )
     return float(loss), meta
 
 
@@ -90,10 +106,14 @@ def _compare_worker(world, strategy, out_path):
         loss, meta = _update(model, batch, mine, case, GlobalBatch.of(len(mine)))
         ref_weights = reference.state_dict()
         weight_diff = max(float((t - ref_weights[n]).abs().max()) for n, t in iter_full_weights(model))
-        moved = max(float((t - tiny_causal_lm(seed=0).state_dict()[n]).abs().max()) for n, t in reference.state_dict().items())
+        moved = max(
+            float((t - tiny_causal_lm(seed=0).state_dict()[n]).abs().max()) for n, t in reference.state_dict().items()
+        )
         keys = ("grad_norm", "entropy", "n_sequences", "n_tokens", "clip_fraction")
         report[name] = {
-            "weight_diff": weight_diff, "moved": moved, "loss": [loss, ref_loss],
+            "weight_diff": weight_diff,
+            "moved": moved,
+            "loss": [loss, ref_loss],
             "microbatches_per_rank": gather_objects(meta["n_microbatches"]),
             "meta": {k: [meta.get(k), ref_meta.get(k)] for k in keys},
             "importance": [meta.get("importance", {}), ref_meta.get("importance", {})],
@@ -136,9 +156,13 @@ def _precision_worker(world, out_path):
     mask = torch.zeros(4, 12, dtype=torch.bool)
     mask[:, 5:] = True
     report = {}
-    variants = {"float32": {}, "bf16": {"param_dtype": torch.bfloat16},
-                "bf16-offload": {"param_dtype": torch.bfloat16, "cpu_offload": True},
-                "float32-checkpointing": {"checkpointing": True}, "ddp-checkpointing": {"checkpointing": True}}
+    variants = {
+        "float32": {},
+        "bf16": {"param_dtype": torch.bfloat16},
+        "bf16-offload": {"param_dtype": torch.bfloat16, "cpu_offload": True},
+        "float32-checkpointing": {"checkpointing": True},
+        "ddp-checkpointing": {"checkpointing": True},
+    }
     for name, kwargs in variants.items():
         kwargs = dict(kwargs)
         model = tiny_causal_lm(seed=0)
@@ -146,17 +170,29 @@ def _precision_worker(world, out_path):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model = wrap_model(model, "ddp" if name.startswith("ddp") else "fsdp", **kwargs)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        loss, meta = policy_gradient_update(model, optimizer, ids, ids, mask, torch.tensor([1.0, -1.0, 0.5, -0.5]), 2, 1.0,
-                                            global_batch=GlobalBatch.of(4))
+        loss, meta = policy_gradient_update(
+            model,
+            optimizer,
+            ids,
+            ids,
+            mask,
+            torch.tensor([1.0, -1.0, 0.5, -0.5]),
+            2,
+            1.0,
+            global_batch=GlobalBatch.of(4),
+        )
         engine_copy = tiny_causal_lm(seed=9).to(torch.bfloat16)  # an engine's own weights, in its own dtype
         n_copied = copy_full_weights(model, engine_copy)
         full = full_state_dict_on_main(model)
         report[name] = {
-            "loss": float(loss), "grad_norm": meta["grad_norm"], "n_copied": n_copied,
+            "loss": float(loss),
+            "grad_norm": meta["grad_norm"],
+            "n_copied": n_copied,
             "param_dtypes": sorted({str(p.dtype) for p in model.parameters()}),
             "state_dtypes": sorted({str(s["exp_avg"].dtype) for s in optimizer.state.values()}),
-            "copy_matches": None if full is None else all(
-                torch.equal(t, full[n].to(torch.bfloat16)) for n, t in engine_copy.state_dict().items()),
+            "copy_matches": None
+            if full is None
+            else all(torch.equal(t, full[n].to(torch.bfloat16)) for n, t in engine_copy.state_dict().items()),
         }
     if world.is_main:
         with open(out_path, "w") as f:

@@ -16,10 +16,21 @@ TESTS = Path(__file__).resolve().parent
 
 
 def test_torchrun_two_ranks_train_like_one_process(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS.parent / "src"), os.environ.get("PYTHONPATH", "")]),
-               OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(TESTS / "distributed_recipe.py"), str(tmp_path)]
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(TESTS.parent / "src"), os.environ.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS="1",
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(TESTS / "distributed_recipe.py"),
+        str(tmp_path),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = torch.load(tmp_path / "weights.pt")
@@ -32,4 +43,6 @@ def test_torchrun_two_ranks_train_like_one_process(tmp_path):
         moved = max(float((reference[n] - start[n]).abs().max()) for n in reference)
         assert moved > 1e-4, f"{variant}: training moved nothing"
         for name, tensor in reference.items():
-            torch.testing.assert_close(weights[name], tensor, rtol=1e-5, atol=2e-6, msg=lambda m, where=f"{variant} {name}": f"{where}: {m}")
+            torch.testing.assert_close(
+                weights[name], tensor, rtol=1e-5, atol=2e-6, msg=lambda m, where=f"{variant} {name}": f"{where}: {m}"
+            )

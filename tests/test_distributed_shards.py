@@ -25,8 +25,12 @@ def test_every_prompt_once_per_epoch_across_ranks():
 
     n_examples, n_prompts, world_size = 24, 8, 4  # three steps per epoch
     for epoch in range(3):
-        seen = [i for step in range(3 * epoch, 3 * epoch + 3) for r in range(world_size)
-                for i in rank_batch_indices(n_examples, n_prompts, step, 0, r, world_size)]
+        seen = [
+            i
+            for step in range(3 * epoch, 3 * epoch + 3)
+            for r in range(world_size)
+            for i in rank_batch_indices(n_examples, n_prompts, step, 0, r, world_size)
+        ]
         assert sorted(seen) == list(range(n_examples))
 
 
@@ -81,8 +85,11 @@ def _metrics_worker(world, out_dir):
     local = {"loss": 1.0 + r, "tokens": 10.0 * (r + 1)}
     result = {
         "world": [world.rank, world.world_size, world.backend],
-        "sum": sum_metrics(local), "mean": mean_metrics(local), "max": max_metrics(local),
-        "min": reduce_values([5 - r], "min"), "gathered": gather_objects({"rank": r}),
+        "sum": sum_metrics(local),
+        "mean": mean_metrics(local),
+        "max": max_metrics(local),
+        "min": reduce_values([5 - r], "min"),
+        "gathered": gather_objects({"rank": r}),
         "written_by": on_main(lambda: r),
     }
 

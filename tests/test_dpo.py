@@ -7,7 +7,6 @@ import copy
 import gzip
 import json
 import math
-from pathlib import Path
 
 import pytest
 import torch
@@ -33,7 +32,7 @@ def _manual_sequence_logp(model, ids: list[int], start: int) -> torch.Tensor:
     x = torch.tensor([ids])
     logp = torch.log_softmax(model(x).logits[0, :-1].double(), dim=-1)
     targets = torch.tensor(ids[1:])
-    return logp[torch.arange(len(ids) - 1), targets][start - 1:].sum()
+    return logp[torch.arange(len(ids) - 1), targets][start - 1 :].sum()
 
 
 def test_per_instance_loss_equals_a_second_computation(tiny_model, tiny_tokenizer):
@@ -43,16 +42,26 @@ def test_per_instance_loss_equals_a_second_computation(tiny_model, tiny_tokenize
         for p in reference.parameters():
             p.add_(0.02 * torch.randn_like(p))
     prompt, chosen, rejected = "What is 3 + 4?", "3 + 4 = 7.", "It is 12, I think."
-    loss = compute_per_instance_dpo_loss(lm=policy, lm_ref=reference, tokenizer=tiny_tokenizer, beta=0.3, prompt=prompt,
-                                         response_chosen=chosen, response_rejected=rejected)
+    loss = compute_per_instance_dpo_loss(
+        lm=policy,
+        lm_ref=reference,
+        tokenizer=tiny_tokenizer,
+        beta=0.3,
+        prompt=prompt,
+        response_chosen=chosen,
+        response_rejected=rejected,
+    )
     # Second way: the response tokens only (the shared prompt cancels), float64, unbatched.
     eos = tiny_tokenizer.eos_token_id
     head = tiny_tokenizer(alpaca_format(prompt), add_special_tokens=False)["input_ids"]
     seq = {r: head + tiny_tokenizer(r, add_special_tokens=False)["input_ids"] + [eos] for r in (chosen, rejected)}
     assert tiny_tokenizer(alpaca_format(prompt, chosen), add_special_tokens=False)["input_ids"] + [eos] == seq[chosen]
     with torch.no_grad():
-        lp = {(m, r): _manual_sequence_logp(model, seq[r], len(head)) for m, model in (("pi", policy), ("ref", reference))
-              for r in (chosen, rejected)}
+        lp = {
+            (m, r): _manual_sequence_logp(model, seq[r], len(head))
+            for m, model in (("pi", policy), ("ref", reference))
+            for r in (chosen, rejected)
+        }
     margin = 0.3 * ((lp["pi", chosen] - lp["pi", rejected]) - (lp["ref", chosen] - lp["ref", rejected]))
     expected = -torch.nn.functional.logsigmoid(margin)
     assert loss.shape == () and loss.item() == pytest.approx(expected.item(), rel=1e-4, abs=1e-5)
@@ -70,14 +79,24 @@ def test_pairs_per_forward_changes_nothing_but_speed(tiny_model, tiny_tokenizer)
     from rlvr.dpo import ReferenceCache, dpo_step, pair_token_ids
 
     reference = copy.deepcopy(tiny_model).requires_grad_(False)
-    token_pairs = [tuple(pair_token_ids(tiny_tokenizer, f"Question {i}?", [f"Yes {i}.", f"No, not at all {i}."]))
-                   for i in range(5)]
+    token_pairs = [
+        tuple(pair_token_ids(tiny_tokenizer, f"Question {i}?", [f"Yes {i}.", f"No, not at all {i}."])) for i in range(5)
+    ]
     results = []
     for per_forward in (1, 2, 5):
         policy = copy.deepcopy(tiny_model)
         optimizer = torch.optim.SGD(policy.parameters(), lr=0.1)
-        metrics = dpo_step(policy, optimizer, token_pairs, [4, 0, 2, 3], ReferenceCache(reference, 0, 5), 0.2, 0, None,
-                           pairs_per_forward=per_forward)
+        metrics = dpo_step(
+            policy,
+            optimizer,
+            token_pairs,
+            [4, 0, 2, 3],
+            ReferenceCache(reference, 0, 5),
+            0.2,
+            0,
+            None,
+            pairs_per_forward=per_forward,
+        )
         results.append((metrics, [p.detach().clone() for p in policy.parameters()]))
     for metrics, params in results[1:]:
         assert metrics["train/loss"] == pytest.approx(results[0][0]["train/loss"], abs=1e-6)
@@ -85,19 +104,31 @@ def test_pairs_per_forward_changes_nothing_but_speed(tiny_model, tiny_tokenizer)
     assert results[0][0]["train/loss"] == pytest.approx(math.log(2), abs=1e-6)  # policy = reference before the step
 
 
-HH_SINGLE = {"chosen": "\n\nHuman: How do I bake bread?\n\nAssistant: Mix flour, water and yeast.\n\nThen bake it.",
-             "rejected": "\n\nHuman: How do I bake bread?\n\nAssistant: Buy some."}
-HH_MULTI = {"chosen": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: Tell me a joke\n\nAssistant: No.",
-            "rejected": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: Tell me a joke\n\nAssistant: Why did..."}
+HH_SINGLE = {
+    "chosen": "\n\nHuman: How do I bake bread?\n\nAssistant: Mix flour, water and yeast.\n\nThen bake it.",
+    "rejected": "\n\nHuman: How do I bake bread?\n\nAssistant: Buy some.",
+}
+HH_MULTI = {
+    "chosen": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: Tell me a joke\n\nAssistant: No.",
+    "rejected": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: Tell me a joke\n\nAssistant: Why did...",
+}
 HH_SAME = {"chosen": "\n\nHuman: Hi\n\nAssistant: Hello!", "rejected": "\n\nHuman: Hi\n\nAssistant: Hello!"}
 
 
 def test_hh_single_turn_split():
-    assert hh_turns(HH_MULTI["chosen"]) == [("Human", "Hi"), ("Assistant", "Hello!"), ("Human", "Tell me a joke"),
-                                            ("Assistant", "No.")]
+    assert hh_turns(HH_MULTI["chosen"]) == [
+        ("Human", "Hi"),
+        ("Assistant", "Hello!"),
+        ("Human", "Tell me a joke"),
+        ("Assistant", "No."),
+    ]
     pair = hh_pair(HH_SINGLE, "helpful-base/train.jsonl.gz")
     assert (pair.prompt, pair.chosen, pair.rejected, pair.source) == (
-        "How do I bake bread?", "Mix flour, water and yeast.\n\nThen bake it.", "Buy some.", "helpful-base/train.jsonl.gz")
+        "How do I bake bread?",
+        "Mix flour, water and yeast.\n\nThen bake it.",
+        "Buy some.",
+        "helpful-base/train.jsonl.gz",
+    )
     assert hh_pair(HH_MULTI) is None
 
 
@@ -135,14 +166,33 @@ def dpo_inputs(tiny_model, tiny_tokenizer, tmp_path):
     path = tmp_path / "pairs.jsonl"
     with path.open("w") as f:
         for i, w in enumerate(WORDS):
-            f.write(json.dumps({"prompt": f"Name colour {i}.", "chosen": f"The colour is {w}.",
-                                "rejected": f"No colour, sorry {i}."}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "prompt": f"Name colour {i}.",
+                        "chosen": f"The colour is {w}.",
+                        "rejected": f"No colour, sorry {i}.",
+                    }
+                )
+                + "\n"
+            )
     return model_dir, path
 
 
 def _config(model_dir, path, out, **kw):
-    base = dict(model=str(model_dir), data=(str(path),), out=out, val_size=4, batch_size=2, lr=1e-3, eval_every=2,
-                save_every=2, progress=False, device="cpu", eval_batch_pairs=3)
+    base = dict(
+        model=str(model_dir),
+        data=(str(path),),
+        out=out,
+        val_size=4,
+        batch_size=2,
+        lr=1e-3,
+        eval_every=2,
+        save_every=2,
+        progress=False,
+        device="cpu",
+        eval_batch_pairs=3,
+    )
     return DPOConfig(**{**base, **kw})
 
 
@@ -168,8 +218,15 @@ def test_dpo_run_logs_keeps_the_best_and_scores_each_pair_once(dpo_inputs, tmp_p
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(0, 9))
     assert rows[0]["val/preference_accuracy"] == 0.0 and rows[0]["val/loss"] == pytest.approx(math.log(2), abs=1e-6)
-    for key in ("train/loss", "train/reward_margin", "train/chosen_logp", "train/rejected_logp", "train/grad_norm",
-                "lr", "train/preference_accuracy"):
+    for key in (
+        "train/loss",
+        "train/reward_margin",
+        "train/chosen_logp",
+        "train/rejected_logp",
+        "train/grad_norm",
+        "lr",
+        "train/preference_accuracy",
+    ):
         assert key in rows[1]
     assert all("val/preference_accuracy" in r for r in rows if r["step"] % 2 == 0)
     assert seen["rows"] == 2 * (8 + 4)  # each training and validation pair scored by the reference exactly once
@@ -196,8 +253,10 @@ def test_resume_is_exact(dpo_inputs, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
     def rows(run):
-        return [{k: v for k, v in json.loads(line).items() if not k.startswith("time/")}
-                for line in (run / "metrics.jsonl").read_text().splitlines()]
+        return [
+            {k: v for k, v in json.loads(line).items() if not k.startswith("time/")}
+            for line in (run / "metrics.jsonl").read_text().splitlines()
+        ]
 
     assert rows(straight) == rows(resumed)
 

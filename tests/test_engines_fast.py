@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import greedy_generate_reference
 
 from rlvr.engines import make_engine
@@ -42,10 +41,8 @@ def assert_logprobs_are_teacher_forced(model, tok, prompts, out, atol=1e-4):
         p_ids = tok(prompt, add_special_tokens=False)["input_ids"]
         for c in group:
             ids = torch.tensor([p_ids + c.token_ids])
-            ref = sequence_logprobs(model, ids, torch.ones_like(ids))[0, len(p_ids) - 1:]
+            ref = sequence_logprobs(model, ids, torch.ones_like(ids))[0, len(p_ids) - 1 :]
             assert torch.allclose(torch.tensor(c.logprobs), ref, atol=atol), (c.logprobs, ref)
-
-
 
 
 def _eos_prone(model, tok, boost: float):
@@ -81,8 +78,11 @@ def test_greedy_with_early_eos_retires_rows_and_matches_hf(tiny_model, tiny_toke
     lengths = {len(g[0].token_ids) for g in hf}
     assert len(lengths) > 2, "the test needs rows that finish at different steps"
     assert any(g[0].finish_reason == "stop" for g in hf)
-    engines = (_fast(model, tiny_tokenizer), _fast(model, tiny_tokenizer, sync_every=1),
-               _fast(model, tiny_tokenizer, sync_every=7, length_bucket=5))
+    engines = (
+        _fast(model, tiny_tokenizer),
+        _fast(model, tiny_tokenizer, sync_every=1),
+        _fast(model, tiny_tokenizer, sync_every=7, length_bucket=5),
+    )
     for engine in engines:
         fast = engine.generate(prompts, params)
         assert _ids(fast) == _ids(hf)
@@ -111,13 +111,16 @@ def test_stop_strings_and_finish_reasons_equal_hf_engine(tiny_model, tiny_tokeni
     plain = HFEngine(tiny_model, tiny_tokenizer, max_batch_size=16).generate(PROMPTS, base)
     # Stop strings taken from the greedy outputs themselves, so they do occur, at different places.
     texts = [g[0].text for g in plain]
-    stops = tuple({t[len(t) // 3: len(t) // 3 + 3] for t in texts[:2] if len(t) > 12} | {texts[2][-4:-1]})
+    stops = tuple({t[len(t) // 3 : len(t) // 3 + 3] for t in texts[:2] if len(t) > 12} | {texts[2][-4:-1]})
     assert stops
     params = SamplingParams(temperature=0.0, max_new_tokens=40, stop=stops, include_stop_str_in_output=include)
     hf = HFEngine(tiny_model, tiny_tokenizer, max_batch_size=16).generate(PROMPTS, params)
     assert any(g[0].finish_reason == "stop" for g in hf)
-    for engine in (_fast(tiny_model, tiny_tokenizer), _fast(tiny_model, tiny_tokenizer, sync_every=1),
-                   _fast(tiny_model, tiny_tokenizer, sync_every=16)):
+    for engine in (
+        _fast(tiny_model, tiny_tokenizer),
+        _fast(tiny_model, tiny_tokenizer, sync_every=1),
+        _fast(tiny_model, tiny_tokenizer, sync_every=16),
+    ):
         fast = engine.generate(PROMPTS, params)
         for f, h in zip(fast, hf):
             assert f[0].token_ids == h[0].token_ids
@@ -134,7 +137,8 @@ def test_sampled_logprobs_equal_teacher_forced_recomputation(tiny_model, tiny_to
 
 def test_logprobs_are_temperature_one_under_other_settings(tiny_model, tiny_tokenizer):
     out = _fast(tiny_model, tiny_tokenizer).generate(
-        PROMPTS[:2], SamplingParams(n=2, temperature=0.7, top_p=0.9, max_new_tokens=10, seed=3))
+        PROMPTS[:2], SamplingParams(n=2, temperature=0.7, top_p=0.9, max_new_tokens=10, seed=3)
+    )
     assert_logprobs_are_teacher_forced(tiny_model, tiny_tokenizer, PROMPTS, out)
 
 
@@ -183,7 +187,9 @@ def test_sampling_distribution_matches_softmax(tiny_model, tiny_tokenizer):
 def test_chunking_and_bucket_sizes_do_not_change_greedy_outputs(tiny_model, tiny_tokenizer):
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=10)
     a = _fast(tiny_model, tiny_tokenizer, max_batch_size=2, batch_buckets=(2, 1)).generate(PROMPTS, params)
-    b = _fast(tiny_model, tiny_tokenizer, max_batch_size=64, batch_buckets=(64, 3), length_bucket=64).generate(PROMPTS, params)
+    b = _fast(tiny_model, tiny_tokenizer, max_batch_size=64, batch_buckets=(64, 3), length_bucket=64).generate(
+        PROMPTS, params
+    )
     c = _fast(tiny_model, tiny_tokenizer, prefill_tokens=1).generate(PROMPTS, params)
     assert _ids(a) == _ids(b) == _ids(c)
 
@@ -247,6 +253,7 @@ def test_row_limits_cut_greedy_rows_where_asked(tiny_model, tiny_tokenizer):
 
 # --- compile_step: the decode step's pieces through torch.compile --------------------------------------
 
+
 def test_compiled_step_equals_eager_step(tiny_model, tiny_tokenizer):
     """``compile_step=True`` (inductor on the CPU here) computes what the eager step computes: the same
     greedy tokens as ``model.generate``, the same sampled tokens for a seed (plain, temperature + top-p),
@@ -264,8 +271,10 @@ def test_compiled_step_equals_eager_step(tiny_model, tiny_tokenizer):
     out = compiled.generate(PROMPTS, greedy)
     assert [g[0].token_ids for g in out] == greedy_generate_reference(model, tiny_tokenizer, PROMPTS, 25)
     assert compiled.stats["compactions"] > 0
-    for params in (SamplingParams(n=3, temperature=1.0, max_new_tokens=20, seed=11),
-                   SamplingParams(n=2, temperature=0.7, top_p=0.8, max_new_tokens=20, seed=5)):
+    for params in (
+        SamplingParams(n=3, temperature=1.0, max_new_tokens=20, seed=11),
+        SamplingParams(n=2, temperature=0.7, top_p=0.8, max_new_tokens=20, seed=5),
+    ):
         a = _fast(model, tiny_tokenizer, compile_step=False).generate(PROMPTS, params)
         b = compiled.generate(PROMPTS, params)
         assert _ids(a) == _ids(b)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import FAMILY_SHAPES, family_config, family_model, greedy_generate_reference
 from test_engines_fast import PROMPTS, _fast, _ids, assert_logprobs_are_teacher_forced
 
@@ -25,8 +24,12 @@ def test_the_tiny_models_cover_every_layout(tiny_tokenizer):
     layouts = {f: layout_of(family_model(f, tiny_tokenizer)) for f in FAMILIES}
     assert {f: lay.groups for f, lay in layouts.items()} == {"olmo2": 2, "llama": 3, "qwen2": 4, "qwen3": 2}
     assert {f: lay.head_dim for f, lay in layouts.items()} == {"olmo2": 8, "llama": 16, "qwen2": 12, "qwen3": 48}
-    assert {f: lay.family.qk_norm for f, lay in layouts.items()} == {"olmo2": "all_heads", "llama": None, "qwen2": None,
-                                                                     "qwen3": "per_head"}
+    assert {f: lay.family.qk_norm for f, lay in layouts.items()} == {
+        "olmo2": "all_heads",
+        "llama": None,
+        "qwen2": None,
+        "qwen3": "per_head",
+    }
     llama, qwen2 = family_model("llama", tiny_tokenizer), family_model("qwen2", tiny_tokenizer)
     assert llama.lm_head.weight is llama.model.embed_tokens.weight  # tied
     assert llama.config.rope_parameters["rope_type"] == "llama3"
@@ -58,8 +61,15 @@ def test_sampled_logprobs_equal_teacher_forced(family, tiny_tokenizer):
 @pytest.mark.parametrize("head_dim", [64, 80, 96, 128])
 def test_head_dims_of_real_models(head_dim, tiny_tokenizer):
     """The head_dims real models use, on one-layer Llama models with grouped-query attention."""
-    model = family_model("llama", tiny_tokenizer, num_layers=1, hidden_size=32, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=head_dim)
+    model = family_model(
+        "llama",
+        tiny_tokenizer,
+        num_layers=1,
+        hidden_size=32,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=head_dim,
+    )
     params = SamplingParams(temperature=0.0, max_new_tokens=10)
     fast = _fast(model, tiny_tokenizer, fused_norms=False).generate(PROMPTS[:2], params)
     assert [g[0].token_ids for g in fast] == greedy_generate_reference(model, tiny_tokenizer, PROMPTS[:2], 10)
@@ -145,14 +155,15 @@ def test_each_family_trains_with_hf_fast(family, gsm8k_path, tiny_tokenizer, tmp
 
 
 def test_train_refuses_a_local_model_hf_fast_cannot_run_before_loading_it(gsm8k_path, tmp_path):
-    from transformers import GPT2Config
     from test_trainer import tiny_config
+    from transformers import GPT2Config
 
     from rlvr.config import ConfigError, EngineConfig, ModelConfig
     from rlvr.trainer import train
 
     GPT2Config(n_embd=32, n_layer=1, n_head=4).save_pretrained(tmp_path / "gpt2")  # a config, no weights
-    cfg = tiny_config(gsm8k_path, engine=EngineConfig(name="hf-fast"),
-                      model=ModelConfig(name_or_path=str(tmp_path / "gpt2")))
+    cfg = tiny_config(
+        gsm8k_path, engine=EngineConfig(name="hf-fast"), model=ModelConfig(name_or_path=str(tmp_path / "gpt2"))
+    )
     with pytest.raises(ConfigError, match=r"hf-fast: hf-fast runs OLMo-2 .*, not gpt2; use engine.name: hf"):
         train(cfg, tmp_path / "run")

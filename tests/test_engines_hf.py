@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import greedy_generate_reference
 
 from rlvr.engines import make_engine
@@ -17,8 +16,6 @@ PROMPTS = [
     "How many",
     "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much",
 ]
-
-
 
 
 def test_greedy_equals_model_generate_on_left_padded_batch(tiny_model, tiny_tokenizer):
@@ -66,7 +63,7 @@ def test_logprobs_equal_teacher_forced_recomputation(tiny_model, tiny_tokenizer)
         p_ids = tiny_tokenizer(prompt, add_special_tokens=False)["input_ids"]
         for comp in group:
             ids = torch.tensor([p_ids + comp.token_ids])
-            lp = sequence_logprobs(tiny_model, ids, torch.ones_like(ids))[0, len(p_ids) - 1:]
+            lp = sequence_logprobs(tiny_model, ids, torch.ones_like(ids))[0, len(p_ids) - 1 :]
             torch.testing.assert_close(torch.tensor(comp.logprobs), lp, atol=1e-4, rtol=0)
 
 
@@ -89,10 +86,11 @@ def test_stop_strings_end_to_end_kept_and_not_kept(tiny_model, tiny_tokenizer):
     target = max(range(len(texts)), key=lambda i: len(texts[i]))
     full = texts[target]
     assert len(full) >= 8, "the tiny model should produce some text"
-    stop = full[len(full) // 2: len(full) // 2 + 3]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
     kept = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=30, stop=(stop,)))
-    dropped = engine.generate(PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=30, stop=(stop,),
-                                                      include_stop_str_in_output=False))
+    dropped = engine.generate(
+        PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=30, stop=(stop,), include_stop_str_in_output=False)
+    )
     for i, text in enumerate(texts):
         hit = text.find(stop)
         k, d = kept[i][0], dropped[i][0]

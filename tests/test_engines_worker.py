@@ -42,8 +42,15 @@ def test_plan_buckets_by_dtype_and_size(trainer_model):
     expected = [n for n, _ in trainer_model.named_parameters()] + [n for n, _ in trainer_model.named_buffers()]
     assert names == expected
     for b in plan:
-        assert len({dict(trainer_model.named_parameters()).get(n, dict(trainer_model.named_buffers()).get(n)).dtype
-                    for n, _, _ in b["tensors"]}) == 1
+        assert (
+            len(
+                {
+                    dict(trainer_model.named_parameters()).get(n, dict(trainer_model.named_buffers()).get(n)).dtype
+                    for n, _, _ in b["tensors"]
+                }
+            )
+            == 1
+        )
         # a bucket exceeds the limit only when it holds a single tensor larger than the limit
         assert b["bytes"] <= 0.05 * 2**20 or len(b["tensors"]) == 1
 

@@ -26,6 +26,7 @@ PAIRS = [("mean", "none"), ("mean", "std"), ("mean", "mean"), ("none", "none")]
 
 # --- closed forms -------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("baseline,normalizer", PAIRS)
 @pytest.mark.parametrize("group_size", [4, 8])
 def test_closed_form_mass_equals_the_advantages(baseline, normalizer, group_size):
@@ -56,8 +57,9 @@ def test_closed_form_by_hand():
         advantage_mass("mean", "median", 4, 1)
     # aggregation: sequence divides by B; constant weighs each side by its mean length over C
     assert predicted_group_weight("mean", "none", 4, 1, "sequence", 16) == pytest.approx(1.5 / 16)
-    assert predicted_group_weight("mean", "none", 4, 1, "constant", 16, 512.0, correct_length=10,
-                                  incorrect_length=20) == pytest.approx((0.75 * 10 + 0.75 * 20) / 512)
+    assert predicted_group_weight(
+        "mean", "none", 4, 1, "constant", 16, 512.0, correct_length=10, incorrect_length=20
+    ) == pytest.approx((0.75 * 10 + 0.75 * 20) / 512)
 
 
 # --- binned weights from synthetic rollouts with known pass rates --------------------------------------
@@ -73,20 +75,36 @@ SETTINGS = {  # name: (baseline, normalizer, loss normalization)
 
 
 def _config(baseline, normalizer, loss_norm) -> dict:
-    return {"seed": 0, "rollout": {"group_size": G, "n_prompts_per_rollout_batch": B // G},
-            "optim": {"train_batch_size": B},
-            "algorithm": {"baseline": baseline, "advantage_normalizer": normalizer, "loss_normalization": loss_norm,
-                          "normalization_constant": C if loss_norm == "constant" else None, "advantage_eps": EPS,
-                          "reweighting": "none"}}
+    return {
+        "seed": 0,
+        "rollout": {"group_size": G, "n_prompts_per_rollout_batch": B // G},
+        "optim": {"train_batch_size": B},
+        "algorithm": {
+            "baseline": baseline,
+            "advantage_normalizer": normalizer,
+            "loss_normalization": loss_norm,
+            "normalization_constant": C if loss_norm == "constant" else None,
+            "advantage_eps": EPS,
+            "reweighting": "none",
+        },
+    }
 
 
 def _synthetic_dump(step: int, successes: list[int], baseline: str, normalizer: str) -> list[dict]:
     """Groups with the given numbers of successes; correct responses have 10 trained tokens, wrong 20."""
     rewards = torch.tensor([float(i < k) for k in successes for i in range(G)])
     adv, _ = compute_group_normalized_rewards(rewards, G, baseline, EPS, normalizer)
-    return [{"step": step, "group": i // G, "reward": float(r), "advantage": float(a),
-             "n_train_tokens": LEN_CORRECT if r == 1 else LEN_INCORRECT, "n_tokens": 99}
-            for i, (r, a) in enumerate(zip(rewards.tolist(), adv.tolist()))]
+    return [
+        {
+            "step": step,
+            "group": i // G,
+            "reward": float(r),
+            "advantage": float(a),
+            "n_train_tokens": LEN_CORRECT if r == 1 else LEN_INCORRECT,
+            "n_tokens": 99,
+        }
+        for i, (r, a) in enumerate(zip(rewards.tolist(), adv.tolist()))
+    ]
 
 
 def _synthetic_sweep(root: Path) -> Path:
@@ -94,10 +112,16 @@ def _synthetic_sweep(root: Path) -> Path:
 
     for name, (baseline, normalizer, loss_norm) in SETTINGS.items():
         for seed in (0, 1):
-            dumps = {5: _synthetic_dump(5, [0, 1, 2, 3], baseline, normalizer),
-                     10: _synthetic_dump(10, [4, 1, 2, 1], baseline, normalizer)}
-            write_run(root / name / f"seed_{seed}", [{"step": 5, "train/reward": 0.4}, {"step": 10, "train/reward": 0.5}],
-                      {**_config(baseline, normalizer, loss_norm), "seed": seed}, rollouts=dumps)
+            dumps = {
+                5: _synthetic_dump(5, [0, 1, 2, 3], baseline, normalizer),
+                10: _synthetic_dump(10, [4, 1, 2, 1], baseline, normalizer),
+            }
+            write_run(
+                root / name / f"seed_{seed}",
+                [{"step": 5, "train/reward": 0.4}, {"step": 10, "train/reward": 0.5}],
+                {**_config(baseline, normalizer, loss_norm), "seed": seed},
+                rollouts=dumps,
+            )
     return root
 
 
@@ -111,15 +135,18 @@ def test_binned_weights_match_the_formulas_on_synthetic_rollouts(tmp_path):
         assert b.share.sum() == pytest.approx(1.0)
         assert (b.correct_length, b.incorrect_length) == (LEN_CORRECT, LEN_INCORRECT)
         assert max_relative_deviation(b) < 1e-5
-        torch.testing.assert_close(torch.tensor(b.mean_weight), torch.tensor(b.closed_form), rtol=1e-5, atol=0,
-                                   check_dtype=False)  # class-constant lengths: the run-length curve is exact too
+        torch.testing.assert_close(
+            torch.tensor(b.mean_weight), torch.tensor(b.closed_form), rtol=1e-5, atol=0, check_dtype=False
+        )  # class-constant lengths: the run-length curve is exact too
     # Worked by hand. GRPO, sequence over B = 16: W = 2 sqrt(G (G-1)) sqrt(p (1-p)) / B
     s = 2 * math.sqrt(12)
     want = [0.0, s * math.sqrt(3 / 16) / B, s * 0.5 / B, s * math.sqrt(3 / 16) / B, 0.0]
     assert bins["grpo"].mean_weight.tolist() == pytest.approx(want, rel=1e-5)
     assert want[1] == pytest.approx(0.1875)  # 2 sqrt(12 * 3/16) = 3, / 16
     # Dr. GRPO, constant C = 512: W = G p (1-p) (n+ + n-) / C = 4 p (1-p) 30 / 512
-    assert bins["dr_grpo"].mean_weight.tolist() == pytest.approx([0, 0.75 * 30 / C, 1.0 * 30 / C, 0.75 * 30 / C, 0], rel=1e-5)
+    assert bins["dr_grpo"].mean_weight.tolist() == pytest.approx(
+        [0, 0.75 * 30 / C, 1.0 * 30 / C, 0.75 * 30 / C, 0], rel=1e-5
+    )
     # MaxRL: W = G (1-p) (n+ + n-) / C for p > 0, 0 for an unsolved group
     assert bins["maxrl"].mean_weight.tolist() == pytest.approx([0, 3 * 30 / C, 2 * 30 / C, 1 * 30 / C, 0], rel=1e-5)
     # RFT: W = G p n+ / C = k 10 / C: the solved group weighs most
@@ -134,7 +161,10 @@ def test_rlvr_plot_writes_the_weighting_figures(tmp_path):
     root = _synthetic_sweep(tmp_path / "sweep")
     assert plot_main([str(root), "--out", str(tmp_path / "p"), "--metrics", "train/reward"]) == 0
     figures = json.loads((tmp_path / "p" / "figures.json").read_text())
-    assert figures["estimators/weighting"] == "weighting.png" and figures["estimators/weighting_shapes"] == "weighting_shapes.png"
+    assert (
+        figures["estimators/weighting"] == "weighting.png"
+        and figures["estimators/weighting_shapes"] == "weighting_shapes.png"
+    )
     assert (tmp_path / "p" / "estimators" / "weighting.png").stat().st_size > 20_000
     assert "estimators/variance" not in figures  # nothing logged it
 
@@ -145,13 +175,16 @@ def test_weighting_without_closed_form_still_bins(tmp_path):
     rows = _synthetic_dump(1, [1, 2, 3, 0], "mean", "none")
     for r in rows[:4]:
         r["reward"] = 0.5  # partial credit: not 0/1
-    write_run(tmp_path / "r", [{"step": 1, "train/reward": 0.1}], _config("mean", "none", "constant"), rollouts={1: rows})
+    write_run(
+        tmp_path / "r", [{"step": 1, "train/reward": 0.1}], _config("mean", "none", "constant"), rollouts={1: rows}
+    )
     b = weighting_by_setting(load_runs(tmp_path / "r"))["r"]
     assert not b.binary and b.closed_form is None and len(b.p) == 10 and b.n_groups.sum() == 4
     assert run_estimator(load_runs(tmp_path / "r")[0]).group_size == G
 
 
 # --- gradient variance: a case worked by hand -----------------------------------------------------------
+
 
 class Unigram(torch.nn.Module):
     """p(token) = softmax(theta), whatever the context: the score of token y is e_y - softmax(theta)."""
@@ -190,10 +223,26 @@ def test_gradient_variance_by_hand():
     Each group's rows are run once per reward value: the sums are exact."""
     model = Unigram(3)
     input_ids, labels, mask, rewards = _hand_batch()
-    out = gradient_variance(model, input_ids, labels, mask, rewards, 2, "constant", 1.0, baseline="mean",
-                            advantage_normalizer="std", advantage_eps=EPS)
+    out = gradient_variance(
+        model,
+        input_ids,
+        labels,
+        mask,
+        rewards,
+        2,
+        "constant",
+        1.0,
+        baseline="mean",
+        advantage_normalizer="std",
+        advantage_eps=EPS,
+    )
     assert out["n_groups"] == 3
-    want = {"no_baseline": (11.0, 10.5), "mean_baseline": (3.75, 0.375), "leave_one_out": (15.0, 1.5), "run": (7.5, 0.75)}
+    want = {
+        "no_baseline": (11.0, 10.5),
+        "mean_baseline": (3.75, 0.375),
+        "leave_one_out": (15.0, 1.5),
+        "run": (7.5, 0.75),
+    }
     for name, (trace, projected) in want.items():
         assert out[name]["trace"] == pytest.approx(trace, rel=1e-5), name
         assert out[name]["projected"] == pytest.approx(projected, rel=1e-5), name
@@ -205,11 +254,25 @@ def test_gradient_variance_by_hand():
     assert out["score_energy_correct"] == pytest.approx(8 / 9, rel=1e-5)
     assert out["score_energy_incorrect"] == pytest.approx(2 / 3, rel=1e-5)
     assert model.theta.grad is None  # measured without touching .grad
-    again = gradient_variance(model, input_ids, labels, mask, rewards, 2, "constant", 1.0, baseline="mean",
-                              advantage_normalizer="std", advantage_eps=EPS, keep_bytes=0)  # recomputed, not kept
+    again = gradient_variance(
+        model,
+        input_ids,
+        labels,
+        mask,
+        rewards,
+        2,
+        "constant",
+        1.0,
+        baseline="mean",
+        advantage_normalizer="std",
+        advantage_eps=EPS,
+        keep_bytes=0,
+    )  # recomputed, not kept
     assert variance_metrics(again) == pytest.approx(variance_metrics(out))
     # Sequence normalisation over B = 6 rows of one token: every gradient is a sixth, variances 1/36.
-    seq = gradient_variance(model, input_ids, labels, mask, rewards, 2, "sequence", baseline="none", advantage_normalizer="none")
+    seq = gradient_variance(
+        model, input_ids, labels, mask, rewards, 2, "sequence", baseline="none", advantage_normalizer="none"
+    )
     assert seq["no_baseline"]["trace"] == pytest.approx(11 / 36, rel=1e-5)
     assert "run" not in seq  # the run's estimator is no_baseline already
     metrics = variance_metrics(out)
@@ -223,8 +286,12 @@ def test_gradient_variance_equals_the_train_steps_gradients(tiny_model, tiny_tok
     """On a real transformer with responses of different lengths: each group's estimate is the gradient of
     the train step's own loss (compute_policy_gradient_loss + aggregate_loss_across_microbatch over the
     whole batch) with every other group's advantages set to zero."""
-    from rlvr import aggregate_loss_across_microbatch, compute_policy_gradient_loss, get_response_log_probs, \
-        tokenize_prompt_and_output
+    from rlvr import (
+        aggregate_loss_across_microbatch,
+        compute_policy_gradient_loss,
+        get_response_log_probs,
+        tokenize_prompt_and_output,
+    )
 
     prompts = ["Tom has 3 cards.", "Mia eats 2 of 7 apples.", "What is 4 + 4?"]
     responses = [" 7", " seven cards and more", " 5 apples", " five", " 8", " it is 8 or so"]
@@ -244,14 +311,25 @@ def test_gradient_variance_equals_the_train_steps_gradients(tiny_model, tiny_tok
         per_group = []
         for j in range(J):
             adv = torch.zeros(G * J)
-            r = rewards[j * G:(j + 1) * G]
-            adv[j * G:(j + 1) * G] = advantage_fn(r)
+            r = rewards[j * G : (j + 1) * G]
+            adv[j * G : (j + 1) * G] = advantage_fn(r)
             per_group.append(group_estimate(adv).double())
         stacked = torch.stack(per_group)
         return float(((stacked - stacked.mean(0)) ** 2).sum() / (J - 1))
 
-    out = gradient_variance(tiny_model, batch["input_ids"], batch["labels"], batch["response_mask"], rewards, G,
-                            loss_norm, C, baseline="mean", advantage_normalizer="mean", advantage_eps=0.0)
+    out = gradient_variance(
+        tiny_model,
+        batch["input_ids"],
+        batch["labels"],
+        batch["response_mask"],
+        rewards,
+        G,
+        loss_norm,
+        C,
+        baseline="mean",
+        advantage_normalizer="mean",
+        advantage_eps=0.0,
+    )
     assert out["no_baseline"]["trace"] == pytest.approx(trace(lambda r: r), rel=1e-4)
     assert out["mean_baseline"]["trace"] == pytest.approx(trace(lambda r: r - r.mean()), rel=1e-4)
     assert out["leave_one_out"]["trace"] == pytest.approx(trace(lambda r: (r - r.mean()) * G / (G - 1)), rel=1e-4)
@@ -260,6 +338,7 @@ def test_gradient_variance_equals_the_train_steps_gradients(tiny_model, tiny_tok
 
 def test_variance_table_and_the_baseline_prediction(tmp_path):
     from test_plot import write_run
+
     from rlvr.experiments.estimators import predicted_baseline_change, variance_table
 
     # (1 - p) ((1 - p) + p E-/E+): p = 1/2 with incorrect scores 4x as energetic -> 1.25 (more variance);
@@ -267,12 +346,28 @@ def test_variance_table_and_the_baseline_prediction(tmp_path):
     assert predicted_baseline_change(0.5, 1.0, 4.0) == pytest.approx(1.25)
     assert predicted_baseline_change(0.75, 2.0, 2.0) == pytest.approx(0.25)
     assert predicted_baseline_change(0.5, 0.0, 1.0) is None
-    rows = [{"step": 2, "train/reward": 0.5, "variance/no_baseline/trace": 1.0, "variance/mean_baseline/trace": 1.5,
-             "variance/leave_one_out/trace": 2.0, "variance/score_energy_correct": 1.0, "variance/score_energy_incorrect": 4.0,
-             "variance/baseline_bias_ratio": 1.0},
-            {"step": 4, "train/reward": 0.75, "variance/no_baseline/trace": 2.0, "variance/mean_baseline/trace": 3.0,
-             "variance/leave_one_out/trace": 0.5, "variance/score_energy_correct": 2.0, "variance/score_energy_incorrect": 2.0,
-             "variance/baseline_bias_ratio": 3.0}]
+    rows = [
+        {
+            "step": 2,
+            "train/reward": 0.5,
+            "variance/no_baseline/trace": 1.0,
+            "variance/mean_baseline/trace": 1.5,
+            "variance/leave_one_out/trace": 2.0,
+            "variance/score_energy_correct": 1.0,
+            "variance/score_energy_incorrect": 4.0,
+            "variance/baseline_bias_ratio": 1.0,
+        },
+        {
+            "step": 4,
+            "train/reward": 0.75,
+            "variance/no_baseline/trace": 2.0,
+            "variance/mean_baseline/trace": 3.0,
+            "variance/leave_one_out/trace": 0.5,
+            "variance/score_energy_correct": 2.0,
+            "variance/score_energy_incorrect": 2.0,
+            "variance/baseline_bias_ratio": 3.0,
+        },
+    ]
     write_run(tmp_path / "r", rows, {"seed": 0})
     table = variance_table(load_runs(tmp_path / "r"))
     # no baseline / leave-one-out: 1/2 and 4, geometric mean sqrt(2); the second measurement went up although
@@ -282,6 +377,7 @@ def test_variance_table_and_the_baseline_prediction(tmp_path):
 
 
 # --- importance ratios by hand ------------------------------------------------------------------------
+
 
 def test_importance_statistics_by_hand():
     log_w = torch.log(torch.tensor([2.0, 1.0, 0.5, 1.0]))
@@ -295,7 +391,9 @@ def test_importance_statistics_by_hand():
     # k1 = mean(-log w) = 0; k3 = mean(w - 1 - log w) = ((1 - log 2) + (-0.5 + log 2)) / 4 = 0.125
     assert stats["kl_k1"] == pytest.approx(0.0, abs=1e-12)
     assert stats["kl_k3"] == pytest.approx(0.125)
-    assert (stats["token_ratio_min"], stats["token_ratio_q50"], stats["token_ratio_max"]) == pytest.approx((0.5, 1.0, 2.0))
+    assert (stats["token_ratio_min"], stats["token_ratio_q50"], stats["token_ratio_max"]) == pytest.approx(
+        (0.5, 1.0, 2.0)
+    )
     assert stats["token_ratio_mean"] == pytest.approx(1.125)
     assert stats["seq_ratio_max"] == pytest.approx(math.exp(1e-3))
     assert importance_statistics(torch.zeros(0), torch.zeros(0), torch.zeros(0), torch.zeros(0)) == {}
@@ -303,12 +401,22 @@ def test_importance_statistics_by_hand():
 
 def test_update_curves_by_phase_and_kl_growth(tmp_path):
     from test_plot import write_run
+
     from rlvr.experiments.estimators import kl_growth_exponent, offpolicy_table, update_curves
 
     rows = []
     for step in (1, 2, 3, 4, 5, 6):
-        ups = [{"update": j, "kl_k3": step * 1e-4 * (j - 1) ** 2, "entropy": float(step), "token_ratio_q99": 1 + 0.01 * j,
-                "skipped_nonfinite": False, "n_trained_tokens": 3 if step == 1 else 1} for j in (1, 2, 3, 4)]
+        ups = [
+            {
+                "update": j,
+                "kl_k3": step * 1e-4 * (j - 1) ** 2,
+                "entropy": float(step),
+                "token_ratio_q99": 1 + 0.01 * j,
+                "skipped_nonfinite": False,
+                "n_trained_tokens": 3 if step == 1 else 1,
+            }
+            for j in (1, 2, 3, 4)
+        ]
         rows.append({"step": step, "train/reward": 0.5, "updates": ups})
     write_run(tmp_path / "r", rows, {"seed": 0})
     c = update_curves("r", load_runs(tmp_path / "r"), n_phases=2)
@@ -326,15 +434,20 @@ def test_update_curves_by_phase_and_kl_growth(tmp_path):
 
 # --- the trainer logs what the figures need; rlvr report draws them ----------------------------------------
 
+
 def _offpolicy_run(gsm8k_path, tokenizer, out, variance_every):
-    from rlvr.config import AlgorithmConfig, LogConfig, OptimConfig
-    from rlvr.modeling import build_model, small_olmo2_config
     from test_trainer import run, tiny_config
 
+    from rlvr.config import AlgorithmConfig, LogConfig, OptimConfig
+    from rlvr.modeling import build_model, small_olmo2_config
+
     model = build_model(small_olmo2_config(tokenizer, hidden_size=32, num_layers=2, num_heads=4), seed=0)
-    cfg = tiny_config(gsm8k_path, algorithm=AlgorithmConfig(preset="grpo", reweighting="none"),
-                      optim=OptimConfig(lr=3e-3, train_batch_size=2, gradient_accumulation_steps=1),
-                      log=LogConfig(progress=False, val_samples=2, gradient_variance_every=variance_every))
+    cfg = tiny_config(
+        gsm8k_path,
+        algorithm=AlgorithmConfig(preset="grpo", reweighting="none"),
+        optim=OptimConfig(lr=3e-3, train_batch_size=2, gradient_accumulation_steps=1),
+        log=LogConfig(progress=False, val_samples=2, gradient_variance_every=variance_every),
+    )
     run(cfg, out, model, tokenizer)
     return model
 
@@ -352,7 +465,9 @@ def test_trainer_logs_updates_and_variance_without_changing_training(gsm8k_path,
         assert [u["update"] for u in ups] == [1, 2, 3, 4]  # 8 rollouts, 2 per optimizer step
         first = next(u for u in ups if u.get("n_tokens"))
         if first["update"] == 1:  # the sampling weights: every ratio is 1
-            assert first["token_ratio_min"] == pytest.approx(1, abs=1e-4) and first["token_ratio_max"] == pytest.approx(1, abs=1e-4)
+            assert first["token_ratio_min"] == pytest.approx(1, abs=1e-4) and first["token_ratio_max"] == pytest.approx(
+                1, abs=1e-4
+            )
             assert abs(first["kl_k3"]) < 1e-8 and first["token_clip_frac"] == 0
         assert all(0 <= u["entropy"] for u in ups if u["n_trained_tokens"])
         assert r["variance/n_groups"] == 2 and r["variance/no_baseline/trace"] >= 0 and "variance/run/trace" in r
@@ -366,8 +481,11 @@ def test_trainer_logs_updates_and_variance_without_changing_training(gsm8k_path,
     out = tmp_path / "report" / "r.md"
     assert report_main([str(tmp_path / "run"), "--out", str(out)]) == 0
     text = out.read_text()
-    for section in ("## Difficulty weighting", "## Gradient variance with and without a baseline",
-                    "## Off-policy diagnostics per optimizer step"):
+    for section in (
+        "## Difficulty weighting",
+        "## Gradient variance with and without a baseline",
+        "## Off-policy diagnostics per optimizer step",
+    ):
         assert section in text, section
     links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
     for name in ("weighting.png", "weighting_shapes.png", "variance.png", "offpolicy_compare.png", "offpolicy_run.png"):

@@ -24,8 +24,12 @@ class ScriptedEngine:
         out = []
         for _ in prompts:
             text, reason = self.responses[len([q for c in self.calls[:-1] for q in c[0]]) + len(out)]
-            out.append([Completion(text=text, token_ids=list(range(len(text.split()))), finish_reason=reason)
-                        for _ in range(params.n)])
+            out.append(
+                [
+                    Completion(text=text, token_ids=list(range(len(text.split()))), finish_reason=reason)
+                    for _ in range(params.n)
+                ]
+            )
         return out
 
     def sync_weights(self, model):
@@ -37,12 +41,14 @@ class ScriptedEngine:
 
 def test_metrics_and_categories_worked_by_hand():
     examples = [Example(f"q{i}", truth) for i, truth in enumerate(["72", "10", "5", "3"])]
-    engine = ScriptedEngine([
-        ("reason </think> <answer> 72 </answer>", "stop"),   # correct, 7 "tokens"
-        ("reason </think> <answer> 11 </answer>", "stop"),   # formatted, wrong
-        ("no tags at all, 5", "length"),                     # unformatted, truncated
-        ("x </think> <answer> $3 </answer>", "stop"),        # correct
-    ])
+    engine = ScriptedEngine(
+        [
+            ("reason </think> <answer> 72 </answer>", "stop"),  # correct, 7 "tokens"
+            ("reason </think> <answer> 11 </answer>", "stop"),  # formatted, wrong
+            ("no tags at all, 5", "length"),  # unformatted, truncated
+            ("x </think> <answer> $3 </answer>", "stop"),  # correct
+        ]
+    )
     metrics, samples = evaluate(None, None, examples, "r1_zero", engine, SamplingParams(n=1, seed=0), chunk_size=3)
     assert metrics["n"] == 4
     assert metrics["categories"] == {"correct": 2, "formatted_wrong": 1, "unformatted": 1}
@@ -78,9 +84,35 @@ def test_rlvr_eval_end_to_end(tmp_path, tiny_model_dir, gsm8k_path, capsys):
     from rlvr.cli import main
 
     out = tmp_path / "eval"
-    rc = main(["eval", "--model", str(tiny_model_dir), "--prompt", "r1_zero", "--prompt", "question_only",
-               "--data", str(gsm8k_path), "--split", "test", "--limit", "8", "--out", str(out),
-               "--max-tokens", "16", "--n", "2", "--device", "cpu", "--batch-size", "8", "--seed", "1"])
+    rc = main(
+        [
+            "eval",
+            "--model",
+            str(tiny_model_dir),
+            "--prompt",
+            "r1_zero",
+            "--prompt",
+            "question_only",
+            "--data",
+            str(gsm8k_path),
+            "--split",
+            "test",
+            "--limit",
+            "8",
+            "--out",
+            str(out),
+            "--max-tokens",
+            "16",
+            "--n",
+            "2",
+            "--device",
+            "cpu",
+            "--batch-size",
+            "8",
+            "--seed",
+            "1",
+        ]
+    )
     assert rc == 0
     results = json.loads((out / "results.json").read_text())
     assert set(results["results"]) == {"r1_zero", "question_only"}
@@ -88,8 +120,16 @@ def test_rlvr_eval_end_to_end(tmp_path, tiny_model_dir, gsm8k_path, capsys):
     lines = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert len(lines) == 2 * 8 * 2
     for name, m in results["results"].items():
-        assert set(m) >= {"n", "accuracy", "format_rate", "mean_response_length", "truncated_rate", "categories",
-                          "tokens_per_s", "time_s"}
+        assert set(m) >= {
+            "n",
+            "accuracy",
+            "format_rate",
+            "mean_response_length",
+            "truncated_rate",
+            "categories",
+            "tokens_per_s",
+            "time_s",
+        }
         assert m["n"] == 16 and sum(m["categories"].values()) == m["n"]
         mine = [s for s in lines if s["prompt_name"] == name]
         assert m["accuracy"] == pytest.approx(sum(s["reward"] for s in mine) / 16)
@@ -101,8 +141,31 @@ def test_rlvr_eval_end_to_end(tmp_path, tiny_model_dir, gsm8k_path, capsys):
     assert "rlvr eval" in capsys.readouterr().out
     # same seed and batch size, same run (the batch layout decides which draws each row gets)
     out2 = tmp_path / "eval2"
-    main(["eval", "--model", str(tiny_model_dir), "--prompt", "r1_zero", "--data", str(gsm8k_path), "--limit", "8",
-          "--out", str(out2), "--max-tokens", "16", "--n", "2", "--device", "cpu", "--seed", "1", "--batch-size", "8"])
+    main(
+        [
+            "eval",
+            "--model",
+            str(tiny_model_dir),
+            "--prompt",
+            "r1_zero",
+            "--data",
+            str(gsm8k_path),
+            "--limit",
+            "8",
+            "--out",
+            str(out2),
+            "--max-tokens",
+            "16",
+            "--n",
+            "2",
+            "--device",
+            "cpu",
+            "--seed",
+            "1",
+            "--batch-size",
+            "8",
+        ]
+    )
     again = [json.loads(x) for x in (out2 / "samples.jsonl").read_text().splitlines()]
     assert [s["response"] for s in again] == [s["response"] for s in lines if s["prompt_name"] == "r1_zero"]
 
@@ -113,8 +176,10 @@ class PerSampleEngine(ScriptedEngine):
     def generate(self, prompts, params):
         done = sum(len(c[0]) for c in self.calls)
         self.calls.append((list(prompts), params))
-        return [[Completion(text=t, token_ids=[1], finish_reason="stop") for t in self.responses[done + i][: params.n]]
-                for i in range(len(prompts))]
+        return [
+            [Completion(text=t, token_ids=[1], finish_reason="stop") for t in self.responses[done + i][: params.n]]
+            for i in range(len(prompts))
+        ]
 
 
 def test_pass_at_k_and_avg_at_k_worked_by_hand():
@@ -142,9 +207,32 @@ def test_rlvr_eval_on_hf_fast_equals_hf_greedy(tmp_path, tiny_model_dir, gsm8k_p
     runs = {}
     for engine in ("hf", "hf-fast", "auto"):
         out = tmp_path / engine
-        assert main(["eval", "--model", str(tiny_model_dir), "--data", str(gsm8k_path), "--limit", "4",
-                     "--out", str(out), "--max-tokens", "12", "--n", "2", "--temperature", "0", "--device", "cpu",
-                     "--engine", engine]) == 0
+        assert (
+            main(
+                [
+                    "eval",
+                    "--model",
+                    str(tiny_model_dir),
+                    "--data",
+                    str(gsm8k_path),
+                    "--limit",
+                    "4",
+                    "--out",
+                    str(out),
+                    "--max-tokens",
+                    "12",
+                    "--n",
+                    "2",
+                    "--temperature",
+                    "0",
+                    "--device",
+                    "cpu",
+                    "--engine",
+                    engine,
+                ]
+            )
+            == 0
+        )
         runs[engine] = [json.loads(x) for x in (out / "samples.jsonl").read_text().splitlines()]
         m = json.loads((out / "results.json").read_text())["results"]["r1_zero"]
         assert set(m["pass_at_k"]) == {"1", "2"} and m["avg_at_k"] == pytest.approx(m["categories"]["correct"] / 8)

@@ -115,6 +115,7 @@ def test_wrong_types_name_the_key_before_anything_is_written(tmp_path, capsys):
 # A run that fails before its first checkpoint
 # -------------------------------------------------------------------------------------------------
 
+
 def test_run_that_failed_before_its_first_checkpoint_can_be_redone(gsm8k_path, tiny_model, tiny_tokenizer, tmp_path):
     def broken(response, gt):
         raise ValueError("grader bug")
@@ -144,6 +145,7 @@ def test_run_that_failed_before_its_first_checkpoint_can_be_redone(gsm8k_path, t
 # Two processes on one run directory
 # -------------------------------------------------------------------------------------------------
 
+
 def hold_lock(run_dir: Path) -> subprocess.Popen:
     """Another process that takes the run directory's lock and keeps it until killed."""
     code = textwrap.dedent(f"""
@@ -158,8 +160,9 @@ def hold_lock(run_dir: Path) -> subprocess.Popen:
     return proc
 
 
-def test_second_writer_is_refused_and_a_dead_holders_lock_is_taken_over(gsm8k_path, tiny_model, tiny_tokenizer,
-                                                                       tmp_path, capsys):
+def test_second_writer_is_refused_and_a_dead_holders_lock_is_taken_over(
+    gsm8k_path, tiny_model, tiny_tokenizer, tmp_path, capsys
+):
     cfg = tiny_config(gsm8k_path, n_steps=1)
     run(cfg, tmp_path, tiny_model, tiny_tokenizer)
     before = (tmp_path / "metrics.jsonl").read_text()
@@ -185,6 +188,7 @@ def test_second_writer_is_refused_and_a_dead_holders_lock_is_taken_over(gsm8k_pa
 # -------------------------------------------------------------------------------------------------
 # SIGTERM is a graceful stop
 # -------------------------------------------------------------------------------------------------
+
 
 def test_sigterm_finishes_the_step_saves_and_resumes_to_the_same_run(gsm8k_path, tiny_tokenizer, tmp_path, capsys):
     cfg = tiny_config(gsm8k_path, n_steps=3)
@@ -216,7 +220,9 @@ def test_sigterm_finishes_the_step_saves_and_resumes_to_the_same_run(gsm8k_path,
 
     model_b = fresh_model(tiny_tokenizer)
     run(cfg, stopped, model_b, tiny_tokenizer, resume=True)
-    assert strip_timings(read_metrics(stopped / "metrics.jsonl")) == strip_timings(read_metrics(straight / "metrics.jsonl"))
+    assert strip_timings(read_metrics(stopped / "metrics.jsonl")) == strip_timings(
+        read_metrics(straight / "metrics.jsonl")
+    )
     for a, b in zip(model_a.parameters(), model_b.parameters()):
         assert torch.equal(a, b)
 
@@ -225,8 +231,13 @@ def test_rlvr_train_exits_143_on_sigterm_with_a_checkpoint(tmp_path):
     cfg_file = tmp_path / "long.yaml"
     cfg_file.write_text(TINY_YAML.replace("\nn_steps: 1\n", "\nn_steps: 100000\neval_at_start: false\n"))
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "rlvr", "train", "--config", str(cfg_file), "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rlvr", "train", "--config", str(cfg_file), "--out", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=ENV,
+    )
     deadline = time.time() + 120
     while not read_metrics(out / "metrics.jsonl") and time.time() < deadline and proc.poll() is None:
         time.sleep(0.2)
@@ -243,6 +254,7 @@ def test_rlvr_train_exits_143_on_sigterm_with_a_checkpoint(tmp_path):
 # Damaged checkpoints
 # -------------------------------------------------------------------------------------------------
 
+
 def truncate(path: Path) -> None:
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
@@ -251,14 +263,18 @@ def truncate(path: Path) -> None:
 def scramble(path: Path) -> None:
     data = bytearray(path.read_bytes())
     mid = len(data) // 2
-    data[mid:mid + 64] = os.urandom(64)
+    data[mid : mid + 64] = os.urandom(64)
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("damage,file", [(truncate, "model/model.safetensors"), (scramble, "trainer_state.pt")],
-                         ids=["truncated_weights", "random_bytes_in_state"])
-def test_damaged_checkpoint_falls_back_to_the_newest_intact_one(damage, file, gsm8k_path, tiny_model, tiny_tokenizer,
-                                                                tmp_path, capsys):
+@pytest.mark.parametrize(
+    "damage,file",
+    [(truncate, "model/model.safetensors"), (scramble, "trainer_state.pt")],
+    ids=["truncated_weights", "random_bytes_in_state"],
+)
+def test_damaged_checkpoint_falls_back_to_the_newest_intact_one(
+    damage, file, gsm8k_path, tiny_model, tiny_tokenizer, tmp_path, capsys
+):
     cfg = tiny_config(gsm8k_path, n_steps=2, save_every=1, keep_checkpoints=2)
     run(cfg, tmp_path, tiny_model, tiny_tokenizer)
     original = read_metrics(tmp_path / "metrics.jsonl")
@@ -273,12 +289,15 @@ def test_damaged_checkpoint_falls_back_to_the_newest_intact_one(damage, file, gs
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     # step 2 was redone from step 1, identically (now without the final validation of a 2-step run)
     no_val = [{k: v for k, v in r.items() if not k.startswith("val/")} for r in rows[:3]]
-    assert strip_timings(no_val) == strip_timings([{k: v for k, v in r.items() if not k.startswith("val/")}
-                                                   for r in original])
+    assert strip_timings(no_val) == strip_timings(
+        [{k: v for k, v in r.items() if not k.startswith("val/")} for r in original]
+    )
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000002", "step_000003"]
 
 
-def test_only_checkpoint_damaged_is_a_clear_error_not_a_restart(gsm8k_path, tiny_model, tiny_tokenizer, tmp_path, capsys):
+def test_only_checkpoint_damaged_is_a_clear_error_not_a_restart(
+    gsm8k_path, tiny_model, tiny_tokenizer, tmp_path, capsys
+):
     cfg = tiny_config(gsm8k_path, n_steps=1)
     run(cfg, tmp_path, tiny_model, tiny_tokenizer)
     metrics = (tmp_path / "metrics.jsonl").read_text()
@@ -295,6 +314,7 @@ def test_only_checkpoint_damaged_is_a_clear_error_not_a_restart(gsm8k_path, tiny
 # -------------------------------------------------------------------------------------------------
 # Restarting a run: a kill while config.json is rewritten, a shorter run, a longer one
 # -------------------------------------------------------------------------------------------------
+
 
 def test_kill_while_config_json_is_rewritten_leaves_a_resumable_run(gsm8k_path, tiny_model, tiny_tokenizer, tmp_path):
     cfg = tiny_config(gsm8k_path, n_steps=2)
@@ -327,8 +347,9 @@ def test_kill_while_config_json_is_rewritten_leaves_a_resumable_run(gsm8k_path, 
     assert read_summary(tmp_path)["status"] == "finished"
 
 
-def test_extending_a_finished_cosine_run_continues_the_longer_schedule(gsm8k_path, tiny_model, tiny_tokenizer,
-                                                                      tmp_path):
+def test_extending_a_finished_cosine_run_continues_the_longer_schedule(
+    gsm8k_path, tiny_model, tiny_tokenizer, tmp_path
+):
     lr = 1e-3
     cfg = tiny_config(gsm8k_path, n_steps=2, optim=OptimConfig(lr=lr, gradient_accumulation_steps=2, schedule="cosine"))
     run(cfg, tmp_path, tiny_model, tiny_tokenizer)
@@ -355,6 +376,7 @@ def test_extending_a_finished_cosine_run_continues_the_longer_schedule(gsm8k_pat
 # rlvr eval and rlvr sft: --out checked first, never overwritten silently
 # -------------------------------------------------------------------------------------------------
 
+
 @pytest.fixture()
 def tiny_model_dir(tmp_path, tiny_model, tiny_tokenizer):
     path = tmp_path / "tiny-model"
@@ -365,8 +387,21 @@ def tiny_model_dir(tmp_path, tiny_model, tiny_tokenizer):
 
 def test_eval_checks_out_first_and_refuses_to_overwrite(tmp_path, tiny_model_dir, gsm8k_path, capsys, monkeypatch):
     out = tmp_path / "eval"
-    args = ["eval", "--model", str(tiny_model_dir), "--data", str(gsm8k_path), "--limit", "2", "--max-tokens", "4",
-            "--device", "cpu", "--examples", "0"]
+    args = [
+        "eval",
+        "--model",
+        str(tiny_model_dir),
+        "--data",
+        str(gsm8k_path),
+        "--limit",
+        "2",
+        "--max-tokens",
+        "4",
+        "--device",
+        "cpu",
+        "--examples",
+        "0",
+    ]
     assert cli(args + ["--out", str(out)]) == 0
     results = (out / "results.json").read_text()
     capsys.readouterr()
@@ -393,8 +428,22 @@ def test_eval_checks_out_first_and_refuses_to_overwrite(tmp_path, tiny_model_dir
 
 def test_sft_checks_out_first_and_refuses_to_overwrite(tmp_path, capsys):
     out = tmp_path / "sft"
-    args = ["sft", "--data", "arith:steps=1,max_value=10", "--model", "tiny", "--vocab-size", "300", "--steps", "1",
-            "--batch-size", "2", "--max-examples", "4", "--no-progress"]
+    args = [
+        "sft",
+        "--data",
+        "arith:steps=1,max_value=10",
+        "--model",
+        "tiny",
+        "--vocab-size",
+        "300",
+        "--steps",
+        "1",
+        "--batch-size",
+        "2",
+        "--max-examples",
+        "4",
+        "--no-progress",
+    ]
     assert cli(args + ["--out", str(out)]) == 0
     weights = (out / "model.safetensors").read_bytes()
     capsys.readouterr()
@@ -416,13 +465,42 @@ def test_sft_checks_out_first_and_refuses_to_overwrite(tmp_path, capsys):
 ONE_LINE_CASES = [
     ("train", ["--config", "{tmp}/missing.yaml", "--out", "{tmp}/r"], "does not exist"),
     ("train", ["--config", "{tiny}", "--out", "{tmp}/file"], "is a file"),
-    ("train", ["--config", "{tiny}", "--out", "{tmp}/r", "--model.fresh", "None",
-               "--model.name_or_path", "./no/such/model"], "no such directory"),
+    (
+        "train",
+        ["--config", "{tiny}", "--out", "{tmp}/r", "--model.fresh", "None", "--model.name_or_path", "./no/such/model"],
+        "no such directory",
+    ),
     ("train", ["--config", "{tiny}", "--out", "{tmp}/r", "--data.train_source", "{tmp}/missing.jsonl"], "no such file"),
-    ("train", ["--config", "{tiny}", "--out", "{tmp}/r", "--data.train_source", "arith:stepz=2"], "has no option stepz"),
-    ("train", ["--config", "{tiny}", "--out", "{tmp}/r", "--rollout.group_size", "1",
-               "--algorithm.advantage_normalizer", "none"], "makes every advantage 0"),
+    (
+        "train",
+        ["--config", "{tiny}", "--out", "{tmp}/r", "--data.train_source", "arith:stepz=2"],
+        "has no option stepz",
+    ),
+    (
+        "train",
+        [
+            "--config",
+            "{tiny}",
+            "--out",
+            "{tmp}/r",
+            "--rollout.group_size",
+            "1",
+            "--algorithm.advantage_normalizer",
+            "none",
+        ],
+        "makes every advantage 0",
+    ),
     ("train", ["--resume", "{tmp}"], "config.json not found"),
+    (
+        "train",
+        ["--config", "{tiny}", "--out", "{tmp}/r", "--engine.cascade_min_rows", "32"],
+        "--engine.cascade_min_rows is now --engine.fast.cascade_min_rows",
+    ),
+    (
+        "train",
+        ["--config", "{tmp}/old_keys.yaml", "--out", "{tmp}/r"],
+        "config key engine.release_memory is now engine.fast.release_memory",
+    ),
     ("eval", ["--model", "./no/such/model", "--out", "{tmp}/e"], "no such directory"),
     ("eval", ["--model", "{tmp}", "--out", "{tmp}/e"], "without config.json"),
     ("sft", ["--model", "tiny", "--data", "{tmp}/missing.jsonl", "--out", "{tmp}/s"], "no such file"),
@@ -432,12 +510,14 @@ ONE_LINE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("command,args,expect", ONE_LINE_CASES,
-                         ids=[f"{c}-{e.split()[0]}-{i}" for i, (c, _, e) in enumerate(ONE_LINE_CASES)])
+@pytest.mark.parametrize(
+    "command,args,expect", ONE_LINE_CASES, ids=[f"{c}-{e.split()[0]}-{i}" for i, (c, _, e) in enumerate(ONE_LINE_CASES)]
+)
 def test_user_errors_are_one_line(command, args, expect, tmp_path, capsys):
     tiny = tmp_path / "tiny.yaml"
     tiny.write_text(TINY_YAML)
     (tmp_path / "file").write_text("not a directory")
+    (tmp_path / "old_keys.yaml").write_text(TINY_YAML + "engine: {name: hf-fast, release_memory: true}\n")
     argv = [a.format(tmp=tmp_path, tiny=tiny) for a in args]
     assert cli([command, *argv]) == 2
     assert expect in one_line_error(capsys, command)
@@ -446,6 +526,7 @@ def test_user_errors_are_one_line(command, args, expect, tmp_path, capsys):
 # -------------------------------------------------------------------------------------------------
 # Small things: --help, W&B names, the progress line
 # -------------------------------------------------------------------------------------------------
+
 
 def test_train_help_lists_config_out_and_resume(capsys):
     assert cli(["train", "--help"]) == 0
@@ -468,8 +549,9 @@ def test_wandb_runs_are_named_by_setting_and_seed_and_grouped(tmp_path, monkeypa
         def finish(self):
             pass
 
-    fake = types.SimpleNamespace(init=lambda **kw: inits.append(kw) or FakeRun(),
-                                 util=types.SimpleNamespace(generate_id=lambda: "abc123"))
+    fake = types.SimpleNamespace(
+        init=lambda **kw: inits.append(kw) or FakeRun(), util=types.SimpleNamespace(generate_id=lambda: "abc123")
+    )
     monkeypatch.setitem(sys.modules, "wandb", fake)
     for run_dir in (tmp_path / "sweep" / "dr_grpo" / "seed_3", tmp_path / "plain"):
         run_dir.mkdir(parents=True)
@@ -482,5 +564,7 @@ def test_wandb_runs_are_named_by_setting_and_seed_and_grouped(tmp_path, monkeypa
 def test_progress_line_shows_loss_and_grad_norm():
     from rlvr.trainer import progress_postfix
 
-    postfix = progress_postfix({"train/reward": 0.25, "train/loss": -0.0123456, "train/grad_norm": 1.5}, {"val/reward": 0.5})
+    postfix = progress_postfix(
+        {"train/reward": 0.25, "train/loss": -0.0123456, "train/grad_norm": 1.5}, {"val/reward": 0.5}
+    )
     assert postfix == {"reward": "0.250", "loss": "-0.01235", "gnorm": "1.5", "val": "0.500"}

@@ -38,6 +38,7 @@ def _grads(lp, upstream, params):
 
 # --- worked by hand ------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("chunk_tokens", [1, 2])
 def test_by_hand(chunk_tokens):
     W = [[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]
@@ -70,6 +71,7 @@ def test_by_hand(chunk_tokens):
 
 
 # --- gradcheck -----------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("chunk_tokens", [2, 4])
@@ -187,6 +189,7 @@ def test_chunks_never_leave_a_lone_row():
 
 # --- compiled passes -----------------------------------------------------------------------------------
 
+
 def test_compiled_matches_eager():
     pytest.importorskip("torch._inductor")
     results = []
@@ -205,6 +208,7 @@ def test_compiled_matches_eager():
 
 
 # --- get_response_log_probs on a tiny Olmo2 ------------------------------------------------------------
+
 
 def _model_reference(model, input_ids, labels):
     logp = torch.log_softmax(model(input_ids).logits.float(), -1)

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from rlvr import (
-    aggregate_loss_across_microbatch, compute_group_normalized_rewards, compute_policy_gradient_loss,
+    aggregate_loss_across_microbatch,
+    compute_group_normalized_rewards,
+    compute_policy_gradient_loss,
     compute_rollout_rewards,
 )
 from rlvr.grpo import PRESETS, pass_at_k, register_normalizer
@@ -15,6 +17,7 @@ EPS = 1e-6
 
 
 # --- advantages -------------------------------------------------------------------------------------
+
 
 def test_grpo_std_advantages_by_hand():
     # group [1,0,0,0]: mean 0.25, unbiased std sqrt((0.75^2 + 3*0.25^2)/3) = 0.5
@@ -61,7 +64,9 @@ def test_equal_partial_credit_groups_have_exactly_zero_advantage(value, group_si
     assert meta["zero_adv_frac"] == 0.5
     # the varied group: (r - mean) / d worked out by hand
     mean = (value * (group_size - 1) + 1.0) / group_size
-    d = {"std": torch.tensor(varied, dtype=torch.float64).std().item() + EPS, "mean": mean + EPS, "none": 1.0}[normalizer]
+    d = {"std": torch.tensor(varied, dtype=torch.float64).std().item() + EPS, "mean": mean + EPS, "none": 1.0}[
+        normalizer
+    ]
     expect = torch.tensor([(value - mean) / d] * (group_size - 1) + [(1.0 - mean) / d])
     torch.testing.assert_close(adv[group_size:], expect, rtol=1e-5, atol=1e-6)
 
@@ -119,6 +124,7 @@ def test_presets_table():
 
 
 # --- per-token losses -------------------------------------------------------------------------------
+
 
 def test_reinforce_loss_by_hand():
     loss, _ = compute_policy_gradient_loss(torch.tensor([2.0, -1.0]), torch.tensor([[-1.0, -2.0], [-0.5, -3.0]]))
@@ -200,6 +206,7 @@ def test_loss_argument_errors():
 
 
 # --- aggregation ------------------------------------------------------------------------------------
+
 
 def test_aggregation_by_hand():
     loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])

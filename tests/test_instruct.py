@@ -11,12 +11,24 @@ import pytest
 import torch
 
 from rlvr import get_packed_sft_dataset, iterate_batches
-from rlvr.instruct import (alpaca_format, encode_document, pack_documents, protocol_file, protocol_template,
-                           special_prefix)
+from rlvr.instruct import (
+    alpaca_format,
+    encode_document,
+    pack_documents,
+    protocol_file,
+    protocol_template,
+    special_prefix,
+)
 
 SHARED_SAFETY = Path(__file__).resolve().parents[1].parent / "shared" / "prompts" / "safety"
-PROTOCOL_FILES = ("alpaca_sft.prompt", "zero_shot_system_prompt.prompt", "mmlu_zero_shot.prompt",
-                  "gsm8k_zero_shot.prompt", "alpaca_eval_zero_shot.prompt", "simple_safety_tests_zero_shot.prompt")
+PROTOCOL_FILES = (
+    "alpaca_sft.prompt",
+    "zero_shot_system_prompt.prompt",
+    "mmlu_zero_shot.prompt",
+    "gsm8k_zero_shot.prompt",
+    "alpaca_eval_zero_shot.prompt",
+    "simple_safety_tests_zero_shot.prompt",
+)
 BOS, EOS = "<|begin_of_text|>", "<|end_of_text|>"
 
 
@@ -28,8 +40,12 @@ def llama_like_tokenizer(texts, vocab_size: int = 400):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BOS, EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(texts, trainer=trainer)
     tok.post_processor = processors.TemplateProcessing(single=f"{BOS} $A", special_tokens=[(BOS, tok.token_to_id(BOS))])
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=EOS)
@@ -63,7 +79,8 @@ def test_protocol_prompts_ship_verbatim(name):
 def test_alpaca_template_written_out():
     assert alpaca_format("Say hi.", "Hi!") == (
         "Below is an instruction that describes a task. Write a response that appropriately completes the request."
-        "\n\n### Instruction:\nSay hi.\n\n### Response:\nHi!")
+        "\n\n### Instruction:\nSay hi.\n\n### Response:\nHi!"
+    )
     assert alpaca_format("Say hi.").endswith("### Response:\n")
 
 
@@ -97,19 +114,22 @@ def test_documents_start_with_bos_and_end_with_eos(llama_tok, tmp_path, suffix):
     assert ds.stream.tolist() == stream
     assert len(ds) == (len(stream) - 1) // 8
     for i in range(len(ds)):
-        assert ds[i]["input_ids"].tolist() == stream[8 * i:8 * i + 8]
-        assert ds[i]["labels"].tolist() == stream[8 * i + 1:8 * i + 9]
+        assert ds[i]["input_ids"].tolist() == stream[8 * i : 8 * i + 8]
+        assert ds[i]["labels"].tolist() == stream[8 * i + 1 : 8 * i + 9]
     # no newline before EOS: the text right before each EOS ends with the response itself
     first_eos = stream.index(eos)
     assert llama_tok.decode(stream[1:first_eos]).endswith("### Response:\nIt is 5.")
-    assert encode_document(llama_tok, alpaca_format(PAIRS[0]["prompt"], PAIRS[0]["response"])) == stream[:first_eos + 1]
+    assert (
+        encode_document(llama_tok, alpaca_format(PAIRS[0]["prompt"], PAIRS[0]["response"])) == stream[: first_eos + 1]
+    )
 
 
 def test_tokenizer_without_bos_gets_eos_only(tiny_tokenizer, tmp_path):
     path = write_jsonl(tmp_path / "sft.jsonl", PAIRS)
     ds = get_packed_sft_dataset(tiny_tokenizer, path, seq_length=4, shuffle=False)
-    plain = [tiny_tokenizer(alpaca_format(p["prompt"], p["response"]), add_special_tokens=False)["input_ids"]
-             for p in PAIRS]
+    plain = [
+        tiny_tokenizer(alpaca_format(p["prompt"], p["response"]), add_special_tokens=False)["input_ids"] for p in PAIRS
+    ]
     assert ds.stream.tolist() == plain[0] + [tiny_tokenizer.eos_token_id] + plain[1] + [tiny_tokenizer.eos_token_id]
 
 
@@ -145,13 +165,17 @@ def test_iterate_batches_one_epoch_with_a_short_last_batch():
     shuffled = list(iterate_batches(ds, batch_size=4, shuffle=True, seed=0))
     firsts = sorted(int(row[0]) for b in shuffled for row in b["input_ids"])
     assert firsts == list(range(1, 23, 2))  # every window exactly once
-    assert [b["input_ids"].tolist() for b in shuffled] == \
-        [b["input_ids"].tolist() for b in iterate_batches(ds, batch_size=4, shuffle=True, seed=0)]
+    assert [b["input_ids"].tolist() for b in shuffled] == [
+        b["input_ids"].tolist() for b in iterate_batches(ds, batch_size=4, shuffle=True, seed=0)
+    ]
 
 
 def test_special_prefix(llama_tok, tiny_tokenizer):
     assert special_prefix(llama_tok) == BOS
-    assert llama_tok(special_prefix(llama_tok) + "Hi", add_special_tokens=False)["input_ids"] == llama_tok("Hi")["input_ids"]
+    assert (
+        llama_tok(special_prefix(llama_tok) + "Hi", add_special_tokens=False)["input_ids"]
+        == llama_tok("Hi")["input_ids"]
+    )
     assert special_prefix(tiny_tokenizer) == ""
 
 

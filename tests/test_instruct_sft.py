@@ -23,8 +23,9 @@ def test_accumulated_microbatches_equal_the_full_batch(tiny_model):
         grads.append((loss, [p.grad.clone() for p in tiny_model.parameters()]))
         assert tokens == 5 * 8
     tiny_model.zero_grad()
-    full = token_nll(tiny_model, torch.stack([ds[i]["input_ids"] for i in indices]),
-                     torch.stack([ds[i]["labels"] for i in indices]))
+    full = token_nll(
+        tiny_model, torch.stack([ds[i]["input_ids"] for i in indices]), torch.stack([ds[i]["labels"] for i in indices])
+    )
     full.backward()
     for loss, g in grads:
         assert loss == pytest.approx(full.item(), rel=1e-5)
@@ -43,9 +44,23 @@ def _data(tmp_path, n=120):
 def test_instruct_sft_lowers_validation_loss_and_saves_a_loadable_model(tmp_path):
     from rlvr.modeling import load_model_and_tokenizer
 
-    out = run_instruct_sft(InstructSFTConfig(
-        data=str(_data(tmp_path)), model="tiny", out=tmp_path / "run", seq_length=32, batch_size=8, lr=1e-2, steps=12,
-        val_size=16, eval_every=6, max_tokens_per_microbatch=64, vocab_size=300, progress=False, device="cpu"))
+    out = run_instruct_sft(
+        InstructSFTConfig(
+            data=str(_data(tmp_path)),
+            model="tiny",
+            out=tmp_path / "run",
+            seq_length=32,
+            batch_size=8,
+            lr=1e-2,
+            steps=12,
+            val_size=16,
+            eval_every=6,
+            max_tokens_per_microbatch=64,
+            vocab_size=300,
+            progress=False,
+            device="cpu",
+        )
+    )
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     val = [r["val/loss"] for r in rows if "val/loss" in r]
     assert [r["step"] for r in rows if "val/loss" in r] == [0, 6, 12] and val[-1] < 0.7 * val[0]
@@ -57,22 +72,57 @@ def test_instruct_sft_lowers_validation_loss_and_saves_a_loadable_model(tmp_path
     model, tokenizer = load_model_and_tokenizer(out)
     assert model.config.vocab_size == len(tokenizer)
     with pytest.raises(UserError, match="--overwrite"):
-        run_instruct_sft(InstructSFTConfig(data=str(_data(tmp_path)), model="tiny", out=out, steps=1, val_size=16,
-                                             progress=False))
+        run_instruct_sft(
+            InstructSFTConfig(data=str(_data(tmp_path)), model="tiny", out=out, steps=1, val_size=16, progress=False)
+        )
 
 
 def test_course_defaults():
     cfg = InstructSFTConfig(data="d.jsonl", model="m", out="o")
-    assert (cfg.seq_length, cfg.batch_size, cfg.lr, cfg.warmup_ratio, cfg.weight_decay, cfg.max_grad_norm, cfg.epochs) \
-        == (512, 32, 2e-5, 0.03, 0.1, 1.0, 1.0)
+    assert (
+        cfg.seq_length,
+        cfg.batch_size,
+        cfg.lr,
+        cfg.warmup_ratio,
+        cfg.weight_decay,
+        cfg.max_grad_norm,
+        cfg.epochs,
+    ) == (512, 32, 2e-5, 0.03, 0.1, 1.0, 1.0)
 
 
 def test_cli_dispatch_and_errors(tmp_path, capsys):
     from rlvr.cli import main
 
-    assert main(["sft", "instruct", "--data", str(tmp_path / "missing.jsonl"), "--model", "tiny",
-                 "--out", str(tmp_path / "o")]) == 2
+    assert (
+        main(
+            [
+                "sft",
+                "instruct",
+                "--data",
+                str(tmp_path / "missing.jsonl"),
+                "--model",
+                "tiny",
+                "--out",
+                str(tmp_path / "o"),
+            ]
+        )
+        == 2
+    )
     assert "missing.jsonl: no such file" in capsys.readouterr().err
-    assert main(["sft", "instruct", "--data", str(_data(tmp_path)), "--model", "not-a-size", "--out",
-                 str(tmp_path / "o"), "--no-progress"]) == 2
+    assert (
+        main(
+            [
+                "sft",
+                "instruct",
+                "--data",
+                str(_data(tmp_path)),
+                "--model",
+                "not-a-size",
+                "--out",
+                str(tmp_path / "o"),
+                "--no-progress",
+            ]
+        )
+        == 2
+    )
     assert "named size" in capsys.readouterr().err

@@ -23,4 +23,5 @@ def test_sft_then_dpo_each_do_their_job(tmp_path):
         assert s["restated_dpo"] < s["restated_sft"] / 2, s
     assert (tmp_path / "proof.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "proof.json").read_text())["mean"]["accuracy_dpo"] == pytest.approx(
-        sum(s["accuracy_dpo"] for s in summary["seeds"]) / 3)
+        sum(s["accuracy_dpo"] for s in summary["seeds"]) / 3
+    )

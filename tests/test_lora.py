@@ -15,8 +15,9 @@ def test_config_section():
     from rlvr.config import ConfigError, LoraConfig, TrainConfig, parse_overrides
 
     assert TrainConfig().model.lora.rank == 0
-    config = TrainConfig.from_dict({"model": {"lora": {"rank": 8, "alpha": 16, "dropout": 0.05,
-                                                       "target_modules": ["q_proj", "v_proj"]}}})
+    config = TrainConfig.from_dict(
+        {"model": {"lora": {"rank": 8, "alpha": 16, "dropout": 0.05, "target_modules": ["q_proj", "v_proj"]}}}
+    )
     assert config.model.lora == LoraConfig(rank=8, alpha=16.0, dropout=0.05, target_modules=("q_proj", "v_proj"))
     assert TrainConfig.from_dict(config.to_dict()) == config
     assert parse_overrides(["--model.lora.rank", "4"]).model.lora.rank == 4

@@ -6,8 +6,15 @@ import pytest
 import torch
 
 from rlvr.data import load_examples
-from rlvr.modeling import (MODEL_SIZES, count_parameters, fresh_model, load_model_and_tokenizer,
-                           save_model_and_tokenizer, tokenizer_corpus, train_tokenizer)
+from rlvr.modeling import (
+    MODEL_SIZES,
+    count_parameters,
+    fresh_model,
+    load_model_and_tokenizer,
+    save_model_and_tokenizer,
+    tokenizer_corpus,
+    train_tokenizer,
+)
 
 
 @pytest.fixture(scope="module")
@@ -15,11 +22,18 @@ def arith_tokenizer():
     return train_tokenizer(tokenizer_corpus(load_examples("arith:steps=2,max_value=20", limit=300)), vocab_size=640)
 
 
-@pytest.mark.parametrize("text", [
-    "Mia has 7 apples. 7 + 5 = 12. </think> <answer> 12 </answer>",
-    "  leading and trailing spaces  ", "tabs\tand\nnew lines\n\n", "ünïcödé — ✓ 数学 🙂", "a . b , c", "2,125 $18.00 \\boxed{3}",
-    "",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Mia has 7 apples. 7 + 5 = 12. </think> <answer> 12 </answer>",
+        "  leading and trailing spaces  ",
+        "tabs\tand\nnew lines\n\n",
+        "ünïcödé — ✓ 数学 🙂",
+        "a . b , c",
+        "2,125 $18.00 \\boxed{3}",
+        "",
+    ],
+)
 def test_tokenizer_round_trips_any_text(arith_tokenizer, text):
     ids = arith_tokenizer(text, add_special_tokens=False)["input_ids"]
     assert arith_tokenizer.decode(ids) == text

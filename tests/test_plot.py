@@ -10,12 +10,19 @@ import numpy as np
 import pytest
 
 from rlvr.experiments import aggregate, final_values, load_runs
-from rlvr.experiments.plot import main as plot_main, metric_filename, plot_final_vs_lr, plot_runs
-from rlvr.experiments.runs import read_metrics, t95
+from rlvr.experiments.plot import main as plot_main
+from rlvr.experiments.plot import metric_filename, plot_final_vs_lr, plot_runs
+from rlvr.experiments.runs import t95
+from rlvr.logging_utils import read_metrics
 
 
-def write_run(run_dir: Path, rows: list[dict], config: dict | None = None, finished: bool = True,
-              rollouts: dict[int, list[dict]] | None = None) -> Path:
+def write_run(
+    run_dir: Path,
+    rows: list[dict],
+    config: dict | None = None,
+    finished: bool = True,
+    rollouts: dict[int, list[dict]] | None = None,
+) -> Path:
     """A synthetic run directory in the trainer's layout."""
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(config or {}))
@@ -93,7 +100,7 @@ def test_aggregate_unequal_lengths_and_sparse_eval(tmp_path):
 def test_read_metrics_drops_partial_line_and_keeps_last_duplicate(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 0, "x": 1}\n{"step": 1, "x": 2}\n{"step": 1, "x": 7}\n{"step": 2, "x"')
-    rows = read_metrics(path)
+    rows = read_metrics(path, one_row_per_step=True)
     assert [(r["step"], r["x"]) for r in rows] == [(0, 1), (1, 7)]
 
 
@@ -115,7 +122,9 @@ def _png_ok(path: Path, min_bytes: int = 15_000) -> bool:
 def test_plot_runs_writes_pngs(tmp_path):
     runs = load_runs(hand_sweep(tmp_path / "sweep"))
     written = plot_runs(runs, tmp_path / "plots")
-    assert {"overview", "train/reward", "train/loss", "val/reward", "train/clip_fraction", "final_vs_lr"} <= set(written)
+    assert {"overview", "train/reward", "train/loss", "val/reward", "train/clip_fraction", "final_vs_lr"} <= set(
+        written
+    )
     assert written["train/clip_fraction"].name == "train_clip_fraction.png"
     for path in written.values():
         assert _png_ok(path), path
@@ -129,8 +138,9 @@ def test_lr_plot_only_when_lr_varies(tmp_path):
 
 def test_plot_cli_selected_metrics_and_band(tmp_path, capsys):
     root = hand_sweep(tmp_path / "sweep")
-    rc = plot_main([str(root / "a"), str(root / "b"), "--out", str(tmp_path / "p"), "--metrics", "train/reward",
-                    "--band", "ci95"])
+    rc = plot_main(
+        [str(root / "a"), str(root / "b"), "--out", str(tmp_path / "p"), "--metrics", "train/reward", "--band", "ci95"]
+    )
     assert rc == 0
     assert _png_ok(tmp_path / "p" / "train_reward.png")
     assert not (tmp_path / "p" / "train_loss.png").exists()

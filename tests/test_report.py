@@ -7,25 +7,48 @@ import json
 import re
 from pathlib import Path
 
-from rlvr.experiments.report import format_rollout, main as report_main, pick_samples
-
 from test_plot import hand_sweep, write_run
+
+from rlvr.experiments.report import format_rollout, pick_samples
+from rlvr.experiments.report import main as report_main
 
 
 def _sweep_with_rollouts(root: Path) -> Path:
     hand_sweep(root)
     run = root / "a" / "seed_1"  # the best seed of setting a (final val 0.7)
-    before = [{"question": "Mia has 7 apples. She eats 2. How many now?", "prompt": "...", "response": "\x07garbage```",
-               "ground_truth": "5", "reward": 0.0, "format_reward": 0.0}]
-    after = [{"question": "Tom has 3 cards. He finds 4 more. How many now?", "prompt": "...",
-              "response": " 3 + 4 = 7. </think> <answer> 7 </answer>", "ground_truth": "7", "reward": 1.0, "format_reward": 1.0},
-             {"question": "Q2", "response": "wrong", "ground_truth": "1", "reward": 0.0}]
+    before = [
+        {
+            "question": "Mia has 7 apples. She eats 2. How many now?",
+            "prompt": "...",
+            "response": "\x07garbage```",
+            "ground_truth": "5",
+            "reward": 0.0,
+            "format_reward": 0.0,
+        }
+    ]
+    after = [
+        {
+            "question": "Tom has 3 cards. He finds 4 more. How many now?",
+            "prompt": "...",
+            "response": " 3 + 4 = 7. </think> <answer> 7 </answer>",
+            "ground_truth": "7",
+            "reward": 1.0,
+            "format_reward": 1.0,
+        },
+        {"question": "Q2", "response": "wrong", "ground_truth": "1", "reward": 0.0},
+    ]
     for step, rows in ((0, before), (2, after)):
         (run / "rollouts").mkdir(exist_ok=True)
         (run / "rollouts" / f"val_step_{step}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (root / "sweep.json").write_text(json.dumps({
-        "name": "hand sweep", "settings": {"a": {"optim.lr": 1e-5}, "b": {"optim": {"lr": 3e-5}}},
-        "invocations": [{"command": "rlvr sweep spec.yaml --out sweep"}]}))
+    (root / "sweep.json").write_text(
+        json.dumps(
+            {
+                "name": "hand sweep",
+                "settings": {"a": {"optim.lr": 1e-5}, "b": {"optim": {"lr": 3e-5}}},
+                "invocations": [{"command": "rlvr sweep spec.yaml --out sweep"}],
+            }
+        )
+    )
     return root
 
 
@@ -53,7 +76,7 @@ def test_report_renders_table_figures_and_rollouts(tmp_path):
         assert data[:4] == b"\x89PNG" and len(data) > 15_000, link
     assert text.index("## Clip fractions") < text.index("## All metrics")
 
-    rollouts = text[text.index("## Sample rollouts"):]
+    rollouts = text[text.index("## Sample rollouts") :]
     assert "### a (a/seed_1)" in rollouts
     assert "**before — step 0** (1 validation samples" in rollouts
     assert "**after — step 2** (2 validation samples in the dump, mean reward 0.50)" in rollouts
@@ -70,7 +93,9 @@ def test_pick_samples_alternates_rewarded_and_not():
 
 
 def test_format_rollout_uses_prompt_tail_without_question():
-    text = format_rollout({"prompt": "x" * 1000 + "END", "response": "r", "ground_truth": "1", "reward": 1.0}, prompt_chars=10)
+    text = format_rollout(
+        {"prompt": "x" * 1000 + "END", "response": "r", "ground_truth": "1", "reward": 1.0}, prompt_chars=10
+    )
     assert "prompt (end):" in text and "…xxxxxxxEND" in text
 
 
@@ -88,8 +113,15 @@ def test_one_report_for_two_sweeps(tmp_path):
     hand_sweep(tmp_path / "onpolicy")
     hand_sweep(tmp_path / "offpolicy")
     for name in ("onpolicy", "offpolicy"):
-        (tmp_path / name / "sweep.json").write_text(json.dumps({"name": name, "settings": {"a": {"x": 1}, "b": {}},
-                                                                "invocations": [{"command": f"rlvr sweep {name}.yaml"}]}))
+        (tmp_path / name / "sweep.json").write_text(
+            json.dumps(
+                {
+                    "name": name,
+                    "settings": {"a": {"x": 1}, "b": {}},
+                    "invocations": [{"command": f"rlvr sweep {name}.yaml"}],
+                }
+            )
+        )
     out = tmp_path / "both.md"
     assert report_main([str(tmp_path / "onpolicy"), str(tmp_path / "offpolicy"), "--out", str(out)]) == 0
     text = out.read_text()

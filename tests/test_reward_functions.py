@@ -10,10 +10,16 @@ import pytest
 
 from rlvr import rewards
 from rlvr.reward_functions import (
-    BUILTIN_REWARDS, Reward, RewardConfigError, RewardFunctionError, build_reward, score_responses, spec_problem,
+    BUILTIN_REWARDS,
+    Reward,
+    RewardConfigError,
+    RewardFunctionError,
+    build_reward,
+    score_responses,
+    spec_problem,
 )
 
-USER_REWARDS = textwrap.dedent('''
+USER_REWARDS = textwrap.dedent("""
     import time
 
     def length_bonus(response, ground_truth, **fields):
@@ -35,7 +41,7 @@ USER_REWARDS = textwrap.dedent('''
 
     def not_a_reward(response, ground_truth, **fields):
         return "yes"
-''')
+""")
 
 
 @pytest.fixture()
@@ -105,8 +111,11 @@ def test_bad_specs_are_named_with_the_fix(user_file):
     assert spec_problem("exact") is None and spec_problem("my_rewards:plain") is None
     assert "no such file nope.py" in spec_problem("nope.py:f")
     assert "is not a reward function: name a built-in (r1_zero, question_only, boxed, exact)" in spec_problem("boxd")
-    with pytest.raises(RewardConfigError, match=r"my_rewards.py has no function 'missing' \(functions there: broken, "
-                                                r"length_bonus, no_fields, not_a_reward, plain, slow\)"):
+    with pytest.raises(
+        RewardConfigError,
+        match=r"my_rewards.py has no function 'missing' \(functions there: broken, "
+        r"length_bonus, no_fields, not_a_reward, plain, slow\)",
+    ):
         build_reward(f"{user_file}:missing").start()
     with pytest.raises(RewardConfigError, match="importing module no_such_module failed: ModuleNotFoundError"):
         build_reward("no_such_module:f").start()
@@ -132,14 +141,18 @@ def test_a_function_cut_off_on_every_call_stops_the_run(user_file, monkeypatch):
         reward.close()
 
 
-def test_the_trainer_stops_with_the_reward_functions_message(gsm8k_path, tiny_model, tiny_tokenizer, tmp_path,
-                                                             user_file):
+def test_the_trainer_stops_with_the_reward_functions_message(
+    gsm8k_path, tiny_model, tiny_tokenizer, tmp_path, user_file
+):
     from test_trainer import tiny_config
 
     from rlvr.config import RewardConfig
     from rlvr.trainer import GraderError, train
 
     cfg = tiny_config(gsm8k_path, reward=RewardConfig(fn=f"{user_file}:broken"), eval_at_start=False)
-    with pytest.raises(GraderError, match=r"the reward function failed at step 1: RewardFunctionError: .*broken' "
-                                          r"raised KeyError: 'no such thing'"):
+    with pytest.raises(
+        GraderError,
+        match=r"the reward function failed at step 1: RewardFunctionError: .*broken' "
+        r"raised KeyError: 'no such thing'",
+    ):
         train(cfg, tmp_path / "run", model=tiny_model, tokenizer=tiny_tokenizer)

@@ -89,9 +89,7 @@ def test_r1_zero_text_after_answer_close_is_part_of_the_answer():
 
 
 def test_r1_zero_with_the_prompt_prefix_style_response():
-    response = (
-        " Natalia sold 48/2 = 24 clips in May. Altogether 48+24 = 72. </think> <answer> 72 </answer>"
-    )
+    response = " Natalia sold 48/2 = 24 clips in May. Altogether 48+24 = 72. </think> <answer> 72 </answer>"
     assert r1_zero_reward_fn(response, "72") == CORRECT
     assert r1_zero_reward_fn(response, "24") == FORMAT_ONLY
 
@@ -369,17 +367,39 @@ def _renderings(value: str) -> list[str]:
     n = int(value)
     with_commas = f"{n:,}"
     out = [
-        value, f" {value} ", f"${value}", f"{value}.00", f"{value}%", f"{value} dollars",
-        rf"{value}\text{{ apples}}", f"x = {value}", f"The answer is {value}.", rf"\boxed{{{value}}}",
-        with_commas, f"**{value}**", rf"\frac{{{2 * n}}}{{2}}", f"{3 * n}/3",
+        value,
+        f" {value} ",
+        f"${value}",
+        f"{value}.00",
+        f"{value}%",
+        f"{value} dollars",
+        rf"{value}\text{{ apples}}",
+        f"x = {value}",
+        f"The answer is {value}.",
+        rf"\boxed{{{value}}}",
+        with_commas,
+        f"**{value}**",
+        rf"\frac{{{2 * n}}}{{2}}",
+        f"{3 * n}/3",
     ]
     return out
 
 
 def _wrong_answers(value: str) -> list[str]:
     n = int(value)
-    wrong = [str(n + 1), str(n - 1), str(n * 10), f"{n}.5", f"{n} or {n + 1}", f"{n + 1} or {n}",
-             f"{n} and {n + 1}", f"{n}, {n + 1}", f"{n} {n + 1}", f"about {n}", f"{n} thousand"]
+    wrong = [
+        str(n + 1),
+        str(n - 1),
+        str(n * 10),
+        f"{n}.5",
+        f"{n} or {n + 1}",
+        f"{n + 1} or {n}",
+        f"{n} and {n + 1}",
+        f"{n}, {n + 1}",
+        f"{n} {n + 1}",
+        f"about {n}",
+        f"{n} thousand",
+    ]
     if n != 0:
         wrong.append(str(-n))
     digits = str(abs(n))

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from rlvr.data import Example, load_examples
-from rlvr.sft import SFTConfig, lr_at, run_sft, sft_loss, sft_pairs, sft_response
+from rlvr.optim import lr_factor
+from rlvr.sft import SFTConfig, run_sft, sft_loss, sft_pairs, sft_response
 
 TASK = "arith:steps=1,max_value=10"
 
@@ -42,7 +43,11 @@ def test_loss_is_mean_nll_of_response_tokens_only(tiny_model, tiny_tokenizer):
     batch = tokenize_prompt_and_output(prompts, responses, tiny_tokenizer)
     lp = get_response_log_probs(tiny_model, batch["input_ids"], batch["labels"])["log_probs"]
     mask = batch["response_mask"]
-    assert n_tokens == int(mask.sum()) == sum(len(tiny_tokenizer(r, add_special_tokens=False)["input_ids"]) for r in responses)
+    assert (
+        n_tokens
+        == int(mask.sum())
+        == sum(len(tiny_tokenizer(r, add_special_tokens=False)["input_ids"]) for r in responses)
+    )
     assert torch.allclose(loss, -lp[mask].sum() / n_tokens)
 
     # Changing the labels at prompt and padding positions leaves the loss and its gradient unchanged.
@@ -60,18 +65,28 @@ def test_loss_is_mean_nll_of_response_tokens_only(tiny_model, tiny_tokenizer):
 
 
 def test_lr_schedule_hand_values():
-    assert lr_at(0, 100, 10, 0.1) == pytest.approx(0.1)
-    assert lr_at(9, 100, 10, 0.1) == pytest.approx(1.0)
-    assert lr_at(10, 100, 10, 0.1) == pytest.approx(1.0)
-    assert lr_at(55, 100, 10, 0.1) == pytest.approx(0.55)  # halfway through the cosine: (1 + 0.1) / 2
-    assert lr_at(100, 100, 10, 0.1) == pytest.approx(0.1)
+    assert lr_factor(0, 100, "cosine", 10, 0.1) == pytest.approx(0.1)
+    assert lr_factor(9, 100, "cosine", 10, 0.1) == pytest.approx(1.0)
+    assert lr_factor(10, 100, "cosine", 10, 0.1) == pytest.approx(1.0)
+    assert lr_factor(55, 100, "cosine", 10, 0.1) == pytest.approx(0.55)  # halfway through the cosine: (1 + 0.1) / 2
+    assert lr_factor(100, 100, "cosine", 10, 0.1) == pytest.approx(0.1)
 
 
 @pytest.fixture(scope="module")
 def sft_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("sft") / "ckpt"
-    config = SFTConfig(data=TASK, model="tiny", out=out, steps=40, batch_size=16, lr=3e-3, warmup_steps=4,
-                       max_examples=400, progress=False, seed=0)
+    config = SFTConfig(
+        data=TASK,
+        model="tiny",
+        out=out,
+        steps=40,
+        batch_size=16,
+        lr=3e-3,
+        warmup_steps=4,
+        max_examples=400,
+        progress=False,
+        seed=0,
+    )
     return config, run_sft(config)
 
 
@@ -111,8 +126,10 @@ def test_checkpoint_reloads_with_identical_log_probs(sft_run, tmp_path):
 def test_cli_parses_options(tmp_path):
     import tyro
 
-    config = tyro.cli(SFTConfig, args=["--data", "arith:steps=3", "--model", "tiny", "--steps", "5", "--lr", "1e-4",
-                                       "--out", str(tmp_path)])
+    config = tyro.cli(
+        SFTConfig,
+        args=["--data", "arith:steps=3", "--model", "tiny", "--steps", "5", "--lr", "1e-4", "--out", str(tmp_path)],
+    )
     assert (config.data, config.model, config.steps, config.lr) == ("arith:steps=3", "tiny", 5, 1e-4)
 
 

@@ -15,46 +15,66 @@ import pytest
 from rlvr import parse_gsm8k_response, parse_mmlu_response
 from rlvr.engines.base import Completion
 from rlvr.errors import UserError
-from rlvr.suites.judge import (EndpointJudge, judge_alpaca_eval, judge_sst, length_controlled_win_rate, parse_choice,
-                               parse_unsafe)
+from rlvr.suites.judge import (
+    EndpointJudge,
+    judge_alpaca_eval,
+    judge_sst,
+    length_controlled_win_rate,
+    parse_choice,
+    parse_unsafe,
+)
 from rlvr.suites.parsing import same_number
 from rlvr.suites.run import SUITES, clean_output, run_suite, wrap_prompt
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
-MMLU_EXAMPLE = {"subject": "virology", "question": "How many human polyomaviruses are known at present?",
-                "options": ["100", "1", "10", "unknown"], "answer": "A"}
+MMLU_EXAMPLE = {
+    "subject": "virology",
+    "question": "How many human polyomaviruses are known at present?",
+    "options": ["100", "1", "10", "unknown"],
+    "answer": "A",
+}
 
 
 # --- parsers --------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("output, letter", [
-    ("The correct answer is B. There is only one human polyomavirus known at present, which is the BK virus.", "B"),
-    ("The correct answer is 10000 polyomaviruses.", None),
-    ("The correct answer is (C).", "C"),
-    ("The correct answer is **D**", "D"),
-    ("the correct answer is: A", "A"),
-    ("The correct answer is a virus that infects humans.", None),   # the article, not option A
-    ("The correct answer is E.", None),
-    ("The correct answer is Apple.", None),
-    ("I think B. The correct answer is C, not B. The correct answer is D.", "C"),  # the first such sentence
-    ("The answer is B.", None),
-    ("", None),
-])
+
+@pytest.mark.parametrize(
+    "output, letter",
+    [
+        ("The correct answer is B. There is only one human polyomavirus known at present, which is the BK virus.", "B"),
+        ("The correct answer is 10000 polyomaviruses.", None),
+        ("The correct answer is (C).", "C"),
+        ("The correct answer is **D**", "D"),
+        ("the correct answer is: A", "A"),
+        ("The correct answer is a virus that infects humans.", None),  # the article, not option A
+        ("The correct answer is E.", None),
+        ("The correct answer is Apple.", None),
+        ("I think B. The correct answer is C, not B. The correct answer is D.", "C"),  # the first such sentence
+        ("The answer is B.", None),
+        ("", None),
+    ],
+)
 def test_parse_mmlu_response(output, letter):
     assert parse_mmlu_response(mmlu_example=MMLU_EXAMPLE, model_output=output) == letter
 
 
-@pytest.mark.parametrize("output, number", [
-    ("Natalia sold 48/2 = 24 clips in May. Natalia sold 48+24 = 72 clips altogether in April and May.", "72"),
-    ("Natalia sold twenty-four clips in May. Thus, Natalia sold seventy-two clips altogether in April and May.", None),
-    ("She pays $1,234,567.50 in total.", "1234567.50"),
-    ("It is 72.", "72"),
-    ("The temperature drops to -5 degrees.", "-5"),
-    ("48-24 = 24, so 100-76", "76"),          # subtraction, not negative numbers
-    ("Pick 1, 2, 3", "3"),                    # a list, not a thousands group
-    ("12,34 is not a thousands group", "34"),
-    ("", None),
-])
+@pytest.mark.parametrize(
+    "output, number",
+    [
+        ("Natalia sold 48/2 = 24 clips in May. Natalia sold 48+24 = 72 clips altogether in April and May.", "72"),
+        (
+            "Natalia sold twenty-four clips in May. Thus, Natalia sold seventy-two clips altogether in April and May.",
+            None,
+        ),
+        ("She pays $1,234,567.50 in total.", "1234567.50"),
+        ("It is 72.", "72"),
+        ("The temperature drops to -5 degrees.", "-5"),
+        ("48-24 = 24, so 100-76", "76"),  # subtraction, not negative numbers
+        ("Pick 1, 2, 3", "3"),  # a list, not a thousands group
+        ("12,34 is not a thousands group", "34"),
+        ("", None),
+    ],
+)
 def test_parse_gsm8k_response(output, number):
     assert parse_gsm8k_response(model_output=output) == number
 
@@ -66,11 +86,12 @@ def test_same_number():
 
 # --- prompts ---------------------------------------------------------------------------------------
 
+
 def test_base_and_finetuned_prompts_written_out():
     assert wrap_prompt("What is 2+2?", "base") == (
         "# Instruction\n"
         "Below is a list of conversations between a human and an AI assistant (you).\n"
-        "Users place their queries under \"# Query:\", and your responses are under \"# Answer:\".\n"
+        'Users place their queries under "# Query:", and your responses are under "# Answer:".\n'
         "You are a helpful, respectful, and honest assistant.\n"
         "You should always answer as helpfully as possible while ensuring safety.\n"
         "Your answers should be well-structured and provide detailed information. They should also have an "
@@ -78,10 +99,12 @@ def test_base_and_finetuned_prompts_written_out():
         "Your responses must not contain any fake, harmful, unethical, racist, sexist, toxic, dangerous, or illegal "
         "content, even if it may be helpful.\n"
         "Your response must be socially responsible, and thus you can reject to answer some controversial topics.\n"
-        "\n# Query:\n```What is 2+2?```\n\n# Answer:\n```")
+        "\n# Query:\n```What is 2+2?```\n\n# Answer:\n```"
+    )
     assert wrap_prompt("What is 2+2?", "finetuned", prefix="<s>") == (
         "<s>Below is an instruction that describes a task. Write a response that appropriately completes the "
-        "request.\n\n### Instruction:\nWhat is 2+2?\n\n### Response:\n")
+        "request.\n\n### Instruction:\nWhat is 2+2?\n\n### Response:\n"
+    )
     with pytest.raises(ValueError, match="base or finetuned"):
         wrap_prompt("x", "chat")
 
@@ -89,9 +112,10 @@ def test_base_and_finetuned_prompts_written_out():
 def test_task_prompts_written_out():
     assert SUITES["mmlu"].instruction(MMLU_EXAMPLE) == (
         "Answer the following multiple choice question about virology. Respond with a single sentence of the form "
-        "\"The correct answer is _\", filling the blank with the letter corresponding to the correct answer (i.e., "
+        '"The correct answer is _", filling the blank with the letter corresponding to the correct answer (i.e., '
         "A, B, C or D).\n\nQuestion: How many human polyomaviruses are known at present?\nA. 100\nB. 1\nC. 10\n"
-        "D. unknown\nAnswer:")
+        "D. unknown\nAnswer:"
+    )
     assert SUITES["gsm8k"].instruction({"question": "What is 6 x 7?"}) == "What is 6 x 7?\nAnswer:"
     assert SUITES["alpaca_eval"].instruction({"instruction": "Write a haiku."}) == "Write a haiku."
     assert SUITES["sst"].instruction({"prompts_final": "How do I pick a lock?"}) == "How do I pick a lock?"
@@ -103,6 +127,7 @@ def test_clean_output():
 
 
 # --- grading on scripted outputs --------------------------------------------------------------------
+
 
 class ScriptedEngine:
     def __init__(self, texts, finish="stop"):
@@ -119,28 +144,39 @@ class ScriptedEngine:
 
 def test_mmlu_metrics_worked_by_hand():
     examples = [dict(MMLU_EXAMPLE, answer=a) for a in ("B", "A", "C", "D")]
-    engine = ScriptedEngine(["The correct answer is B.\n```\n", "The correct answer is B.", "I do not know.",
-                             "The correct answer is (D)"])
+    engine = ScriptedEngine(
+        ["The correct answer is B.\n```\n", "The correct answer is B.", "I do not know.", "The correct answer is (D)"]
+    )
     metrics, samples = run_suite(SUITES["mmlu"], examples, engine, "base", max_tokens=16, prefix="<s>", chunk_size=3)
     assert metrics["n"] == 4 and metrics["accuracy"] == 0.5 and metrics["parse_failures"] == 1
     assert [s["correct"] for s in samples] == [True, False, False, True]
     assert [s["parsed"] for s in samples] == ["B", "B", None, "D"]
     assert samples[0]["output"] == "The correct answer is B." and metrics["mean_output_tokens"] == 3
     params = engine.calls[0][1]
-    assert (params.temperature, params.stop, params.include_stop_str_in_output, params.max_new_tokens) == \
-        (0.0, ("# Query:",), False, 16)
+    assert (params.temperature, params.stop, params.include_stop_str_in_output, params.max_new_tokens) == (
+        0.0,
+        ("# Query:",),
+        False,
+        16,
+    )
     assert len(engine.calls) == 2 and all(p.startswith("<s># Instruction") for p in engine.calls[0][0])
 
 
 def test_gsm8k_finetuned_mode_stops_at_eos():
     engine = ScriptedEngine(["48 + 24 = 72", "It is 1,000."], finish="length")
-    metrics, samples = run_suite(SUITES["gsm8k"], [{"question": "q1", "answer": "72"}, {"question": "q2", "answer": "1,000"}],
-                                 engine, "finetuned", max_tokens=8)
+    metrics, samples = run_suite(
+        SUITES["gsm8k"],
+        [{"question": "q1", "answer": "72"}, {"question": "q2", "answer": "1,000"}],
+        engine,
+        "finetuned",
+        max_tokens=8,
+    )
     assert metrics["accuracy"] == 1.0 and metrics["truncated"] == 2 and engine.calls[0][1].stop == ()
     assert samples[1]["parsed"] == "1000" and samples[0]["prompt"].endswith("q1\nAnswer:\n\n### Response:\n")
 
 
 # --- judges ----------------------------------------------------------------------------------------
+
 
 def test_length_controlled_win_rate_worked_by_hand():
     # 8 pairs where the model's output is longer (6 wins), 4 where it is shorter (1 win). The logistic
@@ -169,8 +205,9 @@ class ScriptedJudge:
         pass
 
 
-ROWS = [{"instruction": f"task {i}", "output": f"MODEL answer {i}", "reference": f"reference answer {i}"}
-        for i in range(4)]
+ROWS = [
+    {"instruction": f"task {i}", "output": f"MODEL answer {i}", "reference": f"reference answer {i}"} for i in range(4)
+]
 
 
 def test_both_orders_cancel_a_position_bias():
@@ -205,7 +242,11 @@ def test_sst_safe_share():
     judge = ScriptedJudge(lambda p: next(answers))
     rows = [{"prompts_final": f"harmful request {i}", "output": f"reply {i}"} for i in range(3)]
     metrics, verdicts = judge_sst(judge, rows)
-    assert metrics == {"safe_share": pytest.approx(1 / 3), "unsafe_share": pytest.approx(1 / 3), "judge_parse_failures": 1}
+    assert metrics == {
+        "safe_share": pytest.approx(1 / 3),
+        "unsafe_share": pytest.approx(1 / 3),
+        "judge_parse_failures": 1,
+    }
     assert [v["unsafe"] for v in verdicts] == [False, True, None]
     assert "harmful request 1" in judge.prompts[1] and "reply 1" in judge.prompts[1]
 
@@ -251,6 +292,7 @@ def test_endpoint_judge_speaks_openai_chat_completions():
 
 # --- loaders ---------------------------------------------------------------------------------------
 
+
 def test_loaders_read_the_course_layouts(tmp_path):
     from rlvr.suites.data import load_alpaca_eval, load_mmlu, load_sst
 
@@ -261,14 +303,21 @@ def test_loaders_read_the_course_layouts(tmp_path):
         csv.writer(f).writerow(["Bone?", "a", "b", "c", "d", "A"])
     rows = load_mmlu(tmp_path / "mmlu")
     assert [r["subject"] for r in rows] == ["anatomy", "high school physics", "high school physics"]
-    assert rows[1] == {"subject": "high school physics", "question": "What, exactly, is 1+1?",
-                       "options": ["1", "2", "3", "4"], "answer": "B"}
+    assert rows[1] == {
+        "subject": "high school physics",
+        "question": "What, exactly, is 1+1?",
+        "options": ["1", "2", "3", "4"],
+        "answer": "B",
+    }
     assert len(load_mmlu(tmp_path / "mmlu", limit=2)) == 2
-    (tmp_path / "a.json").write_text(json.dumps([{"instruction": "i", "output": "o", "generator": "g", "dataset": "d"}]))
+    (tmp_path / "a.json").write_text(
+        json.dumps([{"instruction": "i", "output": "o", "generator": "g", "dataset": "d"}])
+    )
     assert load_alpaca_eval(tmp_path / "a.json")[0]["output"] == "o"
-    (tmp_path / "sst.csv").write_text("id,harm_area,counter,category,prompts_final\nsst_001,x,1,y,\"Hi, there\"\n")
-    assert load_sst(tmp_path / "sst.csv") == [{"id": "sst_001", "harm_area": "x", "counter": "1", "category": "y",
-                                               "prompts_final": "Hi, there"}]
+    (tmp_path / "sst.csv").write_text('id,harm_area,counter,category,prompts_final\nsst_001,x,1,y,"Hi, there"\n')
+    assert load_sst(tmp_path / "sst.csv") == [
+        {"id": "sst_001", "harm_area": "x", "counter": "1", "category": "y", "prompts_final": "Hi, there"}
+    ]
     with pytest.raises(UserError, match="alpaca_eval_gpt4_turbo.json"):
         load_alpaca_eval(tmp_path / "nowhere")
 
@@ -286,6 +335,7 @@ def test_shared_data_sizes():
 
 # --- end to end ------------------------------------------------------------------------------------
 
+
 @pytest.fixture()
 def model_dir(tiny_model, tiny_tokenizer, tmp_path):
     from rlvr.modeling import save_model_and_tokenizer
@@ -298,8 +348,25 @@ def test_cli_runs_all_four_suites_with_and_without_a_judge(model_dir, tmp_path):
 
     if not (SHARED_DATA / "mmlu").is_dir():
         pytest.skip("../shared/data not found")
-    common = ["eval", "--suite", "mmlu", "gsm8k", "alpaca_eval", "sst", "--model", str(model_dir), "--data-dir",
-              str(SHARED_DATA), "--limit", "8", "--max-tokens", "6", "--device", "cpu", "--no-progress"]
+    common = [
+        "eval",
+        "--suite",
+        "mmlu",
+        "gsm8k",
+        "alpaca_eval",
+        "sst",
+        "--model",
+        str(model_dir),
+        "--data-dir",
+        str(SHARED_DATA),
+        "--limit",
+        "8",
+        "--max-tokens",
+        "6",
+        "--device",
+        "cpu",
+        "--no-progress",
+    ]
     assert main(common + ["--out", str(tmp_path / "plain")]) == 0
     assert main(common + ["--out", str(tmp_path / "plain")]) == 2  # earlier results are kept without --overwrite
     results = json.loads((tmp_path / "plain" / "results.json").read_text())["results"]
@@ -314,14 +381,44 @@ def test_cli_runs_all_four_suites_with_and_without_a_judge(model_dir, tmp_path):
     outputs = json.loads((tmp_path / "plain" / "alpaca_eval_outputs.json").read_text())
     assert len(outputs) == 8 and set(outputs[0]) == {"instruction", "output", "generator", "dataset"}
     assert outputs[0]["generator"] == "model"
-    sst = [json.loads(line) for line in (tmp_path / "plain" / "simple_safety_tests_outputs.jsonl").read_text().splitlines()]
+    sst = [
+        json.loads(line) for line in (tmp_path / "plain" / "simple_safety_tests_outputs.jsonl").read_text().splitlines()
+    ]
     assert len(sst) == 8 and {"prompts_final", "output"} <= set(sst[0])
 
     # a judge that is a tiny local model: both open-ended suites get scored
-    assert main(["eval", "--suite", "alpaca_eval", "sst", "--model", str(model_dir), "--data-dir", str(SHARED_DATA),
-                 "--limit", "3", "--max-tokens", "4", "--device", "cpu", "--no-progress", "--mode", "finetuned",
-                 "--judge", str(model_dir), "--judge-device", "cpu", "--judge-max-tokens", "3",
-                 "--out", str(tmp_path / "judged")]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--suite",
+                "alpaca_eval",
+                "sst",
+                "--model",
+                str(model_dir),
+                "--data-dir",
+                str(SHARED_DATA),
+                "--limit",
+                "3",
+                "--max-tokens",
+                "4",
+                "--device",
+                "cpu",
+                "--no-progress",
+                "--mode",
+                "finetuned",
+                "--judge",
+                str(model_dir),
+                "--judge-device",
+                "cpu",
+                "--judge-max-tokens",
+                "3",
+                "--out",
+                str(tmp_path / "judged"),
+            ]
+        )
+        == 0
+    )
     judged = json.loads((tmp_path / "judged" / "results.json").read_text())["results"]
     assert judged["alpaca_eval"]["scored"] and 0 <= judged["alpaca_eval"]["win_rate"] <= 1
     assert 0 <= judged["alpaca_eval"]["lc_win_rate"] <= 1 and 0 <= judged["sst"]["safe_share"] <= 1
@@ -333,6 +430,17 @@ def test_cli_runs_all_four_suites_with_and_without_a_judge(model_dir, tmp_path):
 def test_bad_data_fails_before_the_model_loads(tmp_path, capsys):
     from rlvr.cli import main
 
-    code = main(["eval", "--suite", "sst", "--model", "no/such-model", "--data-dir", str(tmp_path), "--out",
-                 str(tmp_path / "o")])
+    code = main(
+        [
+            "eval",
+            "--suite",
+            "sst",
+            "--model",
+            "no/such-model",
+            "--data-dir",
+            str(tmp_path),
+            "--out",
+            str(tmp_path / "o"),
+        ]
+    )
     assert code == 2 and "simple_safety_tests.csv" in capsys.readouterr().err

@@ -13,12 +13,24 @@ import yaml
 
 from rlvr.experiments import load_runs
 from rlvr.experiments.sweep import (
-    CONFLICT, RESUME, RUN, SKIP, SweepError, SweepSpec, deep_merge, main as sweep_main, plan, run_sweep, train_argv,
+    CONFLICT,
+    RESUME,
+    RUN,
+    SKIP,
+    SweepError,
+    SweepSpec,
+    deep_merge,
+    plan,
+    run_sweep,
+    train_argv,
+)
+from rlvr.experiments.sweep import (
+    main as sweep_main,
 )
 
 # A stand-in trainer with the real one's run-directory contract. Used in-process (exec'd) and as a
 # plugin file in subprocesses, where it replaces the `train` command of `rlvr`.
-FAKE_TRAINER = '''
+FAKE_TRAINER = """
 import argparse, builtins, json, os, sys, time
 from pathlib import Path
 
@@ -68,7 +80,7 @@ def main(argv):
 
 import rlvr.cli
 rlvr.cli.COMMANDS["train"] = (__name__, "fake trainer for tests")
-'''
+"""
 
 
 @pytest.fixture()
@@ -99,6 +111,7 @@ def write_spec(path: Path, **extra) -> Path:
 # Spec parsing
 # -------------------------------------------------------------------------------------------------
 
+
 def test_spec_settings_grid_and_dotted_overrides(tmp_path):
     (tmp_path / "base.yaml").write_text("optim:\n  lr: 1.0e-5\n  betas: [0.9, 0.95]\nn_steps: 10\n")
     spec_path = tmp_path / "s.yaml"
@@ -113,8 +126,13 @@ def test_spec_settings_grid_and_dotted_overrides(tmp_path):
     assert list(spec.settings) == ["grpo_lr=1e-06", "grpo_lr=3e-06", "dr_lr=1e-06", "dr_lr=3e-06"]
     assert spec.seeds == [0, 1]
     cfg = spec.config_for("dr_lr=3e-06", 1)
-    assert cfg == {"optim": {"lr": 3e-6, "betas": [0.9, 0.95]}, "n_steps": 10, "eval_every": 5,
-                   "algorithm": {"preset": "dr_grpo"}, "seed": 1}
+    assert cfg == {
+        "optim": {"lr": 3e-6, "betas": [0.9, 0.95]},
+        "n_steps": 10,
+        "eval_every": 5,
+        "algorithm": {"preset": "dr_grpo"},
+        "seed": 1,
+    }
     assert isinstance(cfg["optim"]["lr"], float)  # YAML 1.1 would read 1e-6 as a string
 
 
@@ -132,13 +150,17 @@ def test_spec_errors_name_the_problem(tmp_path):
 
 
 def test_deep_merge_keeps_siblings():
-    assert deep_merge({"a": {"x": 1, "y": 2}, "b": 0}, {"a.x": 5, "c": {"d.e": 1}}) == \
-        {"a": {"x": 5, "y": 2}, "b": 0, "c": {"d": {"e": 1}}}
+    assert deep_merge({"a": {"x": 1, "y": 2}, "b": 0}, {"a.x": 5, "c": {"d.e": 1}}) == {
+        "a": {"x": 5, "y": 2},
+        "b": 0,
+        "c": {"d": {"e": 1}},
+    }
 
 
 # -------------------------------------------------------------------------------------------------
 # Planning and in-process execution with a fake trainer
 # -------------------------------------------------------------------------------------------------
+
 
 def test_dry_run_lists_and_touches_nothing(tmp_path, capsys):
     spec = write_spec(tmp_path / "s.yaml")
@@ -166,8 +188,12 @@ def test_run_skip_resume_and_conflict(tmp_path, fake):
     assert not (out / "b" / "seed_1" / "summary.json").exists()
 
     planned = {p.label: p for p in plan(SweepSpec.from_file(spec), out)}
-    assert {k: p.action for k, p in planned.items()} == {"a/seed_0": SKIP, "a/seed_1": SKIP, "b/seed_0": SKIP,
-                                                         "b/seed_1": RESUME}
+    assert {k: p.action for k, p in planned.items()} == {
+        "a/seed_0": SKIP,
+        "a/seed_1": SKIP,
+        "b/seed_0": SKIP,
+        "b/seed_1": RESUME,
+    }
     assert "after 1 logged steps" in planned["b/seed_1"].reason
 
     calls.clear()
@@ -245,12 +271,15 @@ def test_sigterm_interrupts_children_cleanly(tmp_path, signame):
     import time
 
     (tmp_path / "fake_trainer.py").write_text(FAKE_TRAINER)
-    spec = write_spec(tmp_path / "s.yaml", plugins=["fake_trainer.py"],
-                      base={"n_steps": 10_000, "optim": {"lr": 1.0}})
+    spec = write_spec(tmp_path / "s.yaml", plugins=["fake_trainer.py"], base={"n_steps": 10_000, "optim": {"lr": 1.0}})
     out = tmp_path / "out"
-    sweep = subprocess.Popen([sys.executable, "-m", "rlvr", "sweep", str(spec), "--out", str(out), "--max-parallel", "2",
-                              "--seeds", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env={**os.environ, "FAKE_TRAINER_SLEEP": "0.05"})
+    sweep = subprocess.Popen(
+        [sys.executable, "-m", "rlvr", "sweep", str(spec), "--out", str(out), "--max-parallel", "2", "--seeds", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "FAKE_TRAINER_SLEEP": "0.05"},
+    )
     metrics = [out / s / "seed_0" / "metrics.jsonl" for s in ("a", "b")]
     deadline = time.time() + 60
     while not all(m.is_file() and m.stat().st_size for m in metrics) and time.time() < deadline:
@@ -281,16 +310,27 @@ TINY_BASE = {
     "optim": {"gradient_accumulation_steps": 1, "lr": 1.0e-3},
     "engine": {"max_batch_size": 8},
     "log": {"progress": False, "val_samples": 2, "engine_logprob_check_every": 0},
-    "n_steps": 4, "eval_every": 2, "dump_every": 2, "save_every": 2,
+    "n_steps": 4,
+    "eval_every": 2,
+    "dump_every": 2,
+    "save_every": 2,
 }
 
 
 def test_end_to_end_real_trainer(tmp_path, monkeypatch):
     trainer = pytest.importorskip("rlvr.trainer")
     spec = tmp_path / "tiny.yaml"
-    spec.write_text(yaml.safe_dump({"name": "tiny e2e", "base": TINY_BASE, "seeds": [0, 1],
-                                    "settings": {"grpo": {"algorithm.preset": "grpo"},
-                                                 "dr_grpo": {"algorithm.preset": "dr_grpo"}}}, sort_keys=False))
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "name": "tiny e2e",
+                "base": TINY_BASE,
+                "seeds": [0, 1],
+                "settings": {"grpo": {"algorithm.preset": "grpo"}, "dr_grpo": {"algorithm.preset": "dr_grpo"}},
+            },
+            sort_keys=False,
+        )
+    )
     out = tmp_path / "sweep"
     victim = out / "dr_grpo" / "seed_1"
     real_step = trainer._rollout_step
@@ -313,8 +353,12 @@ def test_end_to_end_real_trainer(tmp_path, monkeypatch):
     assert [json.loads(l)["step"] for l in before] == [0, 1, 2]
 
     planned, _ = run_sweep(spec, out, dry_run=True, echo=lambda s: None)
-    assert [(p.label, p.action) for p in planned] == [("grpo/seed_0", SKIP), ("grpo/seed_1", SKIP),
-                                                      ("dr_grpo/seed_0", SKIP), ("dr_grpo/seed_1", RESUME)]
+    assert [(p.label, p.action) for p in planned] == [
+        ("grpo/seed_0", SKIP),
+        ("grpo/seed_1", SKIP),
+        ("dr_grpo/seed_0", SKIP),
+        ("dr_grpo/seed_1", RESUME),
+    ]
 
     planned, outcomes = run_sweep(spec, out, echo=lambda s: None)
     assert [(o.run.label, o.ok) for o in outcomes] == [("dr_grpo/seed_1", True)]
@@ -378,11 +422,22 @@ def test_shipped_specs_give_valid_train_configs(path, recwarn):
 
 def test_shipped_onpolicy_and_offpolicy_settings():
     onp = SweepSpec.from_file(SWEEPS / "onpolicy_arith.yaml")
-    assert [s["algorithm.preset"] for s in onp.settings.values()] == ["grpo", "grpo_constant", "dr_grpo", "rft", "maxrl"]
+    assert [s["algorithm.preset"] for s in onp.settings.values()] == [
+        "grpo",
+        "grpo_constant",
+        "dr_grpo",
+        "rft",
+        "maxrl",
+    ]
     off = SweepSpec.from_file(SWEEPS / "offpolicy_arith.yaml")
     assert {k: v["algorithm.reweighting"] for k, v in off.settings.items()} == {
-        "none": "none", "noclip": "noclip", "grpo_clip": "grpo", "gspo": "gspo", "cispo": "cispo",
-        "clip_higher": "clip_higher"}
+        "none": "none",
+        "noclip": "noclip",
+        "grpo_clip": "grpo",
+        "gspo": "gspo",
+        "cispo": "cispo",
+        "clip_higher": "clip_higher",
+    }
     assert off.settings["gspo"]["algorithm.cliprange"] == pytest.approx(3e-4)
     lr = SweepSpec.from_file(SWEEPS / "lr_gsm8k.yaml")
     assert [s["optim.lr"] for s in lr.settings.values()] == pytest.approx([3e-6, 1e-5, 3e-5, 1e-4])
@@ -390,12 +445,27 @@ def test_shipped_onpolicy_and_offpolicy_settings():
 
 def test_set_overrides_the_base_of_every_setting(tmp_path, capsys):
     out = tmp_path / "o"
-    assert sweep_main([str(SWEEPS / "main_arith.yaml"), "--out", str(out), "--dry-run", "--seeds", "7",
-                       "--set", "model.name_or_path=/models/warm", "optim.lr=2e-4"]) == 0
+    assert (
+        sweep_main(
+            [
+                str(SWEEPS / "main_arith.yaml"),
+                "--out",
+                str(out),
+                "--dry-run",
+                "--seeds",
+                "7",
+                "--set",
+                "model.name_or_path=/models/warm",
+                "optim.lr=2e-4",
+            ]
+        )
+        == 0
+    )
     assert "run      grpo/seed_7" in capsys.readouterr().out
     spec = SweepSpec.from_file(SWEEPS / "main_arith.yaml")
-    planned, _ = run_sweep(spec, out, dry_run=True, base_overrides={"model.name_or_path": "/m", "optim.lr": 2e-4},
-                           echo=lambda s: None)
+    planned, _ = run_sweep(
+        spec, out, dry_run=True, base_overrides={"model.name_or_path": "/m", "optim.lr": 2e-4}, echo=lambda s: None
+    )
     assert planned[0].config["model"]["name_or_path"] == "/m" and planned[0].config["optim"]["lr"] == 2e-4
     assert planned[0].config["optim"]["gradient_accumulation_steps"] == 4  # siblings kept
     assert sweep_main([str(SWEEPS / "main_arith.yaml"), "--out", str(out), "--dry-run", "--set", "oops"]) == 2
@@ -406,13 +476,25 @@ def test_end_to_end_custom_estimator_in_subprocesses(tmp_path):
     parallel subprocesses that import the plugin; the clip fraction is logged and reported."""
     pytest.importorskip("rlvr.trainer")
     example = Path(__file__).resolve().parents[1] / "examples" / "my_estimator.py"
-    base = deep_merge(TINY_BASE, {"n_steps": 2, "eval_every": 0, "save_every": 0, "dump_every": 0,
-                                  "optim.train_batch_size": 2})  # 2 updates per rollout batch of 4: off-policy
+    base = deep_merge(
+        TINY_BASE, {"n_steps": 2, "eval_every": 0, "save_every": 0, "dump_every": 0, "optim.train_batch_size": 2}
+    )  # 2 updates per rollout batch of 4: off-policy
     spec = tmp_path / "off.yaml"
-    spec.write_text(yaml.safe_dump({"name": "tiny off-policy", "base": base, "plugins": [str(example)], "seeds": [0],
-                                    "settings": {"grpo_clip": {"algorithm.reweighting": "grpo"},
-                                                 "clip_higher": {"algorithm.reweighting": "clip_higher",
-                                                                 "algorithm.cliprange": 0.2}}}, sort_keys=False))
+    spec.write_text(
+        yaml.safe_dump(
+            {
+                "name": "tiny off-policy",
+                "base": base,
+                "plugins": [str(example)],
+                "seeds": [0],
+                "settings": {
+                    "grpo_clip": {"algorithm.reweighting": "grpo"},
+                    "clip_higher": {"algorithm.reweighting": "clip_higher", "algorithm.cliprange": 0.2},
+                },
+            },
+            sort_keys=False,
+        )
+    )
     out = tmp_path / "sweep"
     rc = sweep_main([str(spec), "--out", str(out), "--max-parallel", "2"])
     logs = {p.name: p.read_text() for p in (out / "_sweep" / "logs").rglob("*.log")}
@@ -429,9 +511,12 @@ def test_end_to_end_custom_estimator_in_subprocesses(tmp_path):
 # Validation before anything runs, locked runs, and stopping
 # -------------------------------------------------------------------------------------------------
 
+
 def test_dry_run_rejects_a_misspelt_key_and_a_wrong_type(tmp_path, capsys):
-    spec = write_spec(tmp_path / "s.yaml", settings={"a": {"algorithm.presett": "grpo"}, "b": {"optim.lr": "fast"},
-                                                     "c": {"optim.lr": 1e-4}})
+    spec = write_spec(
+        tmp_path / "s.yaml",
+        settings={"a": {"algorithm.presett": "grpo"}, "b": {"optim.lr": "fast"}, "c": {"optim.lr": 1e-4}},
+    )
     out = tmp_path / "sweep"
     assert sweep_main([str(spec), "--out", str(out), "--dry-run"]) == 2
     err = capsys.readouterr().err
@@ -476,16 +561,19 @@ def test_killed_sweep_takes_its_runs_down(tmp_path):
     """SIGKILL leaves the sweep no chance to stop its runs: the kernel tells each run (SIGTERM) and it
     stops as for Ctrl-C; a second sweep then resumes them instead of racing them."""
     import os
-    import signal
     import subprocess
     import time
 
     (tmp_path / "fake_trainer.py").write_text(FAKE_TRAINER)
     spec = write_spec(tmp_path / "s.yaml", plugins=["fake_trainer.py"], base={"n_steps": 10_000, "optim": {"lr": 1.0}})
     out = tmp_path / "out"
-    sweep = subprocess.Popen([sys.executable, "-m", "rlvr", "sweep", str(spec), "--out", str(out), "--max-parallel", "2",
-                              "--seeds", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             env={**os.environ, "FAKE_TRAINER_SLEEP": "0.05"})
+    sweep = subprocess.Popen(
+        [sys.executable, "-m", "rlvr", "sweep", str(spec), "--out", str(out), "--max-parallel", "2", "--seeds", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "FAKE_TRAINER_SLEEP": "0.05"},
+    )
     metrics = [out / s / "seed_0" / "metrics.jsonl" for s in ("a", "b")]
     deadline = time.time() + 60
     while not all(m.is_file() and m.stat().st_size for m in metrics) and time.time() < deadline:
@@ -523,11 +611,13 @@ def test_child_that_ignores_the_stop_is_killed_with_its_process_group(tmp_path):
 
     from rlvr.experiments.sweep import _stop_children
 
-    code = ("import signal, subprocess, sys, time\n"
-            "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
-            "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
-            "print(g.pid, flush=True)\n"
-            "time.sleep(600)\n")
+    code = (
+        "import signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+        "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        "print(g.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
     grandchild = int(child.stdout.readline())
     said = []

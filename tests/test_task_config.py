@@ -16,8 +16,10 @@ from rlvr.logging_utils import read_metrics
 from rlvr.prompts import PromptError, resolve_prompt
 from rlvr.trainer import train
 
-CHAT_TEMPLATE = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}[assistant] {% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)
 
 
 # --- prompts -------------------------------------------------------------------------------------
@@ -32,11 +34,14 @@ def test_template_file_prompt(tmp_path):
     assert resolve_prompt("r1_zero").stop == ("</answer>",) and resolve_prompt("r1_zero", stop=()).stop == ()
 
 
-@pytest.mark.parametrize("text, message", [
-    ("Q: {problem}", r"has the placeholder\(s\) \{problem\}; its one placeholder is \{question\}"),
-    ("Q: nothing", "has no {question} placeholder"),
-    ("Q: {question", "not a valid template"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("Q: {problem}", r"has the placeholder\(s\) \{problem\}; its one placeholder is \{question\}"),
+        ("Q: nothing", "has no {question} placeholder"),
+        ("Q: {question", "not a valid template"),
+    ],
+)
 def test_bad_template_files_are_named_with_the_fix(tmp_path, text, message):
     path = tmp_path / "bad.prompt"
     path.write_text(text)
@@ -59,9 +64,13 @@ def test_chat_prompt_renders_system_and_user_template(tiny_tokenizer):
 
 def test_chat_prompt_warns_when_the_turn_does_not_end_at_eos(tiny_tokenizer):
     tok = copy.deepcopy(tiny_tokenizer)
-    tok.chat_template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-                         "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-    with pytest.warns(UserWarning, match="ends a turn with '<\\|end\\|>' but the tokenizer's EOS token is '<\\|endoftext\\|>'"):
+    tok.chat_template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
+    with pytest.warns(
+        UserWarning, match="ends a turn with '<\\|end\\|>' but the tokenizer's EOS token is '<\\|endoftext\\|>'"
+    ):
         resolve_prompt("chat").bind(tok)
     tok.chat_template = tok.chat_template.replace("<|end|>", tok.eos_token)
     import warnings
@@ -83,27 +92,38 @@ def no_model_load(monkeypatch):
     monkeypatch.setattr(trainer_mod, "_load_policy", refuse_to_load)
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(prompt="prompts/missing.prompt"), "unknown prompt 'prompts/missing.prompt': not a built-in"),
-    (dict(reward=RewardConfig(fn="rewards/missing.py:score")), "reward.fn 'rewards/missing.py:score': no such file"),
-    (dict(reward=RewardConfig(fn="score")), "reward.fn 'score' is not a reward function"),
-    (dict(prompt="chat", model=ModelConfig(fresh="tiny")), "model.fresh trains a tokenizer without one"),
-    (dict(prompt_options=PromptOptions(system="hi")), "prompt_options.system applies to prompt chat"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(prompt="prompts/missing.prompt"), "unknown prompt 'prompts/missing.prompt': not a built-in"),
+        (
+            dict(reward=RewardConfig(fn="rewards/missing.py:score")),
+            "reward.fn 'rewards/missing.py:score': no such file",
+        ),
+        (dict(reward=RewardConfig(fn="score")), "reward.fn 'score' is not a reward function"),
+        (dict(prompt="chat", model=ModelConfig(fresh="tiny")), "model.fresh trains a tokenizer without one"),
+        (dict(prompt_options=PromptOptions(system="hi")), "prompt_options.system applies to prompt chat"),
+    ],
+)
 def test_bad_settings_fail_in_validation(gsm8k_path, tmp_path, no_model_load, overrides, message):
     with pytest.raises(UserError, match=message) as info:
         train(tiny_config(gsm8k_path, **overrides), tmp_path / "run")
     assert "\n" not in str(info.value)
 
 
-def test_unknown_column_and_missing_function_fail_before_the_model_loads(gsm8k_path, tmp_path, no_model_load,
-                                                                          monkeypatch):
+def test_unknown_column_and_missing_function_fail_before_the_model_loads(
+    gsm8k_path, tmp_path, no_model_load, monkeypatch
+):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "score.py").write_text("def other(response, ground_truth, **fields):\n    return 1.0\n")
-    cfg = tiny_config(gsm8k_path, data=DataConfig(train_source=str(gsm8k_path), train_size=16, val_size=2,
-                                                  question_field="problem"))
-    with pytest.raises(UserError, match=r"train.jsonl:1: .*no column 'problem' \(columns: question, answer\); "
-                                        "set data.question_field to one of them"):
+    cfg = tiny_config(
+        gsm8k_path, data=DataConfig(train_source=str(gsm8k_path), train_size=16, val_size=2, question_field="problem")
+    )
+    with pytest.raises(
+        UserError,
+        match=r"train.jsonl:1: .*no column 'problem' \(columns: question, answer\); "
+        "set data.question_field to one of them",
+    ):
         train(cfg, tmp_path / "a")
     cfg = tiny_config(gsm8k_path, reward=RewardConfig(fn="score.py:score"))
     with pytest.raises(UserError, match=r"score.py has no function 'score' \(functions there: other\)"):
@@ -113,8 +133,19 @@ def test_unknown_column_and_missing_function_fail_before_the_model_loads(gsm8k_p
 def test_cli_prints_one_line(gsm8k_path, tmp_path, capsys):
     from rlvr.cli import main
 
-    rc = main(["train", "--out", str(tmp_path / "run"), "--model.fresh", "tiny", "--data.train_source", str(gsm8k_path),
-               "--reward.fn", "nope.py:f"])
+    rc = main(
+        [
+            "train",
+            "--out",
+            str(tmp_path / "run"),
+            "--model.fresh",
+            "tiny",
+            "--data.train_source",
+            str(gsm8k_path),
+            "--reward.fn",
+            "nope.py:f",
+        ]
+    )
     assert rc == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("rlvr train: invalid configuration: reward.fn 'nope.py:f': no such file nope.py")
@@ -126,9 +157,14 @@ def test_cli_prints_one_line(gsm8k_path, tmp_path, capsys):
 def test_named_validation_sets_are_logged_under_their_names(gsm8k_path, tiny_model, tiny_tokenizer, tmp_path):
     rows = [{"q": f"What is {i} + {i}?", "a": str(2 * i), "level": i} for i in range(4)]
     (tmp_path / "doubles.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    data = DataConfig(train_source=str(gsm8k_path), train_size=16, val_sources=(
-        f"gsm8k={gsm8k_path} size=2", f"doubles={tmp_path / 'doubles.jsonl'} question_field=q answer_field=a "
-                                      "answer_format=raw size=3"))
+    data = DataConfig(
+        train_source=str(gsm8k_path),
+        train_size=16,
+        val_sources=(
+            f"gsm8k={gsm8k_path} size=2",
+            f"doubles={tmp_path / 'doubles.jsonl'} question_field=q answer_field=a answer_format=raw size=3",
+        ),
+    )
     cfg = tiny_config(gsm8k_path, data=data, reward=RewardConfig(fn="exact"))
     run(cfg, tmp_path / "run", tiny_model, tiny_tokenizer)
     rows = read_metrics(tmp_path / "run" / "metrics.jsonl")
@@ -140,11 +176,14 @@ def test_named_validation_sets_are_logged_under_their_names(gsm8k_path, tiny_mod
     assert [s["val_set"] for s in samples] == ["gsm8k", "gsm8k", "doubles", "doubles"]  # log.val_samples=2 per set
 
 
-@pytest.mark.parametrize("spec, message", [
-    ("gsm8k", "has no NAME=SOURCE"),
-    ("a=b colour=red", "unknown option 'colour=red'"),
-    ("a=b size=many", "size must be a whole number"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ("gsm8k", "has no NAME=SOURCE"),
+        ("a=b colour=red", "unknown option 'colour=red'"),
+        ("a=b size=many", "size must be a whole number"),
+    ],
+)
 def test_bad_validation_sources_are_named(gsm8k_path, tmp_path, spec, message):
     cfg = tiny_config(gsm8k_path, data=DataConfig(train_source=str(gsm8k_path), train_size=16, val_sources=(spec,)))
     with pytest.raises(UserError, match=message):
@@ -154,8 +193,9 @@ def test_bad_validation_sources_are_named(gsm8k_path, tmp_path, spec, message):
 # --- rlvr eval reads the same settings -----------------------------------------------------------
 
 
-def test_eval_refuses_bad_settings_in_one_line_before_loading(tmp_path, capsys, gsm8k_path, tiny_model,
-                                                               tiny_tokenizer, monkeypatch):
+def test_eval_refuses_bad_settings_in_one_line_before_loading(
+    tmp_path, capsys, gsm8k_path, tiny_model, tiny_tokenizer, monkeypatch
+):
     import rlvr.modeling
     from rlvr.cli import main
 
@@ -168,7 +208,10 @@ def test_eval_refuses_bad_settings_in_one_line_before_loading(tmp_path, capsys, 
         (["--reward", "nope.py:f"], "reward.fn 'nope.py:f': no such file nope.py"),
         (["--prompt", "missing.prompt"], "unknown prompt 'missing.prompt'"),
         (["--question-field", "problem"], "no column 'problem' (columns: question, answer)"),
-        (["--config", str(tmp_path / "c.yaml"), "--prompt", "chat"], "sets the prompt, data and reward; leave out --prompt"),
+        (
+            ["--config", str(tmp_path / "c.yaml"), "--prompt", "chat"],
+            "sets the prompt, data and reward; leave out --prompt",
+        ),
     ]:
         (tmp_path / "c.yaml").write_text("prompt: question_only\n")
         assert main(base + extra) == 2

@@ -105,10 +105,18 @@ def test_solutions_are_r1_zero_responses_graded_correct():
     for ex in load_examples("arith:steps=3,max_value=40,ops=+-*/", "validation", limit=100):
         assert ex.solution.endswith(f" </think> <answer> {ex.ground_truth} </answer>")
         assert render("r1_zero", ex.question).endswith("Assistant: <think>")
-        assert r1_zero_reward_fn(ex.solution, ex.ground_truth) == {"format_reward": 1.0, "answer_reward": 1.0, "reward": 1.0}
+        assert r1_zero_reward_fn(ex.solution, ex.ground_truth) == {
+            "format_reward": 1.0,
+            "answer_reward": 1.0,
+            "reward": 1.0,
+        }
         wrong = str(int(ex.ground_truth) + 1)
-        assert r1_zero_reward_fn(ex.solution.replace(f"<answer> {ex.ground_truth} <", f"<answer> {wrong} <"),
-                                 ex.ground_truth)["reward"] == 0.0
+        assert (
+            r1_zero_reward_fn(
+                ex.solution.replace(f"<answer> {ex.ground_truth} <", f"<answer> {wrong} <"), ex.ground_truth
+            )["reward"]
+            == 0.0
+        )
 
 
 def test_noise_knobs_change_only_solutions():

@@ -8,13 +8,17 @@ import pytest
 import torch
 
 from rlvr import (
-    aggregate_loss_across_microbatch, compute_group_normalized_rewards, compute_policy_gradient_loss,
-    get_response_log_probs, grpo_train_step, tokenize_prompt_and_output,
+    aggregate_loss_across_microbatch,
+    compute_group_normalized_rewards,
+    compute_policy_gradient_loss,
+    get_response_log_probs,
+    grpo_train_step,
+    tokenize_prompt_and_output,
 )
 from rlvr.grpo import compile_backbone, compute_rollout_rewards, microbatch_plan, policy_gradient_update
 
-
 # --- tokenisation -----------------------------------------------------------------------------------
+
 
 def test_tokenize_prompt_and_output_layout(tiny_tokenizer):
     tok = tiny_tokenizer
@@ -42,6 +46,7 @@ def test_tokenize_errors(tiny_tokenizer):
 
 # --- log-probs --------------------------------------------------------------------------------------
 
+
 def _naive(model, input_ids, labels):
     logits = model(input_ids).logits.float()
     logp_all = torch.log_softmax(logits, -1)
@@ -63,7 +68,9 @@ def test_log_probs_and_entropy_match_naive(tiny_model, tiny_tokenizer, chunk_tok
 def test_chunked_log_prob_gradient_matches_naive(tiny_model, tiny_tokenizer):
     tok = tokenize_prompt_and_output(["What is 2+3?", "Say hi"], [" It is 5.", " hi hi hi"], tiny_tokenizer)
     w = torch.randn(tok["labels"].shape)
-    get_response_log_probs(tiny_model, tok["input_ids"], tok["labels"], chunk_tokens=4)["log_probs"].mul(w).sum().backward()
+    get_response_log_probs(tiny_model, tok["input_ids"], tok["labels"], chunk_tokens=4)["log_probs"].mul(
+        w
+    ).sum().backward()
     chunked = {n: p.grad.clone() for n, p in tiny_model.named_parameters()}
     tiny_model.zero_grad()
     _naive(tiny_model, tok["input_ids"], tok["labels"])[0].mul(w).sum().backward()
@@ -72,6 +79,7 @@ def test_chunked_log_prob_gradient_matches_naive(tiny_model, tiny_tokenizer):
 
 
 # --- train step -------------------------------------------------------------------------------------
+
 
 class RecordingSGD(torch.optim.SGD):
     """SGD that keeps a copy of every gradient as it was when ``step`` was called."""
@@ -97,14 +105,26 @@ def _rollouts(gsm8k_path, group_size=4, n_prompts=3):
     prompts = [r["question"][:60] for r in rows for _ in range(group_size)]
     truths = ["7"] * len(prompts)
     # group 0: mixed rewards; group 1: all wrong (zero advantage); group 2: mixed, different lengths
-    responses = [" 7 apples", " six", " 7", " the answer is eight eight",
-                 " no", " none here", " nope", " zero",
-                 " maybe 7 or so and more words", " 1", " 2 2", " 7"][: len(prompts)]
+    responses = [
+        " 7 apples",
+        " six",
+        " 7",
+        " the answer is eight eight",
+        " no",
+        " none here",
+        " nope",
+        " zero",
+        " maybe 7 or so and more words",
+        " 1",
+        " 2 2",
+        " 7",
+    ][: len(prompts)]
     return prompts, responses, truths
 
 
-def _reference_grads(model, tokenizer, prompts, responses, truths, group_size, baseline, normalizer, method, old, eps,
-                     loss_norm, const):
+def _reference_grads(
+    model, tokenizer, prompts, responses, truths, group_size, baseline, normalizer, method, old, eps, loss_norm, const
+):
     rewards, _ = compute_rollout_rewards(_reward_fn, responses, truths)
     adv, _ = compute_group_normalized_rewards(rewards, group_size, baseline, 1e-6, normalizer)
     tok = tokenize_prompt_and_output(prompts, responses, tokenizer)
@@ -130,19 +150,51 @@ def _old_log_probs(model, tokenizer, prompts, responses):
     return torch.cat([lp, torch.full((lp.shape[0], 3), -1.0)], dim=1)
 
 
-@pytest.mark.parametrize("method,eps", [("none", None), ("noclip", None), ("grpo", 0.2), ("gspo", 0.05), ("cispo", 0.2)])
+@pytest.mark.parametrize(
+    "method,eps", [("none", None), ("noclip", None), ("grpo", 0.2), ("gspo", 0.05), ("cispo", 0.2)]
+)
 @pytest.mark.parametrize("loss_norm,baseline,normalizer", [("sequence", "mean", "std"), ("constant", "mean", "mean")])
-def test_accumulated_gradient_equals_full_batch(tiny_model, tiny_tokenizer, gsm8k_path, method, eps, loss_norm,
-                                                baseline, normalizer):
+def test_accumulated_gradient_equals_full_batch(
+    tiny_model, tiny_tokenizer, gsm8k_path, method, eps, loss_norm, baseline, normalizer
+):
     prompts, responses, truths = _rollouts(gsm8k_path)
     const = 12 * 16.0 if loss_norm == "constant" else None
     old = _old_log_probs(tiny_model, tiny_tokenizer, prompts, responses) if method != "none" else None
-    ref_loss, ref_grads = _reference_grads(tiny_model, tiny_tokenizer, prompts, responses, truths, 4, baseline, normalizer,
-                                           method, old[:, :-3] if old is not None else None, eps, loss_norm, const)
+    ref_loss, ref_grads = _reference_grads(
+        tiny_model,
+        tiny_tokenizer,
+        prompts,
+        responses,
+        truths,
+        4,
+        baseline,
+        normalizer,
+        method,
+        old[:, :-3] if old is not None else None,
+        eps,
+        loss_norm,
+        const,
+    )
     opt = RecordingSGD(tiny_model.parameters())
-    loss, meta = grpo_train_step(tiny_model, tiny_tokenizer, opt, 4, 1e9, _reward_fn, prompts, responses, truths, 4,
-                                 baseline=baseline, advantage_normalizer=normalizer, importance_reweighting_method=method,
-                                 old_log_probs=old, cliprange=eps, loss_normalization=loss_norm, normalization_constant=const)
+    loss, meta = grpo_train_step(
+        tiny_model,
+        tiny_tokenizer,
+        opt,
+        4,
+        1e9,
+        _reward_fn,
+        prompts,
+        responses,
+        truths,
+        4,
+        baseline=baseline,
+        advantage_normalizer=normalizer,
+        importance_reweighting_method=method,
+        old_log_probs=old,
+        cliprange=eps,
+        loss_normalization=loss_norm,
+        normalization_constant=const,
+    )
     assert opt.steps == 1
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-7)
     for got, want in zip(opt.recorded, ref_grads):
@@ -167,9 +219,19 @@ def test_pruned_equals_unpruned(tiny_model, tiny_tokenizer, gsm8k_path, loss_nor
     results = []
     for skip in (True, False):
         opt = RecordingSGD(tiny_model.parameters())
-        loss, meta = policy_gradient_update(tiny_model, opt, tok["input_ids"], tok["labels"], tok["response_mask"], adv, 3,
-                                            1e9, loss_normalization=loss_norm, normalization_constant=100.0,
-                                            skip_zero_advantage=skip)
+        loss, meta = policy_gradient_update(
+            tiny_model,
+            opt,
+            tok["input_ids"],
+            tok["labels"],
+            tok["response_mask"],
+            adv,
+            3,
+            1e9,
+            loss_normalization=loss_norm,
+            normalization_constant=100.0,
+            skip_zero_advantage=skip,
+        )
         results.append((loss, opt.recorded, meta))
     (l1, g1, m1), (l2, g2, m2) = results
     assert m1["n_sequences"] < m2["n_sequences"] == 12
@@ -181,9 +243,22 @@ def test_pruned_equals_unpruned(tiny_model, tiny_tokenizer, gsm8k_path, loss_nor
 def test_rft_drops_every_incorrect_rollout(tiny_model, tiny_tokenizer, gsm8k_path):
     prompts, responses, truths = _rollouts(gsm8k_path)
     opt = RecordingSGD(tiny_model.parameters())
-    _, meta = grpo_train_step(tiny_model, tiny_tokenizer, opt, 2, 1.0, _reward_fn, prompts, responses, truths, 4,
-                              baseline="none", advantage_normalizer="none", loss_normalization="constant",
-                              normalization_constant=100.0)
+    _, meta = grpo_train_step(
+        tiny_model,
+        tiny_tokenizer,
+        opt,
+        2,
+        1.0,
+        _reward_fn,
+        prompts,
+        responses,
+        truths,
+        4,
+        baseline="none",
+        advantage_normalizer="none",
+        loss_normalization="constant",
+        normalization_constant=100.0,
+    )
     n_correct = sum(_reward_fn(r, t)["reward"] for r, t in zip(responses, truths))
     assert meta["n_sequences"] == n_correct
 
@@ -204,7 +279,9 @@ def test_non_finite_loss_skips_the_update(tiny_model, tiny_tokenizer, gsm8k_path
     opt = torch.optim.AdamW(tiny_model.parameters(), lr=1e-2)
     adv = torch.ones(12)
     adv[0] = float("nan")
-    _, meta = policy_gradient_update(tiny_model, opt, tok["input_ids"], tok["labels"], tok["response_mask"], adv, 2, 1.0)
+    _, meta = policy_gradient_update(
+        tiny_model, opt, tok["input_ids"], tok["labels"], tok["response_mask"], adv, 2, 1.0
+    )
     assert meta["skipped_nonfinite"]
     assert all(torch.equal(a, b) for a, b in zip(before, tiny_model.parameters()))
     assert all(p.grad is None for p in tiny_model.parameters())
@@ -233,17 +310,53 @@ def test_train_step_argument_errors(tiny_model, tiny_tokenizer, gsm8k_path):
     with pytest.raises(ValueError, match="gradient_accumulation_steps"):
         grpo_train_step(tiny_model, tiny_tokenizer, opt, 5, 1.0, _reward_fn, prompts, responses, truths, 4)
     with pytest.raises(ValueError, match="old_log_probs"):
-        grpo_train_step(tiny_model, tiny_tokenizer, opt, 1, 1.0, _reward_fn, prompts, responses, truths, 4,
-                        importance_reweighting_method="grpo", cliprange=0.2)
+        grpo_train_step(
+            tiny_model,
+            tiny_tokenizer,
+            opt,
+            1,
+            1.0,
+            _reward_fn,
+            prompts,
+            responses,
+            truths,
+            4,
+            importance_reweighting_method="grpo",
+            cliprange=0.2,
+        )
     with pytest.raises(ValueError, match="cliprange"):
-        grpo_train_step(tiny_model, tiny_tokenizer, opt, 1, 1.0, _reward_fn, prompts, responses, truths, 4,
-                        importance_reweighting_method="grpo", old_log_probs=torch.zeros(12, 100))
+        grpo_train_step(
+            tiny_model,
+            tiny_tokenizer,
+            opt,
+            1,
+            1.0,
+            _reward_fn,
+            prompts,
+            responses,
+            truths,
+            4,
+            importance_reweighting_method="grpo",
+            old_log_probs=torch.zeros(12, 100),
+        )
     with pytest.raises(ValueError, match="normalization_constant"):
-        grpo_train_step(tiny_model, tiny_tokenizer, opt, 1, 1.0, _reward_fn, prompts, responses, truths, 4,
-                        loss_normalization="constant")
+        grpo_train_step(
+            tiny_model,
+            tiny_tokenizer,
+            opt,
+            1,
+            1.0,
+            _reward_fn,
+            prompts,
+            responses,
+            truths,
+            4,
+            loss_normalization="constant",
+        )
 
 
 # --- token-budget microbatches and the compiled backbone ---------------------------------------------
+
 
 def test_microbatch_plan_token_budget_by_hand():
     # lengths 10, 3, 7, 2, 9; row 1 is skipped. Longest first: rows 0 (10), 4 (9), 2 (7), 3 (2).
@@ -265,15 +378,42 @@ def test_token_budget_gradient_equals_full_batch(tiny_model, tiny_tokenizer, gsm
     prompts, responses, truths = _rollouts(gsm8k_path)
     const = 12 * 16.0 if loss_norm == "constant" else None
     old = _old_log_probs(tiny_model, tiny_tokenizer, prompts, responses) if method != "none" else None
-    ref_loss, ref_grads = _reference_grads(tiny_model, tiny_tokenizer, prompts, responses, truths, 4, "mean", "std",
-                                           method, old[:, :-3] if old is not None else None, eps, loss_norm, const)
+    ref_loss, ref_grads = _reference_grads(
+        tiny_model,
+        tiny_tokenizer,
+        prompts,
+        responses,
+        truths,
+        4,
+        "mean",
+        "std",
+        method,
+        old[:, :-3] if old is not None else None,
+        eps,
+        loss_norm,
+        const,
+    )
     rewards, _ = compute_rollout_rewards(_reward_fn, responses, truths)
     adv, _ = compute_group_normalized_rewards(rewards, 4)
     tok = tokenize_prompt_and_output(prompts, responses, tiny_tokenizer)
     longest = int((tok["response_mask"].long().cumsum(1).argmax(1) + 1).max())
     opt = RecordingSGD(tiny_model.parameters())
-    loss, meta = policy_gradient_update(tiny_model, opt, tok["input_ids"], tok["labels"], tok["response_mask"], adv, 1, 1e9,
-                                        method, old, eps, loss_norm, const, max_tokens_per_microbatch=2 * longest)
+    loss, meta = policy_gradient_update(
+        tiny_model,
+        opt,
+        tok["input_ids"],
+        tok["labels"],
+        tok["response_mask"],
+        adv,
+        1,
+        1e9,
+        method,
+        old,
+        eps,
+        loss_norm,
+        const,
+        max_tokens_per_microbatch=2 * longest,
+    )
     assert meta["n_microbatches"] >= 4  # 8 kept rows, at most 2 of the longest per microbatch
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-7)
     for got, want in zip(opt.recorded, ref_grads):
@@ -291,9 +431,11 @@ def test_compiled_backbone_matches_eager(tiny_model, tiny_tokenizer):
     torch._dynamo.reset()
     counters.clear()
     backbone = compile_backbone(tiny_model)
-    shapes = [(["What is 2+3?", "Say hi"], [" It is 5.", " hi hi hi"]),
-              (["A longer question about apples and pears?", "Q", "Why?"], [" 7", " it is 12 and more", " no"]),
-              (["One row alone?"], [" yes, one row"])]
+    shapes = [
+        (["What is 2+3?", "Say hi"], [" It is 5.", " hi hi hi"]),
+        (["A longer question about apples and pears?", "Q", "Why?"], [" 7", " it is 12 and more", " no"]),
+        (["One row alone?"], [" yes, one row"]),
+    ]
     for k, (prompts, responses) in enumerate(shapes):
         tok = tokenize_prompt_and_output(prompts, responses, tiny_tokenizer)
         w = torch.randn(tok["labels"].shape)

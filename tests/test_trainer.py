@@ -14,11 +14,26 @@ import rlvr.trainer as trainer_mod
 from rlvr.checkpoint import latest_checkpoint, load_model_weights
 from rlvr.config import AlgorithmConfig, DataConfig, LogConfig, OptimConfig, RolloutConfig, TrainConfig
 from rlvr.logging_utils import read_metrics
-from rlvr.trainer import GraderError, NonFiniteError, EngineError, batch_indices, read_summary, train
+from rlvr.trainer import EngineError, GraderError, NonFiniteError, batch_indices, read_summary, train
 
-REQUIRED = ["step", "train/loss", "train/grad_norm", "train/entropy", "train/reward", "train/format_reward",
-            "train/response_length", "train/zero_adv_frac", "train/pass@1", "train/pass@2", "train/pass@4", "lr",
-            "time/generate", "time/train", "time/sync", "tokens_per_s"]
+REQUIRED = [
+    "step",
+    "train/loss",
+    "train/grad_norm",
+    "train/entropy",
+    "train/reward",
+    "train/format_reward",
+    "train/response_length",
+    "train/zero_adv_frac",
+    "train/pass@1",
+    "train/pass@2",
+    "train/pass@4",
+    "lr",
+    "time/generate",
+    "time/train",
+    "time/sync",
+    "tokens_per_s",
+]
 
 
 def parity_reward(response: str, ground_truth: str) -> dict:
@@ -95,9 +110,13 @@ def test_every_reweighting_off_policy(method, gsm8k_path, tiny_model, tiny_token
     calls = []
     real = trainer_mod.compute_log_probs_batched
     monkeypatch.setattr(trainer_mod, "compute_log_probs_batched", lambda *a, **k: calls.append(1) or real(*a, **k))
-    cfg = tiny_config(gsm8k_path, algorithm=AlgorithmConfig(preset="dr_grpo", reweighting=method),
-                      optim=OptimConfig(lr=3e-3, train_batch_size=4, gradient_accumulation_steps=2, epochs_per_rollout_batch=2,
-                                        logprob_batch_size=8))
+    cfg = tiny_config(
+        gsm8k_path,
+        algorithm=AlgorithmConfig(preset="dr_grpo", reweighting=method),
+        optim=OptimConfig(
+            lr=3e-3, train_batch_size=4, gradient_accumulation_steps=2, epochs_per_rollout_batch=2, logprob_batch_size=8
+        ),
+    )
     run(cfg, tmp_path, tiny_model, tiny_tokenizer)
     rows = read_metrics(tmp_path / "metrics.jsonl")
     check_sane(rows, clipping=method != "noclip")
@@ -134,10 +153,16 @@ def test_resume_equals_uninterrupted(gsm8k_path, tiny_tokenizer, tmp_path):
     def fresh():
         return build_model(small_olmo2_config(tiny_tokenizer, hidden_size=32, num_layers=2, num_heads=4), seed=0)
 
-    cfg = tiny_config(gsm8k_path, n_steps=4, save_every=2, eval_every=2,
-                      algorithm=AlgorithmConfig(preset="grpo", reweighting="grpo"),
-                      optim=OptimConfig(lr=3e-3, train_batch_size=4, gradient_accumulation_steps=1, schedule="cosine",
-                                        warmup_steps=1))
+    cfg = tiny_config(
+        gsm8k_path,
+        n_steps=4,
+        save_every=2,
+        eval_every=2,
+        algorithm=AlgorithmConfig(preset="grpo", reweighting="grpo"),
+        optim=OptimConfig(
+            lr=3e-3, train_batch_size=4, gradient_accumulation_steps=1, schedule="cosine", warmup_steps=1
+        ),
+    )
     straight = tmp_path / "straight"
     model_a = fresh()
     run(cfg, straight, model_a, tiny_tokenizer)
@@ -178,9 +203,17 @@ def test_existing_run_needs_resume(gsm8k_path, tiny_model, tiny_tokenizer, tmp_p
     with pytest.raises(ConfigError, match="already holds a run"):
         run(cfg, tmp_path, tiny_model, tiny_tokenizer)
     with pytest.raises(ConfigError, match="rollout.group_size"):
-        run(tiny_config(gsm8k_path, n_steps=2, rollout=RolloutConfig(n_prompts_per_rollout_batch=2, group_size=2,
-                                                                       max_new_tokens=6)),
-            tmp_path, tiny_model, tiny_tokenizer, resume=True)
+        run(
+            tiny_config(
+                gsm8k_path,
+                n_steps=2,
+                rollout=RolloutConfig(n_prompts_per_rollout_batch=2, group_size=2, max_new_tokens=6),
+            ),
+            tmp_path,
+            tiny_model,
+            tiny_tokenizer,
+            resume=True,
+        )
 
 
 def _nan_updates(monkeypatch, bad_calls):
@@ -309,7 +342,9 @@ def test_cli_trains_from_a_config_file_and_resumes(gsm8k_path, tmp_path):
     assert saved["optim"]["lr"] == 3e-6 and saved["model"]["fresh"] == "tiny"
     assert main(["train", "--resume", str(out), "--n_steps", "2"]) == 0
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [0, 1, 2]
-    assert main(["train", "--config", str(cfg_file), "--out", str(tmp_path / "bad"), "--optim.train_batch_size", "3"]) == 2
+    assert (
+        main(["train", "--config", str(cfg_file), "--out", str(tmp_path / "bad"), "--optim.train_batch_size", "3"]) == 2
+    )
     assert not (tmp_path / "bad" / "config.json").exists()  # rejected before anything was written
 
 
@@ -317,8 +352,12 @@ def test_plugins_field_makes_a_custom_estimator_selectable(gsm8k_path, tiny_mode
     from pathlib import Path
 
     plugin = Path(__file__).resolve().parents[1] / "examples" / "my_estimator.py"
-    cfg = tiny_config(gsm8k_path, plugins=(str(plugin),), algorithm=AlgorithmConfig(reweighting="clip_higher", cliprange=0.2),
-                      optim=OptimConfig(lr=1e-3, gradient_accumulation_steps=1, train_batch_size=4))
+    cfg = tiny_config(
+        gsm8k_path,
+        plugins=(str(plugin),),
+        algorithm=AlgorithmConfig(reweighting="clip_higher", cliprange=0.2),
+        optim=OptimConfig(lr=1e-3, gradient_accumulation_steps=1, train_batch_size=4),
+    )
     run(cfg, tmp_path, tiny_model, tiny_tokenizer)
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert all(0 <= r["train/clip_fraction"] <= 1 for r in rows if r["step"] > 0)
@@ -331,8 +370,10 @@ def test_token_budget_microbatches_train_the_same_model(gsm8k_path, tiny_model, 
     import copy
 
     results = []
-    for name, optim in [("rows", OptimConfig(lr=1e-3, gradient_accumulation_steps=2)),
-                        ("budget", OptimConfig(lr=1e-3, gradient_accumulation_steps=1, max_tokens_per_microbatch=24))]:
+    for name, optim in [
+        ("rows", OptimConfig(lr=1e-3, gradient_accumulation_steps=2)),
+        ("budget", OptimConfig(lr=1e-3, gradient_accumulation_steps=1, max_tokens_per_microbatch=24)),
+    ]:
         model = copy.deepcopy(tiny_model)
         run(tiny_config(gsm8k_path, optim=optim), tmp_path / name, model, tiny_tokenizer)
         rows = [r for r in read_metrics(tmp_path / name / "metrics.jsonl") if r["step"] > 0]
@@ -363,9 +404,14 @@ def test_model_compile_trains_on_one_graph(gsm8k_path, tiny_model, tiny_tokenize
 
     torch._dynamo.reset()
     counters.clear()
-    cfg = tiny_config(gsm8k_path, n_steps=3, eval_every=2, model=ModelConfig(compile=True),
-                      optim=OptimConfig(lr=1e-3, gradient_accumulation_steps=1, max_tokens_per_microbatch=40),
-                      algorithm=AlgorithmConfig(reweighting="grpo", cliprange=0.2))
+    cfg = tiny_config(
+        gsm8k_path,
+        n_steps=3,
+        eval_every=2,
+        model=ModelConfig(compile=True),
+        optim=OptimConfig(lr=1e-3, gradient_accumulation_steps=1, max_tokens_per_microbatch=40),
+        algorithm=AlgorithmConfig(reweighting="grpo", cliprange=0.2),
+    )
     run(cfg, tmp_path, tiny_model, tiny_tokenizer)
     rows = read_metrics(tmp_path / "metrics.jsonl")
     check_sane(rows, clipping=True)
@@ -379,27 +425,41 @@ def test_hf_fast_engine_gets_the_engine_config(gsm8k_path, tiny_model, tiny_toke
     """``engine.max_batch_size``, ``release_memory``, ``attention``, ``fuse_projections`` and ``cascade_min_rows`` reach the
     hf-fast engine (max_batch_size was once dropped for it), and a run with the cache released after
     every generation trains as usual."""
-    from rlvr.config import ConfigError, EngineConfig
+    from rlvr.config import ConfigError, EngineConfig, FastEngineConfig
     from rlvr.engines.fast import FastHFEngine
 
-    cfg = tiny_config(gsm8k_path, engine=EngineConfig(name="hf-fast", max_batch_size=4, release_memory=True,
-                                                      attention="sdpa", fuse_projections=False,
-                                                      cascade_min_rows=None))
+    cfg = tiny_config(
+        gsm8k_path,
+        engine=EngineConfig(
+            name="hf-fast",
+            max_batch_size=4,
+            fast=FastEngineConfig(release_memory=True, attention="sdpa", fuse_projections=False, cascade_min_rows=None),
+        ),
+    )
     engine = trainer_mod._make_engine(cfg, tiny_model, tiny_tokenizer)
     assert isinstance(engine, FastHFEngine)
-    assert (engine.max_batch_size, engine.release_memory, engine.attention, engine.fuse_projections,
-            engine.cascade_min_rows) == (4, True, "sdpa", False, None)
+    assert (
+        engine.max_batch_size,
+        engine.release_memory,
+        engine.attention,
+        engine.fuse_projections,
+        engine.cascade_min_rows,
+    ) == (4, True, "sdpa", False, None)
     run(cfg, tmp_path, tiny_model, tiny_tokenizer)
     check_sane(read_metrics(tmp_path / "metrics.jsonl"))
-    with pytest.raises(ConfigError, match="engine.release_memory applies to the hf-fast engine"):
-        tiny_config(gsm8k_path, engine=EngineConfig(name="hf", release_memory=True)).resolve().validate()
-    with pytest.raises(ConfigError, match="engine.attention must be auto, triton or sdpa, got 'flash'"):
-        tiny_config(gsm8k_path, engine=EngineConfig(name="hf-fast", attention="flash")).resolve().validate()
-    with pytest.raises(ConfigError, match="engine.attention applies to the hf-fast engine"):
-        tiny_config(gsm8k_path, engine=EngineConfig(name="hf", attention="sdpa")).resolve().validate()
-    with pytest.raises(ConfigError, match="engine.fuse_projections applies to the hf-fast engine"):
-        tiny_config(gsm8k_path, engine=EngineConfig(name="hf", fuse_projections=False)).resolve().validate()
-    with pytest.raises(ConfigError, match="engine.cascade_min_rows applies to the hf-fast engine"):
-        tiny_config(gsm8k_path, engine=EngineConfig(name="hf", cascade_min_rows=8)).resolve().validate()
-    with pytest.raises(ConfigError, match="engine.cascade_min_rows must be >= 1"):
-        tiny_config(gsm8k_path, engine=EngineConfig(name="hf-fast", cascade_min_rows=0)).resolve().validate()
+
+    def fast_engine(name, **options):
+        return EngineConfig(name=name, fast=FastEngineConfig(**options))
+
+    with pytest.raises(ConfigError, match="engine.fast.release_memory applies to the hf-fast engine"):
+        tiny_config(gsm8k_path, engine=fast_engine("hf", release_memory=True)).resolve().validate()
+    with pytest.raises(ConfigError, match="engine.fast.attention must be auto, triton or sdpa, got 'flash'"):
+        tiny_config(gsm8k_path, engine=fast_engine("hf-fast", attention="flash")).resolve().validate()
+    with pytest.raises(ConfigError, match="engine.fast.attention applies to the hf-fast engine"):
+        tiny_config(gsm8k_path, engine=fast_engine("hf", attention="sdpa")).resolve().validate()
+    with pytest.raises(ConfigError, match="engine.fast.fuse_projections applies to the hf-fast engine"):
+        tiny_config(gsm8k_path, engine=fast_engine("hf", fuse_projections=False)).resolve().validate()
+    with pytest.raises(ConfigError, match="engine.fast.cascade_min_rows applies to the hf-fast engine"):
+        tiny_config(gsm8k_path, engine=fast_engine("hf", cascade_min_rows=8)).resolve().validate()
+    with pytest.raises(ConfigError, match="engine.fast.cascade_min_rows must be >= 1"):
+        tiny_config(gsm8k_path, engine=fast_engine("hf-fast", cascade_min_rows=0)).resolve().validate()

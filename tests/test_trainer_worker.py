@@ -32,12 +32,16 @@ def test_worker_engine_end_to_end_with_gloo(gsm8k_path, tiny_tokenizer, tmp_path
     rows = {}
     for name in ("hf-worker", "hf"):
         cfg = TrainConfig(
-            data=DataConfig(train_source=str(gsm8k_path), train_size=16, val_size=2), prompt="question_only",
+            data=DataConfig(train_source=str(gsm8k_path), train_size=16, val_size=2),
+            prompt="question_only",
             rollout=RolloutConfig(n_prompts_per_rollout_batch=2, group_size=4, max_new_tokens=6),
             optim=OptimConfig(lr=3e-3, train_batch_size=4, gradient_accumulation_steps=1),
             algorithm=AlgorithmConfig(preset="dr_grpo", reweighting="grpo"),
             engine=EngineConfig(name=name, device="cpu", max_batch_size=64),
-            log=LogConfig(progress=False, val_samples=0), n_steps=3, eval_every=0, dump_every=0,
+            log=LogConfig(progress=False, val_samples=0),
+            n_steps=3,
+            eval_every=0,
+            dump_every=0,
         )
         out = tmp_path / name
         train(cfg, out, model=fresh(), tokenizer=tiny_tokenizer, reward_fn=parity_reward)
@@ -59,12 +63,17 @@ def test_worker_engine_end_to_end_with_gloo(gsm8k_path, tiny_tokenizer, tmp_path
 def async_config(gsm8k_path, n_steps: int, **overrides) -> TrainConfig:
     # On-policy batch sizes (one optimizer step per rollout batch): any ratio != 1 is the staleness.
     return TrainConfig(
-        data=DataConfig(train_source=str(gsm8k_path), train_size=16, val_size=2), prompt="question_only",
+        data=DataConfig(train_source=str(gsm8k_path), train_size=16, val_size=2),
+        prompt="question_only",
         rollout=RolloutConfig(n_prompts_per_rollout_batch=2, group_size=4, max_new_tokens=8),
         optim=OptimConfig(lr=3e-2, gradient_accumulation_steps=1),
         algorithm=AlgorithmConfig(preset="grpo", reweighting="grpo", cliprange=0.2),
         engine=EngineConfig(name="hf-worker", device="cpu", max_batch_size=64, max_staleness=1),
-        log=LogConfig(progress=False, val_samples=0), n_steps=n_steps, eval_every=2, dump_every=0, **overrides,
+        log=LogConfig(progress=False, val_samples=0),
+        n_steps=n_steps,
+        eval_every=2,
+        dump_every=0,
+        **overrides,
     )
 
 
@@ -73,7 +82,7 @@ def test_one_step_async_run_trains_on_the_sampling_weights_log_probs(gsm8k_path,
 
     model = build_model(small_olmo2_config(tiny_tokenizer, hidden_size=32, num_layers=2, num_heads=4), seed=0)
     versions = []  # versions[v]: the weights after v optimizer steps (what the trainer holds in step v+1)
-    updates = []   # what each optimizer step trained on
+    updates = []  # what each optimizer step trained on
     real_step, real_update = trainer_mod._rollout_step, trainer_mod.policy_gradient_update
 
     def spy_step(*args, **kwargs):
@@ -81,14 +90,16 @@ def test_one_step_async_run_trains_on_the_sampling_weights_log_probs(gsm8k_path,
         return real_step(*args, **kwargs)
 
     def spy_update(model_, optimizer, input_ids, labels, mask, advantages, *args, **kwargs):
-        updates.append((input_ids.clone(), labels.clone(), mask.clone(), args[3].clone()))
+        updates.append((input_ids.clone(), labels.clone(), mask.clone(), kwargs["old_log_probs"].clone()))
         return real_update(model_, optimizer, input_ids, labels, mask, advantages, *args, **kwargs)
 
     submitted = []
     real_submit = AsyncRollouts.submit
     monkeypatch.setattr(trainer_mod, "_rollout_step", spy_step)
     monkeypatch.setattr(trainer_mod, "policy_gradient_update", spy_update)
-    monkeypatch.setattr(AsyncRollouts, "submit", lambda self, step, *a: submitted.append(step) or real_submit(self, step, *a))
+    monkeypatch.setattr(
+        AsyncRollouts, "submit", lambda self, step, *a: submitted.append(step) or real_submit(self, step, *a)
+    )
     out = tmp_path / "async"
     train(async_config(gsm8k_path, n_steps=4), out, model=model, tokenizer=tiny_tokenizer, reward_fn=parity_reward)
     assert read_summary(out)["status"] == "finished"
@@ -102,7 +113,14 @@ def test_one_step_async_run_trains_on_the_sampling_weights_log_probs(gsm8k_path,
     for r in steps:
         assert r["sync/probe_max_abs_diff"] < 1e-3 and r["train/n_updates"] == 1
         assert math.isfinite(r["train/loss"]) and 0 <= r["train/clip_fraction"] <= 1
-        for key in ("time/rollout_wait", "time/generate", "time/old_logprobs", "time/queue", "time/sync", "tokens_per_s"):
+        for key in (
+            "time/rollout_wait",
+            "time/generate",
+            "time/old_logprobs",
+            "time/queue",
+            "time/sync",
+            "tokens_per_s",
+        ):
             assert r[key] >= 0, key
 
     model.eval()
@@ -131,8 +149,14 @@ def test_one_step_async_resume_samples_one_batch_on_policy(gsm8k_path, tiny_toke
     out = tmp_path / "resumed"
     cfg = async_config(gsm8k_path, n_steps=2, eval_at_start=False)
     train(cfg, out, model=fresh(), tokenizer=tiny_tokenizer, reward_fn=parity_reward)
-    train(async_config(gsm8k_path, n_steps=4, eval_at_start=False), out, resume=True, model=fresh(),
-          tokenizer=tiny_tokenizer, reward_fn=parity_reward)
+    train(
+        async_config(gsm8k_path, n_steps=4, eval_at_start=False),
+        out,
+        resume=True,
+        model=fresh(),
+        tokenizer=tiny_tokenizer,
+        reward_fn=parity_reward,
+    )
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and read_summary(out)["status"] == "finished"
     # The weights of step 1 were not saved: batch 3 comes from the checkpoint (version 2), on-policy.
@@ -150,6 +174,12 @@ def test_async_validation_never_runs_on_weights_that_failed_the_probe(gsm8k_path
     with make_engine("hf-worker", model, tiny_tokenizer, device="cpu", max_batch_size=64) as engine:
         engine.plant_mismatch()  # the load before the first validation corrupts the output head
         with pytest.raises(EngineError, match="validation failed at step 0.*do not match"):
-            train(async_config(gsm8k_path, n_steps=1), tmp_path / "run", model=model, tokenizer=tiny_tokenizer,
-                  reward_fn=parity_reward, engine=engine)
+            train(
+                async_config(gsm8k_path, n_steps=1),
+                tmp_path / "run",
+                model=model,
+                tokenizer=tiny_tokenizer,
+                reward_fn=parity_reward,
+                engine=engine,
+            )
     assert read_summary(tmp_path / "run")["status"] == "failed"

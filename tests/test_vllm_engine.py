@@ -51,7 +51,9 @@ class FakeSession:
 
 def _engine(model, tokenizer, routes, **kw):
     session = FakeSession(routes)
-    engine = VLLMEngine(model, tokenizer, served_model="allenai/OLMo-2-0425-1B", start_server=False, session=session, **kw)
+    engine = VLLMEngine(
+        model, tokenizer, served_model="allenai/OLMo-2-0425-1B", start_server=False, session=session, **kw
+    )
     return engine, session
 
 
@@ -76,11 +78,21 @@ def test_generate_request_and_response_mapping(tiny_model, tiny_tokenizer):
     engine, session = _engine(tiny_model, tiny_tokenizer, {("POST", "/v1/completions"): fixture("completions_n2.json")})
     params = SamplingParams(n=2, temperature=1.0, top_p=1.0, max_new_tokens=512, stop=("</answer>",), seed=3)
     out = engine.generate(["p0", "p1"], params)
-    (method, path, body), = session.calls
+    ((method, path, body),) = session.calls
     assert (method, path) == ("POST", "/v1/completions")
-    assert body == {"model": "allenai/OLMo-2-0425-1B", "prompt": ["p0", "p1"], "n": 2, "temperature": 1.0,
-                    "top_p": 1.0, "max_tokens": 512, "seed": 3, "stop": ["</answer>"],
-                    "include_stop_str_in_output": True, "return_token_ids": True, "logprobs": 0}
+    assert body == {
+        "model": "allenai/OLMo-2-0425-1B",
+        "prompt": ["p0", "p1"],
+        "n": 2,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "max_tokens": 512,
+        "seed": 3,
+        "stop": ["</answer>"],
+        "include_stop_str_in_output": True,
+        "return_token_ids": True,
+        "logprobs": 0,
+    }
     assert [len(g) for g in out] == [2, 2]
     first = out[0][0]  # choice index 0: prompt 0, sample 0
     assert first.text.endswith("</answer>") and first.finish_reason == "stop"
@@ -117,10 +129,14 @@ def _probe_route(model, tokenizer, shift=0.0):
         ids = body["prompt"]
         t = torch.tensor([ids])
         lp = sequence_logprobs(model, t, torch.ones_like(t))[0].tolist()
-        entries = [None] + [{str(tok): {"logprob": x + shift, "rank": 1, "decoded_token": "?"}}
-                            for tok, x in zip(ids[1:], lp)]
-        return {"choices": [{"index": 0, "text": "", "finish_reason": "length", "prompt_logprobs": entries,
-                             "token_ids": [0]}]}
+        entries = [None] + [
+            {str(tok): {"logprob": x + shift, "rank": 1, "decoded_token": "?"}} for tok, x in zip(ids[1:], lp)
+        ]
+        return {
+            "choices": [
+                {"index": 0, "text": "", "finish_reason": "length", "prompt_logprobs": entries, "token_ids": [0]}
+            ]
+        }
 
     return answer
 
@@ -138,8 +154,13 @@ def _sync_routes(model, tokenizer, shift=0.0):
 
 
 def test_sync_protocol_order_and_payloads(tiny_model, tiny_tokenizer, monkeypatch):
-    engine, session = _engine(tiny_model, tiny_tokenizer, _sync_routes(tiny_model, tiny_tokenizer),
-                              master_address="10.0.0.2", master_port=29999)
+    engine, session = _engine(
+        tiny_model,
+        tiny_tokenizer,
+        _sync_routes(tiny_model, tiny_tokenizer),
+        master_address="10.0.0.2",
+        master_port=29999,
+    )
     nccl = []
     monkeypatch.setattr(engine, "_trainer_init", lambda world_size: nccl.append(("init", world_size)) or "GROUP")
     monkeypatch.setattr(engine, "_trainer_send", lambda model: nccl.append(("send", engine._group)))
@@ -150,8 +171,9 @@ def test_sync_protocol_order_and_payloads(tiny_model, tiny_tokenizer, monkeypatc
     step = [("POST", "/pause"), ("POST", "/update_weights"), ("POST", "/reset_prefix_cache"), ("POST", "/resume")]
     assert control == [("GET", "/get_world_size"), ("POST", "/init_weight_transfer_engine")] + step + step
     bodies = {p: b for m, p, b in session.calls}
-    assert bodies["/init_weight_transfer_engine"] == {"init_info": {
-        "master_address": "10.0.0.2", "master_port": 29999, "rank_offset": 1, "world_size": 2}}
+    assert bodies["/init_weight_transfer_engine"] == {
+        "init_info": {"master_address": "10.0.0.2", "master_port": 29999, "rank_offset": 1, "world_size": 2}
+    }
     update = bodies["/update_weights"]["update_info"]
     params = list(tiny_model.named_parameters())
     assert update["names"] == [n for n, _ in params]

@@ -20,8 +20,13 @@ def rows(n: int, rng: random.Random) -> list[dict]:
     out = []
     for _ in range(n):
         words = rng.sample(WORDS, rng.randint(3, 6))
-        out.append({"task": "Sort these words alphabetically: " + ", ".join(words) + ".",
-                    "sorted": " ".join(sorted(words)), "words": words})
+        out.append(
+            {
+                "task": "Sort these words alphabetically: " + ", ".join(words) + ".",
+                "sorted": " ".join(sorted(words)),
+                "words": words,
+            }
+        )
     return out
 
 

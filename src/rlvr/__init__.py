@@ -13,22 +13,37 @@ and so are those of instruction tuning, DPO and the assistant evaluations::
                       parse_mmlu_response, parse_gsm8k_response)
 """
 
-from rlvr.grpo import (
-    PRESETS, aggregate_loss_across_microbatch, compute_group_normalized_rewards, compute_policy_gradient_loss,
-    compute_rollout_rewards, get_response_log_probs, grpo_train_step, tokenize_prompt_and_output,
-)
-
 from rlvr.dpo import compute_per_instance_dpo_loss
+from rlvr.grpo import (
+    PRESETS,
+    aggregate_loss_across_microbatch,
+    compute_group_normalized_rewards,
+    compute_policy_gradient_loss,
+    compute_rollout_rewards,
+    get_response_log_probs,
+    grpo_train_step,
+    tokenize_prompt_and_output,
+)
 from rlvr.instruct import get_packed_sft_dataset, iterate_batches
 from rlvr.suites.parsing import parse_gsm8k_response, parse_mmlu_response
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "PRESETS", "aggregate_loss_across_microbatch", "compute_group_normalized_rewards", "compute_policy_gradient_loss",
-    "compute_rollout_rewards", "get_response_log_probs", "grpo_train_step", "tokenize_prompt_and_output",
-    "r1_zero_reward_fn", "question_only_reward_fn",
-    "get_packed_sft_dataset", "iterate_batches", "compute_per_instance_dpo_loss", "parse_mmlu_response",
+    "PRESETS",
+    "aggregate_loss_across_microbatch",
+    "compute_group_normalized_rewards",
+    "compute_policy_gradient_loss",
+    "compute_rollout_rewards",
+    "get_response_log_probs",
+    "grpo_train_step",
+    "tokenize_prompt_and_output",
+    "r1_zero_reward_fn",
+    "question_only_reward_fn",
+    "get_packed_sft_dataset",
+    "iterate_batches",
+    "compute_per_instance_dpo_loss",
+    "parse_mmlu_response",
     "parse_gsm8k_response",
 ]
 

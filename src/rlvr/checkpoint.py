@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 from rlvr.errors import UserError
-from rlvr.rundir import atomic_write_text, fsync_dir as _fsync_dir
+from rlvr.rundir import atomic_write_text
+from rlvr.rundir import fsync_dir as _fsync_dir
 
 CKPT_DIR = "checkpoints"
 STATE_FILE = "trainer_state.pt"
@@ -41,8 +42,17 @@ MODEL_DIR = "model"
 MANIFEST = "manifest.json"
 DAMAGED_PREFIX = "damaged-"
 
-__all__ = ["atomic_write_text", "save_checkpoint", "list_checkpoints", "latest_checkpoint", "resumable_checkpoint",
-           "verify_checkpoint", "load_model_weights", "load_trainer_state", "CheckpointError"]
+__all__ = [
+    "atomic_write_text",
+    "save_checkpoint",
+    "list_checkpoints",
+    "latest_checkpoint",
+    "resumable_checkpoint",
+    "verify_checkpoint",
+    "load_model_weights",
+    "load_trainer_state",
+    "CheckpointError",
+]
 
 
 class CheckpointError(UserError):
@@ -77,8 +87,10 @@ def _checkpoint_files(ckpt_dir: Path) -> list[str]:
 def write_manifest(ckpt_dir: str | Path) -> dict:
     """Record the size and sha256 of every file of ``ckpt_dir`` in its ``manifest.json``."""
     ckpt_dir = Path(ckpt_dir)
-    files = {rel: {"size": (ckpt_dir / rel).stat().st_size, "sha256": file_sha256(ckpt_dir / rel)}
-             for rel in _checkpoint_files(ckpt_dir)}
+    files = {
+        rel: {"size": (ckpt_dir / rel).stat().st_size, "sha256": file_sha256(ckpt_dir / rel)}
+        for rel in _checkpoint_files(ckpt_dir)
+    }
     manifest = {"format": 1, "files": files}
     atomic_write_text(ckpt_dir / MANIFEST, json.dumps(manifest, indent=1) + "\n")
     return manifest
@@ -124,8 +136,9 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(run_dir: str | Path, step: int, model, tokenizer, optimizer, scheduler, state: dict,
-                    keep: int = 1) -> Path:
+def save_checkpoint(
+    run_dir: str | Path, step: int, model, tokenizer, optimizer, scheduler, state: dict, keep: int = 1
+) -> Path:
     """Write checkpoint ``step`` atomically and drop all but the newest ``keep``. Returns its directory.
 
     ``state`` holds the loop's own position (data position, counters); RNG states are added here.
@@ -141,13 +154,16 @@ def save_checkpoint(run_dir: str | Path, step: int, model, tokenizer, optimizer,
     model.save_pretrained(str(tmp / MODEL_DIR))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(tmp / MODEL_DIR))
-    torch.save({
-        "step": step,
-        "optimizer": optimizer.state_dict(),
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "rng": rng_state(),
-        "loop": state,
-    }, tmp / STATE_FILE)
+    torch.save(
+        {
+            "step": step,
+            "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "rng": rng_state(),
+            "loop": state,
+        },
+        tmp / STATE_FILE,
+    )
     write_manifest(tmp)
     _fsync_tree(tmp)
     if final.exists():  # re-saving the same step (e.g. the final save right after a periodic one)
@@ -226,8 +242,10 @@ def resumable_checkpoint(run_dir: str | Path, echo=None) -> Path | None:
             return ckpt
         moved = _set_aside(ckpt)
         set_aside.append(moved)
-        echo(f"rlvr: checkpoint {ckpt.name} failed verification ({'; '.join(problems[:3])}); set it aside as "
-             f"{moved.relative_to(run_dir)}")
+        echo(
+            f"rlvr: checkpoint {ckpt.name} failed verification ({'; '.join(problems[:3])}); set it aside as "
+            f"{moved.relative_to(run_dir)}"
+        )
     if set_aside or damaged_checkpoints(run_dir):
         raise CheckpointError(
             f"{run_dir} has no intact checkpoint to resume from (damaged ones are under {run_dir / CKPT_DIR}/"

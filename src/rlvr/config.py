@@ -12,6 +12,10 @@ key and the expected type (an integer where a float is expected is fine; a quote
 integer is not). YAML files are read with YAML 1.2 numbers, so ``lr: 1e-5`` is a float (PyYAML's
 YAML 1.1 rules would read it as a string).
 
+Options of one engine sit in that engine's section (``engine.fast.*``, ``engine.worker.*``,
+``engine.vllm.*``); a key or flag from before that grouping (``engine.cascade_min_rows``) is an error
+that names the new key (``MOVED_KEYS``).
+
 ``resolve()`` fills what follows from other fields (the preset's axes, the clip range of the
 reweighting method, the Dr. GRPO normalisation constant, the devices) and ``validate()`` rejects
 impossible combinations with a message that names the fix. Both run before any model loads.
@@ -61,7 +65,9 @@ class LoraConfig:
         if not 0 <= self.dropout < 1:
             problems.append(f"model.lora.dropout must be in [0, 1), got {self.dropout}")
         if self.rank and not self.target_modules:
-            problems.append("model.lora.target_modules is empty: name the layers that get adapters, e.g. [q_proj, v_proj]")
+            problems.append(
+                "model.lora.target_modules is empty: name the layers that get adapters, e.g. [q_proj, v_proj]"
+            )
         if problems:
             raise ConfigError("; ".join(problems))
 
@@ -147,9 +153,9 @@ class AlgorithmConfig:
     normalization_constant: float | None = None
     """Divisor for constant normalization (default: train_batch_size x max_new_tokens, fixed for the whole run)."""
     reweighting: str = "none"
-    """Importance reweighting: none (REINFORCE), noclip, grpo (PPO token clip), gspo (sequence clip), cispo."""
+    """Importance reweighting: none (REINFORCE), noclip, ppo_clip (PPO token clip; also called grpo), gspo (sequence clip), cispo."""
     cliprange: float | None = None
-    """Clip range epsilon of clipping methods (default per method: grpo 0.2, gspo 3e-4, cispo 0.2)."""
+    """Clip range epsilon of clipping methods (default per method: ppo_clip 0.2, gspo 3e-4, cispo 0.2)."""
     skip_zero_advantage: bool = True
     """Do not run sequences with zero advantage through the model (they contribute exactly nothing)."""
 
@@ -201,6 +207,38 @@ class OptimConfig:
 
 
 @dataclass(frozen=True)
+class FastEngineConfig:
+    """Options of the hf-fast engine (also used by auto where it picks hf-fast)."""
+
+    release_memory: bool = False
+    """Free the static KV cache and CUDA graphs after every generation, so that the training step on the same GPU can use that memory (each generation then captures its graphs again, which costs time)."""
+    attention: str = "auto"
+    """Decode attention: triton (one kernel over the shared prompt and response caches; CUDA), sdpa (gathers each row's prompt K/V for torch's SDPA; any device; the CPU tests' reference) or auto (triton on CUDA when Triton is installed, else sdpa)."""
+    fuse_projections: bool = True
+    """On a GPU (compiled decode step): multiply by one stacked q/k/v matrix and one stacked gate/up matrix per layer instead of five (faster decoding; the stacked copies hold about half the model's weights, refreshed from the policy at every generation)."""
+    cascade_min_rows: int | None = 64
+    """With Triton attention and several samples per prompt: batch buckets of at least this many rows read each group's shared prompt once per step for all of its rows (cascade attention), instead of once per row; None turns it off. The default was the fastest of those timed (docs/benchmarks.md)."""
+
+
+@dataclass(frozen=True)
+class WorkerEngineConfig:
+    """Options of the hf-worker engine (its own process and copy of the weights)."""
+
+    dtype: str = "auto"
+    """Engine model dtype (auto: bfloat16 on CUDA, float32 on CPU)."""
+
+
+@dataclass(frozen=True)
+class VLLMEngineConfig:
+    """Options of the vllm engine (an OpenAI-compatible vLLM server)."""
+
+    base_url: str | None = None
+    """URL of a running vLLM server (None: the engine starts ``vllm serve`` itself)."""
+    port: int = 8000
+    """Port of the vLLM server the engine starts."""
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     name: str = "hf"
     """Rollout engine: hf (in-process, shares the policy), hf-fast (the same with a static KV cache and CUDA
@@ -208,24 +246,63 @@ class EngineConfig:
     model, else hf), hf-worker (own process and device), vllm (server)."""
     device: str = "auto"
     """Engine device for hf-worker/vllm (auto: cuda:1 when two GPUs are visible, else the policy device)."""
-    dtype: str = "auto"
-    """Engine model dtype for hf-worker (auto: bfloat16 on CUDA, float32 on CPU)."""
     max_batch_size: int = 256
     """Rows (prompts x samples) decoded together by the hf engines."""
-    release_memory: bool = False
-    """hf-fast: free the static KV cache and CUDA graphs after every generation, so that the training step on the same GPU can use that memory (each generation then captures its graphs again, which costs time)."""
-    attention: str = "auto"
-    """hf-fast decode attention: triton (one kernel over the shared prompt and response caches; CUDA), sdpa (gathers each row's prompt K/V for torch's SDPA; any device; the CPU tests' reference) or auto (triton on CUDA when Triton is installed, else sdpa)."""
-    fuse_projections: bool = True
-    """hf-fast on a GPU (compiled decode step): multiply by one stacked q/k/v matrix and one stacked gate/up matrix per layer instead of five (faster decoding; the stacked copies hold about half the model's weights, refreshed from the policy at every generation)."""
-    cascade_min_rows: int | None = 64
-    """hf-fast with Triton attention and several samples per prompt: batch buckets of at least this many rows read each group's shared prompt once per step for all of its rows (cascade attention), instead of once per row; None turns it off. 64 was the fastest of those timed on an H200 (docs/benchmarks.md)."""
-    vllm_base_url: str | None = None
-    """URL of a running vLLM server (None: the engine starts ``vllm serve`` itself)."""
-    vllm_port: int = 8000
-    """Port of the vLLM server the engine starts."""
     max_staleness: int = 0
     """0: synchronous (every batch sampled by the current weights); 1: one-step-async (hf-worker only): the engine samples batch t+1 while the trainer trains on batch t, and the configured importance reweighting corrects the one step of staleness."""
+    fast: FastEngineConfig = field(default_factory=FastEngineConfig)
+    worker: WorkerEngineConfig = field(default_factory=WorkerEngineConfig)
+    vllm: VLLMEngineConfig = field(default_factory=VLLMEngineConfig)
+
+
+# Engine options that moved under their engine's section: old dotted key -> new one.
+MOVED_KEYS = {
+    "engine.release_memory": "engine.fast.release_memory",
+    "engine.attention": "engine.fast.attention",
+    "engine.fuse_projections": "engine.fast.fuse_projections",
+    "engine.cascade_min_rows": "engine.fast.cascade_min_rows",
+    "engine.dtype": "engine.worker.dtype",
+    "engine.vllm_base_url": "engine.vllm.base_url",
+    "engine.vllm_port": "engine.vllm.port",
+}
+
+
+def moved_key_error(old: str, flag: bool = False) -> ConfigError:
+    """The one-line error for a key that moved (``flag``: spelled as a command-line flag)."""
+    new = MOVED_KEYS[old]
+    if flag:
+        return ConfigError(f"--{old} is now --{new}; rename the flag")
+    return ConfigError(f"config key {old} is now {new}; rename it")
+
+
+def check_moved_flags(args: list[str]) -> None:
+    """Raise ``moved_key_error`` for a command-line flag that names a moved key
+    (``--engine.cascade_min_rows``, ``--engine.cascade-min-rows``, ``--engine.no-fuse-projections``...)."""
+    for arg in args:
+        if not arg.startswith("--"):
+            continue
+        section, _, name = arg[2:].split("=", 1)[0].replace("-", "_").rpartition(".")
+        for candidate in (name, name.removeprefix("no_")):
+            old = f"{section}.{candidate}"
+            if old in MOVED_KEYS:
+                raise moved_key_error(old, flag=True)
+
+
+def upgrade_moved_keys(raw: dict) -> dict:
+    """A copy of a config mapping written before the engine options moved, with each moved key in its
+    new place (for reading a run directory's own ``config.json``, which the user did not write)."""
+    out = json.loads(json.dumps(raw))
+    for old, new in MOVED_KEYS.items():
+        old_section, old_name = old.rsplit(".", 1)
+        section = out.get(old_section)
+        if isinstance(section, dict) and old_name in section:
+            value = section.pop(old_name)
+            *path, name = new.split(".")[1:]
+            target = section
+            for part in path:
+                target = target.setdefault(part, {})
+            target[name] = value
+    return out
 
 
 @dataclass(frozen=True)
@@ -303,9 +380,9 @@ class TrainConfig:
         return self.train_batch_size // self.optim.gradient_accumulation_steps
 
     # -- resolution and validation ------------------------------------------------------------
-    def resolve(self) -> "TrainConfig":
+    def resolve(self) -> TrainConfig:
         """A copy with every default that depends on other fields filled in (idempotent)."""
-        from rlvr.grpo import DEFAULT_CLIPRANGE, PRESETS
+        from rlvr.grpo import AGGREGATIONS, DEFAULT_CLIPRANGE, PRESETS
 
         r = self.rollout
         if r.rollout_batch_size is not None:
@@ -314,7 +391,9 @@ class TrainConfig:
                     f"rollout.rollout_batch_size={r.rollout_batch_size} is not divisible by rollout.group_size={r.group_size}; "
                     "make it a multiple of the group size (or set rollout.n_prompts_per_rollout_batch instead)"
                 )
-            r = dataclasses.replace(r, n_prompts_per_rollout_batch=r.rollout_batch_size // r.group_size, rollout_batch_size=None)
+            r = dataclasses.replace(
+                r, n_prompts_per_rollout_batch=r.rollout_batch_size // r.group_size, rollout_batch_size=None
+            )
         a = self.algorithm
         if a.preset not in PRESETS:
             raise ConfigError(f"unknown algorithm.preset {a.preset!r}: choose one of {', '.join(sorted(PRESETS))}")
@@ -330,7 +409,8 @@ class TrainConfig:
             loss_normalization=a.loss_normalization or preset.loss_normalization,
             cliprange=a.cliprange if a.cliprange is not None else DEFAULT_CLIPRANGE.get(a.reweighting),
         )
-        if a.normalization_constant is None and a.loss_normalization == "constant":
+        aggregation = AGGREGATIONS.get(a.loss_normalization)
+        if a.normalization_constant is None and aggregation is not None and aggregation.needs_normalization_constant:
             # Dr. GRPO: batch size x max generation length, where the batch is what one optimizer
             # step sees; on-policy that is the rollout batch.
             a = dataclasses.replace(a, normalization_constant=float(o.train_batch_size * r.max_new_tokens))
@@ -345,7 +425,9 @@ class TrainConfig:
             if policy_device == "auto":
                 policy_device = "cuda:0" if n_gpu else "cpu"
             if engine.device == "auto":
-                engine = dataclasses.replace(engine, device="cuda:1" if n_gpu >= 2 and engine.name != "hf" else policy_device)
+                engine = dataclasses.replace(
+                    engine, device="cuda:1" if n_gpu >= 2 and engine.name != "hf" else policy_device
+                )
         return dataclasses.replace(cfg, algorithm=a, optim=o, policy_device=policy_device, engine=engine)
 
     def validate(self) -> list[str]:
@@ -353,8 +435,8 @@ class TrainConfig:
 
         Call on a resolved config (``resolve()`` first).
         """
-        from rlvr.engines import ENGINES
-        from rlvr.grpo import BASELINES, NORMALIZERS, REWEIGHTINGS
+        from rlvr.engines import engine_names
+        from rlvr.grpo import AGGREGATIONS, BASELINES, NORMALIZERS, REWEIGHTINGS
 
         errors: list[str] = []
         warns: list[str] = []
@@ -365,120 +447,197 @@ class TrainConfig:
                 errors.append(msg)
 
         need(a.baseline in BASELINES, f"unknown algorithm.baseline {a.baseline!r}: choose one of {sorted(BASELINES)}")
-        need(a.advantage_normalizer in NORMALIZERS,
-             f"unknown algorithm.advantage_normalizer {a.advantage_normalizer!r}: choose one of {sorted(NORMALIZERS)}")
-        need(a.loss_normalization in ("sequence", "constant"),
-             f"unknown algorithm.loss_normalization {a.loss_normalization!r}: use sequence or constant")
-        need(a.reweighting in REWEIGHTINGS, f"unknown algorithm.reweighting {a.reweighting!r}: choose one of {sorted(REWEIGHTINGS)}")
+        need(
+            a.advantage_normalizer in NORMALIZERS,
+            f"unknown algorithm.advantage_normalizer {a.advantage_normalizer!r}: choose one of {sorted(NORMALIZERS)}",
+        )
+        need(
+            a.loss_normalization in AGGREGATIONS,
+            f"unknown algorithm.loss_normalization {a.loss_normalization!r}: use {' or '.join(AGGREGATIONS)}",
+        )
+        need(
+            a.reweighting in REWEIGHTINGS,
+            f"unknown algorithm.reweighting {a.reweighting!r}: choose one of {sorted(REWEIGHTINGS)}",
+        )
         if a.reweighting in REWEIGHTINGS and REWEIGHTINGS[a.reweighting].needs_cliprange:
-            need(a.cliprange is not None, f"algorithm.reweighting={a.reweighting!r} clips, so it needs algorithm.cliprange (e.g. 0.2)")
+            need(
+                a.cliprange is not None,
+                f"algorithm.reweighting={a.reweighting!r} clips, so it needs algorithm.cliprange (e.g. 0.2)",
+            )
         if a.cliprange is not None:
             need(a.cliprange > 0, f"algorithm.cliprange must be > 0, got {a.cliprange}")
-        if a.loss_normalization == "constant":
-            need(a.normalization_constant is not None and a.normalization_constant > 0,
-                 "algorithm.loss_normalization=constant needs a positive algorithm.normalization_constant "
-                 "(Dr. GRPO: train batch size x max_new_tokens)")
+        if a.loss_normalization in AGGREGATIONS and AGGREGATIONS[a.loss_normalization].needs_normalization_constant:
+            need(
+                a.normalization_constant is not None and a.normalization_constant > 0,
+                f"algorithm.loss_normalization={a.loss_normalization} needs a positive algorithm.normalization_constant "
+                "(Dr. GRPO: train batch size x max_new_tokens)",
+            )
         from rlvr.task_config import task_config_problems
 
         errors += task_config_problems(self)
 
         need(r.group_size >= 1, f"rollout.group_size must be >= 1, got {r.group_size}")
-        need(r.n_prompts_per_rollout_batch >= 1, f"rollout.n_prompts_per_rollout_batch must be >= 1, got {r.n_prompts_per_rollout_batch}")
+        need(
+            r.n_prompts_per_rollout_batch >= 1,
+            f"rollout.n_prompts_per_rollout_batch must be >= 1, got {r.n_prompts_per_rollout_batch}",
+        )
         if a.advantage_normalizer == "std":
-            need(r.group_size >= 2, "advantage_normalizer=std needs rollout.group_size >= 2 (the std of one sample is undefined)")
+            need(
+                r.group_size >= 2,
+                "advantage_normalizer=std needs rollout.group_size >= 2 (the std of one sample is undefined)",
+            )
         elif a.baseline == "mean":
-            need(r.group_size >= 2, f"rollout.group_size=1 with algorithm.baseline=mean makes every advantage 0 (each sample "
-                 "is its own group's mean), so nothing would train; use rollout.group_size >= 2 or algorithm.baseline=none")
-        need(r.temperature > 0, "rollout.temperature must be > 0: greedy rollouts give identical samples per group and no signal")
+            need(
+                r.group_size >= 2,
+                "rollout.group_size=1 with algorithm.baseline=mean makes every advantage 0 (each sample "
+                "is its own group's mean), so nothing would train; use rollout.group_size >= 2 or algorithm.baseline=none",
+            )
+        need(
+            r.temperature > 0,
+            "rollout.temperature must be > 0: greedy rollouts give identical samples per group and no signal",
+        )
         need(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
         need(r.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {r.max_new_tokens}")
 
         rb, tb, ga = self.rollout_batch_size, self.train_batch_size, o.gradient_accumulation_steps
-        need(tb >= 1 and rb % tb == 0,
-             f"the rollout batch ({rb} = {r.n_prompts_per_rollout_batch} prompts x {r.group_size}) is not divisible by "
-             f"optim.train_batch_size={tb}; pick a divisor of {rb}")
-        need(ga >= 1 and tb % ga == 0,
-             f"optim.train_batch_size={tb} is not divisible by optim.gradient_accumulation_steps={ga}; pick a divisor of {tb}")
+        need(
+            tb >= 1 and rb % tb == 0,
+            f"the rollout batch ({rb} = {r.n_prompts_per_rollout_batch} prompts x {r.group_size}) is not divisible by "
+            f"optim.train_batch_size={tb}; pick a divisor of {rb}",
+        )
+        need(
+            ga >= 1 and tb % ga == 0,
+            f"optim.train_batch_size={tb} is not divisible by optim.gradient_accumulation_steps={ga}; pick a divisor of {tb}",
+        )
         need(tb <= rb, f"optim.train_batch_size={tb} exceeds the rollout batch ({rb}); lower it")
-        need(o.epochs_per_rollout_batch >= 1, f"optim.epochs_per_rollout_batch must be >= 1, got {o.epochs_per_rollout_batch}")
+        need(
+            o.epochs_per_rollout_batch >= 1,
+            f"optim.epochs_per_rollout_batch must be >= 1, got {o.epochs_per_rollout_batch}",
+        )
         need(o.lr > 0, f"optim.lr must be > 0, got {o.lr}")
-        need(o.max_tokens_per_microbatch is None or o.max_tokens_per_microbatch >= 1,
-             f"optim.max_tokens_per_microbatch must be >= 1 (or null for no token cap), got {o.max_tokens_per_microbatch}")
+        need(
+            o.max_tokens_per_microbatch is None or o.max_tokens_per_microbatch >= 1,
+            f"optim.max_tokens_per_microbatch must be >= 1 (or null for no token cap), got {o.max_tokens_per_microbatch}",
+        )
         need(o.schedule in SCHEDULES, f"unknown optim.schedule {o.schedule!r}: choose one of {SCHEDULES}")
         need(o.warmup_steps >= 0, "optim.warmup_steps must be >= 0")
         need(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio must be in [0, 1]")
         need(o.max_grad_norm > 0, "optim.max_grad_norm must be > 0")
-        need(len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas), f"optim.betas must be two numbers in [0, 1), got {o.betas}")
+        need(
+            len(o.betas) == 2 and all(0 <= b < 1 for b in o.betas),
+            f"optim.betas must be two numbers in [0, 1), got {o.betas}",
+        )
 
         fast_engines = ("hf-fast", "auto")  # auto: hf-fast where it runs the model (these settings apply there)
-        need(self.engine.name in ENGINES, f"unknown engine.name {self.engine.name!r}: choose one of {', '.join(ENGINES)}")
-        need(not self.engine.release_memory or self.engine.name in fast_engines,
-             f"engine.release_memory applies to the hf-fast engine (its static KV cache), not to "
-             f"engine.name={self.engine.name!r}; set it to false or use engine.name=hf-fast")
-        need(self.engine.attention in ("auto", "triton", "sdpa"),
-             f"engine.attention must be auto, triton or sdpa, got {self.engine.attention!r}")
-        need(self.engine.attention == "auto" or self.engine.name in fast_engines,
-             f"engine.attention applies to the hf-fast engine, not to engine.name={self.engine.name!r}; leave it auto")
-        need(self.engine.fuse_projections or self.engine.name in fast_engines,
-             f"engine.fuse_projections applies to the hf-fast engine, not to engine.name={self.engine.name!r}; leave it true")
-        need(self.engine.cascade_min_rows == 64 or self.engine.name in fast_engines,
-             f"engine.cascade_min_rows applies to the hf-fast engine, not to engine.name={self.engine.name!r}; leave it 64")
-        need(self.engine.cascade_min_rows is None or self.engine.cascade_min_rows >= 1,
-             f"engine.cascade_min_rows must be >= 1, or null to turn cascade attention off; got {self.engine.cascade_min_rows}")
-        need(self.engine.max_staleness in (0, 1),
-             f"engine.max_staleness must be 0 (synchronous) or 1 (one-step-async), got {self.engine.max_staleness}")
+        e, fast = self.engine, self.engine.fast
+        need(e.name in engine_names(), f"unknown engine.name {e.name!r}: choose one of {', '.join(engine_names())}")
+        need(
+            not fast.release_memory or e.name in fast_engines,
+            f"engine.fast.release_memory applies to the hf-fast engine (its static KV cache), not to "
+            f"engine.name={e.name!r}; set it to false or use engine.name=hf-fast",
+        )
+        need(
+            fast.attention in ("auto", "triton", "sdpa"),
+            f"engine.fast.attention must be auto, triton or sdpa, got {fast.attention!r}",
+        )
+        need(
+            fast.attention == "auto" or e.name in fast_engines,
+            f"engine.fast.attention applies to the hf-fast engine, not to engine.name={e.name!r}; leave it auto",
+        )
+        need(
+            fast.fuse_projections or e.name in fast_engines,
+            f"engine.fast.fuse_projections applies to the hf-fast engine, not to engine.name={e.name!r}; leave it true",
+        )
+        need(
+            fast.cascade_min_rows == 64 or e.name in fast_engines,
+            f"engine.fast.cascade_min_rows applies to the hf-fast engine, not to engine.name={e.name!r}; leave it 64",
+        )
+        need(
+            fast.cascade_min_rows is None or fast.cascade_min_rows >= 1,
+            f"engine.fast.cascade_min_rows must be >= 1, or null to turn cascade attention off; got {fast.cascade_min_rows}",
+        )
+        need(
+            self.engine.max_staleness in (0, 1),
+            f"engine.max_staleness must be 0 (synchronous) or 1 (one-step-async), got {self.engine.max_staleness}",
+        )
         if self.engine.max_staleness == 1:
-            need(self.engine.name == "hf-worker",
-                 "engine.max_staleness=1 needs an engine with its own copy of the weights that can run ahead of the "
-                 f"trainer; engine.name={self.engine.name!r} cannot. Set engine.name=hf-worker (or max_staleness=0)")
+            need(
+                self.engine.name == "hf-worker",
+                "engine.max_staleness=1 needs an engine with its own copy of the weights that can run ahead of the "
+                f"trainer; engine.name={self.engine.name!r} cannot. Set engine.name=hf-worker (or max_staleness=0)",
+            )
             if a.reweighting in REWEIGHTINGS:
-                need(REWEIGHTINGS[a.reweighting].needs_old_log_probs,
-                     "engine.max_staleness=1 samples every batch with weights one step old, and "
-                     f"algorithm.reweighting={a.reweighting!r} does not correct for that. Set algorithm.reweighting to "
-                     "grpo (PPO token clip, cliprange 0.2), noclip, gspo or cispo (or max_staleness=0)")
+                need(
+                    REWEIGHTINGS[a.reweighting].needs_old_log_probs,
+                    "engine.max_staleness=1 samples every batch with weights one step old, and "
+                    f"algorithm.reweighting={a.reweighting!r} does not correct for that. Set algorithm.reweighting to "
+                    "grpo (also called ppo_clip: PPO token clip, cliprange 0.2), noclip, gspo or cispo (or max_staleness=0)",
+                )
         need(self.model.dtype in DTYPES, f"unknown model.dtype {self.model.dtype!r}: choose one of {DTYPES}")
-        need(not self.model.lora.rank, "model.lora is not applied by rlvr train yet (rlvr.lora and rlvr.distributed "
-             "hold the pieces); set model.lora.rank to 0")
-        need(self.engine.dtype in DTYPES, f"unknown engine.dtype {self.engine.dtype!r}: choose one of {DTYPES}")
+        need(
+            not self.model.lora.rank,
+            "model.lora is not applied by rlvr train yet (rlvr.lora and rlvr.distributed "
+            "hold the pieces); set model.lora.rank to 0",
+        )
+        need(
+            self.engine.worker.dtype in DTYPES,
+            f"unknown engine.worker.dtype {self.engine.worker.dtype!r}: choose one of {DTYPES}",
+        )
         if self.model.fresh is not None:
             from rlvr.modeling import MODEL_SIZES
 
-            need(self.model.fresh in MODEL_SIZES, f"unknown model.fresh size {self.model.fresh!r}: choose one of {sorted(MODEL_SIZES)}")
+            need(
+                self.model.fresh in MODEL_SIZES,
+                f"unknown model.fresh size {self.model.fresh!r}: choose one of {sorted(MODEL_SIZES)}",
+            )
         need(self.n_steps >= 1, f"n_steps must be >= 1, got {self.n_steps}")
         for name in ("eval_every", "dump_every", "save_every"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0 (0 disables it)")
         need(self.log.gradient_variance_every >= 0, "log.gradient_variance_every must be >= 0 (0 disables it)")
         if self.log.gradient_variance_every:
-            need(r.group_size >= 2 and r.n_prompts_per_rollout_batch >= 2,
-                 "log.gradient_variance_every needs at least two prompts of at least two samples per rollout batch "
-                 "(a variance across groups); raise rollout.group_size / n_prompts_per_rollout_batch or set it to 0")
+            need(
+                r.group_size >= 2 and r.n_prompts_per_rollout_batch >= 2,
+                "log.gradient_variance_every needs at least two prompts of at least two samples per rollout batch "
+                "(a variance across groups); raise rollout.group_size / n_prompts_per_rollout_batch or set it to 0",
+            )
         need(self.keep_checkpoints >= 1, "keep_checkpoints must be >= 1")
         need(self.max_consecutive_nonfinite >= 1, "max_consecutive_nonfinite must be >= 1")
         need(self.data.val_size >= 0, "data.val_size must be >= 0")
         if self.data.train_size is not None:
-            need(self.data.train_size >= r.n_prompts_per_rollout_batch,
-                 f"data.train_size={self.data.train_size} is smaller than one rollout batch of "
-                 f"{r.n_prompts_per_rollout_batch} prompts; raise it or lower rollout.n_prompts_per_rollout_batch")
+            need(
+                self.data.train_size >= r.n_prompts_per_rollout_batch,
+                f"data.train_size={self.data.train_size} is smaller than one rollout batch of "
+                f"{r.n_prompts_per_rollout_batch} prompts; raise it or lower rollout.n_prompts_per_rollout_batch",
+            )
         if errors:
             # One problem: one line. Several: one line each, so that each names its own fix.
-            raise ConfigError(f"invalid configuration: {errors[0]}" if len(errors) == 1 else
-                              "invalid configuration:\n  - " + "\n  - ".join(errors))
+            raise ConfigError(
+                f"invalid configuration: {errors[0]}"
+                if len(errors) == 1
+                else "invalid configuration:\n  - " + "\n  - ".join(errors)
+            )
 
         if self.off_policy and a.reweighting == "none":
             warns.append(
                 f"{self.updates_per_rollout_batch} optimizer steps per rollout batch with algorithm.reweighting=none: every step "
-                "after the first uses stale samples without importance weights (biased). Use noclip, grpo, gspo or cispo "
+                "after the first uses stale samples without importance weights (biased). Use noclip, ppo_clip, gspo or cispo "
                 "unless this is the 'none' arm of a comparison."
             )
         if r.temperature != 1.0 and a.reweighting != "none":
-            warns.append("rollout.temperature != 1 with importance reweighting: the old log-probs are at temperature 1, "
-                         "not the sampling distribution")
+            warns.append(
+                "rollout.temperature != 1 with importance reweighting: the old log-probs are at temperature 1, "
+                "not the sampling distribution"
+            )
         e = self.engine
         if e.max_staleness and e.device == self.policy_device and e.device.startswith("cuda"):
-            warns.append(f"engine.max_staleness=1 with the engine on the policy's device ({e.device}): generation and "
-                         "training share one GPU, so they barely overlap; put the engine on another GPU (engine.device)")
+            warns.append(
+                f"engine.max_staleness=1 with the engine on the policy's device ({e.device}): generation and "
+                "training share one GPU, so they barely overlap; put the engine on another GPU (engine.device)"
+            )
         if self.data.val_size < 1024 and self.data.val_size > 0 and self.model.fresh is None:
-            warns.append(f"data.val_size={self.data.val_size} < 1024: CoT evaluations are noisy; use >= 1024 for results you compare")
+            warns.append(
+                f"data.val_size={self.data.val_size} < 1024: CoT evaluations are noisy; use >= 1024 for results you compare"
+            )
         for w in warns:
             warnings.warn(w, stacklevel=2)
         return warns
@@ -501,7 +660,7 @@ class TrainConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "TrainConfig":
+    def from_dict(cls, d: dict) -> TrainConfig:
         return _from_dict(cls, d, "")
 
 
@@ -513,14 +672,16 @@ def _type_name(tp) -> str:
     if origin is Literal:
         return "one of " + ", ".join(repr(c) for c in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return " or ".join(_type_name(a) for a in args) + " (or null)"
+        members = [a for a in typing.get_args(tp) if a is not type(None)]
+        return " or ".join(_type_name(a) for a in members) + " (or null)"
     if origin is tuple:
         args = typing.get_args(tp)
         if len(args) == 2 and args[1] is Ellipsis:
             return f"a list of {_PLURAL.get(args[0], 'values')}"
         return f"a list of {len(args)} " + (_PLURAL.get(args[0], "values") if len(set(args)) == 1 else "values")
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(tp, getattr(tp, "__name__", str(tp)))
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+        tp, getattr(tp, "__name__", str(tp))
+    )
 
 
 def _show(value) -> str:
@@ -536,8 +697,11 @@ def _convert(value, tp, key: str):
     origin = typing.get_origin(tp)
 
     def wrong(extra: str = ""):
-        hint = extra or (" (write the number without quotes)" if isinstance(value, str) and _NUMBER.match(value)
-                         and tp in (int, float) else "")
+        hint = extra or (
+            " (write the number without quotes)"
+            if isinstance(value, str) and _NUMBER.match(value) and tp in (int, float)
+            else ""
+        )
         return ConfigError(f"config key {key} must be {_type_name(tp)}, got {_show(value)}{hint}")
 
     if origin in (typing.Union, types.UnionType):
@@ -589,11 +753,16 @@ def _convert(value, tp, key: str):
 
 def _from_dict(cls, d: dict, where: str):
     if not isinstance(d, dict):
-        raise ConfigError(f"{'config key ' + where.rstrip('.') if where else 'the config'} must be a mapping of "
-                          f"keys to values, got {_show(d)}")
+        raise ConfigError(
+            f"{'config key ' + where.rstrip('.') if where else 'the config'} must be a mapping of "
+            f"keys to values, got {_show(d)}"
+        )
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     unknown = sorted(set(d) - set(fields))
+    for key in unknown:
+        if where + str(key) in MOVED_KEYS:
+            raise moved_key_error(where + str(key))
     if unknown:
         raise ConfigError(
             f"unknown config key(s) {', '.join(where + str(k) for k in unknown)}; valid keys here: {', '.join(sorted(fields))}"
@@ -663,8 +832,10 @@ def read_config_file(path: str | Path) -> dict:
     else:
         raise ConfigError(f"config file {path} must end in .yaml, .yml, .toml or .json")
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path} must hold a mapping of config keys (sections model, data, ...), "
-                          f"not a {type(data).__name__}")
+        raise ConfigError(
+            f"config file {path} must hold a mapping of config keys (sections model, data, ...), "
+            f"not a {type(data).__name__}"
+        )
     return data
 
 
@@ -679,11 +850,13 @@ def load_config_file(path: str | Path) -> TrainConfig:
         raise ConfigError(f"{path}: {e}") from None
 
 
-def parse_overrides(args: list[str], base: TrainConfig | None = None, prog: str = "rlvr train",
-                    description: str | None = None) -> TrainConfig:
+def parse_overrides(
+    args: list[str], base: TrainConfig | None = None, prog: str = "rlvr train", description: str | None = None
+) -> TrainConfig:
     """Apply command-line overrides (``--optim.lr 3e-6 --seed 2``) to ``base`` with tyro."""
     import tyro
 
+    check_moved_flags(args)
     return tyro.cli(TrainConfig, args=args, default=base or TrainConfig(), prog=prog, description=description)
 
 
@@ -700,15 +873,17 @@ RESUMABLE_CHANGES = ("n_steps", "eval_every", "eval_at_start", "dump_every", "sa
 
 def config_differences(a: TrainConfig, b: TrainConfig) -> list[str]:
     """Dotted names of fields that differ between two configs."""
-    fa, fb = _flatten(a.to_dict()), _flatten(b.to_dict())
+    fa, fb = flatten(a.to_dict()), flatten(b.to_dict())
     return sorted(k for k in set(fa) | set(fb) if fa.get(k) != fb.get(k))
 
 
-def _flatten(d: dict, prefix: str = "") -> dict:
+def flatten(d: dict, prefix: str = "") -> dict:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}`` (an empty mapping stays a value)."""
     out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
+    for key, value in d.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, name + "."))
         else:
-            out[prefix + k] = list(v) if isinstance(v, tuple) else v
+            out[name] = value
     return out

@@ -64,31 +64,40 @@ class RowFormat:
 
     def __post_init__(self):
         if self.answer_format not in ANSWER_FORMATS:
-            raise DataError(f"unknown data.answer_format {self.answer_format!r}: choose one of {', '.join(ANSWER_FORMATS)}")
+            raise DataError(
+                f"unknown data.answer_format {self.answer_format!r}: choose one of {', '.join(ANSWER_FORMATS)}"
+            )
 
     def example(self, row, where: str) -> Example:
         """The example of ``row``; ``DataError`` starting with ``where`` for a row that does not fit."""
         q, a = self.question_field, self.answer_field
         if not isinstance(row, dict):
-            raise DataError(f"{where}: expected an object with string fields {q!r} and {a!r}, got a {type(row).__name__}")
+            raise DataError(
+                f"{where}: expected an object with string fields {q!r} and {a!r}, got a {type(row).__name__}"
+            )
         missing = [name for name in (q, a) if name not in row]
         if missing:
             setting = {q: "data.question_field", a: "data.answer_field"}
             raise DataError(
                 f"{where}: expected an object with string fields {q!r} and {a!r}; no column {missing[0]!r} "
-                f"(columns: {', '.join(map(str, row)) or 'none'}); set {setting[missing[0]]} to one of them")
+                f"(columns: {', '.join(map(str, row)) or 'none'}); set {setting[missing[0]]} to one of them"
+            )
         question, answer = row[q], row[a]
         raw_number = self.answer_format == "raw" and isinstance(answer, (int, float)) and not isinstance(answer, bool)
         if not isinstance(question, str) or not (isinstance(answer, str) or raw_number):
-            raise DataError(f"{where}: expected an object with string fields {q!r} and {a!r}, got "
-                            f"{type(question).__name__} and {type(answer).__name__}")
+            raise DataError(
+                f"{where}: expected an object with string fields {q!r} and {a!r}, got "
+                f"{type(question).__name__} and {type(answer).__name__}"
+            )
         meta = {k: v for k, v in row.items() if k not in (q, a)}
         if raw_number:
             answer = str(answer)
         if self.answer_format == "gsm8k":
             if "####" not in answer:
-                raise DataError(f"{where}: the answer has no '####' marker before its final answer "
-                                "(for other answers set data.answer_format to boxed or raw)")
+                raise DataError(
+                    f"{where}: the answer has no '####' marker before its final answer "
+                    "(for other answers set data.answer_format to boxed or raw)"
+                )
             truth, solution = extract_gsm8k_answer(answer), _rationale(answer)
             if not truth:
                 raise DataError(f"{where}: the final answer after '####' is empty")
@@ -98,8 +107,10 @@ class RowFormat:
 
             truth = last_boxed(answer)
             if not truth or not truth.strip():
-                raise DataError(f"{where}: the answer has no \\boxed{{...}} with a final answer "
-                                "(for other answers set data.answer_format to gsm8k or raw)")
+                raise DataError(
+                    f"{where}: the answer has no \\boxed{{...}} with a final answer "
+                    "(for other answers set data.answer_format to gsm8k or raw)"
+                )
             return Example(question, truth.strip(), answer, meta)
         truth = answer.strip()
         if not truth:
@@ -143,8 +154,10 @@ def _json_rows(path: Path):
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise DataError(f"{path}:{e.lineno}: not valid JSON ({e.msg}); a .json file holds one array of objects "
-                        "(for one object per line, name the file .jsonl)") from None
+        raise DataError(
+            f"{path}:{e.lineno}: not valid JSON ({e.msg}); a .json file holds one array of objects "
+            "(for one object per line, name the file .jsonl)"
+        ) from None
     if isinstance(data, dict):  # {"data": [...]} or {"rows": [...]}: the one list it holds
         lists = [v for v in data.values() if isinstance(v, list)]
         if len(lists) != 1:
@@ -213,8 +226,10 @@ def load_file(path: str | Path, limit: int | None = None, fmt: RowFormat = GSM8K
     """Examples from one local JSONL, JSON, Parquet or CSV file (by its suffix)."""
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"{path}: no such file; pass a JSONL, JSON, Parquet or CSV file, a folder of them, "
-                        "or a hub dataset id such as 'openai/gsm8k'")
+        raise DataError(
+            f"{path}: no such file; pass a JSONL, JSON, Parquet or CSV file, a folder of them, "
+            "or a hub dataset id such as 'openai/gsm8k'"
+        )
     reader = _READERS.get(path.suffix.lower(), _jsonl_rows)
     examples: list[Example] = []
     if limit is not None and limit <= 0:
@@ -260,8 +275,9 @@ def _splits_in(folder: Path) -> list[str]:
 # -- the hub --------------------------------------------------------------------------------------
 
 
-def load_hub(name: str, split: str, limit: int | None = None, config: str | None = None,
-             fmt: RowFormat = GSM8K_FORMAT) -> list[Example]:
+def load_hub(
+    name: str, split: str, limit: int | None = None, config: str | None = None, fmt: RowFormat = GSM8K_FORMAT
+) -> list[Example]:
     """A hub dataset through ``datasets`` (needs network access or the ``datasets`` cache)."""
     import datasets
 
@@ -271,11 +287,15 @@ def load_hub(name: str, split: str, limit: int | None = None, config: str | None
         ds = datasets.load_dataset(name, config, split=split)
     except ValueError as e:  # an unknown config or split: datasets names the ones there are
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise DataError(f"hub dataset {name} (config {config}, split {split}): {first}; set data.config or the split") from None
+        raise DataError(
+            f"hub dataset {name} (config {config}, split {split}): {first}; set data.config or the split"
+        ) from None
     except (OSError, ConnectionError) as e:  # not found, or no network
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise DataError(f"hub dataset {name} could not be loaded ({type(e).__name__}: {first}); check the id and your "
-                        "network, or give a local file") from None
+        raise DataError(
+            f"hub dataset {name} could not be loaded ({type(e).__name__}: {first}); check the id and your "
+            "network, or give a local file"
+        ) from None
     out = []
     for i, row in enumerate(ds):
         if limit is not None and i >= limit:
@@ -284,7 +304,9 @@ def load_hub(name: str, split: str, limit: int | None = None, config: str | None
     return out
 
 
-def load_gsm8k_hub(split: str, limit: int | None = None, name: str = "openai/gsm8k", config: str = "main") -> list[Example]:
+def load_gsm8k_hub(
+    split: str, limit: int | None = None, name: str = "openai/gsm8k", config: str = "main"
+) -> list[Example]:
     """GSM8K from the Hugging Face hub through ``datasets`` (needs network access)."""
     return load_hub(name, split, limit, config, GSM8K_FORMAT)
 
@@ -298,9 +320,17 @@ def _looks_like_hub_id(source: str) -> bool:
 # -- any source -----------------------------------------------------------------------------------
 
 
-def load_examples(source: str, split: str = "train", limit: int | None = None, seed: int = 0, *,
-                  question_field: str = "question", answer_field: str = "answer", answer_format: str = "gsm8k",
-                  config: str | None = None) -> list[Example]:
+def load_examples(
+    source: str,
+    split: str = "train",
+    limit: int | None = None,
+    seed: int = 0,
+    *,
+    question_field: str = "question",
+    answer_field: str = "answer",
+    answer_format: str = "gsm8k",
+    config: str | None = None,
+) -> list[Example]:
     """Load a task by source (see the module docstring); the field and format arguments say how rows
     become examples (they do not apply to registered tasks, which build their examples themselves)."""
     from rlvr import tasks
@@ -313,8 +343,10 @@ def load_examples(source: str, split: str = "train", limit: int | None = None, s
         files = split_files(p, split)
         if not files:
             present = _splits_in(p)
-            raise DataError(f"{source} has no {split} file ({split}.jsonl, .json, .parquet or .csv; splits there: "
-                            f"{', '.join(present) or 'none'}); choose one of those splits or another data folder")
+            raise DataError(
+                f"{source} has no {split} file ({split}.jsonl, .json, .parquet or .csv; splits there: "
+                f"{', '.join(present) or 'none'}); choose one of those splits or another data folder"
+            )
         examples: list[Example] = []
         for f in files:
             examples += load_file(f, None if limit is None else limit - len(examples), fmt)
@@ -334,5 +366,7 @@ def load_examples(source: str, split: str = "train", limit: int | None = None, s
 def sample_batch(examples: list[Example], n: int, rng: random.Random) -> list[Example]:
     """``n`` distinct examples drawn with ``rng`` (reproducible for a seeded ``random.Random``)."""
     if n > len(examples):
-        raise ValueError(f"asked for {n} prompts but the data has only {len(examples)}; lower n_prompts_per_rollout_batch")
+        raise ValueError(
+            f"asked for {n} prompts but the data has only {len(examples)}; lower n_prompts_per_rollout_batch"
+        )
     return rng.sample(examples, n)

@@ -75,18 +75,28 @@ class DemoConfig:
 
 def run_demo(cfg: DemoConfig) -> dict:
     """Run the demo; returns ``{"before": acc, "after": acc, ...}`` and writes ``OUT/demo.json``."""
-    from rlvr.config import (AlgorithmConfig, DataConfig, EngineConfig, LogConfig, ModelConfig, OptimConfig,
-                             RolloutConfig, TrainConfig)
     from rlvr.checkpoint import latest_checkpoint
+    from rlvr.config import (
+        AlgorithmConfig,
+        DataConfig,
+        EngineConfig,
+        LogConfig,
+        ModelConfig,
+        OptimConfig,
+        RolloutConfig,
+        TrainConfig,
+    )
     from rlvr.errors import UserError
     from rlvr.logging_utils import read_metrics
     from rlvr.rundir import atomic_write_json
     from rlvr.sft import SFTConfig, run_sft
     from rlvr.trainer import train
 
-    small = [f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}"
-             for name in ("sft_steps", "grpo_steps", "n_prompts", "group_size", "max_new_tokens", "val_size", "vocab_size")
-             if getattr(cfg, name) < 1]
+    small = [
+        f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}"
+        for name in ("sft_steps", "grpo_steps", "n_prompts", "group_size", "max_new_tokens", "val_size", "vocab_size")
+        if getattr(cfg, name) < 1
+    ]
     if small:
         raise UserError("; ".join(small))
     out = Path(cfg.out)
@@ -99,30 +109,55 @@ def run_demo(cfg: DemoConfig) -> dict:
         print(f"[1/3] warm start: reusing {sft_dir}")
     else:
         print(f"[1/3] warm start: SFT of a fresh '{cfg.model_size}' OLMo-2 on {cfg.task} ({cfg.sft_steps} steps)")
-        run_sft(SFTConfig(data=cfg.task, model=cfg.model_size, out=sft_dir, steps=cfg.sft_steps, batch_size=32,
-                          device=cfg.device,
-                          lr=cfg.sft_lr, warmup_steps=10, seed=cfg.seed, vocab_size=cfg.vocab_size,
-                          progress=cfg.progress, overwrite=True))  # the demo's own warm start, redone
+        run_sft(
+            SFTConfig(
+                data=cfg.task,
+                model=cfg.model_size,
+                out=sft_dir,
+                steps=cfg.sft_steps,
+                batch_size=32,
+                device=cfg.device,
+                lr=cfg.sft_lr,
+                warmup_steps=10,
+                seed=cfg.seed,
+                vocab_size=cfg.vocab_size,
+                progress=cfg.progress,
+                overwrite=True,
+            )
+        )  # the demo's own warm start, redone
     t_sft = time.perf_counter() - t0
 
     if grpo_dir.exists():  # the demo's own previous GRPO run: start it again from the warm start
         shutil.rmtree(grpo_dir)
     config = TrainConfig(
         model=ModelConfig(name_or_path=str(sft_dir), dtype=cfg.dtype),
-        data=DataConfig(train_source=cfg.task, train_split="train", train_size=None, val_source=cfg.task,
-                        val_split="validation", val_size=cfg.val_size),
+        data=DataConfig(
+            train_source=cfg.task,
+            train_split="train",
+            train_size=None,
+            val_source=cfg.task,
+            val_split="validation",
+            val_size=cfg.val_size,
+        ),
         prompt="r1_zero",
         algorithm=AlgorithmConfig(preset="grpo"),
-        rollout=RolloutConfig(n_prompts_per_rollout_batch=cfg.n_prompts, group_size=cfg.group_size,
-                              max_new_tokens=cfg.max_new_tokens),
+        rollout=RolloutConfig(
+            n_prompts_per_rollout_batch=cfg.n_prompts, group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens
+        ),
         optim=OptimConfig(lr=cfg.grpo_lr, gradient_accumulation_steps=1),
         engine=EngineConfig(name=cfg.engine, device=cfg.device),
         log=LogConfig(progress=cfg.progress, val_samples=8, gradient_variance_every=cfg.gradient_variance_every),
-        n_steps=cfg.grpo_steps, eval_every=cfg.eval_every, dump_every=cfg.dump_every, save_every=0,
-        seed=cfg.seed, policy_device=cfg.device,
+        n_steps=cfg.grpo_steps,
+        eval_every=cfg.eval_every,
+        dump_every=cfg.dump_every,
+        save_every=0,
+        seed=cfg.seed,
+        policy_device=cfg.device,
     )
-    print(f"[2/3] GRPO: {cfg.grpo_steps} steps of {cfg.n_prompts} prompts x {cfg.group_size} samples, "
-          f"validation on {cfg.val_size} held-out problems every {cfg.eval_every} steps")
+    print(
+        f"[2/3] GRPO: {cfg.grpo_steps} steps of {cfg.n_prompts} prompts x {cfg.group_size} samples, "
+        f"validation on {cfg.val_size} held-out problems every {cfg.eval_every} steps"
+    )
     t1 = time.perf_counter()
     train(config, grpo_dir)
     t_grpo = time.perf_counter() - t1
@@ -131,25 +166,39 @@ def run_demo(cfg: DemoConfig) -> dict:
     val = [r for r in rows if "val/reward" in r]
     before, after = val[0], val[-1]
     result = {
-        "before": before["val/reward"], "after": after["val/reward"],
-        "format_before": before["val/format_reward"], "format_after": after["val/format_reward"],
+        "before": before["val/reward"],
+        "after": after["val/reward"],
+        "format_before": before["val/format_reward"],
+        "format_after": after["val/format_reward"],
         "rise_points": 100 * (after["val/reward"] - before["val/reward"]),
-        "val_steps": [r["step"] for r in val], "val_reward": [r["val/reward"] for r in val],
-        "seconds_sft": t_sft, "seconds_grpo": t_grpo, "run_dir": str(grpo_dir), "task": cfg.task,
+        "val_steps": [r["step"] for r in val],
+        "val_reward": [r["val/reward"] for r in val],
+        "seconds_sft": t_sft,
+        "seconds_grpo": t_grpo,
+        "run_dir": str(grpo_dir),
+        "task": cfg.task,
     }
     plot_path = _plot(rows, out / "demo.png", cfg)
-    print(f"[3/3] validation accuracy (temperature 1, {cfg.val_size} held-out problems): "
-          f"{100 * result['before']:.1f} % -> {100 * result['after']:.1f} % "
-          f"({result['rise_points']:+.1f} points); format {100 * result['format_before']:.0f} % -> "
-          f"{100 * result['format_after']:.0f} %")
-    print(f"      warm start {t_sft:.0f} s, GRPO {t_grpo:.0f} s; plot {plot_path}; metrics {grpo_dir / 'metrics.jsonl'}")
-    print(f"      what the estimator did (difficulty weighting, gradient variance): rlvr report {grpo_dir} "
-          f"--out {out / 'report.md'}")
+    print(
+        f"[3/3] validation accuracy (temperature 1, {cfg.val_size} held-out problems): "
+        f"{100 * result['before']:.1f} % -> {100 * result['after']:.1f} % "
+        f"({result['rise_points']:+.1f} points); format {100 * result['format_before']:.0f} % -> "
+        f"{100 * result['format_after']:.0f} %"
+    )
+    print(
+        f"      warm start {t_sft:.0f} s, GRPO {t_grpo:.0f} s; plot {plot_path}; metrics {grpo_dir / 'metrics.jsonl'}"
+    )
+    print(
+        f"      what the estimator did (difficulty weighting, gradient variance): rlvr report {grpo_dir} "
+        f"--out {out / 'report.md'}"
+    )
     final = latest_checkpoint(grpo_dir)
     if final is not None:
         result["final_model"] = str(final / "model")
-        print(f"      next: rlvr eval --model {final / 'model'} --data '{cfg.task}' "
-              f"--split validation --limit 200 --max-tokens {cfg.max_new_tokens} --out {out / 'eval'}")
+        print(
+            f"      next: rlvr eval --model {final / 'model'} --data '{cfg.task}' "
+            f"--split validation --limit 200 --max-tokens {cfg.max_new_tokens} --out {out / 'eval'}"
+        )
     atomic_write_json(out / "demo.json", result)
     return result
 
@@ -163,14 +212,33 @@ def _plot(rows: list[dict], path: Path, cfg: DemoConfig) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.2))
     train_rows = [r for r in rows if r.get("step", 0) > 0 and "train/reward" in r]
     val_rows = [r for r in rows if "val/reward" in r]
-    ax.plot([r["step"] for r in train_rows], [r["train/reward"] for r in train_rows], color="tab:blue", alpha=0.35,
-            label="train reward (rollouts)")
-    ax.plot([r["step"] for r in val_rows], [r["val/reward"] for r in val_rows], "o-", color="tab:blue",
-            label=f"validation accuracy ({cfg.val_size} problems)")
-    ax.plot([r["step"] for r in val_rows], [r["val/format_reward"] for r in val_rows], "s--", color="tab:orange",
-            label="validation format rate")
-    ax.set(xlabel="GRPO step", ylabel="share", ylim=(0, 1.02),
-           title=f"GRPO on {cfg.task}\n(warm-started '{cfg.model_size}' OLMo-2, seed {cfg.seed}, temperature 1)")
+    ax.plot(
+        [r["step"] for r in train_rows],
+        [r["train/reward"] for r in train_rows],
+        color="tab:blue",
+        alpha=0.35,
+        label="train reward (rollouts)",
+    )
+    ax.plot(
+        [r["step"] for r in val_rows],
+        [r["val/reward"] for r in val_rows],
+        "o-",
+        color="tab:blue",
+        label=f"validation accuracy ({cfg.val_size} problems)",
+    )
+    ax.plot(
+        [r["step"] for r in val_rows],
+        [r["val/format_reward"] for r in val_rows],
+        "s--",
+        color="tab:orange",
+        label="validation format rate",
+    )
+    ax.set(
+        xlabel="GRPO step",
+        ylabel="share",
+        ylim=(0, 1.02),
+        title=f"GRPO on {cfg.task}\n(warm-started '{cfg.model_size}' OLMo-2, seed {cfg.seed}, temperature 1)",
+    )
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
     fig.tight_layout()

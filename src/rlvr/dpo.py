@@ -98,12 +98,15 @@ def _detect_format(row: dict, where: str) -> str:
         return "pairs"
     if all(isinstance(row.get(k), str) for k in ("chosen", "rejected")) and "Human:" in row["chosen"]:
         return "hh"
-    raise DataError(f"{where}: cannot tell the format: expected {{prompt, chosen, rejected}} strings (pairs) or "
-                     "HH transcripts {chosen, rejected}; pass --format")
+    raise DataError(
+        f"{where}: cannot tell the format: expected {{prompt, chosen, rejected}} strings (pairs) or "
+        "HH transcripts {chosen, rejected}; pass --format"
+    )
 
 
-def load_preference_pairs(sources: list[str] | tuple[str, ...], fmt: str = "auto", split: str = "train",
-                          limit: int | None = None) -> tuple[list[PreferencePair], dict]:
+def load_preference_pairs(
+    sources: list[str] | tuple[str, ...], fmt: str = "auto", split: str = "train", limit: int | None = None
+) -> tuple[list[PreferencePair], dict]:
     """Pairs from files, directories (their ``{split}.jsonl(.gz)`` files) or the hub id
     ``Anthropic/hh-rlhf[:subset]``; returns ``(pairs, counts)`` with how many rows were read, kept,
     dropped as multi-turn and dropped as identical (chosen == rejected: no signal)."""
@@ -115,10 +118,14 @@ def load_preference_pairs(sources: list[str] | tuple[str, ...], fmt: str = "auto
         else:
             root = Path(source)
             if not root.exists():
-                raise DataError(f"{root}: no such file or directory; pass HH files or directories, or "
-                                "{prompt, chosen, rejected} JSONL files")
-            rows_by_file = [(str(f.relative_to(root.parent)) if root.is_dir() else f.name, read_jsonl(f))
-                            for f in _data_files(root, split)]
+                raise DataError(
+                    f"{root}: no such file or directory; pass HH files or directories, or "
+                    "{prompt, chosen, rejected} JSONL files"
+                )
+            rows_by_file = [
+                (str(f.relative_to(root.parent)) if root.is_dir() else f.name, read_jsonl(f))
+                for f in _data_files(root, split)
+            ]
         for name, rows in rows_by_file:
             for i, row in enumerate(rows):
                 counts["rows"] += 1
@@ -152,15 +159,24 @@ def _hub_rows(source: str, split: str) -> list[tuple[str, list[dict]]]:
 # ---------------------------------------------------------------------------------------------
 
 
-def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-             ref_rejected: torch.Tensor, beta: float) -> dict[str, torch.Tensor]:
+def dpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    beta: float,
+) -> dict[str, torch.Tensor]:
     """DPO on summed sequence log-probs (any matching shapes): ``loss`` = -log sigmoid(margin) where
     ``margin = chosen_reward - rejected_reward`` and ``*_reward = beta * (policy - ref)``."""
     chosen_reward = beta * (policy_chosen - ref_chosen.to(policy_chosen.device))
     rejected_reward = beta * (policy_rejected - ref_rejected.to(policy_rejected.device))
     margin = chosen_reward - rejected_reward
-    return {"loss": -F.logsigmoid(margin), "margin": margin, "chosen_reward": chosen_reward,
-            "rejected_reward": rejected_reward}
+    return {
+        "loss": -F.logsigmoid(margin),
+        "margin": margin,
+        "chosen_reward": chosen_reward,
+        "rejected_reward": rejected_reward,
+    }
 
 
 def pair_token_ids(tokenizer, prompt: str, responses: list[str]) -> list[list[int]]:
@@ -179,16 +195,18 @@ def sequence_log_probs(model, sequences: list[list[int]], pad_id: int = 0, backb
     ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for i, s in enumerate(sequences):
-        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[i, :len(s)] = 1
+        ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, : len(s)] = 1
     padded = bool((mask == 0).any())
-    lp = get_response_log_probs(model, ids[:, :-1], ids[:, 1:], attention_mask=mask[:, :-1] if padded else None,
-                                backbone=backbone)["log_probs"]
+    lp = get_response_log_probs(
+        model, ids[:, :-1], ids[:, 1:], attention_mask=mask[:, :-1] if padded else None, backbone=backbone
+    )["log_probs"]
     return (lp * mask[:, 1:].to(lp.device)).sum(-1)
 
 
-def compute_per_instance_dpo_loss(lm, lm_ref, tokenizer, beta: float, prompt: str, response_chosen: str,
-                                  response_rejected: str) -> torch.Tensor:
+def compute_per_instance_dpo_loss(
+    lm, lm_ref, tokenizer, beta: float, prompt: str, response_chosen: str, response_rejected: str
+) -> torch.Tensor:
     """The DPO loss of one pair, a scalar on ``lm``'s device, differentiable in ``lm``; ``lm_ref``
     may sit on another device and gets no gradient."""
     from rlvr.grpo.tokenize import pad_token_id
@@ -292,16 +310,18 @@ class DPOConfig:
         if self.beta <= 0:
             raise UserError(f"--beta must be positive, got {self.beta}")
         if self.batch_size < 1 or self.pairs_per_forward < 1:
-            raise UserError(f"--batch-size and --pairs-per-forward must be >= 1, got {self.batch_size} and "
-                            f"{self.pairs_per_forward}")
+            raise UserError(
+                f"--batch-size and --pairs-per-forward must be >= 1, got {self.batch_size} and {self.pairs_per_forward}"
+            )
 
 
 RESUMABLE = ("steps", "eval_every", "save_every", "progress", "wandb", "tensorboard", "resume", "overwrite")
 
 
 def _as_dict(cfg: DPOConfig) -> dict:
-    return {k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v)
-            for k, v in asdict(cfg).items()}
+    return {
+        k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()
+    }
 
 
 def _from_dict(d: dict) -> DPOConfig:
@@ -343,7 +363,7 @@ class ReferenceCache:
     def get(self, indices: list[int], token_pairs: list, pairs_per_forward: int = 1) -> torch.Tensor:
         todo = [i for i in dict.fromkeys(indices) if torch.isnan(self.values[i]).any()]
         for start in range(0, len(todo), pairs_per_forward):
-            chunk = todo[start:start + pairs_per_forward]
+            chunk = todo[start : start + pairs_per_forward]
             seqs = [s for i in chunk for s in token_pairs[i]]
             self.values[chunk] = sequence_log_probs(self.model, seqs, self.pad_id).float().cpu().view(-1, 2)
             self.computed += len(chunk)
@@ -363,14 +383,15 @@ def _metrics_of(out: dict[str, torch.Tensor], policy: torch.Tensor, prefix: str)
 
 
 @torch.no_grad()
-def evaluate_pairs(model, ref_cache: ReferenceCache, token_pairs: list, beta: float, pad_id: int,
-                   pairs_per_forward: int = 8) -> dict[str, float]:
+def evaluate_pairs(
+    model, ref_cache: ReferenceCache, token_pairs: list, beta: float, pad_id: int, pairs_per_forward: int = 8
+) -> dict[str, float]:
     """Validation metrics of ``token_pairs`` (``val/loss``, ``val/preference_accuracy``, margins, log-probs)."""
     was_training = model.training
     model.eval()
     policy = []
     for start in range(0, len(token_pairs), pairs_per_forward):
-        chunk = token_pairs[start:start + pairs_per_forward]
+        chunk = token_pairs[start : start + pairs_per_forward]
         policy.append(sequence_log_probs(model, [s for p in chunk for s in p], pad_id).float().cpu().view(-1, 2))
     model.train(was_training)
     policy_t = torch.cat(policy)
@@ -379,8 +400,18 @@ def evaluate_pairs(model, ref_cache: ReferenceCache, token_pairs: list, beta: fl
     return _metrics_of(out, policy_t, "val")
 
 
-def dpo_step(model, optimizer, token_pairs: list, indices: list[int], ref_cache: ReferenceCache, beta: float,
-             pad_id: int, max_grad_norm: float | None, backbone=None, pairs_per_forward: int = 1) -> dict[str, float]:
+def dpo_step(
+    model,
+    optimizer,
+    token_pairs: list,
+    indices: list[int],
+    ref_cache: ReferenceCache,
+    beta: float,
+    pad_id: int,
+    max_grad_norm: float | None,
+    backbone=None,
+    pairs_per_forward: int = 1,
+) -> dict[str, float]:
     """One optimizer step over the pairs ``indices``: a forward and backward per ``pairs_per_forward``
     pairs (each pair's two sequences together; the course runs one pair per forward), the loss scaled
     by 1/len(indices) so that the accumulated gradient is that of the mean loss. Returns the step's
@@ -388,11 +419,13 @@ def dpo_step(model, optimizer, token_pairs: list, indices: list[int], ref_cache:
     ref = ref_cache.get(indices, token_pairs, pairs_per_forward)
     policy_rows, outs = [], []
     for start in range(0, len(indices), pairs_per_forward):
-        chunk = indices[start:start + pairs_per_forward]
-        policy = sequence_log_probs(model, [s for i in chunk for s in token_pairs[i]], pad_id,
-                                    backbone=backbone).view(-1, 2)
-        out = dpo_loss(policy[:, 0], policy[:, 1], ref[start:start + len(chunk), 0], ref[start:start + len(chunk), 1],
-                       beta)
+        chunk = indices[start : start + pairs_per_forward]
+        policy = sequence_log_probs(model, [s for i in chunk for s in token_pairs[i]], pad_id, backbone=backbone).view(
+            -1, 2
+        )
+        out = dpo_loss(
+            policy[:, 0], policy[:, 1], ref[start : start + len(chunk), 0], ref[start : start + len(chunk), 1], beta
+        )
         (out["loss"].sum() / len(indices)).backward()
         policy_rows.append(policy.detach().float().cpu())
         outs.append({k: v.detach().float().cpu() for k, v in out.items()})
@@ -434,8 +467,13 @@ def _make_optimizer(cfg: DPOConfig, model, device: torch.device):
     from rlvr.optim import make_adamw, make_rmsprop
 
     if cfg.optimizer == "adamw":
-        return make_adamw(model.parameters(), master_weights=cfg.master_weights, lr=cfg.lr,
-                          weight_decay=cfg.weight_decay, fused=device.type == "cuda")
+        return make_adamw(
+            model.parameters(),
+            master_weights=cfg.master_weights,
+            lr=cfg.lr,
+            weight_decay=cfg.weight_decay,
+            fused=device.type == "cuda",
+        )
     return make_rmsprop(model.parameters(), master_weights=cfg.master_weights, lr=cfg.lr, weight_decay=cfg.weight_decay)
 
 
@@ -453,8 +491,17 @@ def run_dpo(cfg: DPOConfig) -> Path:
         if not (run_dir / "config.json").is_file():
             raise UserError(f"{run_dir}/config.json not found: is {run_dir} a DPO run directory?")
         saved = _from_dict(json.loads((run_dir / "config.json").read_text()))
-        cfg = replace(saved, **{k: getattr(cfg, k) for k in RESUMABLE if k not in ("resume", "overwrite")
-                                if getattr(cfg, k) != getattr(DPOConfig(), k)}, out=run_dir, resume=run_dir)
+        cfg = replace(
+            saved,
+            **{
+                k: getattr(cfg, k)
+                for k in RESUMABLE
+                if k not in ("resume", "overwrite")
+                if getattr(cfg, k) != getattr(DPOConfig(), k)
+            },
+            out=run_dir,
+            resume=run_dir,
+        )
         ckpt = resumable_checkpoint(run_dir)
     cfg.validate()
     out = Path(cfg.out)
@@ -476,7 +523,7 @@ def run_dpo(cfg: DPOConfig) -> Path:
             raise UserError(f"--val-size {cfg.val_size} leaves no training pairs out of {len(pairs)}; lower it")
         order = list(range(len(pairs)))
         random.Random(cfg.seed).shuffle(order)
-        held = set(order[:cfg.val_size])
+        held = set(order[: cfg.val_size])
         val_pairs = [pairs[i] for i in sorted(held)]
         train_pairs = [p for i, p in enumerate(pairs) if i not in held]
     with RunDirLock(out, command="rlvr dpo"):
@@ -507,9 +554,13 @@ def _train(cfg: DPOConfig, out: Path, ckpt: Path | None, train_pairs, val_pairs,
     val_tokens, val_pairs, dropped_val = tokenize_pairs(tokenizer, val_pairs, cfg.max_tokens)
     if not train_tokens:
         raise UserError(f"no training pair fits in --max-tokens {cfg.max_tokens}; raise it")
-    data_counts = {**counts, "train_pairs": len(train_tokens), "val_pairs": len(val_tokens),
-                   "dropped_too_long": dropped_train + dropped_val,
-                   "train_pairs_by_source": dict(Counter(p.source for p in train_pairs))}
+    data_counts = {
+        **counts,
+        "train_pairs": len(train_tokens),
+        "val_pairs": len(val_tokens),
+        "dropped_too_long": dropped_train + dropped_val,
+        "train_pairs_by_source": dict(Counter(p.source for p in train_pairs)),
+    }
 
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -517,7 +568,8 @@ def _train(cfg: DPOConfig, out: Path, ckpt: Path | None, train_pairs, val_pairs,
     model.train()
     optimizer = _make_optimizer(cfg, model, device)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda u: min(1.0, (u + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0)
+        optimizer, lambda u: min(1.0, (u + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
+    )
     batch = min(cfg.batch_size, len(train_tokens))
     total = cfg.steps or max(1, math.ceil(cfg.epochs * len(train_tokens) / batch))
     train_ref = ReferenceCache(ref_model, pad, len(train_tokens))
@@ -533,8 +585,15 @@ def _train(cfg: DPOConfig, out: Path, ckpt: Path | None, train_pairs, val_pairs,
     atomic_write_json(out / "config.json", _as_dict(replace(cfg, resume=None, overwrite=False)))
 
     def checkpoint(step: int):
-        save_checkpoint(out, step, model, tokenizer, optimizer, scheduler,
-                        state={"train_ref": train_ref.values, "val_ref": val_ref.values, **loop})
+        save_checkpoint(
+            out,
+            step,
+            model,
+            tokenizer,
+            optimizer,
+            scheduler,
+            state={"train_ref": train_ref.values, "val_ref": val_ref.values, **loop},
+        )
 
     def validate(step: int) -> dict:
         metrics = evaluate_pairs(model, val_ref, val_tokens, cfg.beta, pad, cfg.eval_batch_pairs) if val_tokens else {}
@@ -543,8 +602,9 @@ def _train(cfg: DPOConfig, out: Path, ckpt: Path | None, train_pairs, val_pairs,
             loop.update(best=metrics, best_step=step)
         return metrics
 
-    logger = MetricsLogger(out, _as_dict(cfg), wandb=cfg.wandb, wandb_project=cfg.wandb_project,
-                           tensorboard=cfg.tensorboard)
+    logger = MetricsLogger(
+        out, _as_dict(cfg), wandb=cfg.wandb, wandb_project=cfg.wandb_project, tensorboard=cfg.tensorboard
+    )
     step = start
     try:
         if start == 0:
@@ -554,11 +614,29 @@ def _train(cfg: DPOConfig, out: Path, ckpt: Path | None, train_pairs, val_pairs,
                 t0 = time.perf_counter()
                 lr_used = scheduler.get_last_lr()[0]
                 indices = batch_indices(len(train_tokens), batch, step - 1, cfg.seed)
-                row: dict[str, Any] = {"step": step, **dpo_step(model, optimizer, train_tokens, indices, train_ref, cfg.beta, pad,
-                                                 cfg.max_grad_norm, backbone, cfg.pairs_per_forward)}
+                row: dict[str, Any] = {
+                    "step": step,
+                    **dpo_step(
+                        model,
+                        optimizer,
+                        train_tokens,
+                        indices,
+                        train_ref,
+                        cfg.beta,
+                        pad,
+                        cfg.max_grad_norm,
+                        backbone,
+                        cfg.pairs_per_forward,
+                    ),
+                }
                 scheduler.step()
-                row.update({"lr": lr_used, "time/step": time.perf_counter() - t0,
-                            "data/epoch": (step * batch) // len(train_tokens)})
+                row.update(
+                    {
+                        "lr": lr_used,
+                        "time/step": time.perf_counter() - t0,
+                        "data/epoch": (step * batch) // len(train_tokens),
+                    }
+                )
                 if (cfg.eval_every and step % cfg.eval_every == 0) or step == total:
                     row.update(validate(step))
                 if device.type == "cuda":

@@ -13,3 +13,21 @@ class UserError(Exception):
     """A problem in the input or the environment, explained by its message (one line)."""
 
     exit_code: int = 2
+
+
+class TrainingError(UserError, RuntimeError):
+    """The run stopped on a fault; the message says what happened and what to do."""
+
+    exit_code = 1
+
+
+class EngineError(TrainingError):
+    """The rollout engine failed (start, weight load, generation, validation)."""
+
+
+class GraderError(TrainingError):
+    """The reward function raised or returned a non-finite reward."""
+
+
+class NonFiniteError(TrainingError):
+    """Too many optimizer steps in a row had a non-finite loss or gradient norm."""

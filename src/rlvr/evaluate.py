@@ -111,8 +111,17 @@ def _category(format_reward: float, answer_reward: float) -> str:
     return "correct" if answer_reward > 0.5 else "formatted_wrong"
 
 
-def evaluate(model, tokenizer, examples, prompt_name, engine=None, params: SamplingParams | None = None,
-             progress: bool = False, chunk_size: int = 256, reward=None) -> tuple[dict, list[dict]]:
+def evaluate(
+    model,
+    tokenizer,
+    examples,
+    prompt_name,
+    engine=None,
+    params: SamplingParams | None = None,
+    progress: bool = False,
+    chunk_size: int = 256,
+    reward=None,
+) -> tuple[dict, list[dict]]:
     """Sample, grade and summarise ``examples`` under a prompt: a ``Prompt`` or a name ``resolve_prompt`` takes.
 
     ``engine`` defaults to an in-process ``HFEngine`` on ``model``. The prompt owns its stop strings
@@ -129,9 +138,9 @@ def evaluate(model, tokenizer, examples, prompt_name, engine=None, params: Sampl
     prompt = prompt.bind(tokenizer)
     prompt_name = prompt.name
     if engine is None:
-        from rlvr.engines.hf import HFEngine
+        from rlvr.engines import make_engine
 
-        engine = HFEngine(model, tokenizer)
+        engine = make_engine("hf", model, tokenizer)
     params = params or SamplingParams()
     params = dataclasses.replace(params, stop=prompt.stop, include_stop_str_in_output=True)
     reward_fn = reward if reward is not None else BUILTIN_REWARDS[prompt.default_reward]
@@ -146,7 +155,7 @@ def evaluate(model, tokenizer, examples, prompt_name, engine=None, params: Sampl
     t0 = time.perf_counter()
     for i, start in enumerate(range(0, len(prompts), chunk_size)):
         seed = None if params.seed is None else params.seed + i
-        outputs += engine.generate(prompts[start:start + chunk_size], dataclasses.replace(params, seed=seed))
+        outputs += engine.generate(prompts[start : start + chunk_size], dataclasses.replace(params, seed=seed))
         if bar is not None:
             bar.update(min(chunk_size, len(prompts) - start))
     elapsed = time.perf_counter() - t0
@@ -154,24 +163,41 @@ def evaluate(model, tokenizer, examples, prompt_name, engine=None, params: Sampl
         bar.close()
 
     samples = []
-    flat = [(q, j, ex, text, comp) for q, (ex, text, group) in enumerate(zip(examples, prompts, outputs))
-            for j, comp in enumerate(group)]
+    flat = [
+        (q, j, ex, text, comp)
+        for q, (ex, text, group) in enumerate(zip(examples, prompts, outputs))
+        for j, comp in enumerate(group)
+    ]
     if isinstance(reward_fn, Reward):
-        _, meta = score_responses(reward_fn, [f[4].text for f in flat], [f[2].ground_truth for f in flat],
-                                  [f[2].fields for f in flat])
+        _, meta = score_responses(
+            reward_fn, [f[4].text for f in flat], [f[2].ground_truth for f in flat], [f[2].fields for f in flat]
+        )
         scores, extra = meta["scores"], meta["logged"]
     else:
         scores, extra = [reward_fn(f[4].text, f[2].ground_truth) for f in flat], {}
     for (q, j, ex, text, comp), r in zip(flat, scores):
-        samples.append({
-            "prompt_name": prompt_name, "question_index": q, "sample_index": j, "question": ex.question,
-            "prompt": text, "response": comp.text, "ground_truth": ex.ground_truth,
-            "format_reward": float(r.get("format_reward", 0.0)), "answer_reward": float(r.get("answer_reward", r["reward"])),
-            "reward": float(r["reward"]), "finish_reason": comp.finish_reason, "num_tokens": len(comp.token_ids),
-            "category": _category(r.get("format_reward", 0.0), r.get("answer_reward", r["reward"])),
-            **{k: v for k, v in r.items() if k not in ("reward", "format_reward", "answer_reward")
-               and not (k == "timed_out" and not v)},
-        })
+        samples.append(
+            {
+                "prompt_name": prompt_name,
+                "question_index": q,
+                "sample_index": j,
+                "question": ex.question,
+                "prompt": text,
+                "response": comp.text,
+                "ground_truth": ex.ground_truth,
+                "format_reward": float(r.get("format_reward", 0.0)),
+                "answer_reward": float(r.get("answer_reward", r["reward"])),
+                "reward": float(r["reward"]),
+                "finish_reason": comp.finish_reason,
+                "num_tokens": len(comp.token_ids),
+                "category": _category(r.get("format_reward", 0.0), r.get("answer_reward", r["reward"])),
+                **{
+                    k: v
+                    for k, v in r.items()
+                    if k not in ("reward", "format_reward", "answer_reward") and not (k == "timed_out" and not v)
+                },
+            }
+        )
     n = len(samples)
     tokens = sum(s["num_tokens"] for s in samples)
     mean = (lambda key: sum(s[key] for s in samples) / n) if n else (lambda key: 0.0)
@@ -203,9 +229,11 @@ def sample_metrics(correct: list[bool], k: int) -> dict:
 
     if len(correct) % k:
         raise ValueError(f"{len(correct)} samples is not a whole number of questions with {k} samples each")
-    ks = sorted({2 ** i for i in range(k.bit_length()) if 2 ** i <= k} | {k})
-    return {"avg_at_k": sum(correct) / len(correct),
-            "pass_at_k": {str(j): v for j, v in pass_at_k(torch.tensor(correct, dtype=torch.float64), k, ks).items()}}
+    ks = sorted({2**i for i in range(k.bit_length()) if 2**i <= k} | {k})
+    return {
+        "avg_at_k": sum(correct) / len(correct),
+        "pass_at_k": {str(j): v for j, v in pass_at_k(torch.tensor(correct, dtype=torch.float64), k, ks).items()},
+    }
 
 
 def _resolve_device(device: str) -> str:
@@ -223,15 +251,34 @@ def print_report(results: dict[str, dict], samples: list[dict], examples_per_cat
     console = Console()
     table = Table(title="rlvr eval")
     k = max((int(j) for m in results.values() for j in m.get("pass_at_k", {})), default=0)
-    columns = ["prompt", "n", "accuracy", "format", "mean len", "truncated", "correct", "fmt wrong", "unformatted",
-               "tok/s"] + ([f"avg@{k}", f"pass@{k}"] if k else [])
+    columns = [
+        "prompt",
+        "n",
+        "accuracy",
+        "format",
+        "mean len",
+        "truncated",
+        "correct",
+        "fmt wrong",
+        "unformatted",
+        "tok/s",
+    ] + ([f"avg@{k}", f"pass@{k}"] if k else [])
     for col in columns:
         table.add_column(col, justify="left" if col == "prompt" else "right")
     for name, m in results.items():
         c = m["categories"]
-        row = [name, str(m["n"]), f"{m['accuracy']:.3f}", f"{m['format_rate']:.3f}", f"{m['mean_response_length']:.1f}",
-               f"{m['truncated_rate']:.3f}", str(c["correct"]), str(c["formatted_wrong"]), str(c["unformatted"]),
-               f"{m['tokens_per_s']:.0f}"]
+        row = [
+            name,
+            str(m["n"]),
+            f"{m['accuracy']:.3f}",
+            f"{m['format_rate']:.3f}",
+            f"{m['mean_response_length']:.1f}",
+            f"{m['truncated_rate']:.3f}",
+            str(c["correct"]),
+            str(c["formatted_wrong"]),
+            str(c["unformatted"]),
+            f"{m['tokens_per_s']:.0f}",
+        ]
         if k:
             row += [f"{m['avg_at_k']:.3f}", f"{m['pass_at_k'][str(k)]:.3f}"] if "avg_at_k" in m else ["", ""]
         table.add_row(*row)
@@ -254,15 +301,22 @@ def check_args(cfg: EvalConfig) -> None:
     from rlvr.modeling import check_model_source
     from rlvr.rundir import prepare_output_dir
 
-    problems = [msg for bad, msg in [
-        (cfg.limit is not None and cfg.limit < 1, f"--limit must be >= 1 (or left out for every question), got {cfg.limit}"),
-        (cfg.n < 1, f"--n must be >= 1, got {cfg.n}"),
-        (cfg.max_tokens < 1, f"--max-tokens must be >= 1, got {cfg.max_tokens}"),
-        (cfg.batch_size < 1, f"--batch-size must be >= 1, got {cfg.batch_size}"),
-        (cfg.temperature < 0, f"--temperature must be >= 0 (0 is greedy), got {cfg.temperature}"),
-        (not 0 < cfg.top_p <= 1, f"--top-p must be in (0, 1], got {cfg.top_p}"),
-        (cfg.examples < 0, f"--examples must be >= 0, got {cfg.examples}"),
-    ] if bad]
+    problems = [
+        msg
+        for bad, msg in [
+            (
+                cfg.limit is not None and cfg.limit < 1,
+                f"--limit must be >= 1 (or left out for every question), got {cfg.limit}",
+            ),
+            (cfg.n < 1, f"--n must be >= 1, got {cfg.n}"),
+            (cfg.max_tokens < 1, f"--max-tokens must be >= 1, got {cfg.max_tokens}"),
+            (cfg.batch_size < 1, f"--batch-size must be >= 1, got {cfg.batch_size}"),
+            (cfg.temperature < 0, f"--temperature must be >= 0 (0 is greedy), got {cfg.temperature}"),
+            (not 0 < cfg.top_p <= 1, f"--top-p must be in (0, 1], got {cfg.top_p}"),
+            (cfg.examples < 0, f"--examples must be >= 0, got {cfg.examples}"),
+        ]
+        if bad
+    ]
     if problems:
         raise UserError("; ".join(problems))
     check_model_source(cfg.model)
@@ -274,7 +328,6 @@ def run(cfg: EvalConfig) -> dict:
 
     from rlvr.errors import UserError
     from rlvr.rundir import atomic_write_json, atomic_write_jsonl
-
     from rlvr.task_config import eval_tasks
 
     tasks = eval_tasks(cfg)  # the prompts, data sets and reward, checked before anything loads
@@ -282,7 +335,8 @@ def run(cfg: EvalConfig) -> dict:
         cfg = dataclasses.replace(cfg, prompt=tuple(p.name for p in tasks.prompts))
     check_args(cfg)
 
-    from rlvr.engines import make_engine
+    from rlvr.config import EngineConfig
+    from rlvr.engines import build_engine
     from rlvr.modeling import load_model_and_tokenizer
 
     device = _resolve_device(cfg.device)
@@ -293,23 +347,24 @@ def run(cfg: EvalConfig) -> dict:
             raise UserError(f"no examples loaded from {set_name or cfg.data!r}; check --data and --split")
     rewards = tasks.rewards(data_sets[0][1])
     model, tokenizer = load_model_and_tokenizer(cfg.model, device=device, dtype=dtype)
-    options: dict = {}
-    if cfg.engine in ("hf", "hf-fast", "auto", "hf-worker"):
-        options["max_batch_size"] = cfg.batch_size
-    if cfg.engine == "hf-worker":
-        options["device"] = device
-    if cfg.engine == "vllm":
-        options["served_model"] = cfg.model
-        options["check_sync"] = False
-    engine = make_engine(cfg.engine, model, tokenizer, **options)
-    params = SamplingParams(n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_tokens,
-                            seed=cfg.seed)
+    # A vLLM server takes the second GPU, beside the model loaded here for the tokenizer and grading.
+    engine_device = "cuda:1" if cfg.engine == "vllm" else device
+    engine = build_engine(
+        EngineConfig(name=cfg.engine, device=engine_device, max_batch_size=cfg.batch_size),
+        model,
+        tokenizer,
+        served_model=cfg.model,
+    )
+    params = SamplingParams(
+        n=cfg.n, temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_tokens, seed=cfg.seed
+    )
     results, all_samples = {}, []
     try:
         for set_name, examples in data_sets:
             for prompt, reward in zip(tasks.prompts, rewards):
-                metrics, samples = evaluate(model, tokenizer, examples, prompt, engine, params, progress=True,
-                                            reward=reward)
+                metrics, samples = evaluate(
+                    model, tokenizer, examples, prompt, engine, params, progress=True, reward=reward
+                )
                 key = tasks.result_name(set_name, prompt)
                 results[key] = metrics
                 all_samples += [dict(s, prompt_name=key) for s in samples]

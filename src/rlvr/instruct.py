@@ -73,7 +73,7 @@ def encode_documents(tokenizer, texts: list[str]) -> list[list[int]]:
         return []
     documents = []
     for start in range(0, len(texts), 4096):  # in slices: a corpus of 200k documents at once holds too much
-        for ids in tokenizer(list(texts[start:start + 4096]))["input_ids"]:
+        for ids in tokenizer(list(texts[start : start + 4096]))["input_ids"]:
             ids = list(ids)
             if not ids or ids[-1] != eos:
                 ids.append(eos)
@@ -96,7 +96,7 @@ def special_prefix(tokenizer) -> str:
     with_special = tokenizer("a")["input_ids"]
     plain = tokenizer("a", add_special_tokens=False)["input_ids"]
     for start in range(len(with_special) - len(plain) + 1):
-        if with_special[start:start + len(plain)] == plain:
+        if with_special[start : start + len(plain)] == plain:
             return tokenizer.decode(with_special[:start]) if start else ""
     return ""
 
@@ -125,11 +125,15 @@ def read_jsonl(path: str | Path, required: tuple[str, ...] = (), limit: int | No
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object") from None
+                raise DataError(
+                    f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object"
+                ) from None
             missing = [k for k in required if not isinstance(row, dict) or not isinstance(row.get(k), str)]
             if missing:
-                raise DataError(f"{path}:{lineno}: expected string fields {', '.join(required)}; "
-                                 f"{', '.join(missing)} missing or not a string")
+                raise DataError(
+                    f"{path}:{lineno}: expected string fields {', '.join(required)}; "
+                    f"{', '.join(missing)} missing or not a string"
+                )
             rows.append(row)
             if limit is not None and len(rows) >= limit:
                 break
@@ -140,8 +144,13 @@ def _is_local(source: str) -> bool:
     return Path(source).exists() or source.endswith((".jsonl", ".jsonl.gz", ".json"))
 
 
-def load_prompt_response(source: str | Path, split: str = "train", limit: int | None = None,
-                         prompt_field: str = "prompt", response_field: str = "response") -> list[dict]:
+def load_prompt_response(
+    source: str | Path,
+    split: str = "train",
+    limit: int | None = None,
+    prompt_field: str = "prompt",
+    response_field: str = "response",
+) -> list[dict]:
     """``[{"prompt", "response"}]`` from a JSONL(.gz) file or a hub dataset with those two columns."""
     source = str(source)
     if _is_local(source):
@@ -154,8 +163,10 @@ def load_prompt_response(source: str | Path, split: str = "train", limit: int | 
         if missing:
             from rlvr.data import DataError
 
-            raise DataError(f"the hub dataset {source!r} has no column(s) {sorted(missing)}; its columns are "
-                             f"{ds.column_names}: name the right ones with --prompt-field / --response-field")
+            raise DataError(
+                f"the hub dataset {source!r} has no column(s) {sorted(missing)}; its columns are "
+                f"{ds.column_names}: name the right ones with --prompt-field / --response-field"
+            )
         rows = ds.select(range(min(limit, len(ds)))) if limit is not None else ds
     return [{"prompt": r[prompt_field], "response": r[response_field]} for r in rows]
 
@@ -185,8 +196,10 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         if not 0 <= i < n:
             raise IndexError(f"index {i} is out of range for {n} packed sequences")
         m = self.seq_length
-        return {"input_ids": self.stream[i * m:(i + 1) * m].long(),
-                "labels": self.stream[i * m + 1:(i + 1) * m + 1].long()}
+        return {
+            "input_ids": self.stream[i * m : (i + 1) * m].long(),
+            "labels": self.stream[i * m + 1 : (i + 1) * m + 1].long(),
+        }
 
 
 def pack_documents(documents: list[list[int]], seq_length: int) -> PackedSFTDataset:
@@ -205,8 +218,7 @@ def encode_pairs(tokenizer, pairs: list[dict]) -> list[list[int]]:
     return encode_documents(tokenizer, [alpaca_format(p["prompt"], p["response"]) for p in pairs])
 
 
-def get_packed_sft_dataset(tokenizer, dataset_path, seq_length: int, shuffle: bool,
-                           seed: int = 0) -> PackedSFTDataset:
+def get_packed_sft_dataset(tokenizer, dataset_path, seq_length: int, shuffle: bool, seed: int = 0) -> PackedSFTDataset:
     """The packed instruction-tuning dataset of a ``{prompt, response}`` JSONL(.gz) file.
 
     Documents are shuffled first (with ``random.Random(seed)``) when ``shuffle`` is set. Item ``i`` is

@@ -129,8 +129,10 @@ def check_model_name(name: str) -> None:
     from rlvr.modeling import MODEL_SIZES
 
     if name not in MODEL_SIZES and not Path(name).exists() and name.count("/") != 1:
-        raise UserError(f"--model {name!r} is neither a named size ({', '.join(MODEL_SIZES)}), "
-                         "a local directory, nor a hub id (owner/name)")
+        raise UserError(
+            f"--model {name!r} is neither a named size ({', '.join(MODEL_SIZES)}), "
+            "a local directory, nor a hub id (owner/name)"
+        )
 
 
 def resolve_device(device: str) -> torch.device:
@@ -156,8 +158,15 @@ def prepare_run_dir(out: Path, produces: tuple[str, ...], overwrite: bool) -> Pa
     return out
 
 
-def load_or_build_model(name: str, device: torch.device, dtype: torch.dtype, tokenizer_texts, vocab_size: int,
-                        seed: int, max_position_embeddings: int = 2048):
+def load_or_build_model(
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    tokenizer_texts,
+    vocab_size: int,
+    seed: int,
+    max_position_embeddings: int = 2048,
+):
     """``(model, tokenizer)``: a checkpoint (local directory or hub id), or a fresh OLMo-2 of a named
     size with a byte-level BPE tokenizer trained on ``tokenizer_texts()``.
 
@@ -170,8 +179,9 @@ def load_or_build_model(name: str, device: torch.device, dtype: torch.dtype, tok
     if name in modeling.MODEL_SIZES:
         tokenizer = modeling.train_tokenizer(tokenizer_texts(), vocab_size)
         tokenizer.add_tokens(list(alpaca_fixed_parts()))
-        model = modeling.fresh_model(name, tokenizer, seed=seed, dtype=dtype,
-                                     max_position_embeddings=max_position_embeddings)
+        model = modeling.fresh_model(
+            name, tokenizer, seed=seed, dtype=dtype, max_position_embeddings=max_position_embeddings
+        )
         return model.to(device), tokenizer
     check_model_name(name)
     return modeling.load_model_and_tokenizer(name, device=device, dtype=dtype)
@@ -190,7 +200,7 @@ def accumulate_step(model, dataset, indices: list[int], rows_per_microbatch: int
     has the same length, so a microbatch weighs rows / batch). Returns ``(loss, tokens)``."""
     total = 0.0
     for start in range(0, len(indices), rows_per_microbatch):
-        rows = indices[start:start + rows_per_microbatch]
+        rows = indices[start : start + rows_per_microbatch]
         batch = [dataset[i] for i in rows]
         input_ids = torch.stack([b["input_ids"] for b in batch])
         labels = torch.stack([b["labels"] for b in batch])
@@ -232,8 +242,8 @@ def run_instruct_sft(cfg: InstructSFTConfig) -> Path:
     from rlvr.grpo import compile_backbone
     from rlvr.logging_utils import MetricsLogger
     from rlvr.modeling import save_model_and_tokenizer
-    from rlvr.optim import make_adamw
-    from rlvr.trainer import batch_indices, lr_factor
+    from rlvr.optim import lr_factor, make_adamw
+    from rlvr.trainer import batch_indices
 
     cfg.validate()
     prepare_run_dir(cfg.out, OUTPUT_FILES, cfg.overwrite)
@@ -253,34 +263,58 @@ def run_instruct_sft(cfg: InstructSFTConfig) -> Path:
     dtype = resolve_dtype(cfg.dtype, device)
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_or_build_model(
-        cfg.model, device, dtype, lambda: [alpaca_format(p["prompt"], p["response"]) for p in train_pairs[:20000]],
-        cfg.vocab_size, cfg.seed, max_position_embeddings=max(2048, cfg.seq_length))
+        cfg.model,
+        device,
+        dtype,
+        lambda: [alpaca_format(p["prompt"], p["response"]) for p in train_pairs[:20000]],
+        cfg.vocab_size,
+        cfg.seed,
+        max_position_embeddings=max(2048, cfg.seq_length),
+    )
     documents = encode_pairs(tokenizer, train_pairs)
     random.Random(cfg.seed).shuffle(documents)
     train_ds = pack_documents(documents, cfg.seq_length)
     val_ds = pack_documents(encode_pairs(tokenizer, val_pairs), cfg.seq_length)
     if len(train_ds) == 0:
-        raise UserError(f"the training data holds fewer than {cfg.seq_length + 1} tokens: nothing to pack into "
-                         "one window; lower --seq-length or add data")
+        raise UserError(
+            f"the training data holds fewer than {cfg.seq_length + 1} tokens: nothing to pack into "
+            "one window; lower --seq-length or add data"
+        )
 
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     backbone = compile_backbone(model) if cfg.compile else None
     model.train()
-    optimizer = make_adamw(model.parameters(), master_weights=cfg.master_weights, lr=cfg.lr, betas=tuple(cfg.betas),
-                           weight_decay=cfg.weight_decay, fused=device.type == "cuda")
+    optimizer = make_adamw(
+        model.parameters(),
+        master_weights=cfg.master_weights,
+        lr=cfg.lr,
+        betas=tuple(cfg.betas),
+        weight_decay=cfg.weight_decay,
+        fused=device.type == "cuda",
+    )
     total = cfg.steps or max(1, math.ceil(cfg.epochs * len(train_ds) / cfg.batch_size))
     warmup = math.ceil(cfg.warmup_ratio * total)
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda u: lr_factor(u, total, "cosine", warmup, cfg.min_lr_ratio))
+        optimizer, lambda u: lr_factor(u, total, "cosine", warmup, cfg.min_lr_ratio)
+    )
     rows_per_micro = max(1, cfg.max_tokens_per_microbatch // cfg.seq_length)
     batch = min(cfg.batch_size, len(train_ds))
 
     config = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
-    config.update(command="sft instruct", train_windows=len(train_ds), val_windows=len(val_ds), total_steps=total,
-                  warmup_steps=warmup, train_documents=len(train_pairs), val_documents=len(val_pairs))
+    config.update(
+        command="sft instruct",
+        train_windows=len(train_ds),
+        val_windows=len(val_ds),
+        total_steps=total,
+        warmup_steps=warmup,
+        train_documents=len(train_pairs),
+        val_documents=len(val_pairs),
+    )
     (Path(cfg.out) / "sft_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    logger = MetricsLogger(cfg.out, config, wandb=cfg.wandb, wandb_project=cfg.wandb_project, tensorboard=cfg.tensorboard)
+    logger = MetricsLogger(
+        cfg.out, config, wandb=cfg.wandb, wandb_project=cfg.wandb_project, tensorboard=cfg.tensorboard
+    )
     try:
         if len(val_ds):
             logger.log({"step": 0, "val/loss": validation_loss(model, val_ds, rows_per_micro)})
@@ -288,15 +322,23 @@ def run_instruct_sft(cfg: InstructSFTConfig) -> Path:
             for step in bar:
                 t0 = time.perf_counter()
                 lr_used = scheduler.get_last_lr()[0]
-                loss, tokens = accumulate_step(model, train_ds, batch_indices(len(train_ds), batch, step, cfg.seed),
-                                               rows_per_micro, backbone)
+                loss, tokens = accumulate_step(
+                    model, train_ds, batch_indices(len(train_ds), batch, step, cfg.seed), rows_per_micro, backbone
+                )
                 grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
                 elapsed = time.perf_counter() - t0
-                row = {"step": step + 1, "train/loss": loss, "lr": lr_used, "train/grad_norm": grad_norm,
-                       "train/tokens": tokens, "time/step": elapsed, "tokens_per_s": tokens / elapsed}
+                row = {
+                    "step": step + 1,
+                    "train/loss": loss,
+                    "lr": lr_used,
+                    "train/grad_norm": grad_norm,
+                    "train/tokens": tokens,
+                    "time/step": elapsed,
+                    "tokens_per_s": tokens / elapsed,
+                }
                 if len(val_ds) and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == total):
                     row["val/loss"] = validation_loss(model, val_ds, rows_per_micro)
                 if device.type == "cuda":

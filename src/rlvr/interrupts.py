@@ -65,7 +65,7 @@ class DeferInterrupts:
         name = self._NAMES.get(signum, f"signal {signum}")
         print(f"\nrlvr: {name}: {self.what} ({name} again to stop without saving)", file=sys.stderr)
 
-    def __enter__(self) -> "DeferInterrupts":
+    def __enter__(self) -> DeferInterrupts:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM):
                 self._previous[sig] = signal.signal(sig, self._handler)

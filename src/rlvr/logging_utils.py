@@ -29,7 +29,11 @@ def _clean(value):
     return value
 
 
-def read_metrics(path: str | Path) -> list[dict]:
+def read_metrics(path: str | Path, one_row_per_step: bool = False) -> list[dict]:
+    """Rows of a ``metrics.jsonl``, in file order; a line cut by a crash at the end is dropped.
+
+    With ``one_row_per_step`` the rows are sorted by step and a step logged twice (a resumed run
+    restarts from its last checkpoint) keeps its later row; rows without a step come last."""
     path = Path(path)
     if not path.is_file():
         return []
@@ -46,8 +50,13 @@ def read_metrics(path: str | Path) -> list[dict]:
         if isinstance(row, dict):
             rows.append(row)
         elif lineno < len(lines):  # the last line may simply have been cut by a crash
-            warnings.warn(f"{path}:{lineno}: skipped a line that is not a JSON object (damaged); the other lines "
-                          "are kept", stacklevel=2)
+            warnings.warn(
+                f"{path}:{lineno}: skipped a line that is not a JSON object (damaged); the other lines are kept",
+                stacklevel=2,
+            )
+    if one_row_per_step:
+        by_step = {int(r["step"]): r for r in rows if "step" in r}
+        rows = [by_step[s] for s in sorted(by_step)] + [r for r in rows if "step" not in r]
     return rows
 
 
@@ -56,7 +65,9 @@ def truncate_metrics(path: str | Path, max_step: int) -> None:
     path = Path(path)
     if not path.is_file():
         return
-    kept = [r for r in read_metrics(path) if isinstance(r.get("step", 0), (int, float)) and r.get("step", 0) <= max_step]
+    kept = [
+        r for r in read_metrics(path) if isinstance(r.get("step", 0), (int, float)) and r.get("step", 0) <= max_step
+    ]
     atomic_write_text(path, "".join(json.dumps(r) + "\n" for r in kept))
 
 
@@ -71,8 +82,14 @@ def wandb_name_and_group(run_dir: str | Path) -> tuple[str, str | None]:
 class MetricsLogger:
     """Append metrics to ``DIR/metrics.jsonl`` and mirror them to wandb / TensorBoard when asked."""
 
-    def __init__(self, run_dir: str | Path, config_dict: dict | None = None, wandb: bool = False,
-                 wandb_project: str = "rlvr", tensorboard: bool = False):
+    def __init__(
+        self,
+        run_dir: str | Path,
+        config_dict: dict | None = None,
+        wandb: bool = False,
+        wandb_project: str = "rlvr",
+        tensorboard: bool = False,
+    ):
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / "metrics.jsonl"
         self._file = open(self.path, "a", encoding="utf-8")
@@ -82,20 +99,31 @@ class MetricsLogger:
             try:
                 import wandb as wandb_mod
             except ImportError:
-                raise RuntimeError("log.wandb is on but wandb is not installed: pip install wandb, or drop --log.wandb") from None
+                raise RuntimeError(
+                    "log.wandb is on but wandb is not installed: pip install wandb, or drop --log.wandb"
+                ) from None
             id_file = self.run_dir / "wandb_id"
             run_id = id_file.read_text().strip() if id_file.is_file() else ""
             if not run_id:
                 run_id = wandb_mod.util.generate_id()
                 atomic_write_text(id_file, run_id)
             name, group = wandb_name_and_group(self.run_dir)
-            self._wandb = wandb_mod.init(project=wandb_project, id=run_id, resume="allow", dir=str(self.run_dir),
-                                         name=name, group=group, config=config_dict)
+            self._wandb = wandb_mod.init(
+                project=wandb_project,
+                id=run_id,
+                resume="allow",
+                dir=str(self.run_dir),
+                name=name,
+                group=group,
+                config=config_dict,
+            )
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise RuntimeError("log.tensorboard is on but tensorboard is not installed: pip install tensorboard") from None
+                raise RuntimeError(
+                    "log.tensorboard is on but tensorboard is not installed: pip install tensorboard"
+                ) from None
             self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
 
     def log(self, metrics: dict) -> None:
@@ -104,7 +132,9 @@ class MetricsLogger:
         self._file.flush()
         os.fsync(self._file.fileno())
         step = int(metrics.get("step", 0))
-        numeric = {k: v for k, v in metrics.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        numeric = {
+            k: v for k, v in metrics.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
+        }
         if self._wandb is not None:
             self._wandb.log(numeric, step=step)
         if self._tb is not None:

@@ -34,9 +34,14 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
     if targets == ["all-linear"]:
         targets = "all-linear"
     # peft annotates lora_alpha as int, but any positive number works: the scale is alpha / rank.
-    peft_config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha,  # type: ignore[arg-type]
-                                 lora_dropout=lora.dropout,
-                                 target_modules=targets, bias="none", task_type="CAUSAL_LM")
+    peft_config = PeftLoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]
+        lora_dropout=lora.dropout,
+        target_modules=targets,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
     return get_peft_model(model, peft_config)
 
 

@@ -8,8 +8,8 @@ tokenizer with ``tokenizers`` on task text.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 
@@ -17,17 +17,36 @@ SPECIAL_TOKENS = {"pad_token": "<|pad|>", "eos_token": "<|endoftext|>", "bos_tok
 
 # OLMo-2-0425-1B's shape (allenai/OLMo-2-0425-1B config.json), for speed measurements with random weights.
 OLMO2_1B = dict(
-    vocab_size=100352, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-    num_attention_heads=16, num_key_value_heads=16, max_position_embeddings=4096,
-    rope_theta=500000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    vocab_size=100352,
+    hidden_size=2048,
+    intermediate_size=8192,
+    num_hidden_layers=16,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    max_position_embeddings=4096,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
 )
 
 # Llama-3.1-8B's shape (meta-llama/Llama-3.1-8B config.json), for the assistant benchmarks with random weights.
 LLAMA31_8B = dict(
-    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-    num_key_value_heads=8, max_position_embeddings=131072, rope_theta=500000.0, rms_norm_eps=1e-5,
-    rope_scaling={"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                  "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    rope_scaling={
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
     tie_word_embeddings=False,
 )
 
@@ -46,7 +65,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 512):
     tok.decoder = decoders.ByteLevel()
     specials = sorted(set(SPECIAL_TOKENS.values()))
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
@@ -59,20 +80,36 @@ MODEL_SIZES: dict[str, dict] = {
     "tiny": dict(hidden_size=64, num_layers=2, num_heads=4),  # 0.2 M: unit tests
     "small": dict(hidden_size=128, num_layers=4, num_heads=4),  # 1.2 M: the CPU learning demo
     "20m": dict(hidden_size=384, num_layers=8, num_heads=8),  # 19.3 M: the GPU proof
-    "olmo2-1b": dict(hidden_size=OLMO2_1B["hidden_size"], num_layers=OLMO2_1B["num_hidden_layers"],
-                     num_heads=OLMO2_1B["num_attention_heads"], intermediate_size=OLMO2_1B["intermediate_size"]),
+    "olmo2-1b": dict(
+        hidden_size=OLMO2_1B["hidden_size"],
+        num_layers=OLMO2_1B["num_hidden_layers"],
+        num_heads=OLMO2_1B["num_attention_heads"],
+        intermediate_size=OLMO2_1B["intermediate_size"],
+    ),
 }
 
 
-def small_olmo2_config(tokenizer, hidden_size: int = 64, num_layers: int = 2, num_heads: int = 4,
-                       intermediate_size: int | None = None, max_position_embeddings: int = 2048):
+def small_olmo2_config(
+    tokenizer,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 2048,
+):
     from transformers import Olmo2Config
 
     return Olmo2Config(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, num_hidden_layers=num_layers,
-        num_attention_heads=num_heads, num_key_value_heads=num_heads,
-        intermediate_size=intermediate_size or 4 * hidden_size, max_position_embeddings=max_position_embeddings,
-        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=tokenizer.bos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        intermediate_size=intermediate_size or 4 * hidden_size,
+        max_position_embeddings=max_position_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
         tie_word_embeddings=False,
     )
 
@@ -87,8 +124,9 @@ def build_model(config, seed: int = 0, dtype: torch.dtype = torch.float32):
     return model
 
 
-def fresh_model(size: str, tokenizer, seed: int = 0, dtype: torch.dtype = torch.float32,
-                max_position_embeddings: int = 2048):
+def fresh_model(
+    size: str, tokenizer, seed: int = 0, dtype: torch.dtype = torch.float32, max_position_embeddings: int = 2048
+):
     """A randomly initialised OLMo-2 model of named ``size`` (see ``MODEL_SIZES``) for ``tokenizer``."""
     if size not in MODEL_SIZES:
         raise ValueError(f"unknown model size {size!r}; choose one of {sorted(MODEL_SIZES)}")
@@ -141,18 +179,26 @@ def check_model_source(name_or_path: str | Path, flag: str = "--model") -> None:
     p = Path(name).expanduser()
     if p.is_dir():
         if not (p / "config.json").is_file():
-            raise UserError(f"{flag} {name} is a directory without config.json, not a saved model; give the directory "
-                            "written by save_pretrained (e.g. a checkpoint's model/ folder, or rlvr sft's --out)")
+            raise UserError(
+                f"{flag} {name} is a directory without config.json, not a saved model; give the directory "
+                "written by save_pretrained (e.g. a checkpoint's model/ folder, or rlvr sft's --out)"
+            )
         return
     if p.exists():
         raise UserError(f"{flag} {name} is a file; give the model's directory (with config.json) or a hub id")
     if name.startswith(("/", ".", "~")) or not _HUB_ID.match(name) or ".." in name or "--" in name:
-        raise UserError(f"{flag} {name}: no such directory; give a local model directory or a hub id such as "
-                        "allenai/OLMo-2-0425-1B")
+        raise UserError(
+            f"{flag} {name}: no such directory; give a local model directory or a hub id such as allenai/OLMo-2-0425-1B"
+        )
 
 
-def load_model_and_tokenizer(name_or_path: str | Path, device: str | torch.device = "cpu",
-                             dtype: torch.dtype | None = None, flag: str = "--model", lora=None):
+def load_model_and_tokenizer(
+    name_or_path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    flag: str = "--model",
+    lora=None,
+):
     """Load a causal LM and its tokenizer from a local directory or a hub id.
 
     The default dtype is bfloat16 on CUDA and float32 on CPU. A tokenizer without a pad token gets
@@ -176,8 +222,10 @@ def load_model_and_tokenizer(name_or_path: str | Path, device: str | torch.devic
         if local:
             raise
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise UserError(f"{flag} {name_or_path}: no such local directory, and it could not be loaded from the hub "
-                        f"({first}); check the name, your network and HF_TOKEN, or give a local directory") from None
+        raise UserError(
+            f"{flag} {name_or_path}: no such local directory, and it could not be loaded from the hub "
+            f"({first}); check the name, your network and HF_TOKEN, or give a local directory"
+        ) from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = model.to(device)  # type: ignore[arg-type]  # transformers' stub of .to takes the model

@@ -7,11 +7,28 @@ AdamW step at lr 1e-5 is about 1e-5. At the course's learning rate most weights 
 and writes the rounded result back into the model after every step, so small updates accumulate in
 the copy until they move the bfloat16 weight. Float32 parameters are stepped in place as usual.
 Memory: 4 bytes per low-precision parameter for the copy, plus float32 instead of bfloat16 moments.
+
+``lr_factor`` is the learning-rate schedule of every rlvr trainer (GRPO, SFT, DPO's warm starts).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+
+def lr_factor(update: int, total_updates: int, schedule: str, warmup: int, min_ratio: float) -> float:
+    """Multiplier of the peak lr for optimizer step ``update`` (0-based): linear warmup over ``warmup``
+    steps, then ``constant``, ``cosine`` or ``linear`` decay to ``min_ratio`` at ``total_updates``."""
+    if warmup > 0 and update < warmup:
+        return (update + 1) / warmup
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (update - warmup) / max(1, total_updates - warmup))
+    if schedule == "cosine":
+        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return 1.0 - (1 - min_ratio) * progress
 
 
 class _MasterWeights(torch.optim.Optimizer):

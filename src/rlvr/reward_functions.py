@@ -84,19 +84,22 @@ class UserRewardFunction:
             columns = f" and the data's other columns ({', '.join(fields)})" if fields else ""
             raise RewardConfigError(
                 f"reward function {self.spec!r} cannot be called as fn(response, ground_truth, **fields) with "
-                f"the fields{columns}: {reply.get('error')}; give it a **fields parameter")
+                f"the fields{columns}: {reply.get('error')}; give it a **fields parameter"
+            )
 
     def __call__(self, response: str, ground_truth: str, **fields) -> dict:
         try:
-            reply = self.worker.request({"response": response, "ground_truth": ground_truth, "fields": fields},
-                                        self.timeout_s)
+            reply = self.worker.request(
+                {"response": response, "ground_truth": ground_truth, "fields": fields}, self.timeout_s
+            )
         except TimeoutError:
             self.timeouts_in_a_row += 1
             if self.timeouts_in_a_row >= TIMEOUTS_IN_A_ROW_LIMIT:
                 # Every call cut off: the function is broken, and each call would cost a full timeout.
                 raise RewardFunctionError(
                     f"reward function {self.spec!r} took longer than reward.timeout_s={self.timeout_s} s on "
-                    f"{self.timeouts_in_a_row} calls in a row; make it faster or raise reward.timeout_s") from None
+                    f"{self.timeouts_in_a_row} calls in a row; make it faster or raise reward.timeout_s"
+                ) from None
             return {"reward": 0.0, "timed_out": 1.0}
         except rewards.WorkerStartError as e:
             raise RewardFunctionError(f"reward function {self.spec!r} could not be loaded: {e}") from None
@@ -123,8 +126,10 @@ def as_reward_dict(value, where: str) -> dict:
             elif k in _PROTOCOL_KEYS:
                 raise RewardFunctionError(f"reward function {where!r} returned {k}={v!r}; it must be a number")
         return out
-    raise RewardFunctionError(f"reward function {where!r} returned {type(value).__name__} {str(value)[:80]!r}; "
-                              "return a float or a dict with a 'reward' number")
+    raise RewardFunctionError(
+        f"reward function {where!r} returned {type(value).__name__} {str(value)[:80]!r}; "
+        "return a float or a dict with a 'reward' number"
+    )
 
 
 class Reward:
@@ -139,7 +144,9 @@ class Reward:
     def __init__(self, specs: Sequence[str], weights: Sequence[float] | None = None, timeout_s: float = 10.0):
         weights = list(weights) if weights else [1.0] * len(specs)
         if len(weights) != len(specs):
-            raise RewardConfigError(f"reward.weights has {len(weights)} numbers for {len(specs)} reward.fns; give one per function")
+            raise RewardConfigError(
+                f"reward.weights has {len(weights)} numbers for {len(specs)} reward.fns; give one per function"
+            )
         self.components: list[tuple[str, Callable, float]] = []
         names: set[str] = set()
         for spec, weight in zip(specs, weights):
@@ -188,13 +195,19 @@ class Reward:
             for key, value in r.items():
                 if key not in _PROTOCOL_KEYS and key != "timed_out":
                     out[f"{name}/{key}" if several else key] = value
-        out.update(reward=total, format_reward=min(formats) if formats else 1.0,
-                   answer_reward=total if several else answer)
+        out.update(
+            reward=total, format_reward=min(formats) if formats else 1.0, answer_reward=total if several else answer
+        )
         return out
 
 
-def build_reward(fn: str | None, fns: Sequence[str] = (), weights: Sequence[float] = (), timeout_s: float = 10.0,
-                 default: str = "r1_zero") -> Reward:
+def build_reward(
+    fn: str | None,
+    fns: Sequence[str] = (),
+    weights: Sequence[float] = (),
+    timeout_s: float = 10.0,
+    default: str = "r1_zero",
+) -> Reward:
     """The ``Reward`` of the settings (``default``: the prompt's own, when neither fn nor fns is set)."""
     if fn is not None and fns:
         raise RewardConfigError("set reward.fn (one function) or reward.fns (several, with reward.weights), not both")
@@ -203,8 +216,9 @@ def build_reward(fn: str | None, fns: Sequence[str] = (), weights: Sequence[floa
     return Reward(list(fns) if fns else [fn or default], weights, timeout_s)
 
 
-def score_responses(reward_fn, responses: Sequence[str], ground_truths: Sequence[str],
-                    fields: Sequence[dict] | None = None):
+def score_responses(
+    reward_fn, responses: Sequence[str], ground_truths: Sequence[str], fields: Sequence[dict] | None = None
+):
     """Score every response like ``compute_rollout_rewards``; a ``Reward`` also gets each example's
     ``fields`` and adds ``logged`` to the metadata: the mean of each extra number as
     ``reward/<name>`` and the count of cut-off calls as ``reward/timeouts``."""

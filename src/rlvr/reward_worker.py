@@ -47,8 +47,10 @@ def load_function(spec: str):
         try:
             module = importlib.import_module(target)
         except Exception as e:  # noqa: BLE001
-            raise ValueError(f"importing module {target} failed: {type(e).__name__}: {e} "
-                             "(is it on the path? run from the folder that holds it, or name its .py file)") from None
+            raise ValueError(
+                f"importing module {target} failed: {type(e).__name__}: {e} "
+                "(is it on the path? run from the folder that holds it, or name its .py file)"
+            ) from None
     fn = getattr(module, name, None)
     if fn is None:
         functions = sorted(k for k, v in vars(module).items() if inspect.isfunction(v) and not k.startswith("_"))
@@ -93,7 +95,7 @@ def serve(spec: str) -> None:
         try:
             if "bind" in request:
                 inspect.signature(fn).bind("", "", **{k: None for k in request["bind"]})
-                reply = {"ok": True, "value": None}
+                reply: dict[str, object] = {"ok": True, "value": None}
             else:
                 value = fn(request["response"], request["ground_truth"], **request.get("fields", {}))
                 reply = {"ok": True, "value": _jsonable(value)}

@@ -217,7 +217,9 @@ def grade_math(answer: str, ground_truth: str) -> bool:
 def grade_many(answers: Sequence[str], ground_truths: Sequence[str]) -> list[bool]:
     """``grade`` over pairs; the lists must have the same length."""
     if len(answers) != len(ground_truths):
-        raise ValueError(f"got {len(answers)} answers but {len(ground_truths)} ground truths; pass one ground truth per answer")
+        raise ValueError(
+            f"got {len(answers)} answers but {len(ground_truths)} ground truths; pass one ground truth per answer"
+        )
     return [grade(a, g) for a, g in zip(answers, ground_truths)]
 
 
@@ -254,9 +256,23 @@ def _analyse(text: str) -> Fraction | _Symbolic:
     return value
 
 
-_UNICODE = {"\u2212": "-", "\u2013": "-", "\u00d7": "*", "\u00b7": "*", "\u22c5": "*", "\u00f7": "/",
-            "\u00a0": " ", "\u2019": "'", "\u2009": " ", "\u202f": " ", "\uff04": "$", "\u00b0": ""}
-_TEXT_CMD = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|mathrm|mathbf|mathit|mathsf|mbox|operatorname)\s*\{([^{}]*)\}")
+_UNICODE = {
+    "\u2212": "-",
+    "\u2013": "-",
+    "\u00d7": "*",
+    "\u00b7": "*",
+    "\u22c5": "*",
+    "\u00f7": "/",
+    "\u00a0": " ",
+    "\u2019": "'",
+    "\u2009": " ",
+    "\u202f": " ",
+    "\uff04": "$",
+    "\u00b0": "",
+}
+_TEXT_CMD = re.compile(
+    r"\\(?:text|textbf|textit|textrm|textnormal|mathrm|mathbf|mathit|mathsf|mbox|operatorname)\s*\{([^{}]*)\}"
+)
 _FRAC = re.compile(r"\\frac\s*\{([^{}]*)\}\s*\{([^{}]*)\}")
 _FRAC_DIGITS = re.compile(r"\\frac\s*(\d)\s*(\d)")
 # Anything that makes the answer a hedge, a range, an inequality or an approximation.
@@ -524,8 +540,13 @@ class LineWorker:
         if self._proc is not None and (self._owner_pid != os.getpid() or self._proc.poll() is not None):
             self._stop()
         if self._proc is None:
-            self._proc = subprocess.Popen(self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                          stderr=subprocess.DEVNULL if self.quiet else None, bufsize=0)
+            self._proc = subprocess.Popen(
+                self.command,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL if self.quiet else None,
+                bufsize=0,
+            )
             self._owner_pid = os.getpid()
             try:
                 first = self._read_line(self._proc, self.startup_timeout)

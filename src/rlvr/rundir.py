@@ -21,8 +21,8 @@ import json
 import os
 import socket
 import sys
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from rlvr.errors import UserError
 
@@ -121,7 +121,7 @@ class RunDirLock:
         self.took_over: dict | None = None
         self._fd: int | None = None
 
-    def acquire(self) -> "RunDirLock":
+    def acquire(self) -> RunDirLock:
         import fcntl
 
         if self.run_dir.exists() and not self.run_dir.is_dir():
@@ -130,7 +130,9 @@ class RunDirLock:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:
-            raise UserError(f"cannot use {self.run_dir} as a run directory: {e.strerror or e}; choose another --out") from None
+            raise UserError(
+                f"cannot use {self.run_dir} as a run directory: {e.strerror or e}; choose another --out"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -144,10 +146,17 @@ class RunDirLock:
         previous = _read_holder(fd)
         if previous:
             self.took_over = previous
-            print(f"rlvr: took over the lock of {self.run_dir} left by {_describe(previous)}, which ended without "
-                  "releasing it", file=sys.stderr)
-        record = {"pid": os.getpid(), "host": socket.gethostname(), "command": self.command,
-                  "since": _dt.datetime.now().isoformat(timespec="seconds")}
+            print(
+                f"rlvr: took over the lock of {self.run_dir} left by {_describe(previous)}, which ended without "
+                "releasing it",
+                file=sys.stderr,
+            )
+        record = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "command": self.command,
+            "since": _dt.datetime.now().isoformat(timespec="seconds"),
+        }
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
         os.fsync(fd)
@@ -167,7 +176,7 @@ class RunDirLock:
         fcntl.flock(fd, fcntl.LOCK_UN)
         os.close(fd)
 
-    def __enter__(self) -> "RunDirLock":
+    def __enter__(self) -> RunDirLock:
         return self.acquire()
 
     def __exit__(self, *exc) -> None:
@@ -215,8 +224,10 @@ def prepare_output_dir(path: str | Path, produces: Iterable[str], overwrite: boo
     if path.is_dir() and not overwrite:
         present = [name for name in produces if (path / name).exists()]
         if present:
-            raise UserError(f"{flag} {path} already holds results ({', '.join(present)}); pass --overwrite to replace "
-                            f"them, or choose another {flag}")
+            raise UserError(
+                f"{flag} {path} already holds results ({', '.join(present)}); pass --overwrite to replace "
+                f"them, or choose another {flag}"
+            )
     try:
         path.mkdir(parents=True, exist_ok=True)
     except OSError as e:

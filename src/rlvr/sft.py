@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from rlvr.data import DataError, Example, load_examples
+from rlvr.optim import lr_factor
 from rlvr.prompts import render
 
 
@@ -121,14 +122,6 @@ def sft_loss(model, tokenizer, prompts: list[str], responses: list[str]) -> tupl
     return loss, int(batch["response_mask"].sum())
 
 
-def lr_at(step: int, total: int, warmup: int, min_ratio: float) -> float:
-    """Multiplier of the peak learning rate at ``step`` (0-based): linear warm-up, then cosine decay."""
-    if warmup > 0 and step < warmup:
-        return (step + 1) / warmup
-    progress = (step - warmup) / max(1, total - warmup)
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-
 def init_model(config: SFTConfig, examples: list[Example]):
     """``(model, tokenizer)``: a fresh model of a named size (with a tokenizer trained on ``examples``),
     or a checkpoint from a local directory or the hub."""
@@ -149,8 +142,10 @@ def _check_model(name: str) -> None:
     if name in modeling.MODEL_SIZES:
         return
     if not Path(name).exists() and "/" not in name:
-        raise UserError(f"--model {name!r} is neither a named size ({', '.join(modeling.MODEL_SIZES)}), "
-                        "a local directory, nor a hub id (owner/name)")
+        raise UserError(
+            f"--model {name!r} is neither a named size ({', '.join(modeling.MODEL_SIZES)}), "
+            "a local directory, nor a hub id (owner/name)"
+        )
     modeling.check_model_source(name)
 
 
@@ -159,21 +154,29 @@ OUTPUT_FILES = ("config.json", "model.safetensors", "sft_config.json", "sft_log.
 
 def check_args(config: SFTConfig) -> None:
     """Reject impossible arguments and an unusable ``--out`` before any work (``UserError``)."""
-    from rlvr import modeling
     from rlvr.errors import UserError
     from rlvr.rundir import prepare_output_dir
 
-    problems = [msg for bad, msg in [
-        (config.steps is not None and config.steps < 1, f"--steps must be >= 1 (or left out to use --epochs), got {config.steps}"),
-        (config.epochs <= 0, f"--epochs must be > 0, got {config.epochs}"),
-        (config.batch_size < 1, f"--batch-size must be >= 1, got {config.batch_size}"),
-        (config.lr <= 0, f"--lr must be > 0, got {config.lr}"),
-        (config.warmup_steps < 0, f"--warmup-steps must be >= 0, got {config.warmup_steps}"),
-        (not 0 <= config.min_lr_ratio <= 1, f"--min-lr-ratio must be in [0, 1], got {config.min_lr_ratio}"),
-        (config.max_grad_norm <= 0, f"--max-grad-norm must be > 0, got {config.max_grad_norm}"),
-        (config.max_examples is not None and config.max_examples < 1,
-         f"--max-examples must be >= 1 (or left out for all), got {config.max_examples}"),
-    ] if bad]
+    problems = [
+        msg
+        for bad, msg in [
+            (
+                config.steps is not None and config.steps < 1,
+                f"--steps must be >= 1 (or left out to use --epochs), got {config.steps}",
+            ),
+            (config.epochs <= 0, f"--epochs must be > 0, got {config.epochs}"),
+            (config.batch_size < 1, f"--batch-size must be >= 1, got {config.batch_size}"),
+            (config.lr <= 0, f"--lr must be > 0, got {config.lr}"),
+            (config.warmup_steps < 0, f"--warmup-steps must be >= 0, got {config.warmup_steps}"),
+            (not 0 <= config.min_lr_ratio <= 1, f"--min-lr-ratio must be in [0, 1], got {config.min_lr_ratio}"),
+            (config.max_grad_norm <= 0, f"--max-grad-norm must be > 0, got {config.max_grad_norm}"),
+            (
+                config.max_examples is not None and config.max_examples < 1,
+                f"--max-examples must be >= 1 (or left out for all), got {config.max_examples}",
+            ),
+        ]
+        if bad
+    ]
     if problems:
         raise UserError("; ".join(problems))
     _check_model(config.model)
@@ -213,7 +216,7 @@ def run_sft(config: SFTConfig) -> Path:
                 rng.shuffle(perm)
                 order += perm
             idx, order = order[:batch_size], order[batch_size:]
-            scale = lr_at(step, total, config.warmup_steps, config.min_lr_ratio)
+            scale = lr_factor(step, total, "cosine", config.warmup_steps, config.min_lr_ratio)
             for group in optimizer.param_groups:
                 group["lr"] = config.lr * scale
             loss, n_tokens = sft_loss(model, tokenizer, [prompts[i] for i in idx], [responses[i] for i in idx])
@@ -221,13 +224,21 @@ def run_sft(config: SFTConfig) -> Path:
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm))
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            record = {"step": step + 1, "loss": loss.item(), "lr": config.lr * scale, "grad_norm": grad_norm,
-                      "n_tokens": n_tokens, "time": round(time.time() - start, 3)}
+            record = {
+                "step": step + 1,
+                "loss": loss.item(),
+                "lr": config.lr * scale,
+                "grad_norm": grad_norm,
+                "n_tokens": n_tokens,
+                "time": round(time.time() - start, 3),
+            }
             log.write(json.dumps(record) + "\n")
             bar.set_postfix(loss=f"{record['loss']:.3f}")
     model.eval()
     save_model_and_tokenizer(model, tokenizer, out)
-    atomic_write_json(out / "sft_config.json", {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()})
+    atomic_write_json(
+        out / "sft_config.json", {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()}
+    )
     return out
 
 

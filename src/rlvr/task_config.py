@@ -46,22 +46,43 @@ class DataSource:
     def load(self, seed: int = 0):
         from rlvr.data import load_examples
 
-        return load_examples(self.source, self.split, limit=self.size, seed=seed,
-                             question_field=self.question_field, answer_field=self.answer_field,
-                             answer_format=self.answer_format, config=self.config)
+        return load_examples(
+            self.source,
+            self.split,
+            limit=self.size,
+            seed=seed,
+            question_field=self.question_field,
+            answer_field=self.answer_field,
+            answer_format=self.answer_format,
+            config=self.config,
+        )
 
 
 def train_source(config) -> DataSource:
     d = config.data
-    return DataSource("train", d.train_source, d.train_split, d.train_size, d.config, d.question_field,
-                      d.answer_field, d.answer_format)
+    return DataSource(
+        "train",
+        d.train_source,
+        d.train_split,
+        d.train_size,
+        d.config,
+        d.question_field,
+        d.answer_field,
+        d.answer_format,
+    )
 
 
 def val_sources(config) -> list[DataSource]:
     """The validation sets: each of ``data.val_sources``, else the one of ``data.val_source`` (named ``""``)."""
     d = config.data
-    base = dict(split=d.val_split, size=d.val_size, config=d.config, question_field=d.question_field,
-                answer_field=d.answer_field, answer_format=d.answer_format)
+    base = dict(
+        split=d.val_split,
+        size=d.val_size,
+        config=d.config,
+        question_field=d.question_field,
+        answer_field=d.answer_field,
+        answer_format=d.answer_format,
+    )
     if not d.val_sources:
         return [DataSource("", d.val_source or d.train_source, **base)]
     return [parse_val_source(spec, base) for spec in d.val_sources]
@@ -78,14 +99,18 @@ def parse_val_source(spec: str, base: dict) -> DataSource:
         raise TaskConfigError(f"data.val_sources entry {spec!r} has no NAME=SOURCE; {fix}")
     name, _, source = words[0].partition("=")
     if not name or not source or not all(c.isalnum() or c in "_-." for c in name):
-        raise TaskConfigError(f"data.val_sources entry {spec!r}: the name must be letters, digits, _ - or . and the "
-                              f"source must not be empty; {fix}")
+        raise TaskConfigError(
+            f"data.val_sources entry {spec!r}: the name must be letters, digits, _ - or . and the "
+            f"source must not be empty; {fix}"
+        )
     options = dict(base)
     for word in words[1:]:
         key, sep, value = word.partition("=")
         if not sep or key not in VAL_SOURCE_OPTIONS:
-            raise TaskConfigError(f"data.val_sources entry {spec!r}: unknown option {word!r}; the options are "
-                                  f"{', '.join(VAL_SOURCE_OPTIONS)}")
+            raise TaskConfigError(
+                f"data.val_sources entry {spec!r}: unknown option {word!r}; the options are "
+                f"{', '.join(VAL_SOURCE_OPTIONS)}"
+            )
         if key == "size":
             if not value.isdigit():
                 raise TaskConfigError(f"data.val_sources entry {spec!r}: size must be a whole number, got {value!r}")
@@ -108,8 +133,10 @@ def task_config_problems(config) -> list[str]:
         problems.append(str(e))
         prompt = None
     if prompt is not None and prompt.kind == CHAT and config.model.fresh is not None:
-        problems.append("prompt chat needs the model tokenizer's chat template, and model.fresh trains a tokenizer "
-                        "without one; use a built-in prompt or a template file with model.fresh")
+        problems.append(
+            "prompt chat needs the model tokenizer's chat template, and model.fresh trains a tokenizer "
+            "without one; use a built-in prompt or a template file with model.fresh"
+        )
     d = config.data
     if d.answer_format not in ANSWER_FORMATS:
         problems.append(f"unknown data.answer_format {d.answer_format!r}: choose one of {', '.join(ANSWER_FORMATS)}")
@@ -130,13 +157,17 @@ def task_config_problems(config) -> list[str]:
             problems.append("set data.val_source (one validation set) or data.val_sources (several, named), not both")
         for s in sets:
             if s.name and s.answer_format not in ANSWER_FORMATS:
-                problems.append(f"data.val_sources {s.name}: unknown answer_format {s.answer_format!r}: choose one of "
-                                f"{', '.join(ANSWER_FORMATS)}")
+                problems.append(
+                    f"data.val_sources {s.name}: unknown answer_format {s.answer_format!r}: choose one of "
+                    f"{', '.join(ANSWER_FORMATS)}"
+                )
     r = config.reward
     if r.fn is not None and r.fns:
         problems.append("set reward.fn (one function) or reward.fns (several, with reward.weights), not both")
     if r.weights and len(r.weights) != len(r.fns):
-        problems.append(f"reward.weights has {len(r.weights)} numbers for {len(r.fns)} reward.fns; give one per function")
+        problems.append(
+            f"reward.weights has {len(r.weights)} numbers for {len(r.fns)} reward.fns; give one per function"
+        )
     for spec, key in [(r.fn, "reward.fn")] + [(f, "reward.fns") for f in r.fns]:
         if spec is not None:
             problem = spec_problem(spec, key)
@@ -175,8 +206,10 @@ def load_task_data(config):
             continue
         examples = s.load(seed=config.seed)
         if len(examples) < s.size and s.name:
-            raise TaskConfigError(f"data.val_sources {s.name}: size={s.size} but {s.source} ({s.split}) has only "
-                                  f"{len(examples)} examples; lower size or choose a larger split")
+            raise TaskConfigError(
+                f"data.val_sources {s.name}: size={s.size} but {s.source} ({s.split}) has only "
+                f"{len(examples)} examples; lower size or choose a larger split"
+            )
         sets.append((s.name, examples[: s.size]))
     return train, sets
 
@@ -187,8 +220,10 @@ def prepare_reward(config, examples, prompt=None):
     fields = sorted({k for ex in examples[:1] for k in ex.fields})
     clash = [f for f in fields if f in ("response", "ground_truth")]
     if clash and reward.has_user_functions:
-        raise TaskConfigError(f"the data has a column {clash[0]!r}, the name of a reward function argument; rename the "
-                              "column, or name it as the question or answer column")
+        raise TaskConfigError(
+            f"the data has a column {clash[0]!r}, the name of a reward function argument; rename the "
+            "column, or name it as the question or answer column"
+        )
     reward.start(fields)
     return reward
 
@@ -211,14 +246,24 @@ def validation_metrics(metrics: dict, name: str, first: bool) -> dict:
     set, and ``val/NAME/accuracy``, ... for a named one (both for a first named one)."""
     out = {}
     if first:
-        out.update({"val/reward": metrics["accuracy"], "val/format_reward": metrics["format_rate"],
-                    "val/response_length": metrics["mean_response_length"],
-                    "val/truncated_frac": metrics["truncated_rate"]})
+        out.update(
+            {
+                "val/reward": metrics["accuracy"],
+                "val/format_reward": metrics["format_rate"],
+                "val/response_length": metrics["mean_response_length"],
+                "val/truncated_frac": metrics["truncated_rate"],
+            }
+        )
         out.update({f"val/reward/{k}": v for k, v in metrics.get("rewards", {}).items()})
     if name:
-        out.update({f"val/{name}/accuracy": metrics["accuracy"], f"val/{name}/format_reward": metrics["format_rate"],
-                    f"val/{name}/response_length": metrics["mean_response_length"],
-                    f"val/{name}/truncated_frac": metrics["truncated_rate"]})
+        out.update(
+            {
+                f"val/{name}/accuracy": metrics["accuracy"],
+                f"val/{name}/format_reward": metrics["format_rate"],
+                f"val/{name}/response_length": metrics["mean_response_length"],
+                f"val/{name}/truncated_frac": metrics["truncated_rate"],
+            }
+        )
         out.update({f"val/{name}/reward/{k}": v for k, v in metrics.get("rewards", {}).items()})
     return out
 
@@ -226,9 +271,22 @@ def validation_metrics(metrics: dict, name: str, first: bool) -> dict:
 # -- rlvr eval --------------------------------------------------------------------------------------
 
 # The rlvr eval flags that a training config file (--config) sets instead.
-EVAL_TASK_FLAGS = ("prompt", "system", "user_template", "stop", "reward", "reward_fns", "reward_weights",
-                   "reward_timeout_s", "data", "split", "data_config", "question_field", "answer_field",
-                   "answer_format")
+EVAL_TASK_FLAGS = (
+    "prompt",
+    "system",
+    "user_template",
+    "stop",
+    "reward",
+    "reward_fns",
+    "reward_weights",
+    "reward_timeout_s",
+    "data",
+    "split",
+    "data_config",
+    "question_field",
+    "answer_field",
+    "answer_format",
+)
 
 
 @dataclass
@@ -266,26 +324,50 @@ def eval_tasks(cfg) -> EvalTasks:
         defaults = EvalConfig(model=cfg.model, out=cfg.out)
         given = [f"--{k.replace('_', '-')}" for k in EVAL_TASK_FLAGS if getattr(cfg, k) != getattr(defaults, k)]
         if given:
-            raise TaskConfigError(f"--config {cfg.config} sets the prompt, data and reward; leave out "
-                                  f"{', '.join(given)} (or leave out --config)")
+            raise TaskConfigError(
+                f"--config {cfg.config} sets the prompt, data and reward; leave out "
+                f"{', '.join(given)} (or leave out --config)"
+            )
         train_config = dataclasses.replace(load_config_file(cfg.config), model=ModelConfig(name_or_path=cfg.model))
         configs = [train_config]
         sources = val_sources(train_config) if (train_config.data.val_size or train_config.data.val_sources) else []
         if not sources:
-            raise TaskConfigError(f"{cfg.config} has no validation set (data.val_size is 0); set data.val_size or "
-                                  "data.val_sources there")
+            raise TaskConfigError(
+                f"{cfg.config} has no validation set (data.val_size is 0); set data.val_size or data.val_sources there"
+            )
         if cfg.limit is not None:
             sources = [dataclasses.replace(s, size=cfg.limit) for s in sources]
     else:
-        data = DataConfig(train_source=cfg.data, val_split=cfg.split, config=cfg.data_config,
-                          question_field=cfg.question_field, answer_field=cfg.answer_field,
-                          answer_format=cfg.answer_format)
+        data = DataConfig(
+            train_source=cfg.data,
+            val_split=cfg.split,
+            config=cfg.data_config,
+            question_field=cfg.question_field,
+            answer_field=cfg.answer_field,
+            answer_format=cfg.answer_format,
+        )
         options = PromptOptions(system=cfg.system, user_template=cfg.user_template, stop=cfg.stop)
-        reward = RewardConfig(fn=cfg.reward, fns=cfg.reward_fns, weights=cfg.reward_weights, timeout_s=cfg.reward_timeout_s)
-        configs = [TrainConfig(model=ModelConfig(name_or_path=cfg.model), data=data, prompt=p, prompt_options=options,
-                               reward=reward) for p in dict.fromkeys(cfg.prompt or ("r1_zero",))]
-        sources = [DataSource("", cfg.data, cfg.split, cfg.limit, cfg.data_config, cfg.question_field,
-                              cfg.answer_field, cfg.answer_format)]
+        reward = RewardConfig(
+            fn=cfg.reward, fns=cfg.reward_fns, weights=cfg.reward_weights, timeout_s=cfg.reward_timeout_s
+        )
+        configs = [
+            TrainConfig(
+                model=ModelConfig(name_or_path=cfg.model), data=data, prompt=p, prompt_options=options, reward=reward
+            )
+            for p in dict.fromkeys(cfg.prompt or ("r1_zero",))
+        ]
+        sources = [
+            DataSource(
+                "",
+                cfg.data,
+                cfg.split,
+                cfg.limit,
+                cfg.data_config,
+                cfg.question_field,
+                cfg.answer_field,
+                cfg.answer_format,
+            )
+        ]
     problems = list(dict.fromkeys(p for c in configs for p in task_config_problems(c)))
     if problems:
         raise TaskConfigError("; ".join(problems))

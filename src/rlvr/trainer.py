@@ -1,27 +1,32 @@
 """`rlvr train`: the GRPO training loop, on- and off-policy, for every preset and reweighting method.
 
-One rollout step (SPEC, "The training loop"):
+``train()`` is setup, then one ``_rollout_step`` per step followed by validation, logging and a
+checkpoint, then the summary. One rollout step is five phases, each a function below:
 
-1. **sync** the engine to the policy's weights (a no-op for the in-process hf engine);
-2. **sample** ``n_prompts_per_rollout_batch`` questions: the data is walked in seeded epoch
-   permutations, so the batch of step s is a pure function of (seed, s) and resuming needs nothing but s;
-3. **generate** ``group_size`` responses per question, with a sampling seed that is a function of
-   (seed, s);
-4. **reward** every response (a grader that raises stops the run) and compute group-normalised
-   **advantages**;
-5. **old log-probs**: off-policy runs (several optimizer steps per rollout batch) compute them once,
-   under the sampling weights, before the first update; on-policy runs skip this forward (ratio 1)
-   unless the reweighting method insists on receiving them;
-6. **train**: ``epochs_per_rollout_batch`` passes over minibatches of ``train_batch_size`` rollouts,
-   one ``policy_gradient_update`` (one optimizer step, zero-advantage rollouts skipped) each;
-7. **evaluate** every ``eval_every`` steps, **log** one line to ``metrics.jsonl``, **dump** rollouts,
-   **checkpoint** every ``save_every`` steps.
+1. **rollout** (``_rollout``): the ``Rollouts`` of the run (``rlvr.engines.rollouts``) hand over the
+   batch of step s: ``n_prompts_per_rollout_batch`` questions (the data is walked in seeded epoch
+   permutations, so the batch of step s is a pure function of (seed, s) and resuming needs nothing
+   but s), ``group_size`` responses each with a sampling seed that is a function of (seed, s), and
+   their tokenisation;
+2. **score** (``_score``): reward every response (a grader that raises stops the run);
+3. **advantages** (``_advantages``): group-normalised advantages, and the **old log-probs**:
+   off-policy runs (several optimizer steps per rollout batch) compute them once, under the sampling
+   weights, before the first update; on-policy runs skip this forward (ratio 1) unless the
+   reweighting method insists on receiving them;
+4. **update** (``_update``): ``epochs_per_rollout_batch`` passes over minibatches of
+   ``train_batch_size`` rollouts, one ``policy_gradient_update`` (one optimizer step, zero-advantage
+   rollouts skipped) each, as the run's ``UpdateSpec`` says;
+5. **dump** the step's rollouts every ``dump_every`` steps;
 
-**Worker engines** (``hf-worker``: their own process and copy of the weights) run steps 1-3 and 5
+then the loop **validates** every ``eval_every`` steps (``_validate``), **logs** one line to
+``metrics.jsonl`` and **checkpoints** every ``save_every`` steps.
+
+**Worker engines** (``hf-worker``: their own process and copy of the weights) get their batches
 through ``rlvr.engines.async_rollout.AsyncRollouts``: versioned weight loads with the probe check,
 and the old log-probs computed on the worker in the same request as the generation, under the
-weights that sampled the batch (so that forward leaves the trainer's GPU). ``engine.max_staleness``
-says how far rollouts run ahead:
+weights that sampled the batch (so that forward leaves the trainer's GPU). Every other engine gets
+them through ``SyncRollouts``, which loads the weights into the engine and generates at the call.
+``engine.max_staleness`` says how far rollouts run ahead:
 
 * ``0`` (default): synchronous; batch s is sampled by the weights after step s-1 (on-policy).
 * ``1``: one-step-async; the worker generates batch s+1 while the trainer trains on batch s, so batch
@@ -37,7 +42,8 @@ The math lives in ``rlvr.grpo``; this module only moves data between the pieces,
 keeps the run recoverable: non-finite updates are skipped and counted (too many in a row stop the
 run), engine and grader failures stop it with the last checkpoint intact, Ctrl-C or SIGTERM finishes
 the current step and saves (a second one abandons the step). ``summary.json`` says how the run
-ended (``running`` while it runs, so a killed run never reads as finished).
+ended (``running`` while it runs, so a killed run never reads as finished). The engine, the rollouts
+and the metrics logger are closed on every way out of the run.
 
 **The run directory** is locked while a run writes to it (``rlvr.rundir``: a second writer is
 refused, naming the holder's pid). ``--resume`` continues from the newest checkpoint that passes
@@ -51,59 +57,75 @@ point on (with a cosine schedule the lr rises back to the value the longer sched
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
-import math
 import sys
 import time
 import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, cast
 
 import torch
 import tyro
 
 from rlvr.checkpoint import (
-    damaged_checkpoints, list_checkpoints, load_model_weights, load_trainer_state, resumable_checkpoint, save_checkpoint,
+    damaged_checkpoints,
+    list_checkpoints,
+    load_model_weights,
+    load_trainer_state,
+    resumable_checkpoint,
+    save_checkpoint,
 )
 from rlvr.config import (
-    RESUMABLE_CHANGES, ConfigError, TrainConfig, config_differences, load_config_file, save_config,
+    RESUMABLE_CHANGES,
+    ConfigError,
+    TrainConfig,
+    check_moved_flags,
+    config_differences,
+    load_config_file,
+    save_config,
+    upgrade_moved_keys,
 )
-from rlvr.errors import UserError
+from rlvr.engines.base import Engine, SamplingParams, WorkerEngine
+from rlvr.engines.rollouts import RolloutBatch, RolloutRequest, Rollouts, SyncRollouts
+from rlvr.errors import EngineError, GraderError, NonFiniteError, TrainingError, UserError
 from rlvr.grpo import (
-    REWEIGHTINGS, compile_backbone, compute_group_normalized_rewards, compute_log_probs_batched,
-    pass_at_k, policy_gradient_update, tokenize_from_ids,
+    REWEIGHTINGS,
+    compile_backbone,
+    compute_group_normalized_rewards,
+    compute_log_probs_batched,
+    pass_at_k,
+    policy_gradient_update,
 )
 from rlvr.grpo.diagnostics import update_record
-from rlvr.grpo.tokenize import pad_token_id
 from rlvr.grpo.variance import gradient_variance, variance_metrics
 from rlvr.interrupts import DeferInterrupts, Terminated, exit_code, sigterm_as_interrupt
 from rlvr.logging_utils import MetricsLogger, truncate_metrics, write_jsonl
-from rlvr.optim import make_adamw
+from rlvr.optim import lr_factor, make_adamw
 from rlvr.rundir import RunDirLock, atomic_write_json
 
-
-class TrainingError(UserError, RuntimeError):
-    """The run stopped on a fault; the message says what happened and what to do."""
-
-    exit_code = 1
-
-
-class EngineError(TrainingError):
-    pass
-
-
-class GraderError(TrainingError):
-    pass
-
-
-class NonFiniteError(TrainingError):
-    pass
+__all__ = [
+    "EngineError",
+    "GraderError",
+    "NonFiniteError",
+    "TrainingError",
+    "TrainState",
+    "UpdateSpec",
+    "batch_indices",
+    "derive_seed",
+    "lr_factor",
+    "main",
+    "read_summary",
+    "train",
+]
 
 
 # ---------------------------------------------------------------------------------------------
-# 1. Seeds, data order, schedules
+# 1. Seeds and data order
 # ---------------------------------------------------------------------------------------------
 
 
@@ -131,18 +153,6 @@ def batch_indices(n_examples: int, n_prompts: int, step: int, seed: int) -> list
     return out
 
 
-def lr_factor(update: int, total_updates: int, schedule: str, warmup: int, min_ratio: float) -> float:
-    """Multiplier of the peak lr for optimizer step ``update`` (0-based)."""
-    if warmup > 0 and update < warmup:
-        return (update + 1) / warmup
-    if schedule == "constant":
-        return 1.0
-    progress = min(1.0, (update - warmup) / max(1, total_updates - warmup))
-    if schedule == "cosine":
-        return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-    return 1.0 - (1 - min_ratio) * progress
-
-
 # ---------------------------------------------------------------------------------------------
 # 2. Building the pieces
 # ---------------------------------------------------------------------------------------------
@@ -160,7 +170,9 @@ def _load_policy(config: TrainConfig, train_examples, device, dtype, ckpt: Path 
     if ckpt is not None:
         return load_model_and_tokenizer(ckpt / "model", device=device, dtype=dtype)
     if config.model.fresh is not None:
-        tokenizer = train_tokenizer(tokenizer_corpus(train_examples, config.prompt), vocab_size=config.model.tokenizer_vocab_size)
+        tokenizer = train_tokenizer(
+            tokenizer_corpus(train_examples, config.prompt), vocab_size=config.model.tokenizer_vocab_size
+        )
         model = fresh_model(config.model.fresh, tokenizer, seed=config.seed, dtype=dtype)
         return model.to(device), tokenizer
     return load_model_and_tokenizer(config.model.name_or_path, device=device, dtype=dtype, flag="model.name_or_path")
@@ -182,43 +194,237 @@ def _check_engine_runs_model(config: TrainConfig) -> None:
 
 
 def _make_engine(config: TrainConfig, model, tokenizer):
-    from rlvr.engines import make_engine, resolve_engine_name
+    from rlvr.engines import build_engine, resolve_engine_name
 
-    e = config.engine
-    name = resolve_engine_name(e.name, model)
-    if e.name == "auto" and name == "hf":
+    if config.engine.name == "auto" and resolve_engine_name("auto", model) == "hf":
         from rlvr.engines.fast import unsupported_reason
 
         warnings.warn(f"engine.name auto runs the hf engine: {unsupported_reason(model.config)}", stacklevel=2)
-    if name == "hf":
-        return make_engine("hf", model, tokenizer, max_batch_size=e.max_batch_size)
-    if name == "hf-fast":
-        return make_engine("hf-fast", model, tokenizer, max_batch_size=e.max_batch_size, release_memory=e.release_memory,
-                           attention=e.attention, fuse_projections=e.fuse_projections,
-                           cascade_min_rows=e.cascade_min_rows)
-    if e.name == "hf-worker":
-        dtype = None if e.dtype == "auto" else e.dtype
-        return make_engine("hf-worker", model, tokenizer, device=e.device, dtype=dtype, max_batch_size=e.max_batch_size)
-    if e.name != "vllm":  # an engine registered later: its own defaults
-        return make_engine(e.name, model, tokenizer)
-    gpu = e.device.split(":")[-1] if e.device.startswith("cuda") else "0"
-    return make_engine("vllm", model, tokenizer, served_model=config.model.name_or_path, base_url=e.vllm_base_url,
-                       port=e.vllm_port, gpu=gpu, start_server=e.vllm_base_url is None)
+    return build_engine(config.engine, model, tokenizer, served_model=config.model.name_or_path)
 
 
 def _optimizer_and_scheduler(config: TrainConfig, model, device: torch.device):
     o = config.optim
-    optimizer = make_adamw(model.parameters(), master_weights=o.master_weights, lr=o.lr, betas=tuple(o.betas),
-                           weight_decay=o.weight_decay, fused=device.type == "cuda")
+    optimizer = make_adamw(
+        model.parameters(),
+        master_weights=o.master_weights,
+        lr=o.lr,
+        betas=tuple(o.betas),
+        weight_decay=o.weight_decay,
+        fused=device.type == "cuda",
+    )
     total = config.n_steps * config.updates_per_rollout_batch
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda u: lr_factor(u, total, o.schedule, o.warmup_steps, o.min_lr_ratio))
+        optimizer, lambda u: lr_factor(u, total, o.schedule, o.warmup_steps, o.min_lr_ratio)
+    )
     return optimizer, scheduler
 
 
+@dataclass(frozen=True)
+class UpdateSpec:
+    """How every optimizer step of the run is taken: read from the config once, at setup."""
+
+    gradient_accumulation_steps: int
+    max_grad_norm: float
+    reweighting: str
+    cliprange: float | None
+    loss_normalization: str
+    normalization_constant: float | None
+    skip_zero_advantage: bool
+    max_tokens_per_microbatch: int | None
+    train_batch_size: int
+    """Rollouts per optimizer step."""
+    epochs: int
+    """Passes over each rollout batch."""
+    shuffle: bool
+    """Minibatches in a seeded random order (off-policy runs); on-policy runs take the batch as it is."""
+    uses_old_log_probs: bool
+    """The update receives the sampling weights' log-probs: the method needs them, or the run is off-policy
+    (its updates log importance ratios even without reweighting)."""
+
+    @classmethod
+    def from_config(cls, config: TrainConfig) -> UpdateSpec:
+        a, o = config.algorithm, config.optim
+        return cls(
+            gradient_accumulation_steps=o.gradient_accumulation_steps,
+            max_grad_norm=o.max_grad_norm,
+            reweighting=a.reweighting,
+            cliprange=a.cliprange,
+            loss_normalization=a.loss_normalization,
+            normalization_constant=a.normalization_constant,
+            skip_zero_advantage=a.skip_zero_advantage,
+            max_tokens_per_microbatch=o.max_tokens_per_microbatch,
+            train_batch_size=config.train_batch_size,
+            epochs=o.epochs_per_rollout_batch,
+            shuffle=config.off_policy,
+            uses_old_log_probs=REWEIGHTINGS[a.reweighting].needs_old_log_probs or config.off_policy,
+        )
+
+
+@dataclass
+class RunParts:
+    """What every step of a run works with, built once by the setup."""
+
+    model: torch.nn.Module
+    tokenizer: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    backbone: torch.nn.Module | None
+    """A compiled stand-in for the model's decoder stack (``model.compile``), else None."""
+    update_spec: UpdateSpec
+    reward_fn: Callable[..., dict]
+    """Grades the training rollouts."""
+    val_reward: Any
+    """The configured reward (``reward.fn``, else the prompt's own): validation always grades with it."""
+    prompt: Any
+    """The run's ``Prompt``, bound to the tokenizer."""
+    train_examples: list
+    val_examples: list
+    """``(name, examples)`` per validation set; the first is logged as val/reward, ..."""
+    request: RolloutRequest
+    """``request(s)``: the prompts and sampling parameters of step s."""
+    rollouts: Rollouts | None = None
+    """Started with the engine, once the run's summary says it is running."""
+
+
+@dataclass
+class TrainState:
+    """What the loop carries from step to step. The counters and the last rewards travel in every
+    checkpoint; ``step`` is the last step logged and ``saved_step`` that of the newest checkpoint."""
+
+    step: int = 0
+    nonfinite_total: int = 0
+    nonfinite_consecutive: int = 0
+    last_val: dict = field(default_factory=dict)
+    last_train_reward: float | None = None
+    saved_step: int | None = None
+    in_update: bool = False
+    """From a step's first optimizer update until the step is logged: a checkpoint then would hold half a step."""
+
+    @classmethod
+    def from_checkpoint(cls, saved: dict) -> TrainState:
+        fresh = cls()
+        return cls(
+            step=saved["step"],
+            nonfinite_total=saved.get("nonfinite_total", fresh.nonfinite_total),
+            nonfinite_consecutive=saved.get("nonfinite_consecutive", fresh.nonfinite_consecutive),
+            last_val=saved.get("last_val", fresh.last_val),
+            last_train_reward=saved.get("last_train_reward", fresh.last_train_reward),
+            saved_step=saved["step"],
+        )
+
+    def checkpoint_record(self, data_position: int) -> dict:
+        """The loop state a checkpoint saves (``rlvr.checkpoint.save_checkpoint``'s ``state``)."""
+        return {
+            "nonfinite_total": self.nonfinite_total,
+            "nonfinite_consecutive": self.nonfinite_consecutive,
+            "last_val": self.last_val,
+            "last_train_reward": self.last_train_reward,
+            "data_position": data_position,
+        }
+
+
+@dataclass
+class Scores:
+    """The rewards of one batch's responses, row for row."""
+
+    rewards: torch.Tensor
+    meta: dict
+    """``score_responses``'s: means, the per-row format rewards and the extra numbers the reward logs."""
+    ground_truths: list[str]
+
+
+@dataclass
+class TrainBatch:
+    """What the updates of one step train on."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    response_mask: torch.Tensor
+    advantages: torch.Tensor
+    old_log_probs: torch.Tensor | None
+    """The sampling weights' log-probs, when the run uses or checks them."""
+
+
 # ---------------------------------------------------------------------------------------------
-# 3. One rollout step's pieces
+# 3. The phases of one rollout step
 # ---------------------------------------------------------------------------------------------
+
+
+def _step_examples(config: TrainConfig, train_examples, step: int) -> list:
+    return [
+        train_examples[i]
+        for i in batch_indices(len(train_examples), config.rollout.n_prompts_per_rollout_batch, step - 1, config.seed)
+    ]
+
+
+def _sampling_params(config: TrainConfig, step: int, prompt=None) -> SamplingParams:
+    from rlvr.task_config import build_prompt
+
+    r = config.rollout
+    prompt = prompt or build_prompt(config)
+    return SamplingParams(
+        n=r.group_size,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        max_new_tokens=r.max_new_tokens,
+        stop=prompt.stop,
+        include_stop_str_in_output=True,
+        seed=derive_seed(config.seed, "rollout", step),
+    )
+
+
+def _rollout_request(config: TrainConfig, train_examples, prompt=None) -> RolloutRequest:
+    """``request(s)``: the prompts and sampling parameters of 1-based step s (a pure function of the seed and s).
+    ``prompt``: the run's bound ``Prompt`` (default: the config's, which needs no tokenizer unless it is chat)."""
+    from rlvr.task_config import build_prompt
+
+    prompt = prompt or build_prompt(config)
+
+    def request(s: int):
+        prompts = [prompt.render(ex.question) for ex in _step_examples(config, train_examples, s)]
+        return prompts, _sampling_params(config, s, prompt)
+
+    return request
+
+
+def _make_rollouts(config: TrainConfig, engine: Engine, tokenizer, request: RolloutRequest) -> Rollouts:
+    """``AsyncRollouts`` over an engine that holds its own copy of the weights (hf-worker), else ``SyncRollouts``."""
+    from rlvr.engines.async_rollout import AsyncRollouts
+
+    if not isinstance(engine, WorkerEngine) and not config.engine.max_staleness:
+        return SyncRollouts(engine, tokenizer, request)
+    try:  # AsyncRollouts refuses an engine that is not a WorkerEngine (TypeError)
+        return AsyncRollouts(
+            cast(WorkerEngine, engine),
+            max_staleness=config.engine.max_staleness,
+            logprob_batch_size=config.optim.logprob_batch_size,
+            old_log_probs=REWEIGHTINGS[config.algorithm.reweighting].needs_old_log_probs,
+            request=request,
+            last_step=config.n_steps,
+        )
+    except (TypeError, ValueError) as e:
+        raise EngineError(f"engine.max_staleness={config.engine.max_staleness} cannot run on this engine: {e}") from e
+
+
+def _rollout(step: int, model, rollouts: Rollouts, request: RolloutRequest, log: dict) -> RolloutBatch:
+    """Phase 1: step ``step``'s batch from the run's rollouts (sampled ``max_staleness`` steps ago at most)."""
+    try:
+        batch = rollouts.next_batch(step, model)
+    except EngineError:
+        raise
+    except Exception as e:  # noqa: BLE001 - whatever the engine raised, the run stops with its cause
+        raise EngineError(
+            f"the rollout engine failed at step {step}: {type(e).__name__}: {e}. "
+            "Check the engine (its log, memory, the server)."
+        ) from e
+    if batch.step != step or batch.prompts != request(step)[0]:
+        raise EngineError(
+            f"the rollout queue handed over batch {batch.step} with other prompts at step {step}; this is "
+            "a bug in the rollout bookkeeping: please report it"
+        )
+    log.update(batch.metrics(current_version=step - 1))
+    return batch
 
 
 def _grade(reward_fn, responses, ground_truths, step: int, fields=None):
@@ -227,12 +433,37 @@ def _grade(reward_fn, responses, ground_truths, step: int, fields=None):
     try:
         raw, meta = score_responses(reward_fn, responses, ground_truths, fields)
     except Exception as e:  # noqa: BLE001 - any grader bug must stop the run, with its cause
-        raise GraderError(
-            f"the reward function failed at step {step}: {type(e).__name__}: {e}. Fix the grader."
-        ) from e
+        raise GraderError(f"the reward function failed at step {step}: {type(e).__name__}: {e}. Fix the grader.") from e
     if not torch.isfinite(raw).all():
-        raise GraderError(f"the reward function returned a non-finite reward at step {step}; rewards must be finite numbers")
+        raise GraderError(
+            f"the reward function returned a non-finite reward at step {step}; rewards must be finite numbers"
+        )
     return raw, meta
+
+
+def _score(config: TrainConfig, step: int, batch: RolloutBatch, reward_fn, examples: list, log: dict) -> Scores:
+    """Phase 2: grade every response against its question's ground truth (and the example's other fields)."""
+    G = config.rollout.group_size
+    completions = batch.flat_completions
+    truths = [ex.ground_truth for ex in examples for _ in range(G)]
+    t0 = time.perf_counter()
+    raw_rewards, reward_meta = _grade(
+        reward_fn, batch.responses, truths, step, [ex.fields for ex in examples for _ in range(G)]
+    )
+    log["time/reward"] = time.perf_counter() - t0
+    ks = sorted({k for k in (2**i for i in range(G.bit_length())) if k <= G} | {G})
+    log.update(
+        {
+            "train/reward": reward_meta["reward_mean"],
+            "train/format_reward": reward_meta["format_reward_mean"],
+            "train/answer_reward": reward_meta["answer_reward_mean"],
+            "train/response_length": sum(len(c.token_ids) for c in completions) / len(completions),
+            "train/truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
+            **{f"train/pass@{k}": v for k, v in pass_at_k(raw_rewards > 0.5, G, ks).items()},
+            **{f"train/{k}": v for k, v in reward_meta.get("logged", {}).items()},
+        }
+    )
+    return Scores(raw_rewards, reward_meta, truths)
 
 
 def _engine_agreement(completions, output_ids, old_log_probs, response_mask, eos_id) -> dict:
@@ -262,127 +493,283 @@ def _engine_agreement(completions, output_ids, old_log_probs, response_mask, eos
     return out
 
 
-def _step_examples(config: TrainConfig, train_examples, step: int) -> list:
-    return [train_examples[i] for i in batch_indices(len(train_examples), config.rollout.n_prompts_per_rollout_batch,
-                                                     step - 1, config.seed)]
-
-
-def _sampling_params(config: TrainConfig, step: int, prompt=None):
-    from rlvr.engines.base import SamplingParams
-    from rlvr.task_config import build_prompt
-
-    r = config.rollout
-    prompt = prompt or build_prompt(config)
-    return SamplingParams(n=r.group_size, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                          stop=prompt.stop, include_stop_str_in_output=True,
-                          seed=derive_seed(config.seed, "rollout", step))
-
-
-def _rollout_request(config: TrainConfig, train_examples, prompt=None):
-    """``request(s)``: the prompts and sampling parameters of 1-based step s (a pure function of the seed and s).
-    ``prompt``: the run's bound ``Prompt`` (default: the config's, which needs no tokenizer unless it is chat)."""
-    from rlvr.task_config import build_prompt
-
-    prompt = prompt or build_prompt(config)
-
-    def request(s: int):
-        prompts = [prompt.render(ex.question) for ex in _step_examples(config, train_examples, s)]
-        return prompts, _sampling_params(config, s, prompt)
-
-    return request
-
-
-def _make_rollouts(config: TrainConfig, engine):
-    """An ``AsyncRollouts`` over an engine that holds its own copy of the weights (hf-worker), else None."""
-    from rlvr.engines.async_rollout import AsyncRollouts
-
-    capable = all(hasattr(engine, m) for m in ("snapshot", "load_snapshot", "rollout"))
-    if not capable and not config.engine.max_staleness:
-        return None
-    try:
-        return AsyncRollouts(engine, max_staleness=config.engine.max_staleness,
-                             logprob_batch_size=config.optim.logprob_batch_size,
-                             old_log_probs=REWEIGHTINGS[config.algorithm.reweighting].needs_old_log_probs)
-    except (TypeError, ValueError) as e:
-        raise EngineError(f"engine.max_staleness={config.engine.max_staleness} cannot run on this engine: {e}") from e
-
-
-def _sample_in_process(config: TrainConfig, step: int, model, engine, train_examples, metrics: dict, prompt=None):
-    """Sync the engine, generate step ``step``'s batch; returns (prompts, groups, None)."""
+def _old_log_probs(
+    config: TrainConfig, step: int, batch: RolloutBatch, model, tokenizer, uses_old_log_probs: bool, log: dict
+) -> torch.Tensor | None:
+    """The sampling weights' log-probs of the batch, when the update uses them or the engine's are checked
+    against them: the rollouts' own (a worker sends them), else the trainer's, which are the sampling
+    weights only when nothing ran ahead."""
+    check_every = config.log.engine_logprob_check_every
+    completions = batch.flat_completions
+    engine_has_logprobs = any(c.logprobs is not None for c in completions)
+    check = engine_has_logprobs and (config.off_policy or (check_every and step % check_every == 0))
+    old_log_probs = batch.old_log_probs
+    if old_log_probs is None and batch.weight_version != step - 1 and (uses_old_log_probs or check):
+        raise EngineError(
+            f"batch {step} was sampled by weight version {batch.weight_version} but came without old "
+            "log-probs; the trainer's weights cannot stand in for them"
+        )
     t0 = time.perf_counter()
-    try:
-        sync_meta = engine.sync_weights(model) or {}
-    except Exception as e:  # noqa: BLE001
-        raise EngineError(f"the engine failed to take new weights at step {step}: {type(e).__name__}: {e}. "
-                          "Check the engine (its log, memory, the server).") from e
-    metrics["time/sync"] = time.perf_counter() - t0
-    metrics.update({k: v for k, v in sync_meta.items() if k != "time/sync" and isinstance(v, (int, float))})
-    prompts, params = _rollout_request(config, train_examples, prompt)(step)
-    t0 = time.perf_counter()
-    try:
-        groups = engine.generate(prompts, params)
-    except Exception as e:  # noqa: BLE001
-        raise EngineError(f"the engine failed to generate at step {step}: {type(e).__name__}: {e}. "
-                          "Check the engine (its log, memory, the server).") from e
-    metrics["time/generate"] = time.perf_counter() - t0
-    metrics.update({"rollout/weight_version": step - 1, "rollout/staleness": 0})
-    return prompts, groups, None
+    if old_log_probs is None and (uses_old_log_probs or check):
+        was_training = model.training
+        model.eval()
+        old_log_probs = compute_log_probs_batched(model, batch.input_ids, batch.labels, config.optim.logprob_batch_size)
+        model.train(was_training)
+    if check:
+        output_ids = tokenizer(batch.responses, add_special_tokens=False)["input_ids"]
+        log.update(
+            _engine_agreement(completions, output_ids, old_log_probs, batch.response_mask, tokenizer.eos_token_id)
+        )
+    log["time/logprobs"] = time.perf_counter() - t0
+    return old_log_probs
 
 
-def _sample_from_rollouts(config: TrainConfig, step: int, model, rollouts, train_examples, metrics: dict, prompt=None):
-    """Step ``step``'s batch from the rollout queue (sampled ``max_staleness`` steps ago at most);
-    returns (prompts, groups, RolloutBatch)."""
-    request = _rollout_request(config, train_examples, prompt)
+def _advantages(
+    config: TrainConfig, step: int, batch: RolloutBatch, scores: Scores, run: RunParts, log: dict
+) -> TrainBatch:
+    """Phase 3: group-normalised advantages and the old log-probs: what the updates train on."""
+    a = config.algorithm
     t0 = time.perf_counter()
-    try:
-        rb = rollouts.next_batch(step, model, request, last_step=config.n_steps)
-    except Exception as e:  # noqa: BLE001
-        raise EngineError(f"the rollout engine failed at step {step}: {type(e).__name__}: {e}. "
-                          "Check the engine (its log, memory, the server).") from e
-    metrics["time/rollout_wait"] = time.perf_counter() - t0  # what the trainer waited; the rest overlapped
-    metrics.update(rb.metrics(current_version=step - 1))
-    prompts = request(step)[0]
-    if rb.step != step or rb.prompts != prompts:
-        raise EngineError(f"the rollout queue handed over batch {rb.step} with other prompts at step {step}; this is "
-                          "a bug in the rollout bookkeeping: please report it")
-    return prompts, rb.completions, rb
+    advantages, adv_meta = compute_group_normalized_rewards(
+        scores.rewards, config.rollout.group_size, a.baseline, a.advantage_eps, a.advantage_normalizer
+    )
+    log["time/reward"] += time.perf_counter() - t0
+    log["train/reward_std"] = adv_meta["reward_std"]
+    log["train/zero_adv_frac"] = adv_meta["zero_adv_frac"]
+    old_log_probs = _old_log_probs(
+        config, step, batch, run.model, run.tokenizer, run.update_spec.uses_old_log_probs, log
+    )
+    return TrainBatch(batch.input_ids, batch.labels, batch.response_mask, advantages, old_log_probs)
+
+
+def _gradient_variance(config: TrainConfig, run: RunParts, batch: TrainBatch, scores: Scores, log: dict) -> None:
+    """Diagnostic, before training on the batch: the per-group gradient variance of several estimators."""
+    a = config.algorithm
+    t0 = time.perf_counter()
+    log.update(
+        variance_metrics(
+            gradient_variance(
+                run.model,
+                batch.input_ids,
+                batch.labels,
+                batch.response_mask,
+                scores.rewards,
+                config.rollout.group_size,
+                a.loss_normalization,
+                a.normalization_constant,
+                config.train_batch_size,
+                a.baseline,
+                a.advantage_normalizer,
+                a.advantage_eps,
+                backbone=run.backbone,
+            )
+        )
+    )
+    log["time/gradient_variance"] = time.perf_counter() - t0
 
 
 def _minibatches(n_rows: int, train_batch: int, shuffle: bool, seed: int, step: int, epoch: int) -> list[list[int]]:
     if shuffle:
-        order = torch.randperm(n_rows, generator=torch.Generator().manual_seed(derive_seed(seed, "minibatch", step, epoch))).tolist()
+        order = torch.randperm(
+            n_rows, generator=torch.Generator().manual_seed(derive_seed(seed, "minibatch", step, epoch))
+        ).tolist()
     else:
         order = list(range(n_rows))
-    return [order[i:i + train_batch] for i in range(0, n_rows, train_batch)]
+    return [order[i : i + train_batch] for i in range(0, n_rows, train_batch)]
 
 
-def _validate(model, tokenizer, engine, config: TrainConfig, val_sets, step: int, run_dir: Path, prompt=None,
-              reward=None) -> dict:
+def _optimizer_step(run: RunParts, batch: TrainBatch, rows: list[int]) -> tuple[torch.Tensor, dict]:
+    """One ``policy_gradient_update`` on ``rows`` of the batch, as the run's ``UpdateSpec`` says."""
+    spec, rows_t = run.update_spec, torch.tensor(rows)
+    old = batch.old_log_probs[rows_t] if (batch.old_log_probs is not None and spec.uses_old_log_probs) else None
+    return policy_gradient_update(
+        run.model,
+        run.optimizer,
+        batch.input_ids[rows_t],
+        batch.labels[rows_t],
+        batch.response_mask[rows_t],
+        batch.advantages[rows_t],
+        gradient_accumulation_steps=spec.gradient_accumulation_steps,
+        max_grad_norm=spec.max_grad_norm,
+        importance_reweighting_method=spec.reweighting,
+        old_log_probs=old,
+        cliprange=spec.cliprange,
+        loss_normalization=spec.loss_normalization,
+        normalization_constant=spec.normalization_constant,
+        skip_zero_advantage=spec.skip_zero_advantage,
+        max_tokens_per_microbatch=spec.max_tokens_per_microbatch,
+        backbone=run.backbone,
+    )
+
+
+def _update(config: TrainConfig, step: int, run: RunParts, batch: TrainBatch, state: TrainState, log: dict) -> None:
+    """Phase 4: ``epochs`` passes over the batch in minibatches, one optimizer step each. A non-finite
+    step is skipped and counted; ``max_consecutive_nonfinite`` of them in a row stop the run."""
+    spec = run.update_spec
+    t0 = time.perf_counter()
+    state.in_update = True
+    run.model.train()
+    losses, grad_norms, entropies, clips, updates = [], [], [], [], []
+    n_updates = 0
+    lr_used = run.scheduler.get_last_lr()[0]
+    for epoch in range(spec.epochs):
+        for rows in _minibatches(len(batch.advantages), spec.train_batch_size, spec.shuffle, config.seed, step, epoch):
+            loss, meta = _optimizer_step(run, batch, rows)
+            with warnings.catch_warnings():
+                # A step whose rollouts all had zero advantage takes no optimizer step; the schedule
+                # still advances so that lr stays a function of the step count.
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+                run.scheduler.step()
+            n_updates += 1
+            updates.append({"update": n_updates, **update_record(float(loss), meta)})
+            if meta.get("skipped_nonfinite"):
+                state.nonfinite_total += 1
+                state.nonfinite_consecutive += 1
+                if state.nonfinite_consecutive >= config.max_consecutive_nonfinite:
+                    raise NonFiniteError(
+                        f"{state.nonfinite_consecutive} optimizer steps in a row had a non-finite loss or gradient norm "
+                        f"(at step {step}), so the run stops. Lower optim.lr, check the data "
+                        "and rewards, or raise max_consecutive_nonfinite."
+                    )
+                continue
+            state.nonfinite_consecutive = 0
+            losses.append(float(loss))
+            grad_norms.append(meta["grad_norm"])
+            if meta["n_tokens"]:
+                entropies.append(meta["entropy"])
+            if "clip_fraction" in meta:
+                clips.append(meta["clip_fraction"])
+    log["time/train"] = time.perf_counter() - t0
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    log.update(
+        {
+            "train/loss": mean(losses) if losses else 0.0,
+            "train/grad_norm": mean(grad_norms) if grad_norms else 0.0,
+            "train/grad_norm_max": max(grad_norms) if grad_norms else 0.0,
+            "train/entropy": mean(entropies) if entropies else None,  # nothing went through the model
+            "train/n_updates": n_updates,
+            "train/skipped_nonfinite": state.nonfinite_total,
+            "lr": lr_used,
+        }
+    )
+    if REWEIGHTINGS[spec.reweighting].needs_cliprange:
+        log["train/clip_fraction"] = mean(clips) if clips else 0.0
+    if config.off_policy or config.engine.max_staleness:
+        log["updates"] = updates  # one record per optimizer step of this rollout batch (not a plotted series)
+
+
+def _dump_rollouts(
+    config: TrainConfig, step: int, run_dir: Path, batch: RolloutBatch, scores: Scores, train_batch: TrainBatch
+) -> None:
+    """Phase 5: the step's rollouts, with their rewards and advantages, to DIR/rollouts/step_N.jsonl."""
+    G = config.rollout.group_size
+    completions, responses = batch.flat_completions, batch.responses
+    n_train_tokens = train_batch.response_mask.sum(dim=1).tolist()  # the tokens the loss saw (engine ids may add EOS)
+    write_jsonl(
+        run_dir / "rollouts" / f"step_{step}.jsonl",
+        [
+            {
+                "step": step,
+                "weight_version": batch.weight_version,
+                "group": i // G,
+                "prompt": batch.prompts[i // G],
+                "response": responses[i],
+                "ground_truth": scores.ground_truths[i],
+                "reward": float(scores.rewards[i]),
+                "format_reward": float(scores.meta["format_rewards"][i]),
+                "advantage": float(train_batch.advantages[i]),
+                "finish_reason": completions[i].finish_reason,
+                "n_tokens": len(completions[i].token_ids),
+                "n_train_tokens": n_train_tokens[i],
+            }
+            for i in range(len(responses))
+        ],
+    )
+
+
+def _rollout_step(config: TrainConfig, step: int, run_dir: Path, run: RunParts, state: TrainState) -> dict:
+    """Phases 1-5 of the module docstring for 1-based rollout step ``step``; returns its metrics."""
+    log: dict = {"step": step}
+    t_step = time.perf_counter()
+    batch = _rollout(step, run.model, run.rollouts, run.request, log)
+    scores = _score(config, step, batch, run.reward_fn, _step_examples(config, run.train_examples, step), log)
+    train_batch = _advantages(config, step, batch, scores, run, log)
+    if config.log.gradient_variance_every and step % config.log.gradient_variance_every == 0:
+        _gradient_variance(config, run, train_batch, scores, log)
+    _update(config, step, run, train_batch, state, log)
+
+    n_prompts = config.rollout.n_prompts_per_rollout_batch
+    log["data/position"] = step * n_prompts
+    log["data/epoch"] = (step * n_prompts) // len(run.train_examples)
+    log["time/step"] = time.perf_counter() - t_step
+    n_gen_tokens = sum(len(c.token_ids) for c in batch.flat_completions)
+    log["tokens_per_s"] = n_gen_tokens / log["time/generate"] if log["time/generate"] > 0 else 0.0
+    if torch.cuda.is_available():
+        log["mem/peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
+    if config.dump_every and step % config.dump_every == 0:
+        _dump_rollouts(config, step, run_dir, batch, scores, train_batch)
+    return log
+
+
+def _validate(
+    model, tokenizer, engine: Engine, config: TrainConfig, val_sets, step: int, run_dir: Path, prompt=None, reward=None
+) -> dict:
     """Validate on each ``(name, examples)`` of ``val_sets`` (a bare list of examples: one unnamed set).
     The first set is logged as val/reward, ...; each named one also as val/NAME/accuracy, ..."""
-    from rlvr.engines.base import SamplingParams
     from rlvr.evaluate import evaluate
     from rlvr.task_config import validation_metrics
 
     if val_sets and not isinstance(val_sets[0], tuple):
         val_sets = [("", val_sets)]
     r = config.rollout
-    params = SamplingParams(n=1, temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                            seed=derive_seed(config.seed, "val"))
+    params = SamplingParams(
+        n=1,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        max_new_tokens=r.max_new_tokens,
+        seed=derive_seed(config.seed, "val"),
+    )
     t0 = time.perf_counter()
     out, dump = {}, []
     for i, (name, examples) in enumerate(val_sets):
         try:
-            metrics, samples = evaluate(model, tokenizer, examples, prompt or config.prompt, engine=engine, params=params,
-                                        chunk_size=max(1, config.engine.max_batch_size), reward=reward)
+            metrics, samples = evaluate(
+                model,
+                tokenizer,
+                examples,
+                prompt or config.prompt,
+                engine=engine,
+                params=params,
+                chunk_size=max(1, config.engine.max_batch_size),
+                reward=reward,
+            )
         except Exception as e:  # noqa: BLE001
-            raise EngineError(f"validation{' on ' + name if name else ''} failed at step {step}: {type(e).__name__}: {e}.") from e
+            raise EngineError(
+                f"validation{' on ' + name if name else ''} failed at step {step}: {type(e).__name__}: {e}."
+            ) from e
         out.update(validation_metrics(metrics, name, first=i == 0))
         dump += [dict(s, val_set=name) if name else s for s in samples[: config.log.val_samples]]
     if config.log.val_samples:
         write_jsonl(run_dir / "rollouts" / f"val_step_{step}.jsonl", dump)
     out["time/eval"] = time.perf_counter() - t0
     return out
+
+
+def _validation_due(config: TrainConfig, step: int) -> bool:
+    return bool((config.eval_every and step % config.eval_every == 0) or step == config.n_steps)
+
+
+def _validation(config: TrainConfig, step: int, run_dir: Path, run: RunParts, state: TrainState) -> dict:
+    """Validate after step ``step`` through the run's rollouts (never racing a rollout for the engine) and
+    keep the result in ``state.last_val``; returns the metrics to log (none without validation data)."""
+    if not run.val_examples:
+        return {}
+    engine = run.rollouts.engine_for_eval(run.model, step)
+    val = _validate(
+        run.model, run.tokenizer, engine, config, run.val_examples, step, run_dir, run.prompt, run.val_reward
+    )
+    state.last_val = {k: v for k, v in val.items() if k.startswith("val/")}
+    return val
 
 
 # ---------------------------------------------------------------------------------------------
@@ -409,30 +796,40 @@ def _prepare_run_dir(config: TrainConfig, run_dir: Path, resume: bool) -> tuple[
     summary = read_summary(run_dir)
     if resume and summary and summary.get("status") == "finished" and summary.get("step", -1) >= config.n_steps:
         if summary["step"] > config.n_steps:
-            raise ConfigError(f"{run_dir} finished at step {summary['step']} already, past n_steps={config.n_steps}; "
-                              f"a run cannot be shortened: resume with --n_steps {summary['step']} or more")
+            raise ConfigError(
+                f"{run_dir} finished at step {summary['step']} already, past n_steps={config.n_steps}; "
+                f"a run cannot be shortened: resume with --n_steps {summary['step']} or more"
+            )
         return None, True
     if not resume and (list_checkpoints(run_dir) or damaged_checkpoints(run_dir)):
-        raise ConfigError(f"{run_dir} already holds a run; resume it (`rlvr train --resume {run_dir}`) or choose a new --out")
+        raise ConfigError(
+            f"{run_dir} already holds a run; resume it (`rlvr train --resume {run_dir}`) or choose a new --out"
+        )
     ckpt = resumable_checkpoint(run_dir) if resume else None
     if ckpt is not None:
         at = int(ckpt.name.split("_")[1])
         if at > config.n_steps:
-            raise ConfigError(f"{run_dir} is at step {at} already, past n_steps={config.n_steps}; a run cannot be "
-                              f"shortened: resume with --n_steps {at} or more")
+            raise ConfigError(
+                f"{run_dir} is at step {at} already, past n_steps={config.n_steps}; a run cannot be "
+                f"shortened: resume with --n_steps {at} or more"
+            )
         saved = _read_run_config(run_dir)
         if saved is not None:
             diffs = [d for d in config_differences(saved, config) if not d.startswith(RESUMABLE_CHANGES)]
             if diffs:
-                raise ConfigError(f"cannot resume {run_dir} with a different config: {', '.join(diffs)} changed; "
-                                  "resume with the saved config (only n_steps, cadences and logging may change)")
+                raise ConfigError(
+                    f"cannot resume {run_dir} with a different config: {', '.join(diffs)} changed; "
+                    "resume with the saved config (only n_steps, cadences and logging may change)"
+                )
     else:
         # Nothing was checkpointed, so nothing can be continued: the run starts over (under the
         # config given now, which may fix what stopped the last attempt).
         stale = [name for name in ("metrics.jsonl", "summary.json") if (run_dir / name).exists()]
         if stale:
-            print(f"rlvr: {run_dir} holds a run that stopped before its first checkpoint; starting it again from step 0",
-                  file=sys.stderr)
+            print(
+                f"rlvr: {run_dir} holds a run that stopped before its first checkpoint; starting it again from step 0",
+                file=sys.stderr,
+            )
         for name in stale:
             (run_dir / name).unlink()
     save_config(config, run_dir / "config.json")
@@ -444,7 +841,8 @@ def _read_run_config(run_dir: Path) -> TrainConfig | None:
     if not path.is_file():
         return None
     try:
-        return TrainConfig.from_dict(json.loads(path.read_text()))
+        # Written by rlvr, maybe by a version whose engine options had not moved yet.
+        return TrainConfig.from_dict(upgrade_moved_keys(json.loads(path.read_text())))
     except (ValueError, OSError) as e:  # ConfigError is a ValueError too
         raise ConfigError(f"{path} cannot be read ({e}); start a new run with --config FILE --out DIR") from None
 
@@ -460,8 +858,16 @@ def _refresh_lr(optimizer, scheduler) -> None:
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
-def train(config: TrainConfig, out_dir: str | Path, resume: bool = False, *, model=None, tokenizer=None,
-          reward_fn=None, engine=None) -> Path:
+def train(
+    config: TrainConfig,
+    out_dir: str | Path,
+    resume: bool = False,
+    *,
+    model=None,
+    tokenizer=None,
+    reward_fn=None,
+    engine=None,
+) -> Path:
     """Train a policy as ``config`` says, writing everything to ``out_dir``; returns ``out_dir``.
 
     With ``resume`` the run continues from the newest checkpoint in ``out_dir`` (or starts if there is
@@ -489,8 +895,10 @@ def train(config: TrainConfig, out_dir: str | Path, resume: bool = False, *, mod
         return _train(config, run_dir, ckpt, model=model, tokenizer=tokenizer, reward_fn=reward_fn, engine=engine)
 
 
-def _train(config: TrainConfig, run_dir: Path, ckpt: Path | None, *, model, tokenizer, reward_fn, engine) -> Path:
-    """The run itself, in a locked and prepared run directory, from ``ckpt`` (None: from step 0)."""
+def _setup(
+    config: TrainConfig, run_dir: Path, ckpt: Path | None, *, model, tokenizer, reward_fn, own_engine: bool
+) -> tuple[RunParts, TrainState]:
+    """Seeds, data, policy, optimizer and the loop state (restored from ``ckpt``); nothing is started yet."""
     if model is None and ckpt is None and config.model.fresh is None:
         from rlvr.modeling import check_model_source
 
@@ -507,8 +915,10 @@ def _train(config: TrainConfig, run_dir: Path, ckpt: Path | None, *, model, toke
     from rlvr.task_config import build_prompt, check_chat_tokenizer, load_task_data, prepare_reward
 
     train_examples, val_examples = load_task_data(config)
-    config.check_data(len(train_examples), len(val_examples[0][1]) if val_examples and not val_examples[0][0]
-                      else config.data.val_size)
+    config.check_data(
+        len(train_examples),
+        len(val_examples[0][1]) if val_examples and not val_examples[0][0] else config.data.val_size,
+    )
     prompt = build_prompt(config)
     if prompt.kind == "chat" and model is None and ckpt is None:
         check_chat_tokenizer(config.model.name_or_path)
@@ -519,7 +929,7 @@ def _train(config: TrainConfig, run_dir: Path, ckpt: Path | None, *, model, toke
     device = torch.device(config.policy_device)
     dtype = _dtype(config.model.dtype, device)
     if model is None:
-        if engine is None:
+        if own_engine:
             _check_engine_runs_model(config)
         model, tokenizer = _load_policy(config, train_examples, device, dtype, ckpt)
     else:
@@ -533,283 +943,187 @@ def _train(config: TrainConfig, run_dir: Path, ckpt: Path | None, *, model, toke
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     backbone = compile_backbone(model) if config.model.compile else None
     optimizer, scheduler = _optimizer_and_scheduler(config, model, device)
-    loop = {"nonfinite_total": 0, "nonfinite_consecutive": 0, "last_val": {}, "last_train_reward": None}
-    start_step = 0
+    state = TrainState()
     if ckpt is not None:
-        loop.update(load_trainer_state(ckpt, optimizer, scheduler))
-        start_step = loop.pop("step")
+        state = TrainState.from_checkpoint(load_trainer_state(ckpt, optimizer, scheduler))
         _refresh_lr(optimizer, scheduler)
-        truncate_metrics(run_dir / "metrics.jsonl", start_step)
+        truncate_metrics(run_dir / "metrics.jsonl", state.step)
+    run = RunParts(
+        model=model,
+        tokenizer=tokenizer,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        backbone=backbone,
+        update_spec=UpdateSpec.from_config(config),
+        reward_fn=reward_fn,
+        val_reward=val_reward,
+        prompt=prompt,
+        train_examples=train_examples,
+        val_examples=val_examples,
+        request=_rollout_request(config, train_examples, prompt),
+    )
+    return run, state
 
-    own_engine = engine is None
-    rollouts = None
-    logger = None
-    step = completed = start_step
-    saved_step = start_step if ckpt is not None else None
-    progress = {"dirty": False}  # True from the first update of a step until that step is logged
-    t_start = time.perf_counter()
 
-    def checkpoint(at: int):
-        nonlocal saved_step
-        if saved_step == at:
+def _start_rollouts(
+    config: TrainConfig, run: RunParts, engine: Engine | None, resources: contextlib.ExitStack
+) -> Rollouts:
+    """The engine (built from the config unless given) and the rollouts over it, each closed by ``resources``."""
+    if engine is None:
+        try:
+            engine = _make_engine(config, run.model, run.tokenizer)
+        except Exception as e:  # noqa: BLE001
+            raise EngineError(f"could not start the {config.engine.name} engine: {type(e).__name__}: {e}") from e
+        resources.callback(engine.close)
+    rollouts = _make_rollouts(config, engine, run.tokenizer, run.request)
+    # Closed before the engine: it waits for the request in flight.
+    resources.callback(rollouts.close)
+    return rollouts
+
+
+class RunRecord:
+    """What the run directory says about the run: its checkpoints and ``summary.json``."""
+
+    def __init__(self, config: TrainConfig, run_dir: Path, run: RunParts, state: TrainState):
+        self.config, self.run_dir, self.run, self.state = config, run_dir, run, state
+        self.t_start = time.perf_counter()
+
+    def checkpoint(self) -> None:
+        """Save the state after the last logged step (once per step)."""
+        state, run, at = self.state, self.run, self.state.step
+        if state.saved_step == at:
             return
-        save_checkpoint(run_dir, at, model, tokenizer, optimizer, scheduler,
-                        state={**loop, "data_position": at * config.rollout.n_prompts_per_rollout_batch},
-                        keep=config.keep_checkpoints)
-        saved_step = at
+        save_checkpoint(
+            self.run_dir,
+            at,
+            run.model,
+            run.tokenizer,
+            run.optimizer,
+            run.scheduler,
+            state=state.checkpoint_record(at * self.config.rollout.n_prompts_per_rollout_batch),
+            keep=self.config.keep_checkpoints,
+        )
+        state.saved_step = at
 
-    def finish(status: str, message: str = ""):
-        _write_summary(run_dir, status=status, step=step, n_steps=config.n_steps, final=loop["last_val"],
-                       final_train_reward=loop["last_train_reward"], nonfinite_skipped=loop["nonfinite_total"],
-                       last_checkpoint=saved_step, message=message, wall_time_s=time.perf_counter() - t_start)
+    def summary(self, status: str, message: str = "") -> None:
+        s = self.state
+        _write_summary(
+            self.run_dir,
+            status=status,
+            step=s.step,
+            n_steps=self.config.n_steps,
+            final=s.last_val,
+            final_train_reward=s.last_train_reward,
+            nonfinite_skipped=s.nonfinite_total,
+            last_checkpoint=s.saved_step,
+            message=message,
+            wall_time_s=time.perf_counter() - self.t_start,
+        )
 
-    def resume_hint() -> str:
-        if saved_step is None:
-            return (f"No checkpoint was saved yet, so nothing is lost beyond the steps run: fix the cause and run "
-                    f"`rlvr train --resume {run_dir}` to start again from step 0.")
-        return f"The checkpoint of step {saved_step} is intact: fix the cause and resume with `rlvr train --resume {run_dir}`."
+    def resume_hint(self) -> str:
+        if self.state.saved_step is None:
+            return (
+                f"No checkpoint was saved yet, so nothing is lost beyond the steps run: fix the cause and run "
+                f"`rlvr train --resume {self.run_dir}` to start again from step 0."
+            )
+        return (
+            f"The checkpoint of step {self.state.saved_step} is intact: fix the cause and resume with "
+            f"`rlvr train --resume {self.run_dir}`."
+        )
 
-    try:
-        finish("running")
-        if own_engine:
-            try:
-                engine = _make_engine(config, model, tokenizer)
-            except Exception as e:  # noqa: BLE001
-                raise EngineError(f"could not start the {config.engine.name} engine: {type(e).__name__}: {e}") from e
-        rollouts = _make_rollouts(config, engine)
-
-        def eval_engine(version: int):
-            # Through the rollout queue, after a load of the current weights: never racing a rollout.
-            return engine if rollouts is None else rollouts.engine_for_eval(model, version)
-
-        logger = MetricsLogger(run_dir, config.to_dict(), wandb=config.log.wandb, wandb_project=config.log.wandb_project,
-                               tensorboard=config.log.tensorboard)
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=config.n_steps, initial=start_step, desc="train", unit="step", disable=not config.log.progress,
-                   dynamic_ncols=True)
-        if start_step == 0 and config.eval_at_start and val_examples:
-            loop["last_val"] = {k: v for k, v in _validate(model, tokenizer, eval_engine(0), config, val_examples, 0,
-                                                           run_dir, prompt, val_reward).items()
-                                if k.startswith("val/")}
-            logger.log({"step": 0, **loop["last_val"]})
-        for step in range(start_step + 1, config.n_steps + 1):
-            with DeferInterrupts() as deferred:
-                metrics = _rollout_step(config, step, model, tokenizer, engine, optimizer, scheduler, reward_fn,
-                                        train_examples, loop, run_dir, mark_dirty=lambda: progress.update(dirty=True),
-                                        rollouts=rollouts, backbone=backbone, prompt=prompt)
-                if (config.eval_every and step % config.eval_every == 0) or step == config.n_steps:
-                    if val_examples:
-                        val = _validate(model, tokenizer, eval_engine(step), config, val_examples, step, run_dir,
-                                        prompt, val_reward)
-                        metrics.update(val)
-                        loop["last_val"] = {k: v for k, v in val.items() if k.startswith("val/")}
-                logger.log(metrics)
-                progress["dirty"] = False
-                completed = step
-                if config.save_every and step % config.save_every == 0:
-                    checkpoint(step)
-            loop["last_train_reward"] = metrics["train/reward"]
-            bar.set_postfix(progress_postfix(metrics, loop["last_val"]))
-            bar.update(1)
-            deferred.raise_if_requested()
-        bar.close()
-        step = config.n_steps
-        checkpoint(step)
-        finish("finished")
-        return run_dir
-    except KeyboardInterrupt as e:
-        interrupted_at, step = step, completed
+    def interrupted(self, e: KeyboardInterrupt) -> None:
+        """Save what is whole (a step interrupted during its updates is not) and say how to go on."""
         how = "stopped by SIGTERM" if isinstance(e, Terminated) else "interrupted"
-        if not progress["dirty"]:
-            checkpoint(completed)
-            msg = f"{how}; saved a checkpoint at step {completed}: resume with `rlvr train --resume {run_dir}`"
+        if not self.state.in_update:
+            self.checkpoint()
+            msg = (
+                f"{how}; saved a checkpoint at step {self.state.step}: resume with `rlvr train --resume {self.run_dir}`"
+            )
         else:
-            msg = f"{how} in the middle of step {interrupted_at}'s updates, so that step was not saved. " + resume_hint()
-        finish("interrupted", msg)
+            msg = (
+                f"{how} in the middle of step {self.state.step + 1}'s updates, so that step was not saved. "
+                + self.resume_hint()
+            )
+        self.summary("interrupted", msg)
         print(f"rlvr: {msg}", file=sys.stderr)
-        raise
-    except TrainingError as e:
-        step = completed
+
+    def failed(self, e: TrainingError) -> None:
         text = str(e).rstrip()
-        e.args = (f"{text}{'' if text.endswith('.') else '.'} {resume_hint()}",)  # what is on disk is known only here
-        finish("failed", str(e))
-        raise
-    finally:
-        if logger is not None:
-            logger.close()
-        if rollouts is not None:  # before the engine: it waits for the request in flight
-            rollouts.close()
-        if own_engine and engine is not None:
-            engine.close()
-        val_reward.close()
+        e.args = (
+            f"{text}{'' if text.endswith('.') else '.'} {self.resume_hint()}",
+        )  # what is on disk is known only here
+        self.summary("failed", str(e))
+
+
+def _train(config: TrainConfig, run_dir: Path, ckpt: Path | None, *, model, tokenizer, reward_fn, engine) -> Path:
+    """The run itself, in a locked and prepared run directory, from ``ckpt`` (None: from step 0)."""
+    run, state = _setup(
+        config, run_dir, ckpt, model=model, tokenizer=tokenizer, reward_fn=reward_fn, own_engine=engine is None
+    )
+    record = RunRecord(config, run_dir, run, state)
+    # The reward, engine, rollouts, logger and progress bar: closed on every way out, in reverse order.
+    with contextlib.ExitStack() as resources:
+        resources.callback(run.val_reward.close)
+        try:
+            record.summary("running")
+            run.rollouts = _start_rollouts(config, run, engine, resources)
+            logger = MetricsLogger(
+                run_dir,
+                config.to_dict(),
+                wandb=config.log.wandb,
+                wandb_project=config.log.wandb_project,
+                tensorboard=config.log.tensorboard,
+            )
+            resources.callback(logger.close)
+            from tqdm.auto import tqdm
+
+            bar = tqdm(
+                total=config.n_steps,
+                initial=state.step,
+                desc="train",
+                unit="step",
+                disable=not config.log.progress,
+                dynamic_ncols=True,
+            )
+            resources.callback(bar.close)
+
+            if state.step == 0 and config.eval_at_start and run.val_examples:
+                _validation(config, 0, run_dir, run, state)
+                logger.log({"step": 0, **state.last_val})
+            for step in range(state.step + 1, config.n_steps + 1):
+                with DeferInterrupts() as deferred:
+                    metrics = _rollout_step(config, step, run_dir, run, state)  # rollout, score, advantages, update
+                    if _validation_due(config, step):
+                        metrics.update(_validation(config, step, run_dir, run, state))
+                    logger.log(metrics)
+                    state.step, state.in_update = step, False
+                    if config.save_every and step % config.save_every == 0:
+                        record.checkpoint()
+                state.last_train_reward = metrics["train/reward"]
+                bar.set_postfix(progress_postfix(metrics, state.last_val))
+                bar.update(1)
+                deferred.raise_if_requested()
+            record.checkpoint()
+            record.summary("finished")
+            return run_dir
+        except KeyboardInterrupt as e:
+            record.interrupted(e)
+            raise
+        except TrainingError as e:
+            record.failed(e)
+            raise
 
 
 def progress_postfix(metrics: dict, last_val: dict) -> dict:
     """What the progress bar shows after a step: train reward, loss, gradient norm, last val reward."""
-    postfix = {"reward": f"{metrics['train/reward']:.3f}", "loss": f"{metrics['train/loss']:.4g}",
-               "gnorm": f"{metrics['train/grad_norm']:.3g}"}
+    postfix = {
+        "reward": f"{metrics['train/reward']:.3f}",
+        "loss": f"{metrics['train/loss']:.4g}",
+        "gnorm": f"{metrics['train/grad_norm']:.3g}",
+    }
     if "val/reward" in last_val:
         postfix["val"] = f"{last_val['val/reward']:.3f}"
     return postfix
-
-
-def _rollout_step(config: TrainConfig, step: int, model, tokenizer, engine, optimizer, scheduler, reward_fn,
-                  train_examples, loop: dict, run_dir: Path, mark_dirty, rollouts=None, backbone=None, prompt=None) -> dict:
-    """Steps 1-6 of the module docstring for 1-based rollout step ``step``; returns its metrics.
-
-    With ``rollouts`` (an ``AsyncRollouts``) the batch, its tokenisation and its old log-probs come
-    from the rollout queue instead of ``engine``."""
-    r, a, o = config.rollout, config.algorithm, config.optim
-    G, P = r.group_size, r.n_prompts_per_rollout_batch
-    metrics: dict = {"step": step}
-    t_step = time.perf_counter()
-
-    if rollouts is None:
-        prompts, groups, rb = _sample_in_process(config, step, model, engine, train_examples, metrics, prompt)
-    else:
-        prompts, groups, rb = _sample_from_rollouts(config, step, model, rollouts, train_examples, metrics, prompt)
-    examples = _step_examples(config, train_examples, step)
-    if len(groups) != P or any(len(g) != G for g in groups):
-        raise EngineError(f"the engine returned {[len(g) for g in groups]} completions for {P} prompts x {G} samples at step {step}")
-    completions = [c for g in groups for c in g]
-    responses = [c.text for c in completions]
-    truths = [ex.ground_truth for ex in examples for _ in range(G)]
-    n_gen_tokens = sum(len(c.token_ids) for c in completions)
-
-    t0 = time.perf_counter()
-    raw_rewards, reward_meta = _grade(reward_fn, responses, truths, step, [ex.fields for ex in examples for _ in range(G)])
-    advantages, adv_meta = compute_group_normalized_rewards(raw_rewards, G, a.baseline, a.advantage_eps, a.advantage_normalizer)
-    metrics["time/reward"] = time.perf_counter() - t0
-    ks = sorted({k for k in (2 ** i for i in range(G.bit_length())) if k <= G} | {G})
-    metrics.update({
-        "train/reward": reward_meta["reward_mean"],
-        "train/format_reward": reward_meta["format_reward_mean"],
-        "train/answer_reward": reward_meta["answer_reward_mean"],
-        "train/reward_std": adv_meta["reward_std"],
-        "train/response_length": n_gen_tokens / len(completions),
-        "train/truncated_frac": sum(c.finish_reason == "length" for c in completions) / len(completions),
-        "train/zero_adv_frac": adv_meta["zero_adv_frac"],
-        **{f"train/pass@{k}": v for k, v in pass_at_k(raw_rewards > 0.5, G, ks).items()},
-        **{f"train/{k}": v for k, v in reward_meta.get("logged", {}).items()},
-    })
-
-    # Tokenise from text (what every engine returns) so that training sees the same ids whatever the
-    # engine; the rollout queue's worker did exactly this, next to the old log-probs it computed.
-    t0 = time.perf_counter()
-    output_ids = tokenizer(responses, add_special_tokens=False)["input_ids"]
-    if rb is None:
-        prompt_ids = tokenizer(prompts, add_special_tokens=False)["input_ids"]
-        batch = tokenize_from_ids([prompt_ids[i // G] for i in range(len(responses))], output_ids, pad_token_id(tokenizer))
-    else:
-        batch = {"input_ids": rb.input_ids, "labels": rb.labels, "response_mask": rb.response_mask}
-    metrics["time/tokenize"] = time.perf_counter() - t0
-
-    method = REWEIGHTINGS[a.reweighting]
-    check_every = config.log.engine_logprob_check_every
-    engine_has_logprobs = any(c.logprobs is not None for c in completions)
-    # Off-policy by design; on-policy only when the method demands them. Off-policy runs whose method
-    # ignores them still get them, for the importance ratios logged per update.
-    need_old = method.needs_old_log_probs or config.off_policy
-    check = engine_has_logprobs and (config.off_policy or (check_every and step % check_every == 0))
-    # Old log-probs must be those of the weights that sampled the batch: the worker's when it sent
-    # them, else the trainer's own, which are the sampling weights only when nothing ran ahead.
-    old_log_probs = rb.old_log_probs if rb is not None else None
-    if old_log_probs is None and rb is not None and rb.weight_version != step - 1 and (need_old or check):
-        raise EngineError(f"batch {step} was sampled by weight version {rb.weight_version} but came without old "
-                          "log-probs; the trainer's weights cannot stand in for them")
-    t0 = time.perf_counter()
-    if old_log_probs is None and (need_old or check):
-        was_training = model.training
-        model.eval()
-        old_log_probs = compute_log_probs_batched(model, batch["input_ids"], batch["labels"], o.logprob_batch_size)
-        model.train(was_training)
-    if check:
-        metrics.update(_engine_agreement(completions, output_ids, old_log_probs, batch["response_mask"],
-                                         tokenizer.eos_token_id))
-    metrics["time/logprobs"] = time.perf_counter() - t0
-
-    if config.log.gradient_variance_every and step % config.log.gradient_variance_every == 0:
-        t0 = time.perf_counter()
-        metrics.update(variance_metrics(gradient_variance(
-            model, batch["input_ids"], batch["labels"], batch["response_mask"], raw_rewards, G, a.loss_normalization,
-            a.normalization_constant, config.train_batch_size, a.baseline, a.advantage_normalizer, a.advantage_eps,
-            backbone=backbone)))
-        metrics["time/gradient_variance"] = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    mark_dirty()
-    model.train()
-    losses, grad_norms, entropies, clips, updates = [], [], [], [], []
-    n_updates = 0
-    lr_used = scheduler.get_last_lr()[0]
-    for epoch in range(o.epochs_per_rollout_batch):
-        for rows in _minibatches(len(responses), config.train_batch_size, config.off_policy, config.seed, step, epoch):
-            rows_t = torch.tensor(rows)
-            loss, meta = policy_gradient_update(
-                model, optimizer, batch["input_ids"][rows_t], batch["labels"][rows_t], batch["response_mask"][rows_t],
-                advantages[rows_t], o.gradient_accumulation_steps, o.max_grad_norm, a.reweighting,
-                old_log_probs[rows_t] if (old_log_probs is not None and need_old) else None, a.cliprange,
-                a.loss_normalization, a.normalization_constant, skip_zero_advantage=a.skip_zero_advantage,
-                max_tokens_per_microbatch=o.max_tokens_per_microbatch, backbone=backbone,
-            )
-            with warnings.catch_warnings():
-                # A step whose rollouts all had zero advantage takes no optimizer step; the schedule
-                # still advances so that lr stays a function of the step count.
-                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
-                scheduler.step()
-            n_updates += 1
-            updates.append({"update": n_updates, **update_record(loss, meta)})
-            if meta.get("skipped_nonfinite"):
-                loop["nonfinite_total"] += 1
-                loop["nonfinite_consecutive"] += 1
-                if loop["nonfinite_consecutive"] >= config.max_consecutive_nonfinite:
-                    raise NonFiniteError(
-                        f"{loop['nonfinite_consecutive']} optimizer steps in a row had a non-finite loss or gradient norm "
-                        f"(at step {step}), so the run stops. Lower optim.lr, check the data "
-                        "and rewards, or raise max_consecutive_nonfinite."
-                    )
-                continue
-            loop["nonfinite_consecutive"] = 0
-            losses.append(float(loss))
-            grad_norms.append(meta["grad_norm"])
-            if meta["n_tokens"]:
-                entropies.append(meta["entropy"])
-            if "clip_fraction" in meta:
-                clips.append(meta["clip_fraction"])
-    metrics["time/train"] = time.perf_counter() - t0
-    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
-    metrics.update({
-        "train/loss": mean(losses) if losses else 0.0,
-        "train/grad_norm": mean(grad_norms) if grad_norms else 0.0,
-        "train/grad_norm_max": max(grad_norms) if grad_norms else 0.0,
-        "train/entropy": mean(entropies) if entropies else None,  # nothing went through the model
-        "train/n_updates": n_updates,
-        "train/skipped_nonfinite": loop["nonfinite_total"],
-        "lr": lr_used,
-        "data/position": step * P,
-        "data/epoch": (step * P) // len(train_examples),
-    })
-    if method.needs_cliprange:
-        metrics["train/clip_fraction"] = mean(clips) if clips else 0.0
-    if config.off_policy or config.engine.max_staleness:
-        metrics["updates"] = updates  # one record per optimizer step of this rollout batch (not a plotted series)
-    metrics["time/step"] = time.perf_counter() - t_step
-    metrics["tokens_per_s"] = n_gen_tokens / metrics["time/generate"] if metrics["time/generate"] > 0 else 0.0
-    if torch.cuda.is_available():
-        metrics["mem/peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
-
-    if config.dump_every and step % config.dump_every == 0:
-        n_train_tokens = batch["response_mask"].sum(dim=1).tolist()  # the tokens the loss saw (engine ids may add EOS)
-        write_jsonl(run_dir / "rollouts" / f"step_{step}.jsonl", [
-            {"step": step, "weight_version": metrics["rollout/weight_version"], "group": i // G,
-             "prompt": prompts[i // G], "response": responses[i], "ground_truth": truths[i],
-             "reward": float(raw_rewards[i]), "format_reward": float(reward_meta["format_rewards"][i]),
-             "advantage": float(advantages[i]), "finish_reason": completions[i].finish_reason,
-             "n_tokens": len(completions[i].token_ids), "n_train_tokens": n_train_tokens[i]}
-            for i in range(len(responses))
-        ])
-    return metrics
 
 
 # ---------------------------------------------------------------------------------------------
@@ -849,6 +1163,7 @@ def parse_command(argv: list[str]) -> tuple[TrainConfig, Path, bool]:
     pre.add_argument("--out")
     pre.add_argument("--resume")
     known, _ = pre.parse_known_args(argv)
+    check_moved_flags(argv)
     if known.resume:
         if known.config:
             raise ConfigError("--resume DIR reads DIR/config.json; do not pass --config with it")
@@ -857,13 +1172,19 @@ def parse_command(argv: list[str]) -> tuple[TrainConfig, Path, bool]:
             raise ConfigError("--resume DIR continues in DIR; drop --out or make it the same directory")
         base = _read_run_config(run_dir)
         if base is None:
-            raise ConfigError(f"{run_dir}/config.json not found: is {run_dir} a run directory? Start a new run with "
-                              f"--config FILE --out {run_dir}")
+            raise ConfigError(
+                f"{run_dir}/config.json not found: is {run_dir} a run directory? Start a new run with "
+                f"--config FILE --out {run_dir}"
+            )
     else:
         base = load_config_file(known.config) if known.config else TrainConfig()
         run_dir = Path(known.out) if known.out else None
-    default = TrainCommand(config=known.config and Path(known.config), out=known.out and Path(known.out),
-                           resume=known.resume and Path(known.resume), train=base)
+    default = TrainCommand(
+        config=known.config and Path(known.config),
+        out=known.out and Path(known.out),
+        resume=known.resume and Path(known.resume),
+        train=base,
+    )
     command = tyro.cli(TrainCommand, args=argv, default=default, prog="rlvr train", description=USAGE)
     if run_dir is None:
         raise ConfigError("--out DIR is required (where metrics, checkpoints and the config go)")

@@ -8,15 +8,29 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlvr.engines.decode_attention import (default_splits, prompt_runs, reference_decode_attention,
-                                           triton_available, triton_decode_attention)
+from rlvr.engines.decode_attention import (
+    default_splits,
+    prompt_runs,
+    reference_decode_attention,
+    triton_available,
+    triton_decode_attention,
+)
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="needs CUDA and Triton")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or not triton_available(), reason="needs CUDA and Triton"),
+]
 
 
-def case(head_dim: int, rows: int, seed: int, heads: int = 4, group: int = 8, prompt_slots: int = 150,
-         response_slots: int = 260):
+def case(
+    head_dim: int,
+    rows: int,
+    seed: int,
+    heads: int = 4,
+    group: int = 8,
+    prompt_slots: int = 150,
+    response_slots: int = 260,
+):
     g = torch.Generator(device="cuda").manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g, device="cuda").to(torch.bfloat16)  # noqa: E731
     groups = max(1, -(-rows // group))
@@ -46,18 +60,34 @@ def test_kernel_equals_reference(head_dim, rows):
         rk[where, :, slot], rv[where, :, slot] = k_new[:, :, 0], v_new[:, :, 0]
         up = {k: (v.float() if v.is_floating_point() else v) for k, v in c.items()}
         up.update(rk=rk.float(), rv=rv.float())
-        ref = reference_decode_attention(**up, rlen=torch.tensor([rlen], device="cuda"), live=live, cache_rows=where,
-                                         prompt_slots=c["pk"].shape[2], response_slots=c["rk"].shape[2])
+        ref = reference_decode_attention(
+            **up,
+            rlen=torch.tensor([rlen], device="cuda"),
+            live=live,
+            cache_rows=where,
+            prompt_slots=c["pk"].shape[2],
+            response_slots=c["rk"].shape[2],
+        )
         runs = None
         if rows >= 16:
             first, count = prompt_runs(c["grp"].tolist(), [bool(x) for x in live.tolist()], 16)
-            runs = (torch.tensor(first, dtype=torch.int32, device="cuda"),
-                    torch.tensor(count, dtype=torch.int32, device="cuda"))
+            runs = (
+                torch.tensor(first, dtype=torch.int32, device="cuda"),
+                torch.tensor(count, dtype=torch.int32, device="cuda"),
+            )
         for splits in sorted({1, default_splits(rows, c["q"].shape[1])}):
-            for use_runs in ({None, runs} if runs is not None else {None}):
+            for use_runs in {None, runs} if runs is not None else {None}:
                 kase = dict(c, rk=c["rk"].clone(), rv=c["rv"].clone())
-                out = triton_decode_attention(**kase, rlen=torch.tensor([rlen], device="cuda"), k_new=k_new,
-                                              v_new=v_new, live=live, splits=splits, runs=use_runs, cache_rows=where)
+                out = triton_decode_attention(
+                    **kase,
+                    rlen=torch.tensor([rlen], device="cuda"),
+                    k_new=k_new,
+                    v_new=v_new,
+                    live=live,
+                    splits=splits,
+                    runs=use_runs,
+                    cache_rows=where,
+                )
                 torch.cuda.synchronize()
                 assert torch.isfinite(out).all()
                 err = (out.float() - ref).norm() / ref.norm()

@@ -38,8 +38,11 @@ def _worker(world, out):
     assert world.backend == "nccl" and world.device.type == "cuda"
     start = tiny_causal_lm(seed=0).state_dict()
     results = {}
-    for name, kwargs in {"fsdp-float32": {}, "fsdp-bf16": {"param_dtype": torch.bfloat16},
-                         "fsdp-bf16-offload": {"param_dtype": torch.bfloat16, "cpu_offload": True}}.items():
+    for name, kwargs in {
+        "fsdp-float32": {},
+        "fsdp-bf16": {"param_dtype": torch.bfloat16},
+        "fsdp-bf16-offload": {"param_dtype": torch.bfloat16, "cpu_offload": True},
+    }.items():
         model = tiny_causal_lm(seed=0)
         if not kwargs.get("cpu_offload"):
             model = model.to(world.device)
@@ -56,8 +59,11 @@ def _worker(world, out):
             save_sharded(out / "dcp", model, optimizer)
     ddp = wrap_model(tiny_causal_lm(seed=0).to(world.device), "ddp", world.device)
     loss, meta = _step(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-3), world)
-    results["ddp-float32"] = {"loss": float(loss), "grad_norm": meta["grad_norm"],
-                              "weights": {n: t.detach().cpu() for n, t in iter_full_weights(ddp)}}
+    results["ddp-float32"] = {
+        "loss": float(loss),
+        "grad_norm": meta["grad_norm"],
+        "weights": {n: t.detach().cpu() for n, t in iter_full_weights(ddp)},
+    }
     torch.save({"results": results, "start": start}, out / "results.pt")
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import greedy_generate_reference
 
 from rlvr.engines.base import SamplingParams
@@ -17,9 +16,16 @@ from rlvr.modeling import build_model, small_olmo2_config
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-PROMPTS = ["Natalia sold clips to 48 of her friends in April.", "How many", "Weng earns $12 an hour. How much",
-           "Betty is saving money for a new wallet which costs $100.", "Janet", "x", "A robe takes 2 bolts",
-           "James writes a 3-page letter to 2 different friends twice a week."]
+PROMPTS = [
+    "Natalia sold clips to 48 of her friends in April.",
+    "How many",
+    "Weng earns $12 an hour. How much",
+    "Betty is saving money for a new wallet which costs $100.",
+    "Janet",
+    "x",
+    "A robe takes 2 bolts",
+    "James writes a 3-page letter to 2 different friends twice a week.",
+]
 
 
 def model_with_head_dim(tok, head_dim: int, dtype=torch.float32):
@@ -55,8 +61,11 @@ def test_greedy_triton_and_cascade_equal_sdpa_and_generate(tiny_tokenizer, head_
     for group, ref, cap in zip(sdpa, refs * 4, caps):
         for c, most in zip(group, cap):
             assert c.token_ids == ref[:most]  # a capped greedy row is the uncapped one cut short
-    for opts in (dict(attention="triton"), dict(attention="triton", cascade_min_rows=None),
-                 dict(attention="triton", cascade_min_rows=16, use_cuda_graphs=False)):
+    for opts in (
+        dict(attention="triton"),
+        dict(attention="triton", cascade_min_rows=None),
+        dict(attention="triton", cascade_min_rows=16, use_cuda_graphs=False),
+    ):
         engine = FastHFEngine(model, tiny_tokenizer, **opts)
         out = engine.generate(prompts, params, row_max_new_tokens=caps)
         assert ids(out) == ids(sdpa), opts
@@ -78,7 +87,7 @@ def test_sampled_logprobs_are_teacher_forced(tiny_tokenizer, head_dim):
         p_ids = tiny_tokenizer(prompt, add_special_tokens=False)["input_ids"]
         for c in group:
             x = torch.tensor([p_ids + c.token_ids], device="cuda")
-            ref = sequence_logprobs(model, x, torch.ones_like(x))[0, len(p_ids) - 1:].cpu()
+            ref = sequence_logprobs(model, x, torch.ones_like(x))[0, len(p_ids) - 1 :].cpu()
             worst = max(worst, (torch.tensor(c.logprobs) - ref).abs().max().item())
     assert worst < 1e-3, worst
 

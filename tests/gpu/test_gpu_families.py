@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import FAMILY_SHAPES, family_model, greedy_generate_reference
 from test_gpu_engine import PROMPTS, ids, row_caps
 
@@ -41,14 +40,15 @@ def test_default_engine_equals_sdpa_path_and_generate(tiny_tokenizer, family):
 @pytest.mark.parametrize("family", list(FAMILY_SHAPES))
 def test_sampled_logprobs_are_teacher_forced(tiny_tokenizer, family):
     model = family_model(family, tiny_tokenizer).to("cuda")
-    out = FastHFEngine(model, tiny_tokenizer).generate(PROMPTS, SamplingParams(n=8, temperature=1.0, max_new_tokens=24,
-                                                                               seed=3))
+    out = FastHFEngine(model, tiny_tokenizer).generate(
+        PROMPTS, SamplingParams(n=8, temperature=1.0, max_new_tokens=24, seed=3)
+    )
     worst = 0.0
     for prompt, group in zip(PROMPTS, out):
         p_ids = tiny_tokenizer(prompt, add_special_tokens=False)["input_ids"]
         for c in group:
             x = torch.tensor([p_ids + c.token_ids], device="cuda")
-            ref = sequence_logprobs(model, x, torch.ones_like(x))[0, len(p_ids) - 1:].cpu()
+            ref = sequence_logprobs(model, x, torch.ones_like(x))[0, len(p_ids) - 1 :].cpu()
             worst = max(worst, (torch.tensor(c.logprobs) - ref).abs().max().item())
     assert worst < 1e-3, worst
 
@@ -61,6 +61,7 @@ def test_graph_replay_equals_eager_step_in_bf16(tiny_tokenizer, family):
     graphs = FastHFEngine(model, tiny_tokenizer, use_cuda_graphs=True)
     replay = graphs.generate(prompts, params)
     assert graphs.stats["graphs_captured"] > 0
-    eager = FastHFEngine(model, tiny_tokenizer, use_cuda_graphs=False,
-                         compile_step=graphs._step_compiled()).generate(prompts, params)
+    eager = FastHFEngine(model, tiny_tokenizer, use_cuda_graphs=False, compile_step=graphs._step_compiled()).generate(
+        prompts, params
+    )
     assert ids(replay) == ids(eager)

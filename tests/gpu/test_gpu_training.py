@@ -9,8 +9,16 @@ import math
 import pytest
 import torch
 
-from rlvr.config import (AlgorithmConfig, DataConfig, EngineConfig, LogConfig, ModelConfig, OptimConfig,
-                         RolloutConfig, TrainConfig)
+from rlvr.config import (
+    AlgorithmConfig,
+    DataConfig,
+    EngineConfig,
+    LogConfig,
+    ModelConfig,
+    OptimConfig,
+    RolloutConfig,
+    TrainConfig,
+)
 from rlvr.grpo.logprobs import compile_backbone, get_response_log_probs
 from rlvr.grpo.tokenize import tokenize_prompt_and_output
 from rlvr.logging_utils import read_metrics
@@ -26,8 +34,10 @@ def test_compiled_backbone_matches_eager(tiny_tokenizer):
     model = model.to("cuda").train()
     torch._dynamo.reset()
     backbone = compile_backbone(model)
-    for prompts, responses in ((["What is 2+3?", "Say hi"], [" It is 5.", " hi hi hi"]),
-                               (["A longer question about apples?", "Q", "Why?"], [" 7", " it is 12 and more", " no"])):
+    for prompts, responses in (
+        (["What is 2+3?", "Say hi"], [" It is 5.", " hi hi hi"]),
+        (["A longer question about apples?", "Q", "Why?"], [" 7", " it is 12 and more", " no"]),
+    ):
         tok = tokenize_prompt_and_output(prompts, responses, tiny_tokenizer)
         x, y = tok["input_ids"].cuda(), tok["labels"].cuda()
         w = torch.randn(y.shape, device="cuda")
@@ -57,11 +67,17 @@ def one_step_config(model_dir, engine: EngineConfig, compile_model: bool = False
     return TrainConfig(
         model=ModelConfig(name_or_path=str(model_dir), compile=compile_model),
         data=DataConfig(train_source=TASK, val_source=TASK, val_split="validation", val_size=8),
-        prompt="r1_zero", algorithm=AlgorithmConfig(preset="grpo"),
+        prompt="r1_zero",
+        algorithm=AlgorithmConfig(preset="grpo"),
         rollout=RolloutConfig(n_prompts_per_rollout_batch=4, group_size=4, max_new_tokens=16),
         optim=OptimConfig(lr=1e-4, gradient_accumulation_steps=1),
-        engine=engine, log=LogConfig(progress=False, engine_logprob_check_every=1),
-        n_steps=2, eval_every=2, save_every=2, policy_device="cuda:0")
+        engine=engine,
+        log=LogConfig(progress=False, engine_logprob_check_every=1),
+        n_steps=2,
+        eval_every=2,
+        save_every=2,
+        policy_device="cuda:0",
+    )
 
 
 def coin(response: str, ground_truth: str) -> dict:
@@ -97,8 +113,17 @@ def test_warm_start_then_grpo_learns(tmp_path):
     accuracy (by tens of points on the CPU; this asks for 15). float32, as on the CPU."""
     from rlvr.demo import DemoConfig, run_demo
 
-    result = run_demo(DemoConfig(out=tmp_path / "demo", device="cuda", engine="hf-fast", dtype="float32", grpo_steps=40,
-                                 eval_every=20, progress=False))
+    result = run_demo(
+        DemoConfig(
+            out=tmp_path / "demo",
+            device="cuda",
+            engine="hf-fast",
+            dtype="float32",
+            grpo_steps=40,
+            eval_every=20,
+            progress=False,
+        )
+    )
     assert result["after"] >= result["before"] + 0.15, result
 
 
@@ -109,8 +134,32 @@ def test_rlvr_eval_with_hf_fast_on_the_gpu(tmp_path, tiny_model_dir):
     from rlvr.cli import main
 
     out = tmp_path / "eval"
-    assert main(["eval", "--model", str(tiny_model_dir), "--data", TASK, "--split", "validation", "--limit", "16",
-                 "--max-tokens", "16", "--n", "4", "--engine", "hf-fast", "--device", "cuda", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "eval",
+                "--model",
+                str(tiny_model_dir),
+                "--data",
+                TASK,
+                "--split",
+                "validation",
+                "--limit",
+                "16",
+                "--max-tokens",
+                "16",
+                "--n",
+                "4",
+                "--engine",
+                "hf-fast",
+                "--device",
+                "cuda",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     m = json.loads((out / "results.json").read_text())["results"]["r1_zero"]
     assert m["n"] == 64 and set(m["pass_at_k"]) == {"1", "2", "4"}
     assert m["pass_at_k"]["1"] == pytest.approx(m["avg_at_k"])

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import family_model, greedy_generate_reference
 from test_decode_attention import per_row_softmax, random_case
 from test_engines_fast import PROMPTS, _eos_prone, _fast, _ids, assert_logprobs_are_teacher_forced
@@ -37,8 +36,9 @@ def test_kernel_equals_reference(block, rlen):
     exactly a block long, and a full one."""
     for seed in range(2):
         c = random_case(seed)
-        ref = reference_decode_attention(**c, rlen=torch.tensor([rlen]), prompt_slots=c["pk"].shape[2],
-                                         response_slots=c["rk"].shape[2])
+        ref = reference_decode_attention(
+            **c, rlen=torch.tensor([rlen]), prompt_slots=c["pk"].shape[2], response_slots=c["rk"].shape[2]
+        )
         out = triton_decode_attention(**c, rlen=torch.tensor([rlen]), block=block)
         assert out.shape == ref.shape and out.dtype == ref.dtype
         assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
@@ -59,8 +59,12 @@ def test_kernel_writing_the_new_token_equals_copy_then_reference(splits, rlen):
     rk, rv = c["rk"].clone(), c["rv"].clone()
     rk.index_copy_(2, slot, k_new)
     rv.index_copy_(2, slot, v_new)
-    ref = reference_decode_attention(**dict(c, rk=rk, rv=rv), rlen=torch.tensor([rlen]),
-                                     prompt_slots=c["pk"].shape[2], response_slots=c["rk"].shape[2])
+    ref = reference_decode_attention(
+        **dict(c, rk=rk, rv=rv),
+        rlen=torch.tensor([rlen]),
+        prompt_slots=c["pk"].shape[2],
+        response_slots=c["rk"].shape[2],
+    )
     out = triton_decode_attention(**c, rlen=torch.tensor([rlen]), k_new=k_new, v_new=v_new, splits=splits, block=4)
     assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
     assert torch.equal(c["rk"], rk) and torch.equal(c["rv"], rv)  # the kernel wrote the new slot, nothing else
@@ -84,16 +88,31 @@ def test_any_head_dim_equals_reference(head_dim, cascade):
     rk, rv = c["rk"].clone(), c["rv"].clone()
     rk.index_copy_(2, slot, k_new)
     rv.index_copy_(2, slot, v_new)
-    ref = reference_decode_attention(**dict(c, rk=rk, rv=rv), rlen=torch.tensor([rlen]), live=live,
-                                     prompt_slots=c["pk"].shape[2], response_slots=c["rk"].shape[2])
+    ref = reference_decode_attention(
+        **dict(c, rk=rk, rv=rv),
+        rlen=torch.tensor([rlen]),
+        live=live,
+        prompt_slots=c["pk"].shape[2],
+        response_slots=c["rk"].shape[2],
+    )
     runs = None
     if cascade:
         first, count = prompt_runs(c["grp"].tolist(), [bool(x) for x in live], 16)
         runs = (torch.tensor(first, dtype=torch.int32), torch.tensor(count, dtype=torch.int32))
     for splits in (1, 2):
         case = dict(c, rk=c["rk"].clone(), rv=c["rv"].clone())
-        out = triton_decode_attention(**case, rlen=torch.tensor([rlen]), k_new=k_new, v_new=v_new, live=live,
-                                      splits=splits, block=4, runs=runs, run_rows=16, run_block=4)
+        out = triton_decode_attention(
+            **case,
+            rlen=torch.tensor([rlen]),
+            k_new=k_new,
+            v_new=v_new,
+            live=live,
+            splits=splits,
+            block=4,
+            runs=runs,
+            run_rows=16,
+            run_block=4,
+        )
         assert out.shape == ref.shape
         assert torch.allclose(out, ref, atol=1e-5), (head_dim, splits, (out - ref).abs().max())
         assert torch.equal(case["rk"], rk) and torch.equal(case["rv"], rv)
@@ -105,8 +124,9 @@ def test_finished_rows_read_nothing_and_return_zero(splits):
     c = random_case(6)
     rlen = torch.tensor([7])
     live = torch.tensor([i % 3 != 1 for i in range(c["q"].shape[0])], dtype=torch.int32)
-    ref = reference_decode_attention(**c, rlen=rlen, prompt_slots=c["pk"].shape[2],
-                                     response_slots=c["rk"].shape[2], live=live)
+    ref = reference_decode_attention(
+        **c, rlen=rlen, prompt_slots=c["pk"].shape[2], response_slots=c["rk"].shape[2], live=live
+    )
     c["rk"][live == 0] = float("nan")  # a finished row's response is never read
     out = triton_decode_attention(**c, rlen=rlen, live=live, splits=splits, block=8)
     assert torch.equal(out[live == 0], torch.zeros_like(out[live == 0]))
@@ -143,14 +163,29 @@ def test_cascade_over_shared_prompts_equals_reference(splits, most):
         rk, rv = c["rk"].clone(), c["rv"].clone()
         rk.index_copy_(2, slot, k_new)
         rv.index_copy_(2, slot, v_new)
-        ref = reference_decode_attention(**dict(c, rk=rk, rv=rv), rlen=torch.tensor([rlen]), live=live,
-                                         prompt_slots=c["pk"].shape[2], response_slots=c["rk"].shape[2])
+        ref = reference_decode_attention(
+            **dict(c, rk=rk, rv=rv),
+            rlen=torch.tensor([rlen]),
+            live=live,
+            prompt_slots=c["pk"].shape[2],
+            response_slots=c["rk"].shape[2],
+        )
         case = dict(c, rk=c["rk"].clone(), rv=c["rv"].clone())
         case["q"] = case["q"].clone()
         case["q"][live == 0] = float("nan")  # a finished row's query is never read
         runs = (torch.tensor(first + [0, 0], dtype=torch.int32), torch.tensor(count + [0, 0], dtype=torch.int32))
-        out = triton_decode_attention(**case, rlen=torch.tensor([rlen]), k_new=k_new, v_new=v_new, live=live,
-                                      splits=splits, block=4, runs=runs, run_rows=16, run_block=4)
+        out = triton_decode_attention(
+            **case,
+            rlen=torch.tensor([rlen]),
+            k_new=k_new,
+            v_new=v_new,
+            live=live,
+            splits=splits,
+            block=4,
+            runs=runs,
+            run_rows=16,
+            run_block=4,
+        )
         assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
         assert torch.equal(case["rk"], rk) and torch.equal(case["rv"], rv)
 
@@ -163,8 +198,9 @@ def test_cascade_reads_each_prompt_through_its_run():
     rlen = torch.tensor([5])
     live = torch.ones(rows, dtype=torch.int32)
     right = prompt_runs(c["grp"].tolist(), [True] * rows, 16)
-    ok = triton_decode_attention(**c, rlen=rlen, live=live, block=4, run_block=4,
-                                 runs=tuple(torch.tensor(x, dtype=torch.int32) for x in right))
+    ok = triton_decode_attention(
+        **c, rlen=rlen, live=live, block=4, run_block=4, runs=tuple(torch.tensor(x, dtype=torch.int32) for x in right)
+    )
     ref = reference_decode_attention(**c, rlen=rlen, prompt_slots=c["pk"].shape[2], response_slots=c["rk"].shape[2])
     assert torch.allclose(ok, ref, atol=1e-5)
     wrong = (torch.tensor([0], dtype=torch.int32), torch.tensor([rows], dtype=torch.int32))  # one run over both prompts
@@ -240,7 +276,8 @@ def test_engine_with_retired_rows_equals_sdpa_path(tiny_model, tiny_tokenizer):
 
 def test_engine_sampled_logprobs_equal_teacher_forced(tiny_model, tiny_tokenizer):
     out = _fast(tiny_model, tiny_tokenizer, attention="triton", attention_splits=1).generate(
-        PROMPTS, SamplingParams(n=3, temperature=1.0, max_new_tokens=12, seed=7))
+        PROMPTS, SamplingParams(n=3, temperature=1.0, max_new_tokens=12, seed=7)
+    )
     assert_logprobs_are_teacher_forced(tiny_model, tiny_tokenizer, PROMPTS, out)
 
 

@@ -34,8 +34,12 @@ def _has_frozen(model: nn.Module) -> bool:
     return any(not p.requires_grad for p in model.parameters())
 
 
-def save_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 trainable_only: bool | None = None) -> Path:
+def save_sharded(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    trainable_only: bool | None = None,
+) -> Path:
     """Write ``model`` (and ``optimizer``) to the DCP folder ``path``; every rank must call it.
 
     ``trainable_only`` (default: whenever some parameters are frozen, as with LoRA) leaves out
@@ -55,8 +59,12 @@ def save_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Opti
     return path
 
 
-def load_sharded(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                 trainable_only: bool | None = None) -> None:
+def load_sharded(
+    path: str | Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    trainable_only: bool | None = None,
+) -> None:
     """Read the DCP folder ``path`` into ``model`` (and ``optimizer``) in place, whatever the number
     of ranks or the wrapper that wrote it; every rank must call it. The optimizer must already hold
     its parameters (its state is filled from the checkpoint)."""

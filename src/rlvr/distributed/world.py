@@ -73,8 +73,9 @@ def init_distributed(device: str | None = None, timeout: timedelta = timedelta(m
     backend = "nccl" if use_cuda else "gloo"
     if not dist.is_initialized():
         # device_id binds the NCCL communicator to this rank's GPU at once (no lazy guess later).
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
-                                device_id=dev if use_cuda else None)
+        dist.init_process_group(
+            backend, rank=rank, world_size=world_size, timeout=timeout, device_id=dev if use_cuda else None
+        )
     return World(rank, world_size, local_rank, dev, dist.get_backend())
 
 

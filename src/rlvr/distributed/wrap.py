@@ -42,10 +42,13 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     layers = [m for m in model.modules() if type(m).__name__ in names]
     if layers:
         return layers
-    lists: list[nn.ModuleList] = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)
-                                  and len({type(c) for c in m}) == 1]
+    lists: list[nn.ModuleList] = [
+        m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) and len({type(c) for c in m}) == 1
+    ]
     if not lists:
-        raise ValueError(f"found no decoder layers in {type(model).__name__}: no _no_split_modules and no ModuleList of one class")
+        raise ValueError(
+            f"found no decoder layers in {type(model).__name__}: no _no_split_modules and no ModuleList of one class"
+        )
     longest = lists[0]
     for candidate in lists[1:]:
         if len(candidate) > len(longest):
@@ -53,9 +56,16 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return list(longest)
 
 
-def wrap_model(model: nn.Module, strategy: Strategy, device: torch.device | None = None, *,
-               param_dtype: torch.dtype | None = None, reduce_dtype: torch.dtype | None = torch.float32,
-               cpu_offload: bool = False, reshard_after_forward: bool = True) -> nn.Module:
+def wrap_model(
+    model: nn.Module,
+    strategy: Strategy,
+    device: torch.device | None = None,
+    *,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = torch.float32,
+    cpu_offload: bool = False,
+    reshard_after_forward: bool = True,
+) -> nn.Module:
     """``model`` ready for data-parallel training over the default process group.
 
     ``ddp``: a ``DistributedDataParallel`` replica (``device``: the rank's device). Buffers are not

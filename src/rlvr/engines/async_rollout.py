@@ -25,8 +25,9 @@ after a load passed the probe check), and the batch is rejected unless the reque
 version both match. Old log-probs travel in the same reply as the completions they score, so they
 cannot be attached to another batch.
 
-The engine must offer ``snapshot``/``load_snapshot``/``rollout`` (``HFWorkerEngine`` does). The
-in-process engines share the trainer's weights, so they cannot run ahead of it.
+The engine must be a ``WorkerEngine`` (``snapshot``/``load_snapshot``/``rollout``; ``HFWorkerEngine``
+is one). The in-process engines share the trainer's weights, so they cannot run ahead of it; they
+get their batches through ``rlvr.engines.rollouts.SyncRollouts``, behind the same ``next_batch``.
 """
 
 from __future__ import annotations
@@ -34,57 +35,15 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Callable
 
-import torch
+from rlvr.engines.base import Completion, SamplingParams, WorkerEngine
+from rlvr.engines.rollouts import RolloutBatch, RolloutRequest
 
-from rlvr.engines.base import Completion, SamplingParams
+__all__ = ["AsyncRollouts", "QueuedEngine", "RolloutBatch", "RolloutOrderError"]
 
 
 class RolloutOrderError(RuntimeError):
     """A rollout came back with a request id or weight version other than the one it was queued with."""
-
-
-@dataclass
-class RolloutBatch:
-    """One step's rollouts, tagged with the weights that sampled them.
-
-    Rows are prompt-major: row ``i`` is sample ``i % n`` of prompt ``i // n``. The token tensors are
-    ``tokenize_prompt_and_output(repeated prompts, responses)`` and ``old_log_probs`` is aligned with
-    ``labels``: log p(labels[i, t]) under ``weight_version`` (0 where the label is padding).
-    """
-
-    step: int
-    weight_version: int
-    request_id: int
-    prompts: list[str]
-    params: SamplingParams
-    completions: list[list[Completion]]
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    response_mask: torch.Tensor
-    old_log_probs: torch.Tensor | None
-    sync: dict = field(default_factory=dict)
-    """Metrics of the load that put ``weight_version`` on the worker (time/sync, sync/probe_max_abs_diff, ...)."""
-    timings: dict = field(default_factory=dict)
-    """time/generate and time/old_logprobs on the worker, time/queue (waiting behind earlier requests)."""
-
-    @property
-    def responses(self) -> list[str]:
-        return [c.text for group in self.completions for c in group]
-
-    @property
-    def flat_completions(self) -> list[Completion]:
-        return [c for group in self.completions for c in group]
-
-    def metrics(self, current_version: int | None = None) -> dict:
-        """Numbers to log for this batch; ``current_version`` (the trainer's) adds the staleness."""
-        out = {"rollout/weight_version": self.weight_version, **self.timings}
-        out.update({k: v for k, v in self.sync.items() if isinstance(v, (int, float))})
-        if current_version is not None:
-            out["rollout/staleness"] = current_version - self.weight_version
-        return out
 
 
 class AsyncRollouts:
@@ -94,16 +53,24 @@ class AsyncRollouts:
     one-step-async). ``logprob_batch_size`` bounds the rows per forward pass of the worker's old
     log-prob computation; ``old_log_probs=False`` skips it (synchronous on-policy training without
     reweighting; batches then carry None). The caller keeps ownership of ``engine`` unless
-    ``close_engine`` is set.
+    ``close_engine`` is set. ``request`` and ``last_step`` are the defaults of ``next_batch``'s.
     """
 
-    def __init__(self, engine, max_staleness: int = 0, logprob_batch_size: int = 16, old_log_probs: bool = True,
-                 close_engine: bool = False):
-        missing = [m for m in ("snapshot", "load_snapshot", "rollout") if not hasattr(engine, m)]
-        if missing:
+    def __init__(
+        self,
+        engine: WorkerEngine,
+        max_staleness: int = 0,
+        logprob_batch_size: int = 16,
+        old_log_probs: bool = True,
+        close_engine: bool = False,
+        request: RolloutRequest | None = None,
+        last_step: int | None = None,
+    ):
+        if not isinstance(engine, WorkerEngine):
             raise TypeError(
-                f"{type(engine).__name__} cannot run rollouts ahead of the trainer (it lacks {', '.join(missing)}); "
-                "use the hf-worker engine, which holds its own copy of the weights in its own process"
+                f"{type(engine).__name__} cannot run rollouts ahead of the trainer (it is not a WorkerEngine: no "
+                "snapshot, load_snapshot and rollout); use the hf-worker engine, which holds its own copy of the "
+                "weights in its own process"
             )
         if max_staleness not in (0, 1):
             raise ValueError(f"max_staleness must be 0 (synchronous) or 1 (one-step-async), got {max_staleness}")
@@ -114,12 +81,14 @@ class AsyncRollouts:
         if max_staleness and not old_log_probs:
             raise ValueError("asynchronous rollouts need old log-probs: the trainer must reweight stale samples")
         self.close_engine = close_engine
+        self.request = request
+        self.last_step = last_step
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlvr-rollouts")
         self._lock = threading.Lock()
-        self._queued_version: int | None = None   # the version the next queued rollout will see
-        self._sync_meta: dict[int, Future] = {}   # version -> future of its load metrics
-        self._pending: dict[int, Future] = {}     # step -> future of its RolloutBatch
-        self._submitted = 0                       # highest step submitted by next_batch
+        self._queued_version: int | None = None  # the version the next queued rollout will see
+        self._sync_meta: dict[int, Future] = {}  # version -> future of its load metrics
+        self._pending: dict[int, Future] = {}  # step -> future of its RolloutBatch
+        self._submitted = 0  # highest step submitted by next_batch
         self._next_request = 0
         self._closed = False
         self.events: list[tuple] = []
@@ -137,8 +106,10 @@ class AsyncRollouts:
         self._log("sync_requested", version)
         with self._lock:
             if self._queued_version is not None and version < self._queued_version:
-                raise ValueError(f"weight version {version} is older than version {self._queued_version}, already "
-                                 "queued; versions must not go backwards")
+                raise ValueError(
+                    f"weight version {version} is older than version {self._queued_version}, already "
+                    "queued; versions must not go backwards"
+                )
             fut = self._sync_meta.get(version)
             if fut is not None and not (fut.done() and fut.exception() is not None):
                 return fut
@@ -161,8 +132,16 @@ class AsyncRollouts:
                 raise ValueError(f"step {step} was already submitted; collect it first")
             self._next_request += 1
             version = self._queued_version
-            fut = self._pool.submit(self._rollout, step, self._next_request, version, list(prompts), params,
-                                    self._sync_meta[version], time.perf_counter())
+            fut = self._pool.submit(
+                self._rollout,
+                step,
+                self._next_request,
+                version,
+                list(prompts),
+                params,
+                self._sync_meta[version],
+                time.perf_counter(),
+            )
             self._pending[step] = fut
         return fut
 
@@ -174,15 +153,22 @@ class AsyncRollouts:
             raise KeyError(f"no rollouts were submitted for step {step}")
         return fut.result(timeout)
 
-    def next_batch(self, step: int, model, request: Callable[[int], tuple[list[str], SamplingParams]],
-                   last_step: int | None = None) -> RolloutBatch:
+    def next_batch(
+        self, step: int, model, request: RolloutRequest | None = None, last_step: int | None = None
+    ) -> RolloutBatch:
         """The whole schedule for 1-based trainer step ``step``, whose weights are version ``step - 1``.
 
         Queues the load of version ``step - 1``, submits every step up to ``step + max_staleness`` not
         yet submitted (``request(s)`` gives step s's prompts and sampling parameters), and returns
         batch ``step``. Call it once per step, before training on the batch. Steps after
         ``last_step`` (the run's final step) are never submitted, so no generation is wasted at the end.
+        Its ``time/rollout_wait`` is how long the caller waited here (the rest overlapped).
         """
+        t0 = time.perf_counter()
+        request = request or self.request
+        last_step = self.last_step if last_step is None else last_step
+        if request is None:
+            raise TypeError("next_batch needs request(step) -> (prompts, params), here or when the rollouts were built")
         self.sync(model, step - 1)
         ahead = step + self.max_staleness
         if last_step is not None:
@@ -191,15 +177,19 @@ class AsyncRollouts:
             prompts, params = request(s)
             self.submit(s, prompts, params)
             self._submitted = s
-        return self.collect(step)
+        batch = self.collect(step)
+        batch.timings["time/rollout_wait"] = time.perf_counter() - t0
+        return batch
 
-    def generate(self, prompts: list[str], params: SamplingParams, timeout: float | None = None) -> list[list[Completion]]:
+    def generate(
+        self, prompts: list[str], params: SamplingParams, timeout: float | None = None
+    ) -> list[list[Completion]]:
         """A plain generation (validation) queued behind the pending work, with the weights then loaded;
         ``sync`` first to evaluate the newest weights."""
         self._check_open()
         return self._pool.submit(self.engine.generate, list(prompts), params).result(timeout)
 
-    def engine_for_eval(self, model, version: int) -> "QueuedEngine":
+    def engine_for_eval(self, model, version: int) -> QueuedEngine:
         """Queue the load of ``model`` as ``version`` and return an ``Engine`` whose ``generate`` runs
         through this queue (after that load): validation sees the newest weights and never races
         the rollouts for the worker."""
@@ -239,8 +229,9 @@ class AsyncRollouts:
         meta["time/sync_queue"] = start - queued_at
         return meta
 
-    def _rollout(self, step: int, request_id: int, version: int, prompts, params, load: Future,
-                 queued_at: float) -> RolloutBatch:
+    def _rollout(
+        self, step: int, request_id: int, version: int, prompts, params, load: Future, queued_at: float
+    ) -> RolloutBatch:
         start = time.perf_counter()
         # The load ran earlier on this same thread; if it failed, the worker holds unverified weights.
         load_meta = load.result()
@@ -258,14 +249,27 @@ class AsyncRollouts:
             )
         n_rows = len(prompts) * params.n
         if len(out["completions"]) != len(prompts) or out["input_ids"].shape[0] != n_rows:
-            raise RolloutOrderError(f"the worker returned {len(out['completions'])} groups and "
-                                    f"{out['input_ids'].shape[0]} rows for {len(prompts)} prompts x {params.n}")
+            raise RolloutOrderError(
+                f"the worker returned {len(out['completions'])} groups and "
+                f"{out['input_ids'].shape[0]} rows for {len(prompts)} prompts x {params.n}"
+            )
         return RolloutBatch(
-            step=step, weight_version=version, request_id=request_id, prompts=prompts, params=params,
-            completions=out["completions"], input_ids=out["input_ids"], labels=out["labels"],
-            response_mask=out["response_mask"], old_log_probs=out["old_log_probs"], sync=dict(load_meta),
-            timings={"time/generate": out["time/generate"], "time/old_logprobs": out["time/old_logprobs"],
-                     "time/queue": start - queued_at},
+            step=step,
+            weight_version=version,
+            request_id=request_id,
+            prompts=prompts,
+            params=params,
+            completions=out["completions"],
+            input_ids=out["input_ids"],
+            labels=out["labels"],
+            response_mask=out["response_mask"],
+            old_log_probs=out["old_log_probs"],
+            sync=dict(load_meta),
+            timings={
+                "time/generate": out["time/generate"],
+                "time/old_logprobs": out["time/old_logprobs"],
+                "time/queue": start - queued_at,
+            },
         )
 
 

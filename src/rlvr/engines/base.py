@@ -10,7 +10,7 @@ the sampling distribution at temperature 1 (None where the engine cannot give th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -59,5 +59,32 @@ class Engine(Protocol):
         """Load the trainer's current weights; returns timing/check metadata (e.g. ``{"time/sync": s}``)."""
         ...
 
-    def close(self) -> None:
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class WorkerEngine(Engine, Protocol):
+    """An engine with its own copy of the weights (``hf-worker``), which can therefore run ahead of the
+    trainer: weights are copied at a version and loaded later, and a rollout is generated and scored
+    (old log-probs) by the same weights in one request. ``rlvr.engines.async_rollout`` drives it."""
+
+    def snapshot(self, model, version: int) -> Any:
+        """Copy ``model``'s weights as weight version ``version`` now (the model may change afterwards)."""
+        ...
+
+    def load_snapshot(self, snap: Any) -> dict:
+        """Load a snapshot, check it arrived intact, and tag the engine with its version; returns metrics."""
+        ...
+
+    def rollout(
+        self,
+        prompts: list[str],
+        params: SamplingParams,
+        request_id: int,
+        logprob_batch_size: int = 16,
+        score: bool = True,
+    ) -> dict:
+        """Generate and score in one request: ``request_id``, ``version``, ``completions``, ``input_ids``,
+        ``labels``, ``response_mask``, ``old_log_probs`` (None without ``score``), ``time/generate`` and
+        ``time/old_logprobs``."""
         ...

@@ -44,8 +44,9 @@ except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
 
-def reference_decode_attention(q, pk, pv, rk, rv, grp, start, plen, rlen, prompt_slots: int, response_slots: int,
-                               live=None, cache_rows=None):
+def reference_decode_attention(
+    q, pk, pv, rk, rv, grp, start, plen, rlen, prompt_slots: int, response_slots: int, live=None, cache_rows=None
+):
     """Attention of one query per row, q (b, heads, 1, head_dim), over the row's prompt and response slots.
 
     ``prompt_slots`` / ``response_slots`` are how many leading slots of each cache to read (at least
@@ -60,8 +61,9 @@ def reference_decode_attention(q, pk, pv, rk, rv, grp, start, plen, rlen, prompt
     values = torch.cat([pv[grp[:b], :, :prompt_slots], rv[crow, :, :response_slots]], dim=2)
     pcols = torch.arange(prompt_slots, device=q.device)
     rcols = torch.arange(response_slots, device=q.device)
-    mask = torch.cat([(pcols[None, :] >= start[:b, None]) & (pcols[None, :] < plen),
-                      (rcols < rlen).expand(b, -1)], dim=1)
+    mask = torch.cat(
+        [(pcols[None, :] >= start[:b, None]) & (pcols[None, :] < plen), (rcols < rlen).expand(b, -1)], dim=1
+    )
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None, None, :])
     if live is not None:
         out = out * (live[:b] != 0).to(out.dtype)[:, None, None, None]
@@ -84,26 +86,64 @@ if triton is not None:
         for s in tl.range((lo // BLOCK) * BLOCK, hi, BLOCK, num_stages=STAGES):
             offs = s + tl.arange(0, BLOCK)
             ok = (offs >= lo) & (offs < hi)
-            k = tl.load(kbase + offs[:, None] * stride_s + d[None, :], mask=ok[:, None] & dok[None, :],
-                        other=0.0).to(tl.float32)
+            k = tl.load(kbase + offs[:, None] * stride_s + d[None, :], mask=ok[:, None] & dok[None, :], other=0.0).to(
+                tl.float32
+            )
             x = tl.where(ok, tl.sum(k * q[None, :], axis=1), -float("inf"))
             m_new = tl.maximum(m, x)
             alpha = tl.exp(m - m_new)
             p = tl.exp(x - m_new)
-            v = tl.load(vbase + offs[:, None] * stride_s + d[None, :], mask=ok[:, None] & dok[None, :],
-                        other=0.0).to(tl.float32)
+            v = tl.load(vbase + offs[:, None] * stride_s + d[None, :], mask=ok[:, None] & dok[None, :], other=0.0).to(
+                tl.float32
+            )
             acc = acc * alpha[:, None] + p[:, None] * v
             l = l * alpha + p
             m = m_new
         return m, l, acc
 
     @triton.jit
-    def _decode_attention_kernel(Q, KN, VN, PK, PV, RK, RV, GRP, START, PLEN, RLEN, LIVE, CROW, OUT, PART, PPART,
-                                 sq_b, sq_h, skn_b, skn_h, svn_b, svn_h, sp_g, sp_h, sp_s, sr_b, sr_h, sr_s,
-                                 so_b, so_h, scale, D: tl.constexpr, DP: tl.constexpr, BLOCK: tl.constexpr,
-                                 STAGES: tl.constexpr,
-                                 SPLITS: tl.constexpr, HAS_NEW: tl.constexpr, HAS_LIVE: tl.constexpr,
-                                 CASCADE: tl.constexpr, HAS_CROW: tl.constexpr):
+    def _decode_attention_kernel(
+        Q,
+        KN,
+        VN,
+        PK,
+        PV,
+        RK,
+        RV,
+        GRP,
+        START,
+        PLEN,
+        RLEN,
+        LIVE,
+        CROW,
+        OUT,
+        PART,
+        PPART,
+        sq_b,
+        sq_h,
+        skn_b,
+        skn_h,
+        svn_b,
+        svn_h,
+        sp_g,
+        sp_h,
+        sp_s,
+        sr_b,
+        sr_h,
+        sr_s,
+        so_b,
+        so_h,
+        scale,
+        D: tl.constexpr,
+        DP: tl.constexpr,
+        BLOCK: tl.constexpr,
+        STAGES: tl.constexpr,
+        SPLITS: tl.constexpr,
+        HAS_NEW: tl.constexpr,
+        HAS_LIVE: tl.constexpr,
+        CASCADE: tl.constexpr,
+        HAS_CROW: tl.constexpr,
+    ):
         """Program (row, head, z). The row's slots, read in order (its prompt's slots [start, plen), then
         its response slots [0, rlen), less the last one when HAS_NEW), are cut into SPLITS equal runs and
         program z reduces run z. HAS_NEW: the current token's K/V (KN, VN) go to response slot rlen - 1
@@ -151,10 +191,36 @@ if triton is not None:
         l = tl.zeros([BLOCK], tl.float32)
         acc = tl.zeros([BLOCK, DP], tl.float32)
         poff = grp * sp_g + head * sp_h
-        m, l, acc = _accumulate(PK + poff, PV + poff, first + tl.minimum(lo, n_p), first + tl.minimum(hi, n_p), sp_s,
-                                q, d, dok, m, l, acc, BLOCK, STAGES)
-        m, l, acc = _accumulate(RK + roff, RV + roff, tl.maximum(lo - n_p, 0), tl.maximum(hi - n_p, 0), sr_s,
-                                q, d, dok, m, l, acc, BLOCK, STAGES)
+        m, l, acc = _accumulate(
+            PK + poff,
+            PV + poff,
+            first + tl.minimum(lo, n_p),
+            first + tl.minimum(hi, n_p),
+            sp_s,
+            q,
+            d,
+            dok,
+            m,
+            l,
+            acc,
+            BLOCK,
+            STAGES,
+        )
+        m, l, acc = _accumulate(
+            RK + roff,
+            RV + roff,
+            tl.maximum(lo - n_p, 0),
+            tl.maximum(hi - n_p, 0),
+            sr_s,
+            q,
+            d,
+            dok,
+            m,
+            l,
+            acc,
+            BLOCK,
+            STAGES,
+        )
         top = tl.max(m, axis=0)
         w = tl.exp(m - top)
         o = tl.sum(acc * w[:, None], axis=0)
@@ -189,9 +255,31 @@ if triton is not None:
             tl.store(base + D + 1, total)
 
     @triton.jit
-    def _prompt_attention_kernel(Q, PK, PV, GRP, START, PLEN, LIVE, FIRST, COUNT, PPART, sq_b, sq_h, sp_g, sp_h, sp_s,
-                                 scale, D: tl.constexpr, DP: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-                                 STAGES: tl.constexpr, HAS_LIVE: tl.constexpr, IEEE: tl.constexpr):
+    def _prompt_attention_kernel(
+        Q,
+        PK,
+        PV,
+        GRP,
+        START,
+        PLEN,
+        LIVE,
+        FIRST,
+        COUNT,
+        PPART,
+        sq_b,
+        sq_h,
+        sp_g,
+        sp_h,
+        sp_s,
+        scale,
+        D: tl.constexpr,
+        DP: tl.constexpr,
+        ROWS: tl.constexpr,
+        BLOCK: tl.constexpr,
+        STAGES: tl.constexpr,
+        HAS_LIVE: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
         """Program (run, head): the rows [FIRST[run], FIRST[run] + COUNT[run]) share one prompt; their
         queries (ROWS at most) go through its slots together, so each prompt block is loaded once for
         all of them, and q.k and p.v are small matrix products. Writes each live row's partial softmax
@@ -208,8 +296,9 @@ if triton is not None:
                 live = live & (tl.load(LIVE + rows, mask=live, other=0) != 0)
             d = tl.arange(0, DP)
             dok = d < D
-            q = tl.load(Q + rows[:, None] * sq_b + head * sq_h + d[None, :], mask=live[:, None] & dok[None, :],
-                        other=0.0)
+            q = tl.load(
+                Q + rows[:, None] * sq_b + head * sq_h + d[None, :], mask=live[:, None] & dok[None, :], other=0.0
+            )
             grp = tl.load(GRP + first).to(tl.int64)
             lo = tl.load(START + first).to(tl.int32)
             plen = tl.load(PLEN).to(tl.int32)
@@ -289,9 +378,29 @@ def default_splits(rows: int, heads: int, programs: int = 1024, most: int = 16) 
     return splits
 
 
-def triton_decode_attention(q, pk, pv, rk, rv, grp, start, plen, rlen, k_new=None, v_new=None, live=None,
-                            splits: int = 1, block: int = 16, num_warps: int = 2, num_stages: int = 3,
-                            runs=None, run_rows: int = 16, run_block: int = 32, run_warps: int = 4, cache_rows=None):
+def triton_decode_attention(
+    q,
+    pk,
+    pv,
+    rk,
+    rv,
+    grp,
+    start,
+    plen,
+    rlen,
+    k_new=None,
+    v_new=None,
+    live=None,
+    splits: int = 1,
+    block: int = 16,
+    num_warps: int = 2,
+    num_stages: int = 3,
+    runs=None,
+    run_rows: int = 16,
+    run_block: int = 32,
+    run_warps: int = 4,
+    cache_rows=None,
+):
     """``reference_decode_attention`` as one Triton kernel (CUDA, or the Triton interpreter on CPU).
 
     ``k_new``, ``v_new`` (b, heads, 1, head_dim), optional: the current token's K/V; the kernel writes
@@ -344,21 +453,76 @@ def triton_decode_attention(q, pk, pv, rk, rv, grp, start, plen, rlen, k_new=Non
             raise ValueError(f"run_rows and run_block must be powers of two, got {run_rows} and {run_block}")
         ppart = torch.empty((b, heads, head_dim + 2), dtype=torch.float32, device=q.device)
         _prompt_attention_kernel[(first.shape[0], heads)](
-            q, pk, pv, grp, start, plen, live if live is not None else grp, first, count, ppart,
-            q.stride(0), q.stride(1), pk.stride(0), pk.stride(1), pk.stride(2), head_dim ** -0.5, D=head_dim, DP=padded,
-            ROWS=run_rows, BLOCK=run_block, STAGES=num_stages, HAS_LIVE=live is not None,
-            IEEE=q.dtype == torch.float32, num_warps=run_warps,
+            q,
+            pk,
+            pv,
+            grp,
+            start,
+            plen,
+            live if live is not None else grp,
+            first,
+            count,
+            ppart,
+            q.stride(0),
+            q.stride(1),
+            pk.stride(0),
+            pk.stride(1),
+            pk.stride(2),
+            head_dim**-0.5,
+            D=head_dim,
+            DP=padded,
+            ROWS=run_rows,
+            BLOCK=run_block,
+            STAGES=num_stages,
+            HAS_LIVE=live is not None,
+            IEEE=q.dtype == torch.float32,
+            num_warps=run_warps,
         )
     _decode_attention_kernel[(b, heads, splits)](
-        q, kn, vn, pk, pv, rk, rv, grp, start, plen, rlen, live if live is not None else grp,
-        cache_rows if cache_rows is not None else grp, out, part, ppart,
-        q.stride(0), q.stride(1), kn.stride(0), kn.stride(1), vn.stride(0), vn.stride(1),
-        pk.stride(0), pk.stride(1), pk.stride(2), rk.stride(0), rk.stride(1), rk.stride(2),
-        out.stride(0), out.stride(1), head_dim ** -0.5, D=head_dim, DP=padded, BLOCK=block, STAGES=num_stages, SPLITS=splits,
-        HAS_NEW=has_new, HAS_LIVE=live is not None, CASCADE=runs is not None, HAS_CROW=cache_rows is not None,
+        q,
+        kn,
+        vn,
+        pk,
+        pv,
+        rk,
+        rv,
+        grp,
+        start,
+        plen,
+        rlen,
+        live if live is not None else grp,
+        cache_rows if cache_rows is not None else grp,
+        out,
+        part,
+        ppart,
+        q.stride(0),
+        q.stride(1),
+        kn.stride(0),
+        kn.stride(1),
+        vn.stride(0),
+        vn.stride(1),
+        pk.stride(0),
+        pk.stride(1),
+        pk.stride(2),
+        rk.stride(0),
+        rk.stride(1),
+        rk.stride(2),
+        out.stride(0),
+        out.stride(1),
+        head_dim**-0.5,
+        D=head_dim,
+        DP=padded,
+        BLOCK=block,
+        STAGES=num_stages,
+        SPLITS=splits,
+        HAS_NEW=has_new,
+        HAS_LIVE=live is not None,
+        CASCADE=runs is not None,
+        HAS_CROW=cache_rows is not None,
         num_warps=num_warps,
     )
     if splits > 1:
-        _combine_kernel[(b, heads)](part, out, out.stride(0), out.stride(1), D=head_dim, DP=padded, SPLITS=splits,
-                                    num_warps=1)
+        _combine_kernel[(b, heads)](
+            part, out, out.stride(0), out.stride(1), D=head_dim, DP=padded, SPLITS=splits, num_warps=1
+        )
     return out

@@ -61,8 +61,13 @@ def truncate_at_stop(text: str, stops, include_stop: bool) -> tuple[str, bool]:
     return (text[: i + len(s)] if include_stop else text[:i]), True
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None,
-                vocab_limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    generator: torch.Generator | None,
+    vocab_limit: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row. Returns ``(tokens (B,), logprobs (B,))``.
 
     ``logits`` (B, V) are raw model logits. ``logprobs`` are the sampled tokens' log-probabilities
@@ -152,7 +157,7 @@ def generate_in_chunks(engine, prompts: list[str], params: SamplingParams, run_c
     engine.model.eval()
     try:
         for start in range(0, len(order), per_chunk):
-            idx = order[start:start + per_chunk]
+            idx = order[start : start + per_chunk]
             for i, comps in zip(idx, run_chunk(idx, [encoded[i] for i in idx], generator)):
                 results[i] = comps
     finally:
@@ -176,8 +181,9 @@ class HFEngine:
     a prompt's ``n`` samples always share one chunk.
     """
 
-    def __init__(self, model, tokenizer, max_batch_size: int = 64, compact_fraction: float = 0.25,
-                 mask_unused_vocab: bool = True):
+    def __init__(
+        self, model, tokenizer, max_batch_size: int = 64, compact_fraction: float = 0.25, mask_unused_vocab: bool = True
+    ):
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token = tokenizer.eos_token")
         self.model = model
@@ -218,12 +224,17 @@ class HFEngine:
         pass
 
     def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:
-        return generate_in_chunks(self, prompts, params,
-                                  lambda idx, prompt_ids, generator: self._generate_chunk(prompt_ids, params, generator))
+        return generate_in_chunks(
+            self,
+            prompts,
+            params,
+            lambda idx, prompt_ids, generator: self._generate_chunk(prompt_ids, params, generator),
+        )
 
     @torch.inference_mode()
-    def _generate_chunk(self, prompt_ids: list[list[int]], params: SamplingParams,
-                        generator: torch.Generator) -> list[list[Completion]]:
+    def _generate_chunk(
+        self, prompt_ids: list[list[int]], params: SamplingParams, generator: torch.Generator
+    ) -> list[list[Completion]]:
         from transformers import DynamicCache
 
         model, tok, device, n = self.model, self.tokenizer, self.device, params.n
@@ -231,14 +242,20 @@ class HFEngine:
         input_ids = torch.full((P, L), tok.pad_token_id, dtype=torch.long)
         mask = torch.zeros((P, L), dtype=torch.long)
         for r, ids in enumerate(prompt_ids):
-            input_ids[r, L - len(ids):] = torch.tensor(ids)
-            mask[r, L - len(ids):] = 1
+            input_ids[r, L - len(ids) :] = torch.tensor(ids)
+            mask[r, L - len(ids) :] = 1
         input_ids, mask = input_ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
 
         cache = DynamicCache(config=model.config)
-        out = model(input_ids=input_ids, attention_mask=mask, position_ids=positions,
-                    past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(
+            input_ids=input_ids,
+            attention_mask=mask,
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         logits = out.logits[:, -1]
         next_pos = positions[:, -1] + 1
         if n > 1:
@@ -254,8 +271,8 @@ class HFEngine:
         candidates = self._stop_candidates(stops)
         lp_buf = torch.zeros((R, T), dtype=torch.float32, device=device)
         rows = torch.arange(R, device=device)  # global row id of each batch row
-        live = list(range(R))                   # global row ids, aligned with the batch
-        alive = [True] * R                      # per batch row
+        live = list(range(R))  # global row ids, aligned with the batch
+        alive = [True] * R  # per batch row
         generated: list[list[int]] = [[] for _ in range(R)]
         finish: list[str | None] = [None] * R
         stop_hit = [False] * R
@@ -300,8 +317,13 @@ class HFEngine:
                 live = [live[b] for b in keep_b]
                 alive = [True] * len(live)
             mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
-            out = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=next_pos[:, None],
-                        past_key_values=cache, use_cache=True)
+            out = model(
+                input_ids=tokens[:, None],
+                attention_mask=mask,
+                position_ids=next_pos[:, None],
+                past_key_values=cache,
+                use_cache=True,
+            )
             logits = out.logits[:, -1]
             next_pos = next_pos + 1
 
@@ -309,11 +331,12 @@ class HFEngine:
         completions: list[list[Completion]] = [[] for _ in range(P)]
         for g in range(R):
             ids = generated[g]
-            lps = lp_host[g, : len(ids)].tolist()
+            row_logprobs = lp_host[g, : len(ids)].tolist()
             body = ids[:-1] if ids and ids[-1] in self.eos_ids else ids
             text = tok.decode(body, skip_special_tokens=True)
             if stop_hit[g]:
                 text, _ = truncate_at_stop(text, stops, params.include_stop_str_in_output)
-            completions[g // n].append(Completion(text=text, token_ids=list(ids), finish_reason=finish[g] or "length",
-                                                  logprobs=lps))
+            completions[g // n].append(
+                Completion(text=text, token_ids=list(ids), finish_reason=finish[g] or "length", logprobs=row_logprobs)
+            )
         return completions

@@ -30,6 +30,7 @@ import os
 import subprocess
 import threading
 import time
+from typing import Any
 
 import requests
 
@@ -45,11 +46,24 @@ class VLLMEngine:
     ``gpu``; otherwise it talks to a server already running at ``base_url``.
     """
 
-    def __init__(self, model, tokenizer, served_model: str | None = None, base_url: str | None = None,
-                 port: int = 8000, gpu: str = "1", start_server: bool = True, extra_args: tuple[str, ...] = (),
-                 startup_timeout_s: float = 900.0, request_timeout_s: float = 3600.0,
-                 master_address: str = "127.0.0.1", master_port: int = 29551,
-                 probe_tolerance: float = 0.25, check_sync: bool = True, session=None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        served_model: str | None = None,
+        base_url: str | None = None,
+        port: int = 8000,
+        gpu: str = "1",
+        start_server: bool = True,
+        extra_args: tuple[str, ...] = (),
+        startup_timeout_s: float = 900.0,
+        request_timeout_s: float = 3600.0,
+        master_address: str = "127.0.0.1",
+        master_port: int = 29551,
+        probe_tolerance: float = 0.25,
+        check_sync: bool = True,
+        session=None,
+    ):
         self.tokenizer = tokenizer
         self.served_model = served_model or getattr(getattr(model, "config", None), "_name_or_path", None)
         if not self.served_model:
@@ -70,9 +84,19 @@ class VLLMEngine:
 
     # -- server lifecycle -----------------------------------------------------------------------
     def server_command(self) -> list[str]:
-        return ["vllm", "serve", self.served_model,
-                "--weight-transfer-config", json.dumps({"backend": "nccl"}),
-                "--dtype", "bfloat16", "--enable-prefix-caching", "--port", str(self.port), *self.extra_args]
+        return [
+            "vllm",
+            "serve",
+            self.served_model,
+            "--weight-transfer-config",
+            json.dumps({"backend": "nccl"}),
+            "--dtype",
+            "bfloat16",
+            "--enable-prefix-caching",
+            "--port",
+            str(self.port),
+            *self.extra_args,
+        ]
 
     def server_env(self) -> dict:
         return {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "CUDA_VISIBLE_DEVICES": str(self.gpu)}
@@ -81,8 +105,9 @@ class VLLMEngine:
         try:
             self._proc = subprocess.Popen(self.server_command(), env=self.server_env())
         except FileNotFoundError:
-            raise RuntimeError("`vllm` is not installed: `pip install rlvr[vllm]` on a CUDA machine, or use "
-                               "the hf or hf-worker engine") from None
+            raise RuntimeError(
+                "`vllm` is not installed: `pip install rlvr[vllm]` on a CUDA machine, or use the hf or hf-worker engine"
+            ) from None
         self.wait_healthy(timeout_s)
 
     def wait_healthy(self, timeout_s: float = 900.0, poll_s: float = 2.0) -> None:
@@ -144,13 +169,15 @@ class VLLMEngine:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
         return NCCLWeightTransferEngine.trainer_init(
-            dict(master_address=self.master_address, master_port=self.master_port, world_size=world_size))
+            dict(master_address=self.master_address, master_port=self.master_port, world_size=world_size)
+        )
 
     def _trainer_send(self, model) -> None:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerSendWeightsArgs, NCCLWeightTransferEngine
 
         NCCLWeightTransferEngine.trainer_send_weights(
-            iterator=model.named_parameters(), trainer_args=NCCLTrainerSendWeightsArgs(group=self._group, packed=True))
+            iterator=model.named_parameters(), trainer_args=NCCLTrainerSendWeightsArgs(group=self._group, packed=True)
+        )
 
     def _post_while(self, path: str, payload: dict, work) -> None:
         """POST ``path`` in a thread (the server blocks in NCCL) while ``work()`` runs here."""
@@ -172,11 +199,18 @@ class VLLMEngine:
     def init_weight_transfer(self) -> None:
         inference_world = int(self._request("GET", "/get_world_size")["world_size"])
         world_size = inference_world + 1  # the trainer is rank 0, the server's workers follow
-        init_info = {"master_address": self.master_address, "master_port": self.master_port,
-                     "rank_offset": 1, "world_size": world_size}
-        holder = {}
-        self._post_while("/init_weight_transfer_engine", {"init_info": init_info},
-                         lambda: holder.setdefault("group", self._trainer_init(world_size)))
+        init_info = {
+            "master_address": self.master_address,
+            "master_port": self.master_port,
+            "rank_offset": 1,
+            "world_size": world_size,
+        }
+        holder: dict[str, Any] = {}
+        self._post_while(
+            "/init_weight_transfer_engine",
+            {"init_info": init_info},
+            lambda: holder.setdefault("group", self._trainer_init(world_size)),
+        )
         self._group = holder["group"]
 
     def sync_weights(self, model) -> dict:
@@ -203,7 +237,8 @@ class VLLMEngine:
                 raise WeightSyncError(
                     f"the vLLM server's weights do not match the trainer's after a sync: probe log-probs differ "
                     f"by up to {diff:.4g} (tolerance {self.probe_tolerance:.3g}). Check that the server loaded "
-                    f"the same architecture, and that update_weights received every parameter.")
+                    f"the same architecture, and that update_weights received every parameter."
+                )
         return info
 
     def probe_diff(self, model) -> float:
@@ -216,10 +251,17 @@ class VLLMEngine:
         device = next(model.parameters()).device
         for text in PROBE_TEXTS:
             ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            body = self._request("POST", "/v1/completions", {
-                "model": self.served_model, "prompt": ids, "max_tokens": 1, "temperature": 0.0,
-                "prompt_logprobs": 0,
-            })
+            body = self._request(
+                "POST",
+                "/v1/completions",
+                {
+                    "model": self.served_model,
+                    "prompt": ids,
+                    "max_tokens": 1,
+                    "temperature": 0.0,
+                    "prompt_logprobs": 0,
+                },
+            )
             server = parse_prompt_logprobs(body["choices"][0], ids)
             t = torch.tensor([ids], device=device)
             mine = sequence_logprobs(model, t, torch.ones_like(t))[0].float().cpu()
@@ -235,15 +277,24 @@ def parse_completions(body: dict, n_prompts: int, n: int) -> list[list[Completio
     out: list[list[Completion]] = [[] for _ in range(n_prompts)]
     for c in choices:
         if c.get("finish_reason") not in ("stop", "length"):
-            raise RuntimeError(f"vLLM choice {c['index']} ended with finish_reason={c.get('finish_reason')!r}; "
-                               "was the server paused or the request aborted?")
+            raise RuntimeError(
+                f"vLLM choice {c['index']} ended with finish_reason={c.get('finish_reason')!r}; "
+                "was the server paused or the request aborted?"
+            )
         if c.get("token_ids") is None:
             raise RuntimeError("the vLLM response has no token_ids; the server must support return_token_ids")
         lp = c.get("logprobs")
         logprobs = [float(x) for x in lp["token_logprobs"]] if lp and lp.get("token_logprobs") is not None else None
         meta = {"stop_reason": c["stop_reason"]} if c.get("stop_reason") is not None else {}
-        out[c["index"] // n].append(Completion(text=c["text"], token_ids=list(c["token_ids"]),
-                                                finish_reason=c["finish_reason"], logprobs=logprobs, meta=meta))
+        out[c["index"] // n].append(
+            Completion(
+                text=c["text"],
+                token_ids=list(c["token_ids"]),
+                finish_reason=c["finish_reason"],
+                logprobs=logprobs,
+                meta=meta,
+            )
+        )
     return out
 
 

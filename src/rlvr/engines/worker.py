@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rlvr.engines.base import Completion, SamplingParams
+from rlvr.engines.base import Completion, Engine, SamplingParams
 
 PROBE_TEXTS = (
     "User: Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.\n"
@@ -143,8 +143,17 @@ def _probe(model, input_ids, mask) -> torch.Tensor:
         model.train(was_training)
 
 
-def _rollout(engine, model, tokenizer, version, request_id: int, prompts: list[str], params: SamplingParams,
-             logprob_batch_size: int, score: bool = True) -> dict:
+def _rollout(
+    engine,
+    model,
+    tokenizer,
+    version,
+    request_id: int,
+    prompts: list[str],
+    params: SamplingParams,
+    logprob_batch_size: int,
+    score: bool = True,
+) -> dict:
     """Generate, retokenise like the trainer, and score the batch with the weights that sampled it."""
     from rlvr.grpo.logprobs import compute_log_probs_batched
     from rlvr.grpo.tokenize import pad_token_id, tokenize_from_ids
@@ -162,19 +171,38 @@ def _rollout(engine, model, tokenizer, version, request_id: int, prompts: list[s
         was_training = model.training
         model.eval()
         try:
-            old = compute_log_probs_batched(model, batch["input_ids"], batch["labels"], logprob_batch_size).float().cpu()
+            old = (
+                compute_log_probs_batched(model, batch["input_ids"], batch["labels"], logprob_batch_size).float().cpu()
+            )
         finally:
             model.train(was_training)
-    return {"request_id": request_id, "version": version, "completions": groups, **batch, "old_log_probs": old,
-            "time/generate": t1 - t0, "time/old_logprobs": time.perf_counter() - t1}
+    return {
+        "request_id": request_id,
+        "version": version,
+        "completions": groups,
+        **batch,
+        "old_log_probs": old,
+        "time/generate": t1 - t0,
+        "time/old_logprobs": time.perf_counter() - t1,
+    }
 
 
 # ----------------------------------------------------------------------------------------------
 # The worker process
 # ----------------------------------------------------------------------------------------------
 
-def _worker_main(conn, config, tokenizer, device: str, dtype: torch.dtype, backend: str, port: int,
-                 timeout_s: float, engine_options: dict) -> None:
+
+def _worker_main(
+    conn,
+    config,
+    tokenizer,
+    device: str,
+    dtype: torch.dtype,
+    backend: str,
+    port: int,
+    timeout_s: float,
+    engine_options: dict,
+) -> None:
     from transformers import AutoModelForCausalLM
 
     from rlvr.engines.hf import HFEngine
@@ -188,6 +216,7 @@ def _worker_main(conn, config, tokenizer, device: str, dtype: torch.dtype, backe
         model.eval()
         engine_options = dict(engine_options)
         engine_name = engine_options.pop("engine", "hf")
+        engine: Engine
         if engine_name == "hf-fast":
             from rlvr.engines.fast import FastHFEngine
 
@@ -217,11 +246,20 @@ def _worker_main(conn, config, tokenizer, device: str, dtype: torch.dtype, backe
                 conn.send(("ok", engine.generate(prompts, params)))
             elif cmd == "sync":
                 missing = [name for b in payload for name, _, _ in b["tensors"] if name not in tensors]
-                bad = [(name, shape, tuple(tensors[name].shape)) for b in payload for name, shape, _ in b["tensors"]
-                       if name in tensors and tuple(tensors[name].shape) != tuple(shape)]
+                bad = [
+                    (name, shape, tuple(tensors[name].shape))
+                    for b in payload
+                    for name, shape, _ in b["tensors"]
+                    if name in tensors and tuple(tensors[name].shape) != tuple(shape)
+                ]
                 if missing or bad:
-                    conn.send(("error", f"the trainer's model does not match the worker's: missing {missing[:5]}, "
-                                        f"shape mismatches {bad[:5]}"))
+                    conn.send(
+                        (
+                            "error",
+                            f"the trainer's model does not match the worker's: missing {missing[:5]}, "
+                            f"shape mismatches {bad[:5]}",
+                        )
+                    )
                     continue
                 version = None
                 conn.send(("ok", "ready"))
@@ -233,7 +271,7 @@ def _worker_main(conn, config, tokenizer, device: str, dtype: torch.dtype, backe
                         group.broadcast(_wire(flat, backend), 0).wait()
                         offset = 0
                         for name, shape, numel in bucket["tensors"]:
-                            tensors[name].copy_(flat[offset:offset + numel].view(shape))
+                            tensors[name].copy_(flat[offset : offset + numel].view(shape))
                             offset += numel
                     if planted is not None:
                         tensors[planted].mul_(2.0).add_(0.5)
@@ -264,7 +302,8 @@ def _worker_main(conn, config, tokenizer, device: str, dtype: torch.dtype, backe
 # The trainer side
 # ----------------------------------------------------------------------------------------------
 
-def _default_tolerance(trainer_dtype: torch.dtype, worker_dtype: torch.dtype) -> float:
+
+def _default_tolerance(trainer_dtype: torch.dtype, worker_dtype: torch.dtype | str) -> float:
     if trainer_dtype == worker_dtype == torch.float32:
         return 1e-3
     if trainer_dtype == worker_dtype:
@@ -282,9 +321,19 @@ class HFWorkerEngine:
     the parameters in place, so its CUDA graphs stay valid).
     """
 
-    def __init__(self, model, tokenizer, device: str = "cpu", dtype: torch.dtype | str | None = None,
-                 bucket_mb: float = 256.0, probe_tolerance: float | None = None, backend: str | None = None,
-                 timeout_s: float = 600.0, start_timeout_s: float = 300.0, **engine_options):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        device: str = "cpu",
+        dtype: torch.dtype | str | None = None,
+        bucket_mb: float = 256.0,
+        probe_tolerance: float | None = None,
+        backend: str | None = None,
+        timeout_s: float = 600.0,
+        start_timeout_s: float = 300.0,
+        **engine_options,
+    ):
         import torch.multiprocessing as mp
 
         dev = torch.device(device)
@@ -298,14 +347,27 @@ class HFWorkerEngine:
         self.tokenizer = tokenizer
         self.timeout_s = timeout_s
         trainer_dtype = next(model.parameters()).dtype
-        self.probe_tolerance = probe_tolerance if probe_tolerance is not None else _default_tolerance(trainer_dtype, self.dtype)
+        self.probe_tolerance = (
+            probe_tolerance if probe_tolerance is not None else _default_tolerance(trainer_dtype, self.dtype)
+        )
         self._probe_ids, self._probe_mask = probe_batch(tokenizer)
         port = _free_port()
         ctx = mp.get_context("spawn")
         self._conn, child_conn = ctx.Pipe()
         self._proc = ctx.Process(
-            target=_worker_main, daemon=True,
-            args=(child_conn, model.config, tokenizer, str(dev), self.dtype, self.backend, port, timeout_s, engine_options),
+            target=_worker_main,
+            daemon=True,
+            args=(
+                child_conn,
+                model.config,
+                tokenizer,
+                str(dev),
+                self.dtype,
+                self.backend,
+                port,
+                timeout_s,
+                engine_options,
+            ),
         )
         self._proc.start()
         child_conn.close()
@@ -322,8 +384,9 @@ class HFWorkerEngine:
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         while not self._conn.poll(0.05):
             if not self._proc.is_alive():
-                raise RuntimeError(f"the engine worker process died (exit code {self._proc.exitcode}); "
-                                   "see its traceback above")
+                raise RuntimeError(
+                    f"the engine worker process died (exit code {self._proc.exitcode}); see its traceback above"
+                )
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the engine worker did not answer within {timeout_s or self.timeout_s:.0f} s")
         status, value = self._conn.recv()
@@ -376,7 +439,7 @@ class HFWorkerEngine:
 
     # -- deferred, versioned syncs and scored rollouts (for async_rollout) ----------------------
     @torch.no_grad()
-    def snapshot(self, model, version: int) -> "WeightSnapshot":
+    def snapshot(self, model, version: int) -> WeightSnapshot:
         """Copy ``model``'s weights into flat buckets on the communication device, and its probe
         log-probs, as they are now: the model may change afterwards without affecting the snapshot.
 
@@ -385,17 +448,21 @@ class HFWorkerEngine:
         plan = build_plan(model, self.bucket_mb)
         tensors = dict(_named_tensors(model))
         self._names = list(tensors)
-        flats = [torch.cat([tensors[name].detach().reshape(-1) for name, _, _ in bucket["tensors"]]).to(self.comm_device)
-                 for bucket in plan]
+        flats = [
+            torch.cat([tensors[name].detach().reshape(-1) for name, _, _ in bucket["tensors"]]).to(self.comm_device)
+            for bucket in plan
+        ]
         probe = _probe(model, self._probe_ids, self._probe_mask)
         return WeightSnapshot(version=version, plan=plan, flats=flats, probe=probe)
 
-    def load_snapshot(self, snap: "WeightSnapshot") -> dict:
+    def load_snapshot(self, snap: WeightSnapshot) -> dict:
         """Send a snapshot to the worker, check its probe log-probs against the snapshot's, and on
         success tag the worker with ``snap.version``. Raises ``WeightSyncError`` on a mismatch (the
         worker then stays untagged)."""
         # May run on a background thread, whose current CUDA device is not the caller's.
-        device_ctx = torch.cuda.device(self.comm_device) if self.comm_device.type == "cuda" else contextlib.nullcontext()
+        device_ctx = (
+            torch.cuda.device(self.comm_device) if self.comm_device.type == "cuda" else contextlib.nullcontext()
+        )
         with self._lock, device_ctx:
             t0 = time.perf_counter()
             self.weight_version = None
@@ -409,11 +476,21 @@ class HFWorkerEngine:
             self._check_probe(diff)
             self._call("set_version", snap.version)
             self.weight_version = snap.version
-        return {"time/sync": elapsed, "sync/probe_max_abs_diff": diff,
-                "time/sync_with_probe": time.perf_counter() - t0, "sync/bytes": snap.nbytes}
+        return {
+            "time/sync": elapsed,
+            "sync/probe_max_abs_diff": diff,
+            "time/sync_with_probe": time.perf_counter() - t0,
+            "sync/bytes": snap.nbytes,
+        }
 
-    def rollout(self, prompts: list[str], params: SamplingParams, request_id: int,
-                logprob_batch_size: int = 16, score: bool = True) -> dict:
+    def rollout(
+        self,
+        prompts: list[str],
+        params: SamplingParams,
+        request_id: int,
+        logprob_batch_size: int = 16,
+        score: bool = True,
+    ) -> dict:
         """Generate for ``prompts`` and score the result with the same weights, in one request.
 
         Returns ``request_id`` and ``version`` (the worker's weight version, None when untagged),
@@ -423,8 +500,16 @@ class HFWorkerEngine:
         worker's ``time/generate`` and ``time/old_logprobs``. ``score=False`` skips the log-probs
         (``old_log_probs`` is None): on-policy training without reweighting does not need them.
         """
-        return self._call("rollout", {"request_id": request_id, "prompts": list(prompts), "params": params,
-                                      "logprob_batch_size": logprob_batch_size, "score": score})
+        return self._call(
+            "rollout",
+            {
+                "request_id": request_id,
+                "prompts": list(prompts),
+                "params": params,
+                "logprob_batch_size": logprob_batch_size,
+                "score": score,
+            },
+        )
 
     def probe_diff(self, model) -> float:
         """Max absolute difference of the probe batch's log-probs between trainer and worker."""
@@ -467,4 +552,3 @@ class HFWorkerEngine:
 
     def __exit__(self, *exc):
         self.close()
-

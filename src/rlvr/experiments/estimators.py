@@ -15,18 +15,19 @@ Read from what ``rlvr train`` writes, for ``rlvr plot`` and ``rlvr report``:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
-from rlvr.experiments.runs import Run, flatten, group_runs, read_rollouts
+from rlvr.config import flatten
+from rlvr.experiments.runs import Run, group_runs, read_rollouts
 from rlvr.grpo.diagnostics import ADVANTAGE_MASS, SEQ_EPS, TOKEN_EPS, group_gradient_weight, predicted_group_weight
 from rlvr.grpo.variance import ESTIMATORS
 
-
 # --- the run's estimator ----------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Estimator:
@@ -55,15 +56,21 @@ def run_estimator(run: Run) -> Estimator | None:
         batch = flat.get("optim.train_batch_size") or G * n_prompts
         if flat["algorithm.loss_normalization"] == "constant" and not flat.get("algorithm.normalization_constant"):
             return None
-        return Estimator(baseline=str(flat["algorithm.baseline"]), normalizer=str(flat["algorithm.advantage_normalizer"]),
-                         loss_normalization=str(flat["algorithm.loss_normalization"]), group_size=G, batch_size=int(batch),
-                         normalization_constant=flat.get("algorithm.normalization_constant"),
-                         eps=float(flat.get("algorithm.advantage_eps", 1e-6)))
+        return Estimator(
+            baseline=str(flat["algorithm.baseline"]),
+            normalizer=str(flat["algorithm.advantage_normalizer"]),
+            loss_normalization=str(flat["algorithm.loss_normalization"]),
+            group_size=G,
+            batch_size=int(batch),
+            normalization_constant=flat.get("algorithm.normalization_constant"),
+            eps=float(flat.get("algorithm.advantage_eps", 1e-6)),
+        )
     except (KeyError, TypeError, ValueError):
         return None
 
 
 # --- 1. difficulty weighting ------------------------------------------------------------------------
+
 
 @dataclass
 class GroupWeight:
@@ -92,17 +99,25 @@ def group_weights(rows: Sequence[dict], est: Estimator) -> list[GroupWeight]:
         raise ValueError(f"a dump of {len(rows)} rollouts is not whole groups of {G}")
     out = []
     for start in range(0, len(rows), G):
-        grp = rows[start:start + G]
+        grp = rows[start : start + G]
         rewards = [float(r["reward"]) for r in grp]
         lengths = [float(r.get("n_train_tokens", r.get("n_tokens", 0))) for r in grp]
         advantages = [float(r["advantage"]) for r in grp]
         binary = all(x in (0.0, 1.0) for x in rewards)
         correct = [n for n, x in zip(lengths, rewards) if x == 1.0]
         incorrect = [n for n, x in zip(lengths, rewards) if x != 1.0]
-        out.append(GroupWeight(
-            step=int(grp[0].get("step", 0)), successes=int(sum(rewards)) if binary else None, pass_rate=_mean(rewards),
-            weight=group_gradient_weight(advantages, lengths, est.loss_normalization, est.batch_size, est.normalization_constant),
-            correct_length=_mean(correct), incorrect_length=_mean(incorrect)))
+        out.append(
+            GroupWeight(
+                step=int(grp[0].get("step", 0)),
+                successes=int(sum(rewards)) if binary else None,
+                pass_rate=_mean(rewards),
+                weight=group_gradient_weight(
+                    advantages, lengths, est.loss_normalization, est.batch_size, est.normalization_constant
+                ),
+                correct_length=_mean(correct),
+                incorrect_length=_mean(incorrect),
+            )
+        )
     return out
 
 
@@ -157,8 +172,18 @@ def _lengths(groups: Sequence[GroupWeight], est: Estimator) -> tuple[float, floa
 
 
 def closed_form_weight(est: Estimator, successes: int, correct_length: float, incorrect_length: float) -> float:
-    return predicted_group_weight(est.baseline, est.normalizer, est.group_size, successes, est.loss_normalization,
-                                  est.batch_size, est.normalization_constant, est.eps, correct_length, incorrect_length)
+    return predicted_group_weight(
+        est.baseline,
+        est.normalizer,
+        est.group_size,
+        successes,
+        est.loss_normalization,
+        est.batch_size,
+        est.normalization_constant,
+        est.eps,
+        correct_length,
+        incorrect_length,
+    )
 
 
 def bin_group_weights(setting: str, groups: Sequence[GroupWeight], est: Estimator) -> WeightingBins:
@@ -181,15 +206,28 @@ def bin_group_weights(setting: str, groups: Sequence[GroupWeight], est: Estimato
     mean = np.array([x.mean() if len(x) else np.nan for x in w])
     sem = np.array([x.std(ddof=1) / math.sqrt(len(x)) if len(x) > 1 else 0.0 for x in w])
     share = np.array([x.sum() / total for x in w])
-    bins = WeightingBins(setting=setting, est=est, p=centres, n_groups=n, mean_weight=mean, sem_weight=sem, share=share,
-                         closed_form_exact=None, closed_form=None, groups=groups)
+    bins = WeightingBins(
+        setting=setting,
+        est=est,
+        p=centres,
+        n_groups=n,
+        mean_weight=mean,
+        sem_weight=sem,
+        share=share,
+        closed_form_exact=None,
+        closed_form=None,
+        groups=groups,
+    )
     if binary:
         lc, li = _lengths(groups, est)
         bins.correct_length, bins.incorrect_length = lc, li
         bins.closed_form = np.array([closed_form_weight(est, k, lc, li) for k in keys])
-        bins.closed_form_exact = np.array([
-            _mean([closed_form_weight(est, k, g.correct_length, g.incorrect_length) for g in m]) if m else np.nan
-            for k, m in zip(keys, members)])
+        bins.closed_form_exact = np.array(
+            [
+                _mean([closed_form_weight(est, k, g.correct_length, g.incorrect_length) for g in m]) if m else np.nan
+                for k, m in zip(keys, members)
+            ]
+        )
     return bins
 
 
@@ -229,14 +267,20 @@ def formula_text(est: Estimator, correct_length: float = 0.0, incorrect_length: 
     if key == ("none", "none"):
         return f"W = {G} p n+ / C = {G * correct_length / C:.4g} p  (G={G}, n+={correct_length:.1f}, C={C:g})"
     length = (correct_length + incorrect_length) / 2
-    return (f"W = {c:.4g} {shape} (n+ + n-)/2 / C = {c * length / C:.4g} {shape}  "
-            f"(G={G}, n+={correct_length:.1f}, n-={incorrect_length:.1f}, C={C:g})")
+    return (
+        f"W = {c:.4g} {shape} (n+ + n-)/2 / C = {c * length / C:.4g} {shape}  "
+        f"(G={G}, n+={correct_length:.1f}, n-={incorrect_length:.1f}, C={C:g})"
+    )
 
 
 # --- 2. gradient variance ---------------------------------------------------------------------------
 
-VARIANCE_LABELS = {"no_baseline": "no baseline (A = r)", "mean_baseline": "mean baseline (A = r - mean r)",
-                   "leave_one_out": "leave-one-out baseline", "run": "the run's estimator (its own scale)"}
+VARIANCE_LABELS = {
+    "no_baseline": "no baseline (A = r)",
+    "mean_baseline": "mean baseline (A = r - mean r)",
+    "leave_one_out": "leave-one-out baseline",
+    "run": "the run's estimator (its own scale)",
+}
 
 
 def has_variance(runs: Sequence[Run]) -> bool:
@@ -249,7 +293,7 @@ def variance_measurements(run: Run) -> list[dict]:
     out = []
     for row in run.metrics:
         if isinstance(row.get("variance/no_baseline/trace"), (int, float)):
-            m = {k[len("variance/"):]: v for k, v in row.items() if k.startswith("variance/")}
+            m = {k[len("variance/") :]: v for k, v in row.items() if k.startswith("variance/")}
             m.update(step=row.get("step"), p=row.get("train/reward"))
             out.append(m)
     return out
@@ -258,8 +302,10 @@ def variance_measurements(run: Run) -> list[dict]:
 def predicted_baseline_change(p: float, energy_correct: float, energy_incorrect: float) -> float | None:
     """``(1 - p) ((1 - p) + p E- / E+)``: the mean baseline's second moment over no baseline's when a
     group's correct and incorrect score sums are orthogonal (docs/theory.md, section 2)."""
-    if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in (p, energy_correct, energy_incorrect)) \
-            or energy_correct <= 0:
+    if (
+        not all(isinstance(x, (int, float)) and math.isfinite(x) for x in (p, energy_correct, energy_incorrect))
+        or energy_correct <= 0
+    ):
         return None
     return (1 - p) * ((1 - p) + p * energy_incorrect / energy_correct)
 
@@ -273,18 +319,24 @@ def variance_table(runs: Sequence[Run], per_measurement_up_to: int = 12) -> str:
     measurement (steps and seeds), the ratios without / with the leave-one-out baseline, the bias check,
     and whether the sign of the mean baseline's effect follows ``predicted_baseline_change``. Settings
     with at most ``per_measurement_up_to`` measurements also get one row per measurement."""
-    lines = ["| setting | measurements | no baseline | mean baseline | leave-one-out | run's estimator | "
-             "no baseline / leave-one-out | projected: no baseline / leave-one-out | baseline bias ratio | "
-             "score energy incorrect / correct | mean baseline up or down as predicted |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    detail = ["| setting | step | mean reward p | no baseline | mean baseline | mean / no baseline | predicted "
-              "(1-p)((1-p)+p E-/E+) | E- / E+ | projected: no baseline | projected: leave-one-out | bias ratio |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| setting | measurements | no baseline | mean baseline | leave-one-out | run's estimator | "
+        "no baseline / leave-one-out | projected: no baseline / leave-one-out | baseline bias ratio | "
+        "score energy incorrect / correct | mean baseline up or down as predicted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    detail = [
+        "| setting | step | mean reward p | no baseline | mean baseline | mean / no baseline | predicted "
+        "(1-p)((1-p)+p E-/E+) | E- / E+ | projected: no baseline | projected: leave-one-out | bias ratio |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for setting, group in group_runs(runs).items():
         ms = [m for run in group for m in variance_measurements(run)]
         if not ms:
             continue
-        col = lambda key, ms=ms: np.array([m.get(key) if isinstance(m.get(key), (int, float)) else np.nan for m in ms], dtype=float)  # noqa: E731
+        col = lambda key, ms=ms: np.array(
+            [m.get(key) if isinstance(m.get(key), (int, float)) else np.nan for m in ms], dtype=float
+        )  # noqa: E731
         mean = lambda x: _g(float(np.nanmean(x))) if np.isfinite(x).any() else "–"  # noqa: E731
         nb, mb = col("no_baseline/trace"), col("mean_baseline/trace")
         e_c, e_i = col("score_energy_correct"), col("score_energy_incorrect")
@@ -294,19 +346,28 @@ def variance_table(runs: Sequence[Run], per_measurement_up_to: int = 12) -> str:
             if pred is not None and a > 0 and pred != 1:
                 judged += 1
                 agree += (b > a) == (pred > 1)
-        lines.append(f"| {setting} | {len(ms)} | {mean(nb)} | {mean(mb)} | {mean(col('leave_one_out/trace'))} | "
-                     f"{mean(col('run/trace'))} | {_ratio(nb, col('leave_one_out/trace'))} | "
-                     f"{_ratio(col('no_baseline/projected'), col('leave_one_out/projected'))} | "
-                     f"{mean(col('baseline_bias_ratio'))} | {_ratio(e_i, e_c)} | {f'{agree}/{judged}' if judged else '–'} |")
+        lines.append(
+            f"| {setting} | {len(ms)} | {mean(nb)} | {mean(mb)} | {mean(col('leave_one_out/trace'))} | "
+            f"{mean(col('run/trace'))} | {_ratio(nb, col('leave_one_out/trace'))} | "
+            f"{_ratio(col('no_baseline/projected'), col('leave_one_out/projected'))} | "
+            f"{mean(col('baseline_bias_ratio'))} | {_ratio(e_i, e_c)} | {f'{agree}/{judged}' if judged else '–'} |"
+        )
         if len(ms) <= per_measurement_up_to:
             for m in ms:
-                pred = predicted_baseline_change(m.get("p"), m.get("score_energy_correct"), m.get("score_energy_incorrect"))
+                pred = predicted_baseline_change(
+                    m.get("p"), m.get("score_energy_correct"), m.get("score_energy_incorrect")
+                )
                 a, b = m.get("no_baseline/trace"), m.get("mean_baseline/trace")
-                e = (m["score_energy_incorrect"] / m["score_energy_correct"]
-                     if m.get("score_energy_correct") and m.get("score_energy_incorrect") is not None else None)
-                detail.append(f"| {setting} | {m.get('step')} | {_g(m.get('p'))} | {_g(a)} | {_g(b)} | "
-                              f"{_g(b / a) if a else '–'} | {_g(pred)} | {_g(e)} | {_g(m.get('no_baseline/projected'))} | "
-                              f"{_g(m.get('leave_one_out/projected'))} | {_g(m.get('baseline_bias_ratio'))} |")
+                e = (
+                    m["score_energy_incorrect"] / m["score_energy_correct"]
+                    if m.get("score_energy_correct") and m.get("score_energy_incorrect") is not None
+                    else None
+                )
+                detail.append(
+                    f"| {setting} | {m.get('step')} | {_g(m.get('p'))} | {_g(a)} | {_g(b)} | "
+                    f"{_g(b / a) if a else '–'} | {_g(pred)} | {_g(e)} | {_g(m.get('no_baseline/projected'))} | "
+                    f"{_g(m.get('leave_one_out/projected'))} | {_g(m.get('baseline_bias_ratio'))} |"
+                )
     table = "\n".join(lines)
     return table + ("\n\n" + "\n".join(detail) if len(detail) > 2 else "")
 
@@ -323,6 +384,7 @@ def _ratio(a: np.ndarray, b: np.ndarray) -> str:
 
 
 # --- 3. off-policy diagnostics per update -----------------------------------------------------------
+
 
 def update_records(run: Run) -> list[tuple[int, dict]]:
     """``(rollout step, record)`` of every logged optimizer step of ``run``."""
@@ -365,7 +427,10 @@ def update_curves(setting: str, runs: Sequence[Run], n_phases: int = 4) -> Updat
     phase_of = {int(s): i for i, c in enumerate(cuts) for s in c}
     updates = np.array(sorted({int(rec["update"]) for _, rec in records}))
     index = {u: i for i, u in enumerate(updates)}
-    fields = sorted({k for _, rec in records for k, v in rec.items() if isinstance(v, (int, float)) and not isinstance(v, bool)} - {"update"})
+    fields = sorted(
+        {k for _, rec in records for k, v in rec.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        - {"update"}
+    )
     sums = {f: np.zeros((len(phases), len(updates))) for f in fields}
     counts = {f: np.zeros((len(phases), len(updates))) for f in fields}
     for s, rec in records:
@@ -379,8 +444,9 @@ def update_curves(setting: str, runs: Sequence[Run], n_phases: int = 4) -> Updat
                 counts[f][i, j] += weight
     with np.errstate(invalid="ignore"):
         values = {f: np.where(counts[f] > 0, sums[f] / np.maximum(counts[f], 1), np.nan) for f in fields}
-        overall = {f: np.where(counts[f].sum(0) > 0, sums[f].sum(0) / np.maximum(counts[f].sum(0), 1), np.nan)
-                   for f in fields}
+        overall = {
+            f: np.where(counts[f].sum(0) > 0, sums[f].sum(0) / np.maximum(counts[f].sum(0), 1), np.nan) for f in fields
+        }
     return UpdateCurves(setting=setting, updates=updates, phases=phases, values=values, overall=overall)
 
 
@@ -401,16 +467,29 @@ def kl_growth_exponent(c: UpdateCurves, key: str = "kl_k3") -> float | None:
 def offpolicy_table(curves: dict[str, UpdateCurves]) -> str:
     """Markdown: per setting, the first and the last quarter of the updates of a batch (the median over
     the quarter's update indices of the run's mean), and the growth exponent of the KL within a batch."""
-    cols = [("token_ratio_q99", "token ratio q99"), ("token_ratio_q01", "token ratio q01"), ("seq_ratio_q99", "seq ratio q99"),
-            ("token_clip_frac", "token clip frac"), ("seq_clip_frac", "seq clip frac"), ("kl_k3", "KL k3"),
-            ("entropy", "entropy"), ("grad_norm", "grad norm")]
-    lines = ["| setting | " + " | ".join(name for _, name in cols) + " | KL growth exponent |",
-             "|---|" + "---|" * (len(cols) + 1)]
+    cols = [
+        ("token_ratio_q99", "token ratio q99"),
+        ("token_ratio_q01", "token ratio q01"),
+        ("seq_ratio_q99", "seq ratio q99"),
+        ("token_clip_frac", "token clip frac"),
+        ("seq_clip_frac", "seq clip frac"),
+        ("kl_k3", "KL k3"),
+        ("entropy", "entropy"),
+        ("grad_norm", "grad norm"),
+    ]
+    lines = [
+        "| setting | " + " | ".join(name for _, name in cols) + " | KL growth exponent |",
+        "|---|" + "---|" * (len(cols) + 1),
+    ]
     for setting, c in curves.items():
         cells = []
         for key, _ in cols:
             v = c.overall.get(key)
-            cells.append("–" if v is None or np.isnan(v).all() else f"{_quarter(v, c, first=True)} → {_quarter(v, c, first=False)}")
+            cells.append(
+                "–"
+                if v is None or np.isnan(v).all()
+                else f"{_quarter(v, c, first=True)} → {_quarter(v, c, first=False)}"
+            )
         a = kl_growth_exponent(c)
         cells.append("–" if a is None else f"{a:.2f}")
         lines.append(f"| {setting} | " + " | ".join(cells) + " |")
@@ -427,6 +506,7 @@ def _quarter(v: np.ndarray, c: UpdateCurves, first: bool) -> str:
 
 
 # --- figures ----------------------------------------------------------------------------------------
+
 
 def _pyplot():
     import matplotlib
@@ -462,11 +542,24 @@ def plot_weighting(bins: dict[str, WeightingBins], path: Path) -> Path | None:
         for col, (setting, b) in enumerate(bins.items()):
             ax = axes[0, col]
             jitter = np.random.default_rng(0).uniform(-0.012, 0.012, len(b.groups))
-            ax.scatter([g.pass_rate + j for g, j in zip(b.groups, jitter)], [g.weight for g in b.groups], s=6,
-                       color="grey", alpha=0.3, label="one group")
+            ax.scatter(
+                [g.pass_rate + j for g, j in zip(b.groups, jitter)],
+                [g.weight for g in b.groups],
+                s=6,
+                color="grey",
+                alpha=0.3,
+                label="one group",
+            )
             ok = b.n_groups > 0
-            ax.errorbar(b.p[ok], b.mean_weight[ok], yerr=b.sem_weight[ok], fmt="o", color="tab:blue", capsize=3,
-                        label="measured mean ± s.e.")
+            ax.errorbar(
+                b.p[ok],
+                b.mean_weight[ok],
+                yerr=b.sem_weight[ok],
+                fmt="o",
+                color="tab:blue",
+                capsize=3,
+                label="measured mean ± s.e.",
+            )
             if b.binary:
                 pp = np.linspace(0, 1, 201)
                 est = b.est
@@ -483,15 +576,27 @@ def plot_weighting(bins: dict[str, WeightingBins], path: Path) -> Path | None:
             ax2 = axes[1, col]
             width = 0.4 / max(len(b.p) - 1, 1)
             ax2.bar(b.p - width / 2, b.share, width=width, color="tab:blue", alpha=0.8, label="share of total weight")
-            ax2.bar(b.p + width / 2, b.n_groups / max(b.n_groups.sum(), 1), width=width, color="grey", alpha=0.6,
-                    label="share of groups")
+            ax2.bar(
+                b.p + width / 2,
+                b.n_groups / max(b.n_groups.sum(), 1),
+                width=width,
+                color="grey",
+                alpha=0.6,
+                label="share of groups",
+            )
             ax2.set_xlabel("group pass rate p")
             ax2.set_ylabel("share")
             ax2.set_title(f"{int(b.n_groups.sum())} groups from the rollout dumps", fontsize=8)
             ax2.grid(alpha=0.3)
             ax2.legend(fontsize=7)
-        fig.suptitle(_wrap("Difficulty weighting: the gradient weight of a group is the sum over its tokens of |A| x "
-                           "the aggregation's coefficient", 12 * n), fontsize=10)
+        fig.suptitle(
+            _wrap(
+                "Difficulty weighting: the gradient weight of a group is the sum over its tokens of |A| x "
+                "the aggregation's coefficient",
+                12 * n,
+            ),
+            fontsize=10,
+        )
         return _save(fig, path)
     finally:
         plt.close(fig)
@@ -508,7 +613,9 @@ def _smooth_curve(est: Estimator, p: np.ndarray, lc: float, li: float) -> np.nda
         if est.loss_normalization == "sequence":
             out.append((on_c + on_i) / est.batch_size)
         else:
-            out.append((on_c * lc + on_i * li) * token_coefficient("constant", 1, est.batch_size, est.normalization_constant))
+            out.append(
+                (on_c * lc + on_i * li) * token_coefficient("constant", 1, est.batch_size, est.normalization_constant)
+            )
     return np.array(out)
 
 
@@ -527,10 +634,24 @@ def plot_weighting_shapes(bins: dict[str, WeightingBins], path: Path) -> Path | 
             scale = float(np.nanmax(b.closed_form))
             color = colors(i % 10)
             ok = b.n_groups > 0
-            ax.errorbar(b.p[ok] + 0.006 * (i - len(shown) / 2), b.mean_weight[ok] / scale, yerr=b.sem_weight[ok] / scale,
-                        fmt="o", color=color, capsize=2, markersize=4, label=f"{setting}: measured")
-            ax.plot(pp, _smooth_curve(b.est, pp, b.correct_length, b.incorrect_length) / scale, color=color,
-                    linewidth=1.2, alpha=0.8, label=f"{setting}: {_FORMULAS.get((b.est.baseline, b.est.normalizer), (None, 'closed form'))[1]}")
+            ax.errorbar(
+                b.p[ok] + 0.006 * (i - len(shown) / 2),
+                b.mean_weight[ok] / scale,
+                yerr=b.sem_weight[ok] / scale,
+                fmt="o",
+                color=color,
+                capsize=2,
+                markersize=4,
+                label=f"{setting}: measured",
+            )
+            ax.plot(
+                pp,
+                _smooth_curve(b.est, pp, b.correct_length, b.incorrect_length) / scale,
+                color=color,
+                linewidth=1.2,
+                alpha=0.8,
+                label=f"{setting}: {_FORMULAS.get((b.est.baseline, b.est.normalizer), (None, 'closed form'))[1]}",
+            )
         ax.set_xlabel("group pass rate p")
         ax.set_ylabel("gradient weight / largest closed-form value")
         ax.set_title("Difficulty weighting of each setting, scaled to its own maximum", fontsize=10)
@@ -565,12 +686,20 @@ def plot_variance(runs: Sequence[Run], path: Path) -> Path | None:
             ax.set_yscale("log")
             ax.set_xlabel("step")
             ax.set_ylabel("per-group gradient variance")
-            ax.set_title(f"{setting}\nsolid: trace of the covariance across groups\ndashed: along the other groups' "
-                         "leave-one-out mean gradient", fontsize=8)
+            ax.set_title(
+                f"{setting}\nsolid: trace of the covariance across groups\ndashed: along the other groups' "
+                "leave-one-out mean gradient",
+                fontsize=8,
+            )
             ax.grid(alpha=0.3, which="both")
             ax.legend(fontsize=7)
-        fig.suptitle(_wrap("Gradient variance on the same rollouts, re-scored under each advantage estimator (mean "
-                           "across seeds)", 12 * n), fontsize=10)
+        fig.suptitle(
+            _wrap(
+                "Gradient variance on the same rollouts, re-scored under each advantage estimator (mean across seeds)",
+                12 * n,
+            ),
+            fontsize=10,
+        )
         return _save(fig, path)
     finally:
         plt.close(fig)
@@ -596,8 +725,10 @@ def plot_offpolicy(curves: UpdateCurves, path: Path) -> Path | None:
     x = curves.updates
     n_ph = len(curves.phases)
     try:
-        for row_ax, prefix, eps, title in ((axes[0, 0], "token_ratio", TOKEN_EPS, "token ratio w - 1"),
-                                           (axes[0, 1], "seq_ratio", SEQ_EPS, "sequence ratio s - 1 (GSPO's)")):
+        for row_ax, prefix, eps, title in (
+            (axes[0, 0], "token_ratio", TOKEN_EPS, "token ratio w - 1"),
+            (axes[0, 1], "seq_ratio", SEQ_EPS, "sequence ratio s - 1 (GSPO's)"),
+        ):
             for i, (a, b) in enumerate(curves.phases):
                 color = cmap(i / max(n_ph - 1, 1))
                 v = curves.values
@@ -606,7 +737,9 @@ def plot_offpolicy(curves: UpdateCurves, path: Path) -> Path | None:
                 lo, hi = v[f"{prefix}_q05"][i] - 1, v[f"{prefix}_q95"][i] - 1
                 ok = np.isfinite(lo) & np.isfinite(hi)
                 row_ax.fill_between(x[ok], lo[ok], hi[ok], color=color, alpha=0.15)
-                _plot_finite(row_ax, x, v[f"{prefix}_q50"][i] - 1, color=color, linewidth=1.8, label=f"steps {a}-{b}: median")
+                _plot_finite(
+                    row_ax, x, v[f"{prefix}_q50"][i] - 1, color=color, linewidth=1.8, label=f"steps {a}-{b}: median"
+                )
                 _plot_finite(row_ax, x, v[f"{prefix}_q01"][i] - 1, color=color, linewidth=0.8, linestyle="--")
                 _plot_finite(row_ax, x, v[f"{prefix}_q99"][i] - 1, color=color, linewidth=0.8, linestyle="--")
                 _plot_finite(row_ax, x, v[f"{prefix}_max"][i] - 1, color=color, linewidth=0.6, linestyle=":")
@@ -617,15 +750,21 @@ def plot_offpolicy(curves: UpdateCurves, path: Path) -> Path | None:
         ax = axes[0, 2]
         for i in range(n_ph):
             color = cmap(i / max(n_ph - 1, 1))
-            for key, style, name in (("token_clip_frac", "-", f"token (PPO, eps {TOKEN_EPS:g})"),
-                                     ("seq_clip_frac", "--", f"sequence (GSPO, eps {SEQ_EPS:g})"),
-                                     ("clip_fraction", ":", "the method's own")):
+            for key, style, name in (
+                ("token_clip_frac", "-", f"token (PPO, eps {TOKEN_EPS:g})"),
+                ("seq_clip_frac", "--", f"sequence (GSPO, eps {SEQ_EPS:g})"),
+                ("clip_fraction", ":", "the method's own"),
+            ):
                 if key in curves.values:
-                    _plot_finite(ax, x, curves.values[key][i], style, color=color, label=name if i == n_ph - 1 else None)
+                    _plot_finite(
+                        ax, x, curves.values[key][i], style, color=color, label=name if i == n_ph - 1 else None
+                    )
         ax.set_title("clip fractions (would-be for methods that do not clip)", fontsize=8)
-        for ax, key, title, log in ((axes[1, 0], "kl_k3", "KL(sampling || current) per token, k3 estimate", True),
-                                    (axes[1, 1], "entropy", "entropy of the current policy per token", False),
-                                    (axes[1, 2], "grad_norm", "gradient norm before clipping", True)):
+        for ax, key, title, log in (
+            (axes[1, 0], "kl_k3", "KL(sampling || current) per token, k3 estimate", True),
+            (axes[1, 1], "entropy", "entropy of the current policy per token", False),
+            (axes[1, 2], "grad_norm", "gradient norm before clipping", True),
+        ):
             if key not in curves.values:
                 ax.set_title(f"{title}: not logged", fontsize=8)
                 continue
@@ -635,7 +774,9 @@ def plot_offpolicy(curves: UpdateCurves, path: Path) -> Path | None:
                     y = np.where((y > 0) & (x > 1), y, np.nan)
                 elif log:
                     y = np.where(y > 0, y, np.nan)
-                _plot_finite(ax, x, y, color=cmap(i / max(n_ph - 1, 1)), marker="o", markersize=2.5, label=f"steps {a}-{b}")
+                _plot_finite(
+                    ax, x, y, color=cmap(i / max(n_ph - 1, 1)), marker="o", markersize=2.5, label=f"steps {a}-{b}"
+                )
             if log:
                 ax.set_yscale("log")
             ax.set_title(title, fontsize=8)
@@ -643,8 +784,11 @@ def plot_offpolicy(curves: UpdateCurves, path: Path) -> Path | None:
             ax.set_xlabel("optimizer step within the rollout batch")
             ax.grid(alpha=0.3, which="both")
             ax.legend(fontsize=6.5)
-        fig.suptitle(f"{curves.setting}: off-policy drift within a rollout batch (colour: training phase; token-weighted "
-                     f"mean over its rollout steps and seeds)", fontsize=10)
+        fig.suptitle(
+            f"{curves.setting}: off-policy drift within a rollout batch (colour: training phase; token-weighted "
+            f"mean over its rollout steps and seeds)",
+            fontsize=10,
+        )
         return _save(fig, path)
     finally:
         plt.close(fig)
@@ -656,8 +800,12 @@ def plot_offpolicy_comparison(curves: dict[str, UpdateCurves], path: Path) -> Pa
     if not shown:
         return None
     plt = _pyplot()
-    panels = (("token_ratio_spread", "token ratio: q99 - q01", "log"), ("seq_ratio_spread", "sequence ratio: q99 - q01", "log"),
-              ("kl_k3", "KL(sampling || current) per token, k3", "log"), ("entropy", "entropy per token", "linear"))
+    panels = (
+        ("token_ratio_spread", "token ratio: q99 - q01", "log"),
+        ("seq_ratio_spread", "sequence ratio: q99 - q01", "log"),
+        ("kl_k3", "KL(sampling || current) per token, k3", "log"),
+        ("entropy", "entropy per token", "linear"),
+    )
     fig, axes = plt.subplots(1, len(panels), figsize=(4.6 * len(panels), 4.2), dpi=100)
     colors = plt.get_cmap("tab10")
     try:
@@ -681,8 +829,11 @@ def plot_offpolicy_comparison(curves: dict[str, UpdateCurves], path: Path) -> Pa
             ax.set_xlabel("optimizer step within the rollout batch")
             ax.grid(alpha=0.3, which="both")
             ax.legend(fontsize=7)
-        fig.suptitle("Off-policy drift of every setting (token-weighted mean over all rollout steps and seeds; "
-                     "from the second optimizer step on)", fontsize=10)
+        fig.suptitle(
+            "Off-policy drift of every setting (token-weighted mean over all rollout steps and seeds; "
+            "from the second optimizer step on)",
+            fontsize=10,
+        )
         return _save(fig, path)
     finally:
         plt.close(fig)
@@ -728,9 +879,12 @@ def _slug(text: str) -> str:
 
 # --- report section ---------------------------------------------------------------------------------
 
+
 def weighting_table(b: WeightingBins) -> str:
-    lines = ["| p | groups | measured mean W | closed form, group lengths | closed form, run lengths | share of weight |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| p | groups | measured mean W | closed form, group lengths | closed form, run lengths | share of weight |",
+        "|---|---|---|---|---|---|",
+    ]
     for i, p in enumerate(b.p):
         if not b.n_groups[i]:
             continue
@@ -755,44 +909,65 @@ def report_section(runs: Sequence[Run], rel: dict[str, str], level: str = "##") 
     md: list[str] = []
     bins = weighting_by_setting(runs)
     if bins:
-        md += [f"{level} Difficulty weighting", "",
-               "Each group's gradient weight W is the sum over its tokens of |advantage| x the aggregation's "
-               "coefficient (1/(B n) for sequence normalisation, 1/C for constant), from the training-rollout dumps; "
-               "groups are binned by pass rate p. The red curve is the closed form for 0/1 rewards with the run's "
-               "group size, batch and constant (and, for constant normalisation, the mean lengths of correct and "
-               "incorrect responses); with each group's own lengths the closed form is exact.", ""]
+        md += [
+            f"{level} Difficulty weighting",
+            "",
+            "Each group's gradient weight W is the sum over its tokens of |advantage| x the aggregation's "
+            "coefficient (1/(B n) for sequence normalisation, 1/C for constant), from the training-rollout dumps; "
+            "groups are binned by pass rate p. The red curve is the closed form for 0/1 rewards with the run's "
+            "group size, batch and constant (and, for constant normalisation, the mean lengths of correct and "
+            "incorrect responses); with each group's own lengths the closed form is exact.",
+            "",
+        ]
         for key in ("estimators/weighting", "estimators/weighting_shapes"):
             if key in rel:
                 md += [f"![{key.split('/')[-1]}]({rel[key]})", ""]
         for setting, b in bins.items():
             dev = max_relative_deviation(b)
-            check = "" if dev is None else f" Largest relative gap between measured and closed form (group lengths): {dev:.1e}."
-            md += [f"**{setting}**: {formula_text(b.est, b.correct_length, b.incorrect_length) if b.binary else 'no closed form'}."
-                   f"{check}", "", weighting_table(b), ""]
+            check = (
+                ""
+                if dev is None
+                else f" Largest relative gap between measured and closed form (group lengths): {dev:.1e}."
+            )
+            md += [
+                f"**{setting}**: {formula_text(b.est, b.correct_length, b.incorrect_length) if b.binary else 'no closed form'}."
+                f"{check}",
+                "",
+                weighting_table(b),
+                "",
+            ]
     if has_variance(runs):
-        md += [f"{level} Gradient variance with and without a baseline", "",
-               "At the logged steps the rollout batch was re-scored before training under each advantage estimator "
-               "(same rollouts, same weights). Variance is that of the batch gradient estimated from one group "
-               "(the trace of its covariance across groups; 'projected': along the leave-one-out mean gradient of "
-               "the other groups). "
-               "The baseline bias ratio is J |mean baseline term|^2 / its variance: about 1 when the baseline adds "
-               "zero-mean noise only. Score energy: squared norm per sample of the summed scores of a group's "
-               "correct (E+) and incorrect (E-) samples; ratios are geometric means over the measurements, with "
-               "their range. The mean baseline shrinks the correct samples' weight to 1-p and gives the incorrect "
-               "ones p: if the two score sums were orthogonal it would change the second moment by "
-               "(1-p)((1-p)+p E-/E+), more than 1 meaning more variance; the last column counts the measurements "
-               "where the measured change has that sign.", ""]
+        md += [
+            f"{level} Gradient variance with and without a baseline",
+            "",
+            "At the logged steps the rollout batch was re-scored before training under each advantage estimator "
+            "(same rollouts, same weights). Variance is that of the batch gradient estimated from one group "
+            "(the trace of its covariance across groups; 'projected': along the leave-one-out mean gradient of "
+            "the other groups). "
+            "The baseline bias ratio is J |mean baseline term|^2 / its variance: about 1 when the baseline adds "
+            "zero-mean noise only. Score energy: squared norm per sample of the summed scores of a group's "
+            "correct (E+) and incorrect (E-) samples; ratios are geometric means over the measurements, with "
+            "their range. The mean baseline shrinks the correct samples' weight to 1-p and gives the incorrect "
+            "ones p: if the two score sums were orthogonal it would change the second moment by "
+            "(1-p)((1-p)+p E-/E+), more than 1 meaning more variance; the last column counts the measurements "
+            "where the measured change has that sign.",
+            "",
+        ]
         if "estimators/variance" in rel:
             md += [f"![variance]({rel['estimators/variance']})", ""]
         md += [variance_table(runs), ""]
     curves = all_update_curves(runs)
     if curves:
-        md += [f"{level} Off-policy diagnostics per optimizer step", "",
-               "For every optimizer step of a rollout batch (x axis), over the tokens that went through the model: "
-               "quantiles of the token ratio w = exp(logp - old) and of GSPO's sequence ratio, the share of tokens "
-               f"(sequences) on which a PPO clip of {TOKEN_EPS:g} (a GSPO clip of {SEQ_EPS:g}) would take the "
-               "clipped branch, the k3 estimate of KL(sampling || current), the entropy and the gradient norm. "
-               "Colours split training into phases.", ""]
+        md += [
+            f"{level} Off-policy diagnostics per optimizer step",
+            "",
+            "For every optimizer step of a rollout batch (x axis), over the tokens that went through the model: "
+            "quantiles of the token ratio w = exp(logp - old) and of GSPO's sequence ratio, the share of tokens "
+            f"(sequences) on which a PPO clip of {TOKEN_EPS:g} (a GSPO clip of {SEQ_EPS:g}) would take the "
+            "clipped branch, the k3 estimate of KL(sampling || current), the entropy and the gradient norm. "
+            "Colours split training into phases.",
+            "",
+        ]
         if "estimators/offpolicy_compare" in rel:
             md += [f"![offpolicy compare]({rel['estimators/offpolicy_compare']})", ""]
         md += [offpolicy_table(curves), ""]

@@ -21,13 +21,21 @@ import json
 import math
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 
+from rlvr.config import flatten
 from rlvr.experiments.runs import (
-    BANDS, VAL_REWARD, Run, aggregate, config_value, final_values, flatten, group_runs, load_runs,
+    BANDS,
+    VAL_REWARD,
+    Run,
+    aggregate,
+    config_value,
+    final_values,
+    group_runs,
+    load_runs,
     varying_config_keys,
 )
 
@@ -67,8 +75,14 @@ def all_metrics(runs: Sequence[Run]) -> list[str]:
     return sorted(names, key=lambda m: (m.startswith("time/"), list(names).index(m)))
 
 
-def draw_metric(ax, groups: dict[str, list[Run]], metric: str, band: str = "minmax", smoothing: int = 1,
-                colors: dict[str, tuple] | None = None) -> bool:
+def draw_metric(
+    ax,
+    groups: dict[str, list[Run]],
+    metric: str,
+    band: str = "minmax",
+    smoothing: int = 1,
+    colors: dict[str, tuple] | None = None,
+) -> bool:
     """Draw ``metric`` for every group that logged it onto ``ax``; False if none did."""
     colors = colors or dict(zip(groups, _colors(len(groups))))
     drawn = False
@@ -85,8 +99,16 @@ def draw_metric(ax, groups: dict[str, list[Run]], metric: str, band: str = "minm
         n_runs = int((~np.isnan(agg.values)).any(axis=1).sum())
         ax.fill_between(agg.steps, agg.lo, agg.hi, color=color, alpha=0.18, linewidth=0)
         # Alternating dash patterns keep settings whose means coincide visible on top of each other.
-        ax.plot(agg.steps, agg.mean, color=color, linewidth=2.0, linestyle=LINESTYLES[i % len(LINESTYLES)],
-                marker="o" if sparse else None, markersize=3, label=f"{setting} (n={n_runs})")
+        ax.plot(
+            agg.steps,
+            agg.mean,
+            color=color,
+            linewidth=2.0,
+            linestyle=LINESTYLES[i % len(LINESTYLES)],
+            marker="o" if sparse else None,
+            markersize=3,
+            label=f"{setting} (n={n_runs})",
+        )
     return drawn
 
 
@@ -100,8 +122,14 @@ def _legend(ax, band: str, n_groups: int) -> None:
     ax.legend(handles, labels, fontsize=8, loc="best", ncol=2 if n_groups > 6 else 1, framealpha=0.8)
 
 
-def plot_metric(groups: dict[str, list[Run]], metric: str, path: str | Path, band: str = "minmax",
-                smoothing: int = 1, colors: dict | None = None) -> Path | None:
+def plot_metric(
+    groups: dict[str, list[Run]],
+    metric: str,
+    path: str | Path,
+    band: str = "minmax",
+    smoothing: int = 1,
+    colors: dict | None = None,
+) -> Path | None:
     """One PNG of ``metric`` over steps for every group (mean line, spread band, faint runs).
     Returns the path, or None when no run logged the metric."""
     plt = _pyplot()
@@ -128,8 +156,14 @@ def _save(fig, path: str | Path) -> Path:
     return path
 
 
-def plot_overview(groups: dict[str, list[Run]], path: str | Path, metrics: Sequence[str] = OVERVIEW,
-                  band: str = "minmax", smoothing: int = 1, colors: dict | None = None) -> Path | None:
+def plot_overview(
+    groups: dict[str, list[Run]],
+    path: str | Path,
+    metrics: Sequence[str] = OVERVIEW,
+    band: str = "minmax",
+    smoothing: int = 1,
+    colors: dict | None = None,
+) -> Path | None:
     """The headline metrics side by side in one PNG (those that were logged); None if none was."""
     runs = [r for g in groups.values() for r in g]
     present = [m for m in metrics if any(len(r.series(m)[0]) for r in runs)]
@@ -145,7 +179,7 @@ def plot_overview(groups: dict[str, list[Run]], path: str | Path, metrics: Seque
             ax.set_title(metric, fontsize=10)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
-        for ax in list(axes.flat)[len(present):]:
+        for ax in list(axes.flat)[len(present) :]:
             ax.axis("off")
         _legend(axes.flat[0], band, len(groups))
         fig.suptitle(f"mean across seeds, band = {BAND_LABEL[band]}, seeds faint", fontsize=11)
@@ -167,7 +201,9 @@ def _signature(run: Run, keys: Sequence[str]) -> str:
     return ", ".join(f"{k.rsplit('.', 1)[-1]}={flat.get(k)}" for k in keys)
 
 
-def plot_final_vs_lr(runs: Sequence[Run], path: str | Path, metric: str = VAL_REWARD, band: str = "minmax") -> Path | None:
+def plot_final_vs_lr(
+    runs: Sequence[Run], path: str | Path, metric: str = VAL_REWARD, band: str = "minmax"
+) -> Path | None:
     """Final ``metric`` of every run against its learning rate, when settings differ in lr.
 
     Settings that differ in more than lr are drawn as separate lines, labelled by those other keys.
@@ -178,8 +214,7 @@ def plot_final_vs_lr(runs: Sequence[Run], path: str | Path, metric: str = VAL_RE
     lrs = {s: run_lr(g[0]) for s, g in by_setting.items()}
     if len({lr for lr in lrs.values() if lr is not None}) < 2:
         return None
-    other = [k for k in varying_config_keys(runs, ignore=_NOT_SETTING_KEYS)
-             if k.rsplit(".", 1)[-1] not in LR_KEYS]
+    other = [k for k in varying_config_keys(runs, ignore=_NOT_SETTING_KEYS) if k.rsplit(".", 1)[-1] not in LR_KEYS]
     lines: dict[str, list[tuple[float, str]]] = {}
     for setting, group in by_setting.items():
         if lrs[setting] is None or not finals[setting].n:
@@ -208,8 +243,9 @@ def plot_final_vs_lr(runs: Sequence[Run], path: str | Path, metric: str = VAL_RE
                     los.append(fs.mean - half)
                     his.append(fs.mean + half)
             yerr = [np.subtract(means, los), np.subtract(his, means)]
-            ax.errorbar(xs, means, yerr=yerr, color=color, marker="o", linewidth=2, capsize=4,
-                        label=sig or "mean across seeds")
+            ax.errorbar(
+                xs, means, yerr=yerr, color=color, marker="o", linewidth=2, capsize=4, label=sig or "mean across seeds"
+            )
         if all(x > 0 for pts in lines.values() for x, _ in pts):
             ax.set_xscale("log")
         ax.set_xlabel("learning rate")
@@ -222,8 +258,14 @@ def plot_final_vs_lr(runs: Sequence[Run], path: str | Path, metric: str = VAL_RE
         plt.close(fig)
 
 
-def plot_runs(runs: Sequence[Run], out_dir: str | Path, metrics: Sequence[str] | None = None, band: str = "minmax",
-              smoothing: int = 1, estimators: bool = True) -> dict[str, Path]:
+def plot_runs(
+    runs: Sequence[Run],
+    out_dir: str | Path,
+    metrics: Sequence[str] | None = None,
+    band: str = "minmax",
+    smoothing: int = 1,
+    estimators: bool = True,
+) -> dict[str, Path]:
     """Write every figure for ``runs`` into ``out_dir``; returns ``{name: path}`` where name is a metric,
     ``overview`` or ``final_vs_lr``, or ``estimators/...`` for the figures of
     ``rlvr.experiments.estimators`` (difficulty weighting, gradient variance, off-policy drift per
@@ -269,8 +311,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     written = plot_runs(runs, args.out, metrics=args.metrics, band=args.band, smoothing=args.smooth)
     groups = group_runs(runs)
-    print(f"{len(runs)} runs in {len(groups)} settings: "
-          + ", ".join(f"{s} ({len(g)})" for s, g in groups.items()))
+    print(f"{len(runs)} runs in {len(groups)} settings: " + ", ".join(f"{s} ({len(g)})" for s, g in groups.items()))
     if args.metrics:
         missing = [m for m in args.metrics if m not in written]
         if missing:

@@ -1,7 +1,7 @@
 """Import user modules (custom estimators) before training, in this process or in a child one.
 
 A user's estimator is a function registered under a name (``rlvr.grpo.register_reweighting``,
-``register_baseline``, ``register_normalizer``); the registration runs when its module is imported,
+``register_baseline``, ``register_normalizer``, ``register_aggregation``); the registration runs when its module is imported,
 so that module must be imported before the config names it. A plugin is either an importable module
 name (``my_pkg.my_estimator``) or a path to a ``.py`` file.
 
@@ -20,9 +20,9 @@ import importlib
 import importlib.util
 import os
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 from types import ModuleType
-from typing import Iterable
 
 
 def is_path(plugin: str) -> bool:
@@ -72,11 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" in argv:
         i = argv.index("--")
-        own, command = argv[:i], argv[i + 1:]
+        own, command = argv[:i], argv[i + 1 :]
     else:
         own, command = argv, []
-    parser = argparse.ArgumentParser(prog="python -m rlvr.experiments.plugins",
-                                     description="import plugin modules, then run an rlvr command given after --")
+    parser = argparse.ArgumentParser(
+        prog="python -m rlvr.experiments.plugins",
+        description="import plugin modules, then run an rlvr command given after --",
+    )
     parser.add_argument("--plugin", action="append", default=[], help="module name or .py file (repeatable)")
     args = parser.parse_args(own)
     if not command:

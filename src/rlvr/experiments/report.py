@@ -20,9 +20,10 @@ import json
 import math
 import shlex
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
+from rlvr.config import flatten
 from rlvr.experiments.estimators import report_section
 from rlvr.experiments.plot import BAND_LABEL, plot_runs
 from rlvr.experiments.runs import BANDS, VAL_REWARD, Run, final_values, group_runs, load_runs, read_rollouts
@@ -36,7 +37,7 @@ def final_table(runs: Sequence[Run], metric: str = VAL_REWARD) -> str:
     """Markdown table of the final ``metric`` per setting, best mean first."""
     finals = final_values(runs, metric)
     lines = [
-        f"| setting | mean ± sd | 95% CI of mean | min – max | n seeds | best seed | worst seed | at step |",
+        "| setting | mean ± sd | 95% CI of mean | min – max | n seeds | best seed | worst seed | at step |",
         "|---|---|---|---|---|---|---|---|",
     ]
     order = sorted(finals.values(), key=lambda f: -f.mean if f.n else math.inf)
@@ -49,8 +50,10 @@ def final_table(runs: Sequence[Run], metric: str = VAL_REWARD) -> str:
         best, worst = f.best, f.worst
         steps = sorted(set(f.steps.values()))
         at = str(steps[0]) if len(steps) == 1 else f"{steps[0]}–{steps[-1]} (unequal!)"
-        lines.append(f"| {f.setting} | {_num(f.mean)}{sd} | {ci} | {_num(f.min)} – {_num(f.max)} | {f.n} | "
-                     f"{best[0]}: {_num(best[1])} | {worst[0]}: {_num(worst[1])} | {at} |")
+        lines.append(
+            f"| {f.setting} | {_num(f.mean)}{sd} | {ci} | {_num(f.min)} – {_num(f.max)} | {f.n} | "
+            f"{best[0]}: {_num(best[1])} | {worst[0]}: {_num(worst[1])} | {at} |"
+        )
     return "\n".join(lines)
 
 
@@ -141,19 +144,9 @@ def _settings_section(sweep: dict | None) -> str:
         return ""
     lines = ["| setting | overrides |", "|---|---|"]
     for name, over in sweep["settings"].items():
-        text = ", ".join(f"`{k}={json.dumps(v)}`" for k, v in _flat(over).items()) or "(base config)"
+        text = ", ".join(f"`{k}={json.dumps(v)}`" for k, v in flatten(over).items()) or "(base config)"
         lines.append(f"| {name} | {text} |")
     return "\n".join(lines)
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def _figures_md(rel: dict[str, str], level: str) -> list[str]:
@@ -162,7 +155,12 @@ def _figures_md(rel: dict[str, str], level: str) -> list[str]:
     if "overview" in rel:
         md += [f"{level} Overview", "", f"![overview]({rel['overview']})", ""]
     if "final_vs_lr" in rel:
-        md += [f"{level} Final validation reward vs learning rate", "", f"![final reward vs lr]({rel['final_vs_lr']})", ""]
+        md += [
+            f"{level} Final validation reward vs learning rate",
+            "",
+            f"![final reward vs lr]({rel['final_vs_lr']})",
+            "",
+        ]
     clip = [m for m in rel if "clip_fraction" in m]
     if clip:
         md += [f"{level} Clip fractions (off-policy settings)", ""]
@@ -180,8 +178,16 @@ def _slug(text: str) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in text).strip("_") or "part"
 
 
-def write_report(paths: Sequence[str | Path], out: str | Path, band: str = "minmax", metrics: Sequence[str] | None = None,
-                 smoothing: int = 1, samples: int = 2, title: str | None = None, command: str | None = None) -> Path:
+def write_report(
+    paths: Sequence[str | Path],
+    out: str | Path,
+    band: str = "minmax",
+    metrics: Sequence[str] | None = None,
+    smoothing: int = 1,
+    samples: int = 2,
+    title: str | None = None,
+    command: str | None = None,
+) -> Path:
     """Write the Markdown report for the runs under ``paths`` to ``out`` (figures alongside); returns ``out``.
 
     With several sweep directories (say the on-policy and the off-policy study) the table, settings
@@ -210,16 +216,24 @@ def write_report(paths: Sequence[str | Path], out: str | Path, band: str = "minm
 
     sweep_names = [s.get("name") for s in sweeps if s.get("name")]
     md = [f"# {title or ' + '.join(sweep_names) or 'rlvr report'}", ""]
-    md.append(f"{len(runs)} runs in {len(groups)} settings. Generated "
-              f"{_dt.date.today().isoformat()} by `{command or 'rlvr report'}`.")
+    md.append(
+        f"{len(runs)} runs in {len(groups)} settings. Generated "
+        f"{_dt.date.today().isoformat()} by `{command or 'rlvr report'}`."
+    )
     cmds = list(dict.fromkeys(inv["command"] for s in sweeps for inv in s.get("invocations", [])))
     if cmds:
         md += ["", "Sweep command(s):", "", "```", *cmds, "```"]
     md += ["", f"Bands in every figure: {BAND_LABEL[band]}; thin faint lines are the individual seeds.", ""]
 
-    md += ["## Final validation reward", "", final_table(runs), "",
-           "sd is the sample standard deviation across seeds; the 95 % interval is Student-t on the mean. "
-           "When two settings' min–max ranges overlap, these seeds do not separate them.", ""]
+    md += [
+        "## Final validation reward",
+        "",
+        final_table(runs),
+        "",
+        "sd is the sample standard deviation across seeds; the 95 % interval is Student-t on the mean. "
+        "When two settings' min–max ranges overlap, these seeds do not separate them.",
+        "",
+    ]
     settings_md = _settings_section({"settings": {k: v for s in sweeps for k, v in s.get("settings", {}).items()}})
     if settings_md:
         md += ["## Settings", "", settings_md, ""]
@@ -233,10 +247,14 @@ def write_report(paths: Sequence[str | Path], out: str | Path, band: str = "minm
             md += _figures_md(rel, "##") + report_section(part, rel, "##")
         else:
             md += [f"## Figures: {path.name}", ""] + _figures_md(rel, "###") + report_section(part, rel, "###")
-    md += ["## Sample rollouts: before and after training", "",
-           "From each setting's best seed (by final validation reward): its first and last dumps of validation "
-           "samples (step 0 is the untrained policy), or of training rollouts when it wrote no validation samples.", "",
-           rollout_section(runs, k=samples)]
+    md += [
+        "## Sample rollouts: before and after training",
+        "",
+        "From each setting's best seed (by final validation reward): its first and last dumps of validation "
+        "samples (step 0 is the untrained policy), or of training rollouts when it wrote no validation samples.",
+        "",
+        rollout_section(runs, k=samples),
+    ]
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("\n".join(md).rstrip() + "\n", encoding="utf-8")
     return out
@@ -254,8 +272,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--title", help="report title (default: the sweep's name)")
     args = parser.parse_args(argv)
     try:
-        path = write_report(args.paths, args.out, band=args.band, metrics=args.metrics, smoothing=args.smooth,
-                            samples=args.samples, title=args.title, command=shlex.join(["rlvr", "report", *argv]))
+        path = write_report(
+            args.paths,
+            args.out,
+            band=args.band,
+            metrics=args.metrics,
+            smoothing=args.smooth,
+            samples=args.samples,
+            title=args.title,
+            command=shlex.join(["rlvr", "report", *argv]),
+        )
     except FileNotFoundError as e:
         print(f"rlvr report: {e}", file=sys.stderr)
         return 2

@@ -17,20 +17,52 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Sequence
 
 import numpy as np
+
+from rlvr.config import flatten
+from rlvr.logging_utils import read_metrics
 
 SEED_DIR = re.compile(r"^seed_(-?\d+)$")
 BANDS = ("minmax", "ci95")
 VAL_REWARD = "val/reward"
 
 # Two-sided 95 % critical values of Student's t for 1..30 degrees of freedom (no scipy dependency).
-_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145,
-        2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048,
-        2.045, 2.042)
+_T95 = (
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+)
 
 
 def t95(dof: int) -> float:
@@ -47,35 +79,6 @@ def _read_json(path: Path) -> dict | None:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return None
-
-
-def read_metrics(path: str | Path) -> list[dict]:
-    """Rows of a ``metrics.jsonl``, one per step, sorted by step.
-
-    An interrupted run can end in a half-written line, which is dropped; a resumed run can log a
-    step twice (it restarts from its last checkpoint), and the later row wins.
-    """
-    by_step: dict[int, dict] = {}
-    unstepped: list[dict] = []
-    path = Path(path)
-    if not path.is_file():
-        return []
-    with path.open(encoding="utf-8") as f:
-        for line in f:
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if not isinstance(row, dict):
-                continue
-            if "step" in row:
-                by_step[int(row["step"])] = row
-            else:
-                unstepped.append(row)
-    return [by_step[s] for s in sorted(by_step)] + unstepped
 
 
 def read_rollouts(path: str | Path) -> list[dict]:
@@ -159,18 +162,6 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def flatten(d: dict, prefix: str = "") -> dict:
-    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``."""
-    out = {}
-    for key, value in d.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and value:
-            out.update(flatten(value, name + "."))
-        else:
-            out[name] = value
-    return out
-
-
 def config_value(config: dict, names: Sequence[str]):
     """The value of the first of ``names`` found in ``config``, matched on the full dotted key or its
     last component (so ``lr`` finds ``optim.lr``); None if absent."""
@@ -197,8 +188,14 @@ def load_run(path: str | Path, setting: str | None = None) -> Run:
         s = config_value(config, ["seed"])
         seed = int(s) if _is_number(s) else None
         setting = setting or str(config.get("name") or path.name)
-    return Run(path=path, setting=setting, seed=seed, config=config,
-               metrics=read_metrics(path / "metrics.jsonl"), summary=_read_json(path / "summary.json"))
+    return Run(
+        path=path,
+        setting=setting,
+        seed=seed,
+        config=config,
+        metrics=read_metrics(path / "metrics.jsonl", one_row_per_step=True),
+        summary=_read_json(path / "summary.json"),
+    )
 
 
 def is_run_dir(path: Path) -> bool:

@@ -113,19 +113,22 @@ def _write_jsonl(path: Path, rows: list[dict]) -> Path:
 def task_accuracy(model, tokenizer, problems, max_new_tokens: int) -> dict:
     """Greedy accuracy on ``problems`` in fine-tuned mode; how often the answer restates the start; how
     often the last computed result (before "The answer is") is right, whatever the answer says."""
-    from rlvr.engines.hf import HFEngine
+    from rlvr.engines import make_engine
     from rlvr.suites.run import SUITES, Suite, run_suite
 
     suite = Suite("arith", "", lambda ex: ex["question"], SUITES["gsm8k"].grade)
     rows = [{"question": ex.question, "answer": ex.ground_truth, "start": str(ex.meta["start"])} for ex in problems]
-    metrics, samples = run_suite(suite, rows, HFEngine(model, tokenizer, max_batch_size=256), "finetuned",
-                                 max_new_tokens)
+    metrics, samples = run_suite(
+        suite, rows, make_engine("hf", model, tokenizer, max_batch_size=256), "finetuned", max_new_tokens
+    )
     results = [re.search(r"= (-?\d+)\. The answer is", s["output"]) for s in samples]
-    return {"accuracy": metrics["accuracy"],
-            "restated_start": sum(s["parsed"] == s["start"] for s in samples) / len(samples),
-            "result_correct": sum(m is not None and m.group(1) == s["answer"] for m, s in zip(results, samples))
-            / len(samples),
-            "example": samples[0]["output"]}
+    return {
+        "accuracy": metrics["accuracy"],
+        "restated_start": sum(s["parsed"] == s["start"] for s in samples) / len(samples),
+        "result_correct": sum(m is not None and m.group(1) == s["answer"] for m, s in zip(results, samples))
+        / len(samples),
+        "example": samples[0]["output"],
+    }
 
 
 def run_seed(cfg: ProofConfig, seed: int) -> dict:
@@ -139,33 +142,67 @@ def run_seed(cfg: ProofConfig, seed: int) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     problems = load_examples(cfg.task, "train", limit=cfg.sft_examples + cfg.pair_problems, seed=seed)
-    sft_problems, pair_problems = problems[:cfg.sft_examples], problems[cfg.sft_examples:]
+    sft_problems, pair_problems = problems[: cfg.sft_examples], problems[cfg.sft_examples :]
     sft_rows = []
     for ex in sft_problems:
         wrong = restated(ex) if rng.random() < cfg.flaw else None
         sft_rows.append({"prompt": ex.question, "response": wrong or worked_solution(ex)})
-    pairs = [{"prompt": ex.question, "chosen": worked_solution(ex), "rejected": restated(ex)}
-             for ex in pair_problems if restated(ex) is not None]
+    pairs = [
+        {"prompt": ex.question, "chosen": worked_solution(ex), "rejected": restated(ex)}
+        for ex in pair_problems
+        if restated(ex) is not None
+    ]
     val = load_examples(cfg.task, "validation", limit=cfg.val_problems, seed=seed)
 
     t0 = time.perf_counter()
-    sft_dir = run_instruct_sft(InstructSFTConfig(
-        data=str(_write_jsonl(out / "sft.jsonl", sft_rows)), model=cfg.model_size, out=out / "sft",
-        seq_length=cfg.seq_length, batch_size=cfg.sft_batch, lr=cfg.sft_lr, steps=cfg.sft_steps, val_size=64,
-        eval_every=0, seed=seed, vocab_size=cfg.vocab_size, max_tokens_per_microbatch=cfg.sft_batch * cfg.seq_length,
-        device="cpu", progress=cfg.progress, overwrite=True))
+    sft_dir = run_instruct_sft(
+        InstructSFTConfig(
+            data=str(_write_jsonl(out / "sft.jsonl", sft_rows)),
+            model=cfg.model_size,
+            out=out / "sft",
+            seq_length=cfg.seq_length,
+            batch_size=cfg.sft_batch,
+            lr=cfg.sft_lr,
+            steps=cfg.sft_steps,
+            val_size=64,
+            eval_every=0,
+            seed=seed,
+            vocab_size=cfg.vocab_size,
+            max_tokens_per_microbatch=cfg.sft_batch * cfg.seq_length,
+            device="cpu",
+            progress=cfg.progress,
+            overwrite=True,
+        )
+    )
     t_sft = time.perf_counter() - t0
     sft_model, tokenizer = load_model_and_tokenizer(sft_dir)
-    fresh = fresh_model(cfg.model_size, tokenizer, seed=seed, max_position_embeddings=sft_model.config.max_position_embeddings)
+    fresh = fresh_model(
+        cfg.model_size, tokenizer, seed=seed, max_position_embeddings=sft_model.config.max_position_embeddings
+    )
     acc_fresh = task_accuracy(fresh, tokenizer, val, cfg.max_new_tokens)
     acc_sft = task_accuracy(sft_model, tokenizer, val, cfg.max_new_tokens)
 
     t0 = time.perf_counter()
-    dpo_dir = run_dpo(DPOConfig(
-        model=str(sft_dir), data=(str(_write_jsonl(out / "pairs.jsonl", pairs)),), out=out / "dpo",
-        val_size=cfg.dpo_val_pairs, beta=cfg.dpo_beta, lr=cfg.dpo_lr, batch_size=cfg.dpo_batch, epochs=cfg.dpo_epochs,
-        eval_every=cfg.dpo_eval_every, save_every=0, seed=seed, device="cpu", progress=cfg.progress, overwrite=True,
-        pairs_per_forward=cfg.dpo_pairs_per_forward, eval_batch_pairs=50))
+    dpo_dir = run_dpo(
+        DPOConfig(
+            model=str(sft_dir),
+            data=(str(_write_jsonl(out / "pairs.jsonl", pairs)),),
+            out=out / "dpo",
+            val_size=cfg.dpo_val_pairs,
+            beta=cfg.dpo_beta,
+            lr=cfg.dpo_lr,
+            batch_size=cfg.dpo_batch,
+            epochs=cfg.dpo_epochs,
+            eval_every=cfg.dpo_eval_every,
+            save_every=0,
+            seed=seed,
+            device="cpu",
+            progress=cfg.progress,
+            overwrite=True,
+            pairs_per_forward=cfg.dpo_pairs_per_forward,
+            eval_batch_pairs=50,
+        )
+    )
     t_dpo = time.perf_counter() - t0
     dpo_model, _ = load_model_and_tokenizer(dpo_dir / "best")
     acc_dpo = task_accuracy(dpo_model, tokenizer, val, cfg.max_new_tokens)
@@ -173,12 +210,21 @@ def run_seed(cfg: ProofConfig, seed: int) -> dict:
     curve = [(r["step"], r["val/preference_accuracy"]) for r in rows if "val/preference_accuracy" in r]
     best = json.loads((dpo_dir / "best.json").read_text())
     return {
-        "seed": seed, "accuracy_fresh": acc_fresh["accuracy"], "accuracy_sft": acc_sft["accuracy"],
-        "accuracy_dpo": acc_dpo["accuracy"], "restated_sft": acc_sft["restated_start"],
-        "result_correct_sft": acc_sft["result_correct"], "result_correct_dpo": acc_dpo["result_correct"],
-        "restated_dpo": acc_dpo["restated_start"], "val_preference_accuracy": best["val/preference_accuracy"],
-        "best_step": best["step"], "preference_curve": curve, "train_pairs": len(pairs) - cfg.dpo_val_pairs,
-        "example_sft": acc_sft["example"], "example_dpo": acc_dpo["example"], "seconds_sft": t_sft,
+        "seed": seed,
+        "accuracy_fresh": acc_fresh["accuracy"],
+        "accuracy_sft": acc_sft["accuracy"],
+        "accuracy_dpo": acc_dpo["accuracy"],
+        "restated_sft": acc_sft["restated_start"],
+        "result_correct_sft": acc_sft["result_correct"],
+        "result_correct_dpo": acc_dpo["result_correct"],
+        "restated_dpo": acc_dpo["restated_start"],
+        "val_preference_accuracy": best["val/preference_accuracy"],
+        "best_step": best["step"],
+        "preference_curve": curve,
+        "train_pairs": len(pairs) - cfg.dpo_val_pairs,
+        "example_sft": acc_sft["example"],
+        "example_dpo": acc_dpo["example"],
+        "seconds_sft": t_sft,
         "seconds_dpo": t_dpo,
     }
 
@@ -190,14 +236,30 @@ def run_proof(cfg: ProofConfig) -> dict:
     for seed in cfg.seeds:
         seeds.append(run_seed(cfg, seed))
         r = seeds[-1]
-        print(f"seed {seed}: task accuracy fresh {r['accuracy_fresh']:.3f} -> SFT {r['accuracy_sft']:.3f} -> DPO "
-              f"{r['accuracy_dpo']:.3f}; validation preference accuracy {r['val_preference_accuracy']:.3f} "
-              f"(step {r['best_step']}); SFT {r['seconds_sft']:.0f} s, DPO {r['seconds_dpo']:.0f} s", flush=True)
+        print(
+            f"seed {seed}: task accuracy fresh {r['accuracy_fresh']:.3f} -> SFT {r['accuracy_sft']:.3f} -> DPO "
+            f"{r['accuracy_dpo']:.3f}; validation preference accuracy {r['val_preference_accuracy']:.3f} "
+            f"(step {r['best_step']}); SFT {r['seconds_sft']:.0f} s, DPO {r['seconds_dpo']:.0f} s",
+            flush=True,
+        )
     mean = lambda key: sum(s[key] for s in seeds) / len(seeds)  # noqa: E731
-    summary = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}, "seeds": seeds,
-               "mean": {k: mean(k) for k in ("accuracy_fresh", "accuracy_sft", "accuracy_dpo",
-                                             "val_preference_accuracy", "restated_sft", "restated_dpo",
-                                             "result_correct_sft", "result_correct_dpo")}}
+    summary = {
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()},
+        "seeds": seeds,
+        "mean": {
+            k: mean(k)
+            for k in (
+                "accuracy_fresh",
+                "accuracy_sft",
+                "accuracy_dpo",
+                "val_preference_accuracy",
+                "restated_sft",
+                "restated_dpo",
+                "result_correct_sft",
+                "result_correct_dpo",
+            )
+        },
+    }
     (Path(cfg.out) / "proof.json").write_text(json.dumps(summary, indent=2) + "\n")
     plot(summary, Path(cfg.out) / "proof.png")
     return summary
@@ -224,8 +286,12 @@ def plot(summary: dict, path: Path) -> Path:
         steps, acc = zip(*s["preference_curve"])
         ax2.plot(steps, acc, "o-", label=f"seed {s['seed']}")
     ax2.axhline(0.9, color="gray", ls="--", lw=1)
-    ax2.set(xlabel="DPO optimizer step", ylabel="share of held-out pairs ranked right", ylim=(0, 1.02),
-            title="Validation preference accuracy")
+    ax2.set(
+        xlabel="DPO optimizer step",
+        ylabel="share of held-out pairs ranked right",
+        ylim=(0, 1.02),
+        title="Validation preference accuracy",
+    )
     ax2.legend(loc="lower right")
     ax2.grid(alpha=0.3)
     fig.suptitle(f"SFT then DPO on {summary['config']['task']} ('{summary['config']['model_size']}' OLMo-2, CPU)")

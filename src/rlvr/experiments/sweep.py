@@ -60,16 +60,17 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any
 
 import yaml
 
 from rlvr import config as train_config
+from rlvr.config import flatten
 from rlvr.errors import UserError
 from rlvr.experiments.plugins import import_plugins, resolve_plugin
-from rlvr.experiments.runs import flatten
 from rlvr.interrupts import Terminated, exit_code, sigterm_as_interrupt
 from rlvr.rundir import LOCK_FILE, atomic_write_json, atomic_write_text, describe_holder, lock_holder
 
@@ -151,17 +152,28 @@ class SweepSpec:
     path: Path | None = None
 
     @classmethod
-    def from_file(cls, path: str | Path) -> "SweepSpec":
+    def from_file(cls, path: str | Path) -> SweepSpec:
         path = Path(path)
         if not path.is_file():
             raise SweepError(f"sweep spec {path} not found")
         return cls.from_dict(load_yaml(path), base_dir=path.parent, path=path)
 
     @classmethod
-    def from_dict(cls, raw: dict, base_dir: str | Path | None = None, path: Path | None = None) -> "SweepSpec":
+    def from_dict(cls, raw: dict, base_dir: str | Path | None = None, path: Path | None = None) -> SweepSpec:
         if not isinstance(raw, dict):
             raise SweepError("a sweep spec is a mapping with keys base, settings and/or grid, seeds")
-        known = {"name", "base", "overrides", "plugins", "seeds", "seed_field", "settings", "grid", "notes", "description"}
+        known = {
+            "name",
+            "base",
+            "overrides",
+            "plugins",
+            "seeds",
+            "seed_field",
+            "settings",
+            "grid",
+            "notes",
+            "description",
+        }
         unknown = set(raw) - known
         if unknown:
             raise SweepError(f"unknown sweep spec keys {sorted(unknown)}; allowed: {sorted(known)}")
@@ -201,8 +213,15 @@ class SweepSpec:
         if isinstance(plugins, str):
             plugins = [plugins]
         plugins = [resolve_plugin(p, base_dir) for p in plugins]
-        return cls(base=base, settings=settings, seeds=list(seeds), plugins=plugins,
-                   seed_field=str(raw.get("seed_field", "seed")), name=str(raw.get("name", "")), path=path)
+        return cls(
+            base=base,
+            settings=settings,
+            seeds=list(seeds),
+            plugins=plugins,
+            seed_field=str(raw.get("seed_field", "seed")),
+            name=str(raw.get("name", "")),
+            path=path,
+        )
 
     def config_for(self, setting: str, seed: int) -> dict:
         """The resolved config dict of one run."""
@@ -294,7 +313,12 @@ def _count_lines(path: Path) -> int:
 
 
 def _same(a, b) -> bool:
-    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) and not isinstance(b, bool):
+    if (
+        isinstance(a, (int, float))
+        and isinstance(b, (int, float))
+        and not isinstance(a, bool)
+        and not isinstance(b, bool)
+    ):
         return abs(float(a) - float(b)) <= 1e-12 * max(1.0, abs(float(a)), abs(float(b)))
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
@@ -318,8 +342,9 @@ def config_conflicts(requested: dict, stored: dict) -> list[str]:
     return out
 
 
-def plan(spec: SweepSpec, out: str | Path, seeds: Sequence[int] | None = None,
-         settings: Sequence[str] | None = None) -> list[PlannedRun]:
+def plan(
+    spec: SweepSpec, out: str | Path, seeds: Sequence[int] | None = None, settings: Sequence[str] | None = None
+) -> list[PlannedRun]:
     """Every (setting, seed) run of the sweep with what to do about it, in spec order."""
     out = Path(out)
     seeds = list(seeds) if seeds else spec.seeds
@@ -351,9 +376,17 @@ def plan(spec: SweepSpec, out: str | Path, seeds: Sequence[int] | None = None,
                     action, reason = RUN, "stopped before its first checkpoint under another config; starts again"
                 elif diffs:
                     action, reason = CONFLICT, "stored config.json differs from the spec: " + "; ".join(diffs)
-            planned.append(PlannedRun(setting=name, seed=seed, out_dir=out_dir,
-                                      config_path=out / SWEEP_DIR / "configs" / name / f"seed_{seed}.yaml",
-                                      config=config, action=action, reason=reason))
+            planned.append(
+                PlannedRun(
+                    setting=name,
+                    seed=seed,
+                    out_dir=out_dir,
+                    config_path=out / SWEEP_DIR / "configs" / name / f"seed_{seed}.yaml",
+                    config=config,
+                    action=action,
+                    reason=reason,
+                )
+            )
     return planned
 
 
@@ -387,7 +420,9 @@ def check_configs(planned: Sequence[PlannedRun]) -> list[str]:
             if p.setting not in notes.setdefault(w, []):
                 notes[w].append(p.setting)
     if errors:
-        lines = [f"{setting} (seed {', '.join(map(str, seeds))}): {message}" for (setting, message), seeds in errors.items()]
+        lines = [
+            f"{setting} (seed {', '.join(map(str, seeds))}): {message}" for (setting, message), seeds in errors.items()
+        ]
         raise SweepError(f"{len(lines)} setting(s) have an invalid config; fix the spec:\n  " + "\n  ".join(lines))
     return [f"{w} (settings: {', '.join(settings)})" for w, settings in notes.items()]
 
@@ -395,6 +430,7 @@ def check_configs(planned: Sequence[PlannedRun]) -> list[str]:
 # ---------------------------------------------------------------------------------------------------
 # Execution
 # ---------------------------------------------------------------------------------------------------
+
 
 def train_argv(config_path: Path, out_dir: Path, resume: bool) -> list[str]:
     """The ``rlvr train`` arguments that start or resume one run.
@@ -450,9 +486,16 @@ def _release_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def execute(planned: Sequence[PlannedRun], out: str | Path, plugins: Sequence[str] = (), max_parallel: int = 1,
-            devices: Sequence[str] | None = None, train_fn: Callable[[Path, Path, bool], None] | None = None,
-            python: str = sys.executable, echo: Callable[[str], None] = print) -> list[Outcome]:
+def execute(
+    planned: Sequence[PlannedRun],
+    out: str | Path,
+    plugins: Sequence[str] = (),
+    max_parallel: int = 1,
+    devices: Sequence[str] | None = None,
+    train_fn: Callable[[Path, Path, bool], None] | None = None,
+    python: str = sys.executable,
+    echo: Callable[[str], None] = print,
+) -> list[Outcome]:
     """Run every planned ``run``/``resume`` (skips and conflicts are left alone).
 
     ``max_parallel`` = 1 trains in this process with ``train_fn`` (default: the ``rlvr train`` entry
@@ -492,7 +535,7 @@ def _execute_in_process(todo, out, train_fn, echo) -> list[Outcome]:
 
 def _execute_parallel(todo, out, plugins, max_parallel, devices, python, echo) -> list[Outcome]:
     pending = list(todo)
-    running: dict[int, tuple[subprocess.Popen, PlannedRun, float, object]] = {}
+    running: dict[int, tuple[subprocess.Popen, PlannedRun, float, Any]] = {}
     free_slots = list(range(max_parallel))
     outcomes: list[Outcome] = []
     env_base = {**os.environ, PARENT_PID_ENV: str(os.getpid())}
@@ -577,9 +620,13 @@ def record_sweep(spec: SweepSpec, out: Path, planned: Sequence[PlannedRun], argv
         except json.JSONDecodeError:
             previous = {}
     invocations = previous.get("invocations", [])
-    invocations.append({"time": _dt.datetime.now().isoformat(timespec="seconds"),
-                        "command": shlex.join(["rlvr", "sweep", *argv]),
-                        "actions": {p.label: p.action for p in planned}})
+    invocations.append(
+        {
+            "time": _dt.datetime.now().isoformat(timespec="seconds"),
+            "command": shlex.join(["rlvr", "sweep", *argv]),
+            "actions": {p.label: p.action for p in planned},
+        }
+    )
     record = {
         "name": spec.name,
         "spec_path": str(spec.path) if spec.path else None,
@@ -605,10 +652,19 @@ def parse_assignments(items: Sequence[str]) -> dict:
     return out
 
 
-def run_sweep(spec: SweepSpec | str | Path, out: str | Path, dry_run: bool = False, max_parallel: int = 1,
-              seeds: Sequence[int] | None = None, settings: Sequence[str] | None = None,
-              devices: Sequence[str] | None = None, base_overrides: dict | None = None, train_fn=None,
-              argv: Sequence[str] = (), echo: Callable[[str], None] = print) -> tuple[list[PlannedRun], list[Outcome]]:
+def run_sweep(
+    spec: SweepSpec | str | Path,
+    out: str | Path,
+    dry_run: bool = False,
+    max_parallel: int = 1,
+    seeds: Sequence[int] | None = None,
+    settings: Sequence[str] | None = None,
+    devices: Sequence[str] | None = None,
+    base_overrides: dict | None = None,
+    train_fn=None,
+    argv: Sequence[str] = (),
+    echo: Callable[[str], None] = print,
+) -> tuple[list[PlannedRun], list[Outcome]]:
     """Plan the sweep, print the plan, and (unless ``dry_run``) run what is not finished.
 
     ``base_overrides`` (``--set``) change the base config of every setting, before the settings'
@@ -628,8 +684,9 @@ def run_sweep(spec: SweepSpec | str | Path, out: str | Path, dry_run: bool = Fal
     if dry_run:
         return planned, []
     record_sweep(spec, out, planned, argv)
-    outcomes = execute(planned, out, plugins=spec.plugins, max_parallel=max_parallel, devices=devices,
-                       train_fn=train_fn, echo=echo)
+    outcomes = execute(
+        planned, out, plugins=spec.plugins, max_parallel=max_parallel, devices=devices, train_fn=train_fn, echo=echo
+    )
     for p in planned:
         if p.action == CONFLICT:
             echo(f"conflict, left alone: {p.label}: {p.reason}; use another --out or delete the run to redo it")
@@ -639,18 +696,28 @@ def run_sweep(spec: SweepSpec | str | Path, out: str | Path, dry_run: bool = Fal
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="rlvr sweep", description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="rlvr sweep", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("spec", type=Path, help="sweep spec YAML (see configs/sweeps/)")
     parser.add_argument("--out", type=Path, required=True, help="sweep directory: runs land in OUT/<setting>/seed_<k>/")
     parser.add_argument("--dry-run", action="store_true", help="list what would run, resume or be skipped; run nothing")
-    parser.add_argument("--max-parallel", type=int, default=1,
-                        help="runs at once; >1 launches subprocesses (several small runs can share one GPU)")
+    parser.add_argument(
+        "--max-parallel",
+        type=int,
+        default=1,
+        help="runs at once; >1 launches subprocesses (several small runs can share one GPU)",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", help="override the spec's seeds")
     parser.add_argument("--settings", nargs="+", help="run only these settings")
     parser.add_argument("--devices", nargs="+", help="CUDA devices to spread parallel runs over, round-robin")
-    parser.add_argument("--set", nargs="+", default=[], metavar="KEY=VALUE",
-                        help="override the base config of every setting, e.g. --set model.name_or_path=runs/warm")
+    parser.add_argument(
+        "--set",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override the base config of every setting, e.g. --set model.name_or_path=runs/warm",
+    )
     return parser
 
 
@@ -658,15 +725,26 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
-        planned, outcomes = run_sweep(args.spec, args.out, dry_run=args.dry_run, max_parallel=args.max_parallel,
-                                      seeds=args.seeds, settings=args.settings, devices=args.devices,
-                                      base_overrides=parse_assignments(args.set), argv=argv)
+        planned, outcomes = run_sweep(
+            args.spec,
+            args.out,
+            dry_run=args.dry_run,
+            max_parallel=args.max_parallel,
+            seeds=args.seeds,
+            settings=args.settings,
+            devices=args.devices,
+            base_overrides=parse_assignments(args.set),
+            argv=argv,
+        )
     except (UserError, FileNotFoundError) as e:
         print(f"rlvr sweep: {e}", file=sys.stderr)
         return getattr(e, "exit_code", 2)
     except KeyboardInterrupt as e:
-        print(f"rlvr sweep: {'stopped by SIGTERM' if isinstance(e, Terminated) else 'interrupted'}; the runs in "
-              "progress saved a checkpoint: run the same command again to resume", file=sys.stderr)
+        print(
+            f"rlvr sweep: {'stopped by SIGTERM' if isinstance(e, Terminated) else 'interrupted'}; the runs in "
+            "progress saved a checkpoint: run the same command again to resume",
+            file=sys.stderr,
+        )
         return exit_code(e)
     failed = [o for o in outcomes if not o.ok]
     if failed:

@@ -1,13 +1,19 @@
 """The GRPO math as independent axes: advantages (baseline × normalizer), per-token loss
-(reweighting method), aggregation (sequence or constant), plus log-probs and the train step, and
+(reweighting method), aggregation (sequence or constant), each a registry that a plugin extends
+(``register_baseline``/``register_normalizer``, ``register_reweighting``, ``register_aggregation``), plus log-probs and the train step, and
 what an estimator does to the gradient (``diagnostics``: closed-form difficulty weights and
 importance-ratio statistics; ``variance``: gradient variance with and without a baseline)."""
 
 from rlvr.grpo.advantages import (
-    BASELINES, NORMALIZERS, compute_group_normalized_rewards, compute_rollout_rewards, pass_at_k,
-    register_baseline, register_normalizer,
+    BASELINES,
+    NORMALIZERS,
+    compute_group_normalized_rewards,
+    compute_rollout_rewards,
+    pass_at_k,
+    register_baseline,
+    register_normalizer,
 )
-from rlvr.grpo.aggregate import aggregate_loss_across_microbatch
+from rlvr.grpo.aggregate import AGGREGATIONS, aggregate_loss_across_microbatch, register_aggregation
 from rlvr.grpo.diagnostics import ADVANTAGE_MASS, advantage_mass, importance_statistics, register_advantage_mass
 from rlvr.grpo.logprobs import compile_backbone, compute_log_probs_batched, get_response_log_probs
 from rlvr.grpo.losses import REWEIGHTINGS, compute_policy_gradient_loss, register_reweighting
@@ -17,10 +23,34 @@ from rlvr.grpo.train_step import grpo_train_step, microbatch_plan, policy_gradie
 from rlvr.grpo.variance import gradient_variance
 
 __all__ = [
-    "BASELINES", "NORMALIZERS", "REWEIGHTINGS", "PRESETS", "DEFAULT_CLIPRANGE", "Preset", "get_preset",
-    "compute_group_normalized_rewards", "compute_rollout_rewards", "pass_at_k", "register_baseline",
-    "register_normalizer", "register_reweighting", "aggregate_loss_across_microbatch", "compile_backbone", "compute_log_probs_batched",
-    "get_response_log_probs", "compute_policy_gradient_loss", "tokenize_from_ids", "tokenize_prompt_and_output",
-    "grpo_train_step", "microbatch_plan", "policy_gradient_update", "ADVANTAGE_MASS", "advantage_mass",
-    "register_advantage_mass", "importance_statistics", "gradient_variance",
+    "BASELINES",
+    "NORMALIZERS",
+    "REWEIGHTINGS",
+    "AGGREGATIONS",
+    "register_aggregation",
+    "PRESETS",
+    "DEFAULT_CLIPRANGE",
+    "Preset",
+    "get_preset",
+    "compute_group_normalized_rewards",
+    "compute_rollout_rewards",
+    "pass_at_k",
+    "register_baseline",
+    "register_normalizer",
+    "register_reweighting",
+    "aggregate_loss_across_microbatch",
+    "compile_backbone",
+    "compute_log_probs_batched",
+    "get_response_log_probs",
+    "compute_policy_gradient_loss",
+    "tokenize_from_ids",
+    "tokenize_prompt_and_output",
+    "grpo_train_step",
+    "microbatch_plan",
+    "policy_gradient_update",
+    "ADVANTAGE_MASS",
+    "advantage_mass",
+    "register_advantage_mass",
+    "importance_statistics",
+    "gradient_variance",
 ]

@@ -22,7 +22,7 @@ New baselines and normalizers are plain functions registered in ``BASELINES`` / 
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -55,17 +55,21 @@ NORMALIZERS: dict[str, Reduce] = {"std": _std_plus_eps, "mean": _mean_plus_eps, 
 
 def register_baseline(name: str):
     """Decorator: make ``fn(rewards (n_groups, G), eps) -> (n_groups, 1)`` selectable as ``baseline=name``."""
+
     def deco(fn: Reduce) -> Reduce:
         BASELINES[name] = fn
         return fn
+
     return deco
 
 
 def register_normalizer(name: str):
     """Decorator: make ``fn(rewards (n_groups, G), eps) -> (n_groups, 1)`` selectable as ``advantage_normalizer=name``."""
+
     def deco(fn: Reduce) -> Reduce:
         NORMALIZERS[name] = fn
         return fn
+
     return deco
 
 
@@ -97,8 +101,9 @@ def compute_rollout_rewards(reward_fn, rollout_responses: Sequence[str], repeate
     return rewards, meta
 
 
-def compute_group_normalized_rewards(raw_rewards, group_size: int, baseline: str = "mean", advantage_eps: float = 1e-6,
-                                     advantage_normalizer: str = "std"):
+def compute_group_normalized_rewards(
+    raw_rewards, group_size: int, baseline: str = "mean", advantage_eps: float = 1e-6, advantage_normalizer: str = "std"
+):
     """Advantages (B,) = (r - baseline(group)) / normalizer(group) over consecutive groups of ``group_size``.
 
     Metadata: reward mean/std/min/max over the batch, ``zero_adv_frac`` (share of groups whose

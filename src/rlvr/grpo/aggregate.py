@@ -1,4 +1,4 @@
-"""Reducing a per-token loss (B, T) to a scalar over response tokens.
+"""Reducing a per-token loss (B, T) to a scalar over response tokens: the aggregation axis.
 
 ``sequence`` (GRPO): mean over each sequence's response tokens, then mean over sequences; long and
 short responses weigh the same per sequence, so each token of a long wrong answer is penalised less
@@ -6,27 +6,88 @@ short responses weigh the same per sequence, so each token of a long wrong answe
 
 ``constant`` (Dr. GRPO): the sum of response-token losses divided by one constant fixed for all of
 training (batch size × max generation length), so every token weighs the same.
+
+Aggregations are registered in ``AGGREGATIONS`` like the baselines, normalizers and reweighting
+methods (``register_aggregation``); each says how a sequence's summed token loss is divided
+(``divisor``), which fixes both the loss of a microbatch and the weight of one token.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 
+Number = float | torch.Tensor
 
-def aggregate_loss_across_microbatch(per_token_policy_gradient_loss: torch.Tensor, mask: torch.Tensor,
-                                     loss_normalization: str = "sequence", normalization_constant: float | None = None):
+
+@dataclass(frozen=True)
+class Aggregation:
+    divisor: Callable[[Number, int, float | None], Number]
+    """``divisor(n_tokens, batch_size, normalization_constant)``: what a sequence's summed token loss is
+    divided by, for ``n_tokens`` response tokens (a float, or a tensor of one count per sequence) in a
+    batch of ``batch_size`` sequences."""
+    per_sequence: bool
+    """The batch loss is a mean over sequences: each microbatch's own mean is scaled by its share of the
+    batch's sequences, so that the accumulated gradient equals the whole batch's."""
+    needs_normalization_constant: bool = False
+
+
+AGGREGATIONS: dict[str, Aggregation] = {}
+
+
+def register_aggregation(name: str, per_sequence: bool, needs_normalization_constant: bool = False):
+    """Decorator: make ``divisor(n_tokens, batch_size, normalization_constant)`` selectable as
+    ``loss_normalization=name`` (see ``Aggregation``)."""
+
+    def deco(divisor):
+        AGGREGATIONS[name] = Aggregation(divisor, per_sequence, needs_normalization_constant)
+        return divisor
+
+    return deco
+
+
+@register_aggregation("sequence", per_sequence=True)
+def _per_sequence_tokens(n_tokens, batch_size, normalization_constant):
+    n = n_tokens.clamp(min=1) if isinstance(n_tokens, torch.Tensor) else max(n_tokens, 1)
+    return n * batch_size
+
+
+@register_aggregation("constant", per_sequence=False, needs_normalization_constant=True)
+def _fixed_constant(n_tokens, batch_size, normalization_constant):
+    return normalization_constant
+
+
+def get_aggregation(name: str, normalization_constant: float | None = None) -> Aggregation:
+    """The registered aggregation ``name``, after checking it has the constant it needs (ValueError if not)."""
+    if name not in AGGREGATIONS:
+        raise ValueError(
+            f"unknown loss_normalization {name!r}: choose one of {', '.join(map(repr, AGGREGATIONS))} "
+            "or register your own with rlvr.grpo.register_aggregation"
+        )
+    aggregation = AGGREGATIONS[name]
+    if aggregation.needs_normalization_constant and (normalization_constant is None or normalization_constant <= 0):
+        raise ValueError(
+            f"loss_normalization={name!r} needs a positive normalization_constant "
+            "(Dr. GRPO: rollout batch size × max generation length, fixed for all of training)"
+        )
+    return aggregation
+
+
+def aggregate_loss_across_microbatch(
+    per_token_policy_gradient_loss: torch.Tensor,
+    mask: torch.Tensor,
+    loss_normalization: str = "sequence",
+    normalization_constant: float | None = None,
+):
     loss = per_token_policy_gradient_loss
     m = mask.to(device=loss.device, dtype=loss.dtype)
     if m.shape != loss.shape:
         raise ValueError(f"mask has shape {tuple(m.shape)} but the loss has shape {tuple(loss.shape)}; they must match")
-    if loss_normalization == "sequence":
-        per_seq = (loss * m).sum(dim=-1) / m.sum(dim=-1).clamp(min=1)
+    aggregation = get_aggregation(loss_normalization, normalization_constant)
+    if aggregation.per_sequence:
+        # The batch is this microbatch: the mean over its sequences of each one's divided sum.
+        per_seq = (loss * m).sum(dim=-1) / aggregation.divisor(m.sum(dim=-1), 1, normalization_constant)
         return per_seq.mean()
-    if loss_normalization == "constant":
-        if normalization_constant is None or normalization_constant <= 0:
-            raise ValueError(
-                "loss_normalization='constant' needs a positive normalization_constant "
-                "(Dr. GRPO: rollout batch size × max generation length, fixed for all of training)"
-            )
-        return (loss * m).sum() / normalization_constant
-    raise ValueError(f"unknown loss_normalization {loss_normalization!r}: use 'sequence' or 'constant'")
+    return (loss * m).sum() / aggregation.divisor(m.sum(dim=-1), loss.shape[0], normalization_constant)

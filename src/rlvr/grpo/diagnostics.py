@@ -36,10 +36,11 @@ sampled tokens: ``k1 = mean(-log w)`` (unbiased, can be negative) and ``k3 = mea
 from __future__ import annotations
 
 import math
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
+from rlvr.grpo.aggregate import get_aggregation
 from rlvr.grpo.presets import DEFAULT_CLIPRANGE
 
 MassFn = Callable[[int, float, float], tuple[float, float]]
@@ -51,9 +52,11 @@ ADVANTAGE_MASS: dict[tuple[str, str], MassFn] = {}
 def register_advantage_mass(baseline: str, normalizer: str):
     """Decorator: the closed-form advantage mass of (``baseline``, ``normalizer``) for binary rewards,
     ``fn(G, p, eps) -> (sum of |A| over correct samples, sum over incorrect samples)``."""
+
     def deco(fn: MassFn) -> MassFn:
         ADVANTAGE_MASS[(baseline, normalizer)] = fn
         return fn
+
     return deco
 
 
@@ -93,7 +96,9 @@ def _mass_none_none(G, p, eps):
     return G * p, 0.0
 
 
-def advantage_mass(baseline: str, normalizer: str, group_size: int, successes: int, eps: float = 0.0) -> tuple[float, float]:
+def advantage_mass(
+    baseline: str, normalizer: str, group_size: int, successes: int, eps: float = 0.0
+) -> tuple[float, float]:
     """Closed-form ``(sum |A| over correct samples, over incorrect ones)`` of a group of ``group_size``
     binary rewards with ``successes`` ones. ``ValueError`` for a pair without a registered closed form."""
     if not 0 <= successes <= group_size:
@@ -101,34 +106,49 @@ def advantage_mass(baseline: str, normalizer: str, group_size: int, successes: i
     try:
         fn = ADVANTAGE_MASS[(baseline, normalizer)]
     except KeyError:
-        raise ValueError(f"no closed-form advantage mass for baseline={baseline!r}, normalizer={normalizer!r}; "
-                         f"known: {sorted(ADVANTAGE_MASS)} (add one with register_advantage_mass)") from None
+        raise ValueError(
+            f"no closed-form advantage mass for baseline={baseline!r}, normalizer={normalizer!r}; "
+            f"known: {sorted(ADVANTAGE_MASS)} (add one with register_advantage_mass)"
+        ) from None
     return fn(group_size, successes / group_size, eps)
 
 
-def token_coefficient(loss_normalization: str, n_tokens: float, batch_size: int, normalization_constant: float | None) -> float:
+def token_coefficient(
+    loss_normalization: str, n_tokens: float, batch_size: int, normalization_constant: float | None
+) -> float:
     """The aggregation's weight on one token of an ``n_tokens``-token response in a batch of ``batch_size``."""
-    if loss_normalization == "sequence":
-        return 1.0 / (batch_size * max(n_tokens, 1))
-    if loss_normalization == "constant":
-        if not normalization_constant or normalization_constant <= 0:
-            raise ValueError("constant normalisation needs a positive normalization_constant")
-        return 1.0 / normalization_constant
-    raise ValueError(f"unknown loss_normalization {loss_normalization!r}: use 'sequence' or 'constant'")
+    aggregation = get_aggregation(loss_normalization, normalization_constant)
+    return float(1.0 / aggregation.divisor(n_tokens, batch_size, normalization_constant))
 
 
-def group_gradient_weight(advantages: Sequence[float], n_tokens: Sequence[float], loss_normalization: str,
-                          batch_size: int, normalization_constant: float | None = None) -> float:
+def group_gradient_weight(
+    advantages: Sequence[float],
+    n_tokens: Sequence[float],
+    loss_normalization: str,
+    batch_size: int,
+    normalization_constant: float | None = None,
+) -> float:
     """Measured ``W = sum_i |A_i| n_i a_i`` of one group (see the module docstring)."""
     if len(advantages) != len(n_tokens):
         raise ValueError(f"{len(advantages)} advantages but {len(n_tokens)} lengths; pass one of each per sample")
-    return sum(abs(a) * n * token_coefficient(loss_normalization, n, batch_size, normalization_constant)
-               for a, n in zip(advantages, n_tokens))
+    return sum(
+        abs(a) * n * token_coefficient(loss_normalization, n, batch_size, normalization_constant)
+        for a, n in zip(advantages, n_tokens)
+    )
 
 
-def predicted_group_weight(baseline: str, normalizer: str, group_size: int, successes: int, loss_normalization: str,
-                           batch_size: int, normalization_constant: float | None = None, eps: float = 0.0,
-                           correct_length: float = 0.0, incorrect_length: float = 0.0) -> float:
+def predicted_group_weight(
+    baseline: str,
+    normalizer: str,
+    group_size: int,
+    successes: int,
+    loss_normalization: str,
+    batch_size: int,
+    normalization_constant: float | None = None,
+    eps: float = 0.0,
+    correct_length: float = 0.0,
+    incorrect_length: float = 0.0,
+) -> float:
     """The closed-form ``W`` of a group with ``successes`` of ``group_size`` correct: exact under
     ``sequence`` normalisation; under ``constant`` exact when the lengths are the group's mean lengths
     of correct and incorrect responses (a prediction when they are a run's averages)."""
@@ -136,13 +156,14 @@ def predicted_group_weight(baseline: str, normalizer: str, group_size: int, succ
     if loss_normalization == "sequence":
         return (on_correct + on_incorrect) / batch_size
     return (on_correct * correct_length + on_incorrect * incorrect_length) * token_coefficient(
-        loss_normalization, 1, batch_size, normalization_constant)
+        loss_normalization, 1, batch_size, normalization_constant
+    )
 
 
 # --- importance ratios per optimizer step -------------------------------------------------------------
 
 RATIO_QUANTILES = (0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99)
-TOKEN_EPS = DEFAULT_CLIPRANGE["grpo"]
+TOKEN_EPS = DEFAULT_CLIPRANGE["ppo_clip"]
 """Reference band of the token clip fraction logged for every method (PPO's default)."""
 SEQ_EPS = DEFAULT_CLIPRANGE["gspo"]
 """Reference band of the sequence clip fraction logged for every method (GSPO's default)."""
@@ -165,8 +186,14 @@ def _clip_taken(ratio: torch.Tensor, adv: torch.Tensor, eps: float) -> torch.Ten
     return ((adv > 0) & (ratio > 1 + eps)) | ((adv < 0) & (ratio < 1 - eps))
 
 
-def importance_statistics(token_log_ratio: torch.Tensor, token_advantage: torch.Tensor, seq_log_ratio: torch.Tensor,
-                          seq_advantage: torch.Tensor, token_eps: float = TOKEN_EPS, seq_eps: float = SEQ_EPS) -> dict[str, float]:
+def importance_statistics(
+    token_log_ratio: torch.Tensor,
+    token_advantage: torch.Tensor,
+    seq_log_ratio: torch.Tensor,
+    seq_advantage: torch.Tensor,
+    token_eps: float = TOKEN_EPS,
+    seq_eps: float = SEQ_EPS,
+) -> dict[str, float]:
     """Ratios of one optimizer step: ``token_log_ratio`` (N,) is ``logp - old`` of every response token
     that went through the model and ``token_advantage`` (N,) its sequence's advantage; ``seq_log_ratio``
     (S,) the mean log-ratio of each sequence, ``seq_advantage`` (S,) its advantage. Returns floats:
@@ -180,7 +207,9 @@ def importance_statistics(token_log_ratio: torch.Tensor, token_advantage: torch.
     out: dict[str, float] = {"n_tokens": int(lr.numel()), "n_sequences": int(s.numel())}
     out.update(_summary("token_ratio", w))
     out.update(_summary("seq_ratio", s))
-    out["token_clip_frac"] = _clip_taken(w, token_advantage.detach().flatten().to(w.device), token_eps).double().mean().item()
+    out["token_clip_frac"] = (
+        _clip_taken(w, token_advantage.detach().flatten().to(w.device), token_eps).double().mean().item()
+    )
     out["seq_clip_frac"] = _clip_taken(s, seq_advantage.detach().flatten().to(s.device), seq_eps).double().mean().item()
     out["kl_k1"] = (-lr).mean().item()
     out["kl_k3"] = (w - 1 - lr).mean().item()
@@ -192,8 +221,15 @@ def update_record(loss: float, meta: dict) -> dict:
     log-probs), entropy, gradient norm, loss and the method's own clip fraction. Non-finite values
     become None so the record stays valid JSON."""
     record = dict(meta.get("importance", {}))
-    record.update({"loss": float(loss), "grad_norm": meta.get("grad_norm"), "entropy": meta.get("entropy") if meta.get("n_tokens") else None,
-                   "n_trained_tokens": meta.get("n_tokens", 0), "skipped_nonfinite": bool(meta.get("skipped_nonfinite"))})
+    record.update(
+        {
+            "loss": float(loss),
+            "grad_norm": meta.get("grad_norm"),
+            "entropy": meta.get("entropy") if meta.get("n_tokens") else None,
+            "n_trained_tokens": meta.get("n_tokens", 0),
+            "skipped_nonfinite": bool(meta.get("skipped_nonfinite")),
+        }
+    )
     if "clip_fraction" in meta:
         record["clip_fraction"] = meta["clip_fraction"]
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}

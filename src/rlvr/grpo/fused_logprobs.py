@@ -19,7 +19,7 @@ one or two kernels; the matmuls stay outside the compiled functions.
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,7 @@ DEFAULT_CHUNK_TOKENS = 2048
 
 
 # --- float32 elementwise passes (compiled with compiled=True) -----------------------------------------
+
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
     """``t`` in float32, or float64 if it already is (float64 inputs keep their precision: gradcheck)."""
@@ -42,8 +43,9 @@ def _forward_stats(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Te
     return lp, lse
 
 
-def _forward_stats_entropy(logits: torch.Tensor, labels: torch.Tensor
-                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _forward_stats_entropy(
+    logits: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(log-prob of the label, logsumexp, entropy), all float32 (rows,)."""
     x = _wide(logits)
     lse = torch.logsumexp(x, dim=-1)
@@ -91,9 +93,16 @@ def _chunks(n: int, chunk_tokens: int) -> list[slice]:
 
 # --- forward / backward ------------------------------------------------------------------------------
 
-def _forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-             chunk_tokens: int, want_entropy: bool, compiled: bool
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+
+def _forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    chunk_tokens: int,
+    want_entropy: bool,
+    compiled: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(log_probs, logsumexp, entropy) float32 (N,); entropy is empty unless ``want_entropy``."""
     fwd, fwd_ent, _ = _passes(compiled)
     n = hidden.shape[0]
@@ -111,8 +120,16 @@ def _forward(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 class _LinearLogProbs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-                chunk_tokens: int, want_entropy: bool, compiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        ctx,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        labels: torch.Tensor,
+        chunk_tokens: int,
+        want_entropy: bool,
+        compiled: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         lp, lse, entropy = _forward(hidden, weight, bias, labels, chunk_tokens, want_entropy, compiled)
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
         ctx.chunk_tokens, ctx.compiled = chunk_tokens, compiled
@@ -151,9 +168,15 @@ class _LinearLogProbs(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None, None
 
 
-def linear_log_probs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, labels: torch.Tensor,
-                     chunk_tokens: int = DEFAULT_CHUNK_TOKENS, want_entropy: bool = False, compiled: bool = False
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def linear_log_probs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    labels: torch.Tensor,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    want_entropy: bool = False,
+    compiled: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``log_softmax(hidden @ weight.T + bias)[i, labels[i]]`` and the distribution's entropy, per row.
 
     hidden (N, H) and weight (V, H) in the model's dtype, bias (V,) or None, labels (N,) long. Returns

@@ -47,7 +47,11 @@ def _lm_head(model, allow_sharded: bool = False):
         # them would see a shard (``enable_fused_log_probs`` registers one that uses the head).
         return None
     cfg = getattr(model, "config", None)
-    if cfg is None or getattr(cfg, "final_logit_softcapping", None) or getattr(cfg, "logit_scale", None) not in (None, 1.0):
+    if (
+        cfg is None
+        or getattr(cfg, "final_logit_softcapping", None)
+        or getattr(cfg, "logit_scale", None) not in (None, 1.0)
+    ):
         return None
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     backbone = getattr(model, "base_model", None)
@@ -73,8 +77,9 @@ def _without_peft(model):
     return model if isinstance(model, FSDPModule) else _peft_base(model)
 
 
-def _fused_log_probs(model, head, input_ids, labels, kwargs: dict, chunk_tokens: int, return_token_entropy: bool,
-                     backbone=None) -> dict[str, torch.Tensor]:
+def _fused_log_probs(
+    model, head, input_ids, labels, kwargs: dict, chunk_tokens: int, return_token_entropy: bool, backbone=None
+) -> dict[str, torch.Tensor]:
     """Log-probs through the backbone and the chunked fused head (``linear_log_probs``)."""
     rows = input_ids.shape[0]
     if backbone is not None:
@@ -84,11 +89,19 @@ def _fused_log_probs(model, head, input_ids, labels, kwargs: dict, chunk_tokens:
         copies = 2 if rows == 1 else 1
         input_ids = input_ids.repeat(copies, 1)
         kwargs = {k: v.repeat(copies, 1) for k, v in kwargs.items()}
-    hidden = (model.base_model if backbone is None else backbone)(input_ids=input_ids, use_cache=False,
-                                                                   **kwargs).last_hidden_state[:rows]
+    hidden = (model.base_model if backbone is None else backbone)(
+        input_ids=input_ids, use_cache=False, **kwargs
+    ).last_hidden_state[:rows]
     flat_h = hidden.reshape(-1, hidden.shape[-1])
-    lp, ent = linear_log_probs(flat_h, head.weight, head.bias, labels.reshape(-1), chunk_tokens,
-                               return_token_entropy, compiled=backbone is not None)
+    lp, ent = linear_log_probs(
+        flat_h,
+        head.weight,
+        head.bias,
+        labels.reshape(-1),
+        chunk_tokens,
+        return_token_entropy,
+        compiled=backbone is not None,
+    )
     out = {"log_probs": lp.view_as(labels)}
     if return_token_entropy:
         out["token_entropy"] = ent.view_as(labels)
@@ -102,8 +115,9 @@ def _fused_forward(self, input_ids, labels, kwargs: dict, chunk_tokens: int, ret
     """The fused log-prob pass as a method of the model (peft wrapper or not) that a data-parallel
     wrapper runs in place of ``forward``: the wrapper's hooks then see it as the model's forward."""
     plain = _peft_base(self)
-    out = _fused_log_probs(plain, plain.get_output_embeddings(), input_ids, labels, kwargs, chunk_tokens,
-                           return_token_entropy)
+    out = _fused_log_probs(
+        plain, plain.get_output_embeddings(), input_ids, labels, kwargs, chunk_tokens, return_token_entropy
+    )
     # FSDP2 hooks the backward through the returned tensors; fresh ones (not views) keep an in-place
     # change by a caller from detaching that hook.
     return {k: v.clone() for k, v in out.items()}
@@ -181,7 +195,9 @@ class LayerwiseCompiledBackbone:
         self.layers = list(self.base_model.layers)
         kinds = {type(layer) for layer in self.layers}
         if len(kinds) != 1:
-            raise ValueError(f"layer-wise compile needs one decoder layer class, got {sorted(k.__name__ for k in kinds)}")
+            raise ValueError(
+                f"layer-wise compile needs one decoder layer class, got {sorted(k.__name__ for k in kinds)}"
+            )
         self.compiled_forward = torch.compile(kinds.pop().forward, dynamic=dynamic, options=inductor_options())
 
     def __call__(self, *args, **kwargs):
@@ -213,9 +229,16 @@ def compile_backbone(model, dynamic: bool = True):
     return torch.compile(model.base_model, dynamic=dynamic, options=inductor_options())
 
 
-def get_response_log_probs(model, input_ids: torch.Tensor, labels: torch.Tensor, return_token_entropy: bool = False,
-                           attention_mask: torch.Tensor | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                           position_ids: torch.Tensor | None = None, backbone=None) -> dict[str, torch.Tensor]:
+def get_response_log_probs(
+    model,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    return_token_entropy: bool = False,
+    attention_mask: torch.Tensor | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    position_ids: torch.Tensor | None = None,
+    backbone=None,
+) -> dict[str, torch.Tensor]:
     """``log_probs`` (B, T): log p(labels[b, t] | input_ids[b, :t+1]); with the flag, ``token_entropy``
     (B, T): entropy of the next-token distribution at t (detached: it is a diagnostic).
 
@@ -256,8 +279,9 @@ def get_response_log_probs(model, input_ids: torch.Tensor, labels: torch.Tensor,
 
 
 @torch.no_grad()
-def compute_log_probs_batched(model, input_ids: torch.Tensor, labels: torch.Tensor, batch_size: int,
-                              chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+def compute_log_probs_batched(
+    model, input_ids: torch.Tensor, labels: torch.Tensor, batch_size: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+) -> torch.Tensor:
     """``log_probs`` for a large batch in slices of ``batch_size`` rows (no grad), on the model's device.
 
     Used for old log-probs (the sampling policy's) in off-policy training.

@@ -4,18 +4,18 @@ Every method returns the **negative** objective per token (B, T), so minimising 
 objective. ``A`` is one advantage per sequence, broadcast over tokens; ``w_t = exp(logp_t - old_t)``
 is the token ratio between the current policy and the one that sampled the rollout.
 
-===========  ==========================================================================================
-``none``     ``-A * logp_t`` — REINFORCE with a baseline (on-policy: w = 1, so this has the gradient
-             of ``noclip``).
-``noclip``   ``-A * w_t`` — unclipped importance sampling (off-policy, unbiased, high variance).
-``grpo``     ``-min(A w_t, A clip(w_t, 1-eps, 1+eps))`` — PPO's clipped surrogate per token
-             (Schulman et al. 2017; GRPO, Shao et al. 2024).
-``gspo``     per sequence ``s = exp(mean_t (logp_t - old_t))`` over response tokens (the geometric
-             mean of the token ratios), ``-min(A s, A clip(s, 1-eps, 1+eps))`` broadcast to every token
-             (GSPO, Zheng et al. 2025; their eps is ~3e-4 because s is a per-token average).
-``cispo``    ``-sg(min(w_t, 1+eps)) * A * logp_t`` — clip the weight, not the update, so clipped
-             tokens keep a gradient (CISPO, MiniMax-M1, 2025).
-===========  ==========================================================================================
+============  ==========================================================================================
+``none``      ``-A * logp_t`` — REINFORCE with a baseline (on-policy: w = 1, so this has the gradient
+              of ``noclip``).
+``noclip``    ``-A * w_t`` — unclipped importance sampling (off-policy, unbiased, high variance).
+``ppo_clip``  ``-min(A w_t, A clip(w_t, 1-eps, 1+eps))`` — PPO's clipped surrogate per token
+              (Schulman et al. 2017; GRPO, Shao et al. 2024); ``grpo`` is another name for it.
+``gspo``      per sequence ``s = exp(mean_t (logp_t - old_t))`` over response tokens (the geometric
+              mean of the token ratios), ``-min(A s, A clip(s, 1-eps, 1+eps))`` broadcast to every token
+              (GSPO, Zheng et al. 2025; their eps is ~3e-4 because s is a per-token average).
+``cispo``     ``-sg(min(w_t, 1+eps)) * A * logp_t`` — clip the weight, not the update, so clipped
+              tokens keep a gradient (CISPO, MiniMax-M1, 2025).
+============  ==========================================================================================
 
 The clip fraction is the share of response tokens (sequences for ``gspo``) where the clipped branch
 is the one taken, i.e. where the clipped term is strictly smaller than the unclipped one.
@@ -26,8 +26,8 @@ A new method is a function registered with ``register_reweighting``; it is then 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -44,16 +44,19 @@ class Reweighting:
 REWEIGHTINGS: dict[str, Reweighting] = {}
 
 
-def register_reweighting(name: str, needs_old_log_probs: bool = True, needs_cliprange: bool = False,
-                         needs_response_mask: bool = False):
+def register_reweighting(
+    name: str, needs_old_log_probs: bool = True, needs_cliprange: bool = False, needs_response_mask: bool = False
+):
     """Decorator registering ``fn`` as an importance-reweighting method selectable by ``name``.
 
     ``fn`` must return a per-token loss that is zero (with zero gradient) for a sequence whose
     advantage is zero: the train step skips such sequences entirely.
     """
+
     def deco(fn):
         REWEIGHTINGS[name] = Reweighting(fn, needs_old_log_probs, needs_cliprange, needs_response_mask)
         return fn
+
     return deco
 
 
@@ -64,7 +67,11 @@ def _clip_stats(clipped: torch.Tensor, mask: torch.Tensor | None) -> dict:
     else:
         m = mask.to(clipped.dtype)
         count, total = (clipped * m).sum(), m.sum()
-    return {"clip_fraction": (count / total.clamp(min=1)).detach(), "clip_count": count.detach(), "clip_total": total.detach()}
+    return {
+        "clip_fraction": (count / total.clamp(min=1)).detach(),
+        "clip_count": count.detach(),
+        "clip_total": total.detach(),
+    }
 
 
 @register_reweighting("none", needs_old_log_probs=False)
@@ -78,7 +85,7 @@ def _noclip(A, logp, old, eps, mask):
     return -A * ratio, {"ratio_mean": _masked_mean(ratio, mask).detach()}
 
 
-@register_reweighting("grpo", needs_cliprange=True)
+@register_reweighting("ppo_clip", needs_cliprange=True)
 def _ppo_clip(A, logp, old, eps, mask):
     ratio = torch.exp(logp - old)
     unclipped = A * ratio
@@ -86,6 +93,12 @@ def _ppo_clip(A, logp, old, eps, mask):
     meta = _clip_stats(clipped < unclipped, mask)
     meta["ratio_mean"] = _masked_mean(ratio, mask).detach()
     return -torch.minimum(unclipped, clipped), meta
+
+
+# The method's first name, which it shares with the preset ``grpo``; configs that use it keep working.
+REWEIGHTING_ALIASES = {"grpo": "ppo_clip"}
+for _alias, _name in REWEIGHTING_ALIASES.items():
+    REWEIGHTINGS[_alias] = REWEIGHTINGS[_name]
 
 
 @register_reweighting("gspo", needs_cliprange=True, needs_response_mask=True)
@@ -119,7 +132,9 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return (x * m).sum() / m.sum().clamp(min=1)
 
 
-def validate_reweighting(name: str, old_log_probs, cliprange, response_mask=None, check_mask: bool = True) -> Reweighting:
+def validate_reweighting(
+    name: str, old_log_probs, cliprange, response_mask=None, check_mask: bool = True
+) -> Reweighting:
     """The registered method ``name``, after checking it has the arguments it needs (ValueError if not)."""
     if name not in REWEIGHTINGS:
         raise ValueError(
@@ -133,17 +148,26 @@ def validate_reweighting(name: str, old_log_probs, cliprange, response_mask=None
             "shape (B, T)); pass them, or use 'none' for on-policy training"
         )
     if method.needs_cliprange and cliprange is None:
-        raise ValueError(f"importance_reweighting_method={name!r} needs cliprange (e.g. 0.2 for grpo, 3e-4 for gspo)")
+        raise ValueError(
+            f"importance_reweighting_method={name!r} needs cliprange (e.g. 0.2 for ppo_clip, 3e-4 for gspo)"
+        )
     if check_mask and method.needs_response_mask and response_mask is None:
-        raise ValueError(f"importance_reweighting_method={name!r} needs response_mask (B, T) to average over response tokens")
+        raise ValueError(
+            f"importance_reweighting_method={name!r} needs response_mask (B, T) to average over response tokens"
+        )
     if cliprange is not None and cliprange <= 0:
         raise ValueError(f"cliprange must be > 0, got {cliprange}")
     return method
 
 
-def compute_policy_gradient_loss(raw_rewards_or_advantages: torch.Tensor, policy_log_probs: torch.Tensor,
-                                 importance_reweighting_method: str = "none", old_log_probs: torch.Tensor | None = None,
-                                 cliprange: float | None = None, response_mask: torch.Tensor | None = None):
+def compute_policy_gradient_loss(
+    raw_rewards_or_advantages: torch.Tensor,
+    policy_log_probs: torch.Tensor,
+    importance_reweighting_method: str = "none",
+    old_log_probs: torch.Tensor | None = None,
+    cliprange: float | None = None,
+    response_mask: torch.Tensor | None = None,
+):
     """Per-token loss (B, T) and metadata for one reweighting method (see the module docstring).
 
     ``raw_rewards_or_advantages`` has shape (B,) or (B, 1). ``old_log_probs`` may be longer than

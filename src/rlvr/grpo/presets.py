@@ -8,7 +8,8 @@
 | rft           | none     | none       | constant           | rejection fine-tuning: SFT on successes  |
 | maxrl         | mean     | mean       | constant           | MaxRL: advantages scaled by 1/p          |
 
-Off-policy runs combine any preset with a reweighting method (``noclip``, ``grpo`` with eps 0.2,
+Off-policy runs combine any preset with a reweighting method (``noclip``, ``ppo_clip`` with eps 0.2 (also
+called ``grpo``),
 ``gspo`` with eps 3e-4, ``cispo``) and their default clip ranges below.
 """
 
@@ -32,7 +33,14 @@ PRESETS: dict[str, Preset] = {
     "maxrl": Preset("mean", "mean", "constant"),
 }
 
-DEFAULT_CLIPRANGE: dict[str, float | None] = {"none": None, "noclip": None, "grpo": 0.2, "gspo": 3e-4, "cispo": 0.2}
+DEFAULT_CLIPRANGE: dict[str, float | None] = {
+    "none": None,
+    "noclip": None,
+    "ppo_clip": 0.2,
+    "grpo": 0.2,
+    "gspo": 3e-4,
+    "cispo": 0.2,
+}
 
 
 def get_preset(name: str) -> Preset:

@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
 from rlvr.grpo.advantages import compute_group_normalized_rewards, compute_rollout_rewards
-from rlvr.grpo.aggregate import aggregate_loss_across_microbatch
+from rlvr.grpo.aggregate import aggregate_loss_across_microbatch, get_aggregation
 from rlvr.grpo.diagnostics import importance_statistics
 from rlvr.grpo.logprobs import DEFAULT_CHUNK_TOKENS, get_response_log_probs
 from rlvr.grpo.losses import compute_policy_gradient_loss, validate_reweighting
@@ -55,8 +56,9 @@ def _check_divisible(batch: int, gradient_accumulation_steps: int):
         )
 
 
-def microbatch_plan(lengths: Sequence[int], keep: Sequence[bool], microbatch_size: int,
-                    max_tokens_per_microbatch: int | None = None) -> list[list[int]]:
+def microbatch_plan(
+    lengths: Sequence[int], keep: Sequence[bool], microbatch_size: int, max_tokens_per_microbatch: int | None = None
+) -> list[list[int]]:
     """Row indices of each microbatch: kept rows sorted by length (longest first), cut into groups of
     at most ``microbatch_size`` rows and, if given, at most ``max_tokens_per_microbatch`` padded tokens."""
     order = sorted((i for i, k in enumerate(keep) if k), key=lambda i: -lengths[i])
@@ -65,7 +67,9 @@ def microbatch_plan(lengths: Sequence[int], keep: Sequence[bool], microbatch_siz
     for i in order:
         width = lengths[current[0]] if current else lengths[i]
         too_many_rows = len(current) >= microbatch_size
-        too_many_tokens = max_tokens_per_microbatch is not None and current and (len(current) + 1) * width > max_tokens_per_microbatch
+        too_many_tokens = (
+            max_tokens_per_microbatch is not None and current and (len(current) + 1) * width > max_tokens_per_microbatch
+        )
         if current and (too_many_rows or too_many_tokens):
             plan.append(current)
             current = []
@@ -75,13 +79,27 @@ def microbatch_plan(lengths: Sequence[int], keep: Sequence[bool], microbatch_siz
     return plan
 
 
-def policy_gradient_update(model, optimizer, input_ids: torch.Tensor, labels: torch.Tensor, response_mask: torch.Tensor,
-                           advantages: torch.Tensor, gradient_accumulation_steps: int, max_grad_norm: float | None,
-                           importance_reweighting_method: str = "none", old_log_probs: torch.Tensor | None = None,
-                           cliprange: float | None = None, loss_normalization: str = "sequence",
-                           normalization_constant: float | None = None, skip_zero_advantage: bool = True,
-                           max_tokens_per_microbatch: int | None = None, chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-                           step: bool = True, backbone=None, global_batch=None):
+def policy_gradient_update(
+    model,
+    optimizer,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    response_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    gradient_accumulation_steps: int,
+    max_grad_norm: float | None,
+    importance_reweighting_method: str = "none",
+    old_log_probs: torch.Tensor | None = None,
+    cliprange: float | None = None,
+    loss_normalization: str = "sequence",
+    normalization_constant: float | None = None,
+    skip_zero_advantage: bool = True,
+    max_tokens_per_microbatch: int | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    step: bool = True,
+    backbone=None,
+    global_batch=None,
+):
     """Accumulate the policy-gradient of a tokenised batch, clip, step once, clear grads.
 
     Returns ``(loss, metadata)``: ``loss`` is the aggregated loss of the whole batch (detached);
@@ -112,10 +130,7 @@ def policy_gradient_update(model, optimizer, input_ids: torch.Tensor, labels: to
         # microbatches per rank, not smaller ones.
         rows_per_microbatch = max(1, global_batch.n_sequences // gradient_accumulation_steps)
     method = validate_reweighting(importance_reweighting_method, old_log_probs, cliprange, check_mask=False)
-    if loss_normalization == "constant" and (normalization_constant is None or normalization_constant <= 0):
-        raise ValueError("loss_normalization='constant' needs a positive normalization_constant (batch size × max generation length)")
-    if loss_normalization not in ("sequence", "constant"):
-        raise ValueError(f"unknown loss_normalization {loss_normalization!r}: use 'sequence' or 'constant'")
+    aggregation = get_aggregation(loss_normalization, normalization_constant)
     advantages = torch.as_tensor(advantages, dtype=torch.float32).flatten()
     if advantages.numel() != batch:
         raise ValueError(f"got {advantages.numel()} advantages for a batch of {batch} sequences")
@@ -150,16 +165,28 @@ def policy_gradient_update(model, optimizer, input_ids: torch.Tensor, labels: to
             host_mask = response_mask[idx, :width]
             n_tokens += int(host_mask.sum())  # counted on the host: no device sync between microbatches
             mb_mask = host_mask.to(device)
-            out = get_response_log_probs(model, input_ids[idx, :width], labels[idx, :width], return_token_entropy=True,
-                                         chunk_tokens=chunk_tokens, backbone=backbone)
+            out = get_response_log_probs(
+                model,
+                input_ids[idx, :width],
+                labels[idx, :width],
+                return_token_entropy=True,
+                chunk_tokens=chunk_tokens,
+                backbone=backbone,
+            )
             old = old_log_probs[idx, :width].to(device) if old_log_probs is not None else None
             mb_adv = advantages[idx].to(device)
-            per_token, meta = compute_policy_gradient_loss(mb_adv, out["log_probs"], importance_reweighting_method,
-                                                           old if method.needs_old_log_probs else None, cliprange, mb_mask)
+            per_token, meta = compute_policy_gradient_loss(
+                mb_adv,
+                out["log_probs"],
+                importance_reweighting_method,
+                old if method.needs_old_log_probs else None,
+                cliprange,
+                mb_mask,
+            )
             if old is not None:
                 log_ratios.append(((out["log_probs"].detach() - old.to(out["log_probs"].dtype)), mb_mask, mb_adv))
             loss = aggregate_loss_across_microbatch(per_token, mb_mask, loss_normalization, normalization_constant)
-            if loss_normalization == "sequence":
+            if aggregation.per_sequence:
                 loss = loss * (len(rows) / denominator)
             (loss * grad_scale if grad_scale != 1 else loss).backward()
             total_loss += loss.detach()
@@ -172,8 +199,11 @@ def policy_gradient_update(model, optimizer, input_ids: torch.Tensor, labels: to
     if global_batch is not None:
         from rlvr.distributed.world import gather_objects, reduce_values
 
-        sums = reduce_values([float(total_loss), float(ent_sum), float(clip_count), float(clip_total), n_tokens,
-                              n_sequences], "sum", global_batch.group)
+        sums = reduce_values(
+            [float(total_loss), float(ent_sum), float(clip_count), float(clip_total), n_tokens, n_sequences],
+            "sum",
+            global_batch.group,
+        )
         total_loss = torch.tensor(sums[0], device=device)
         ent_sum, clip_count, clip_total = (torch.tensor(v) for v in sums[1:4])
         n_tokens, n_sequences = int(sums[4]), int(sums[5])
@@ -234,7 +264,7 @@ def _padding_backward(model, input_ids, labels, lengths, device, chunk_tokens, b
     does not have: the shortest of its rows, or one placeholder token pair when it holds none."""
     if input_ids.shape[0]:
         row = min(range(input_ids.shape[0]), key=lambda i: lengths[i])
-        ids, lab = input_ids[row:row + 1, :lengths[row]], labels[row:row + 1, :lengths[row]]
+        ids, lab = input_ids[row : row + 1, : lengths[row]], labels[row : row + 1, : lengths[row]]
     else:
         ids = lab = torch.zeros((1, 2), dtype=torch.long)
     out = get_response_log_probs(model, ids, lab, chunk_tokens=chunk_tokens, backbone=backbone)
@@ -255,13 +285,26 @@ def _importance_parts(log_ratios: list, cpu: bool = False) -> tuple:
     return tuple(torch.cat(x).cpu() if cpu else torch.cat(x) for x in (tok, tok_adv, seq, seq_adv))
 
 
-def grpo_train_step(model, tokenizer, optimizer, gradient_accumulation_steps: int, max_grad_norm: float | None,
-                    reward_fn, repeated_prompts: Sequence[str], rollout_responses: Sequence[str],
-                    repeated_ground_truths: Sequence[str], group_size: int, baseline: str = "mean",
-                    advantage_eps: float = 1e-6, advantage_normalizer: str = "std",
-                    importance_reweighting_method: str = "none", old_log_probs: torch.Tensor | None = None,
-                    cliprange: float | None = None, loss_normalization: str = "sequence",
-                    normalization_constant: float | None = None):
+def grpo_train_step(
+    model,
+    tokenizer,
+    optimizer,
+    gradient_accumulation_steps: int,
+    max_grad_norm: float | None,
+    reward_fn,
+    repeated_prompts: Sequence[str],
+    rollout_responses: Sequence[str],
+    repeated_ground_truths: Sequence[str],
+    group_size: int,
+    baseline: str = "mean",
+    advantage_eps: float = 1e-6,
+    advantage_normalizer: str = "std",
+    importance_reweighting_method: str = "none",
+    old_log_probs: torch.Tensor | None = None,
+    cliprange: float | None = None,
+    loss_normalization: str = "sequence",
+    normalization_constant: float | None = None,
+):
     """One GRPO optimizer step from raw rollouts (the course-standard interface).
 
     Returns ``(loss, metadata)``: the aggregated loss of the whole batch, and metadata with at least
@@ -275,23 +318,39 @@ def grpo_train_step(model, tokenizer, optimizer, gradient_accumulation_steps: in
             f"({len(repeated_ground_truths)}) must have the same length"
         )
     if group_size < 1 or batch % group_size:
-        raise ValueError(f"the batch of {batch} rollouts is not divisible by group_size={group_size}; pass whole groups")
+        raise ValueError(
+            f"the batch of {batch} rollouts is not divisible by group_size={group_size}; pass whole groups"
+        )
     _check_divisible(batch, gradient_accumulation_steps)
     validate_reweighting(importance_reweighting_method, old_log_probs, cliprange, check_mask=False)
-    if loss_normalization == "constant" and (normalization_constant is None or normalization_constant <= 0):
-        raise ValueError("loss_normalization='constant' needs a positive normalization_constant (batch size × max generation length)")
+    get_aggregation(loss_normalization, normalization_constant)
     raw_rewards, reward_meta = compute_rollout_rewards(reward_fn, rollout_responses, repeated_ground_truths)
-    advantages, adv_meta = compute_group_normalized_rewards(raw_rewards, group_size, baseline, advantage_eps, advantage_normalizer)
+    advantages, adv_meta = compute_group_normalized_rewards(
+        raw_rewards, group_size, baseline, advantage_eps, advantage_normalizer
+    )
     tok = tokenize_prompt_and_output(list(repeated_prompts), list(rollout_responses), tokenizer)
     loss, meta = policy_gradient_update(
-        model, optimizer, tok["input_ids"], tok["labels"], tok["response_mask"], advantages, gradient_accumulation_steps,
-        max_grad_norm, importance_reweighting_method, old_log_probs, cliprange, loss_normalization, normalization_constant,
+        model,
+        optimizer,
+        tok["input_ids"],
+        tok["labels"],
+        tok["response_mask"],
+        advantages,
+        gradient_accumulation_steps,
+        max_grad_norm,
+        importance_reweighting_method,
+        old_log_probs,
+        cliprange,
+        loss_normalization,
+        normalization_constant,
     )
-    meta.update({
-        "train_reward": reward_meta["reward_mean"],
-        "format_reward": reward_meta["format_reward_mean"],
-        "zero_adv_frac": adv_meta["zero_adv_frac"],
-        "advantages": advantages,
-        "raw_rewards": raw_rewards,
-    })
+    meta.update(
+        {
+            "train_reward": reward_meta["reward_mean"],
+            "format_reward": reward_meta["format_reward_mean"],
+            "zero_adv_frac": adv_meta["zero_adv_frac"],
+            "advantages": advantages,
+            "raw_rewards": raw_rewards,
+        }
+    )
     return loss, meta

@@ -50,6 +50,7 @@ import math
 import torch
 
 from rlvr.grpo.advantages import BASELINES, NORMALIZERS
+from rlvr.grpo.aggregate import get_aggregation
 from rlvr.grpo.logprobs import DEFAULT_CHUNK_TOKENS, get_response_log_probs
 
 ESTIMATORS = ("no_baseline", "mean_baseline", "leave_one_out", "run")
@@ -80,11 +81,23 @@ def _coefficients(rewards: torch.Tensor, group_size: int, baseline: str, normali
     return coef
 
 
-def gradient_variance(model, input_ids: torch.Tensor, labels: torch.Tensor, response_mask: torch.Tensor,
-                      rewards: torch.Tensor, group_size: int, loss_normalization: str = "sequence",
-                      normalization_constant: float | None = None, batch_size: int | None = None,
-                      baseline: str = "mean", advantage_normalizer: str = "std", advantage_eps: float = 1e-6,
-                      chunk_tokens: int = DEFAULT_CHUNK_TOKENS, backbone=None, keep_bytes: int = 2**30) -> dict:
+def gradient_variance(
+    model,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    response_mask: torch.Tensor,
+    rewards: torch.Tensor,
+    group_size: int,
+    loss_normalization: str = "sequence",
+    normalization_constant: float | None = None,
+    batch_size: int | None = None,
+    baseline: str = "mean",
+    advantage_normalizer: str = "std",
+    advantage_eps: float = 1e-6,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    backbone=None,
+    keep_bytes: int = 2**30,
+) -> dict:
     """Per-group gradient variance of each estimator on one rollout batch (rows in consecutive groups
     of ``group_size``), without touching ``.grad`` or the weights.
 
@@ -104,10 +117,7 @@ def gradient_variance(model, input_ids: torch.Tensor, labels: torch.Tensor, resp
     rewards = torch.as_tensor(rewards, dtype=torch.float32).flatten()
     if rewards.numel() != rows:
         raise ValueError(f"got {rewards.numel()} rewards for {rows} rows")
-    if loss_normalization == "constant" and not (normalization_constant and normalization_constant > 0):
-        raise ValueError("loss_normalization='constant' needs a positive normalization_constant")
-    if loss_normalization not in ("sequence", "constant"):
-        raise ValueError(f"unknown loss_normalization {loss_normalization!r}: use 'sequence' or 'constant'")
+    aggregation = get_aggregation(loss_normalization, normalization_constant)
     B = batch_size or rows
     J = rows // G
     params = [p for p in model.parameters() if p.requires_grad]
@@ -119,22 +129,27 @@ def gradient_variance(model, input_ids: torch.Tensor, labels: torch.Tensor, resp
         """sum over ``rows`` of grad l_i: one forward and backward of those rows."""
         width = int(lengths[rows].max())
         mask = response_mask[rows, :width].to(device)
-        logp = get_response_log_probs(model, input_ids[rows, :width].to(device), labels[rows, :width].to(device),
-                                      chunk_tokens=chunk_tokens, backbone=backbone)["log_probs"]
+        logp = get_response_log_probs(
+            model,
+            input_ids[rows, :width].to(device),
+            labels[rows, :width].to(device),
+            chunk_tokens=chunk_tokens,
+            backbone=backbone,
+        )["log_probs"]
         m = mask.to(logp.dtype)
-        if loss_normalization == "sequence":
-            seq = (logp * m).sum(dim=1) / (m.sum(dim=1).clamp(min=1) * B)
-        else:
-            seq = (logp * m).sum(dim=1) / normalization_constant
+        seq = (logp * m).sum(dim=1) / aggregation.divisor(m.sum(dim=1), B, normalization_constant)
         return _flat_grad(seq.sum(), params, retain=False)
 
-    energy: dict[str, list[float]] = {"correct": [], "incorrect": []}  # |X_jv|^2 per sample of the class, for 0/1 rewards
+    energy: dict[str, list[float]] = {
+        "correct": [],
+        "incorrect": [],
+    }  # |X_jv|^2 per sample of the class, for 0/1 rewards
 
     def group_scores(j: int, record: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        r = rewards[j * G:(j + 1) * G]
+        r = rewards[j * G : (j + 1) * G]
         U = S = None
         for v in torch.unique(r).tolist():
-            rows = (torch.nonzero(r == v).flatten() + j * G)
+            rows = torch.nonzero(r == v).flatten() + j * G
             X = class_score(rows)
             U = v * X if U is None else U + v * X
             S = X if S is None else S + X
@@ -182,8 +197,12 @@ def gradient_variance(model, input_ids: torch.Tensor, labels: torch.Tensor, resp
         trace = max(0.0, (sq_norms[n] - J * mean_sq) / (J - 1))
         p = proj[n]
         pm = sum(p) / len(p) if p else float("nan")
-        out[n] = {"trace": trace, "projected": sum((x - pm) ** 2 for x in p) / (len(p) - 1) if len(p) > 1 else float("nan"),
-                  "mean_norm": math.sqrt(mean_sq), "mean_projection": pm}
+        out[n] = {
+            "trace": trace,
+            "projected": sum((x - pm) ** 2 for x in p) / (len(p) - 1) if len(p) > 1 else float("nan"),
+            "mean_norm": math.sqrt(mean_sq),
+            "mean_projection": pm,
+        }
     term = out.pop("baseline_term")
     out["baseline_bias_ratio"] = J * term["mean_norm"] ** 2 / term["trace"] if term["trace"] > 0 else float("nan")
     for cls, values in energy.items():

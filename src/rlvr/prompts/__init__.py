@@ -118,16 +118,19 @@ class Prompt:
     tokenizer: Any = None
     """The tokenizer whose chat template a chat prompt renders with (``bind``)."""
 
-    def bind(self, tokenizer) -> "Prompt":
+    def bind(self, tokenizer) -> Prompt:
         """This prompt rendering with ``tokenizer`` (chat prompts need it; others ignore it)."""
         if self.kind != CHAT:
             return self
         check_chat_template(tokenizer)
         end = end_of_turn(tokenizer)
         if end and tokenizer.eos_token and end != tokenizer.eos_token:
-            warnings.warn(f"prompt chat: the chat template ends a turn with {end!r} but the tokenizer's EOS token is "
-                          f"{tokenizer.eos_token!r}, where generation stops; responses may run on past the turn. Use "
-                          "the instruct model's tokenizer (its EOS is the end of a turn)", stacklevel=2)
+            warnings.warn(
+                f"prompt chat: the chat template ends a turn with {end!r} but the tokenizer's EOS token is "
+                f"{tokenizer.eos_token!r}, where generation stops; responses may run on past the turn. Use "
+                "the instruct model's tokenizer (its EOS is the end of a turn)",
+                stacklevel=2,
+            )
         return replace(self, tokenizer=tokenizer)
 
     def render(self, question: str) -> str:
@@ -136,8 +139,9 @@ class Prompt:
         if self.tokenizer is None:
             raise PromptError("prompt chat renders with the model's tokenizer; bind it first (Prompt.bind)")
         user = self.user_template.format(question=question) if self.user_template is not None else question
-        messages = ([{"role": "system", "content": self.system}] if self.system is not None else []) + \
-            [{"role": "user", "content": user}]
+        messages = ([{"role": "system", "content": self.system}] if self.system is not None else []) + [
+            {"role": "user", "content": user}
+        ]
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
@@ -149,8 +153,14 @@ def _check_template(text: str, where: str) -> str:
         raise PromptError(f"{where}: not a valid template ({e}); write literal braces as {{{{ and }}}}") from None
     if fields != {"question"}:
         other = sorted(fields - {"question"})
-        problem = f"has the placeholder(s) {', '.join('{' + f + '}' for f in other)}" if other else "has no {question} placeholder"
-        raise PromptError(f"{where} {problem}; its one placeholder is {{question}} (write literal braces as {{{{ and }}}})")
+        problem = (
+            f"has the placeholder(s) {', '.join('{' + f + '}' for f in other)}"
+            if other
+            else "has no {question} placeholder"
+        )
+        raise PromptError(
+            f"{where} {problem}; its one placeholder is {{question}} (write literal braces as {{{{ and }}}})"
+        )
     return text
 
 
@@ -162,18 +172,26 @@ def _template_text(value: str, key: str) -> tuple[str, str]:
     return value, key
 
 
-def resolve_prompt(prompt: str, system: str | None = None, user_template: str | None = None,
-                   stop: tuple[str, ...] | None = None) -> Prompt:
+def resolve_prompt(
+    prompt: str, system: str | None = None, user_template: str | None = None, stop: tuple[str, ...] | None = None
+) -> Prompt:
     """The ``Prompt`` that the settings name; ``PromptError`` (one line, with the fix) when they do not fit."""
     if prompt != CHAT:
         for value, key in ((system, "prompt_options.system"), (user_template, "prompt_options.user_template")):
             if value is not None:
-                raise PromptError(f"{key} applies to prompt chat (the model's chat template), not to prompt {prompt!r}; "
-                                  "unset it or write it into the template")
+                raise PromptError(
+                    f"{key} applies to prompt chat (the model's chat template), not to prompt {prompt!r}; "
+                    "unset it or write it into the template"
+                )
     if prompt in PROMPTS:
         spec = PROMPTS[prompt]
-        return Prompt(prompt, "builtin", tuple(spec.stop if stop is None else stop), DEFAULT_REWARD[prompt],
-                      template=load_template(prompt))
+        return Prompt(
+            prompt,
+            "builtin",
+            tuple(spec.stop if stop is None else stop),
+            DEFAULT_REWARD[prompt],
+            template=load_template(prompt),
+        )
     if prompt == CHAT:
         template = None
         if user_template is not None:
@@ -182,22 +200,30 @@ def resolve_prompt(prompt: str, system: str | None = None, user_template: str | 
         return Prompt(CHAT, CHAT, tuple(stop or ()), OTHER_PROMPTS_REWARD, system=system, user_template=template)
     path = Path(prompt)
     if not path.is_file():
-        raise PromptError(f"unknown prompt {prompt!r}: not a built-in ({', '.join(sorted(PROMPTS))}), not chat, "
-                          "and no such template file; name one of those or a file with a {question} placeholder")
+        raise PromptError(
+            f"unknown prompt {prompt!r}: not a built-in ({', '.join(sorted(PROMPTS))}), not chat, "
+            "and no such template file; name one of those or a file with a {question} placeholder"
+        )
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise PromptError(f"prompt file {prompt}: cannot be read as text ({e}); pass a UTF-8 template file") from None
-    return Prompt(path.stem, "file", tuple(stop or ()), OTHER_PROMPTS_REWARD,
-                  template=_check_template(text, f"prompt file {prompt}"))
+    return Prompt(
+        path.stem,
+        "file",
+        tuple(stop or ()),
+        OTHER_PROMPTS_REWARD,
+        template=_check_template(text, f"prompt file {prompt}"),
+    )
 
 
 def end_of_turn(tokenizer) -> str | None:
     """The text the chat template puts after an assistant message (its end-of-turn token), if any."""
     marker = "\u2063rlvr-end-of-turn\u2063"
     try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}],
-                                             tokenize=False)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}], tokenize=False
+        )
     except Exception:  # noqa: BLE001 (templates may refuse this conversation; then there is nothing to check)
         return None
     if marker not in text:
@@ -209,5 +235,7 @@ def check_chat_template(tokenizer) -> None:
     """``PromptError`` unless ``tokenizer`` has a chat template."""
     if not getattr(tokenizer, "chat_template", None):
         name = getattr(tokenizer, "name_or_path", "") or "the model"
-        raise PromptError(f"prompt chat: the tokenizer of {name} has no chat template; use a model that has one, "
-                          "a built-in prompt or a template file")
+        raise PromptError(
+            f"prompt chat: the tokenizer of {name} has no chat template; use a model that has one, "
+            "a built-in prompt or a template file"
+        )

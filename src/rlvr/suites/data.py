@@ -38,8 +38,10 @@ def load_mmlu(source: str | Path, split: str = "test", limit: int | None = None)
     folder = root / split if (root / split).is_dir() else root
     files = sorted(folder.glob(f"*_{split}.csv"))
     if not files:
-        raise DataError(f"no MMLU files {folder}/<subject>_{split}.csv; pass the MMLU directory "
-                                "(with dev/, val/, test/) or the hub id cais/mmlu")
+        raise DataError(
+            f"no MMLU files {folder}/<subject>_{split}.csv; pass the MMLU directory "
+            "(with dev/, val/, test/) or the hub id cais/mmlu"
+        )
     rows: list[dict] = []
     for path in files:
         subject = path.name[: -len(f"_{split}.csv")].replace("_", " ")
@@ -57,8 +59,15 @@ def _load_mmlu_hub(name: str, split: str, limit: int | None) -> list[dict]:
     import datasets
 
     ds = datasets.load_dataset(name, "all", split=split)
-    rows = [{"subject": r["subject"].replace("_", " "), "question": r["question"], "options": list(r["choices"]),
-             "answer": MMLU_LETTERS[int(r["answer"])]} for r in ds]
+    rows = [
+        {
+            "subject": r["subject"].replace("_", " "),
+            "question": r["question"],
+            "options": list(r["choices"]),
+            "answer": MMLU_LETTERS[int(r["answer"])],
+        }
+        for r in ds
+    ]
     rows.sort(key=lambda r: r["subject"])  # the files' order: subjects alphabetically, questions in order
     return rows[:limit] if limit is not None else rows
 
@@ -81,7 +90,9 @@ def _file_in(source: str | Path, filename: str, what: str) -> Path:
 def load_alpaca_eval(source: str | Path, limit: int | None = None) -> list[dict]:
     path = _file_in(source, ALPACA_EVAL_FILE, "AlpacaEval")
     rows = json.loads(path.read_text(encoding="utf-8"))
-    if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("instruction"), str) for r in rows):
+    if not isinstance(rows, list) or not all(
+        isinstance(r, dict) and isinstance(r.get("instruction"), str) for r in rows
+    ):
         raise DataError(f"{path}: expected a JSON array of objects with an 'instruction' (and reference 'output')")
     return rows[:limit] if limit is not None else rows
 

@@ -33,8 +33,8 @@ from __future__ import annotations
 import os
 import re
 import time
-from typing import Any
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -102,8 +102,9 @@ class EngineJudge:
 
     def format(self, prompt: str) -> str:
         if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                                      add_generation_prompt=True)
+            return self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
         from rlvr.instruct import special_prefix
 
         return special_prefix(self.tokenizer) + prompt + "\n"
@@ -121,8 +122,17 @@ class EngineJudge:
 class EndpointJudge:
     """A judge behind an OpenAI-compatible chat-completions endpoint (greedy, ``workers`` requests at once)."""
 
-    def __init__(self, base_url: str, model: str | None = None, api_key: str | None = None, max_tokens: int = 32,
-                 workers: int = 8, timeout_s: float = 300.0, retries: int = 3, session=None):
+    def __init__(
+        self,
+        base_url: str,
+        model: str | None = None,
+        api_key: str | None = None,
+        max_tokens: int = 32,
+        workers: int = 8,
+        timeout_s: float = 300.0,
+        retries: int = 3,
+        session=None,
+    ):
         import requests
 
         self.base_url = base_url.rstrip("/")
@@ -141,8 +151,12 @@ class EndpointJudge:
         return models[0]["id"]
 
     def _one(self, prompt: str) -> str:
-        body: dict[str, Any] = {"model": self.model, "messages": [{"role": "user", "content": prompt}], "temperature": 0.0,
-                "max_tokens": self.max_tokens}
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": [{"role": "user", "content": prompt}],
+            "temperature": 0.0,
+            "max_tokens": self.max_tokens,
+        }
         import requests
 
         problem = ""
@@ -150,8 +164,9 @@ class EndpointJudge:
             if attempt:
                 time.sleep(2 ** (attempt - 1))
             try:
-                response = self.session.post(f"{self.base_url}/chat/completions", json=body, headers=self.headers,
-                                             timeout=self.timeout_s)
+                response = self.session.post(
+                    f"{self.base_url}/chat/completions", json=body, headers=self.headers, timeout=self.timeout_s
+                )
             except (requests.ConnectionError, requests.Timeout) as e:
                 problem = f"{type(e).__name__}: {e}"
                 continue
@@ -159,8 +174,10 @@ class EndpointJudge:
                 problem = f"HTTP {response.status_code}"
                 continue
             if response.status_code >= 400:
-                raise UserError(f"the judge endpoint {self.base_url} refused the request: HTTP "
-                                   f"{response.status_code} {response.text[:200]}")
+                raise UserError(
+                    f"the judge endpoint {self.base_url} refused the request: HTTP "
+                    f"{response.status_code} {response.text[:200]}"
+                )
             return response.json()["choices"][0]["message"]["content"] or ""
         raise UserError(f"the judge endpoint {self.base_url} kept failing ({self.retries} attempts, last: {problem})")
 
@@ -172,8 +189,16 @@ class EndpointJudge:
         self.session.close()
 
 
-def make_judge(spec: str, model_name: str | None = None, api_key_env: str = "OPENAI_API_KEY", device: str = "cpu",
-               engine: str = "hf", max_tokens: int = 32, workers: int = 8, batch_size: int = 64):
+def make_judge(
+    spec: str,
+    model_name: str | None = None,
+    api_key_env: str = "OPENAI_API_KEY",
+    device: str = "cpu",
+    engine: str = "hf",
+    max_tokens: int = 32,
+    workers: int = 8,
+    batch_size: int = 64,
+):
     """An ``EndpointJudge`` for an http(s) URL, else an ``EngineJudge`` for a model path or hub id."""
     if spec.startswith(("http://", "https://")):
         return EndpointJudge(spec, model_name, os.environ.get(api_key_env), max_tokens, workers)
@@ -185,8 +210,9 @@ def make_judge(spec: str, model_name: str | None = None, api_key_env: str = "OPE
 # ---------------------------------------------------------------------------------------------
 
 
-def length_controlled_win_rate(preferences, model_lengths, reference_lengths, l2: float = 1e-6,
-                               max_iter: int = 100) -> float:
+def length_controlled_win_rate(
+    preferences, model_lengths, reference_lengths, l2: float = 1e-6, max_iter: int = 100
+) -> float:
     """sigmoid(bias) of the logistic fit ``P(model preferred) = sigmoid(bias + w * tanh(d / sd(d)))``,
     ``d`` = model length - reference length; preferences may be fractional (1/2 for a split verdict).
     Newton's method on the cross-entropy with a vanishing ridge (which keeps a fully separable fit finite)."""
@@ -223,14 +249,16 @@ def judge_alpaca_eval(judge, rows: list[dict]) -> tuple[dict, list[dict]]:
         wins = [{1: 1.0, 2: 0.0}.get(first, 0.5), {2: 1.0, 1: 0.0}.get(second, 0.5)]
         failures += (first is None) + (second is None)
         consistent += first is not None and second is not None and first != second
-        verdicts.append({"preference": sum(wins) / 2, "judge_model_first": answers[2 * i],
-                         "judge_model_second": answers[2 * i + 1]})
+        verdicts.append(
+            {"preference": sum(wins) / 2, "judge_model_first": answers[2 * i], "judge_model_second": answers[2 * i + 1]}
+        )
     prefs = [v["preference"] for v in verdicts]
     n = len(rows)
     metrics = {
         "win_rate": float(np.mean(prefs)) if n else float("nan"),
-        "lc_win_rate": length_controlled_win_rate(prefs, [len(r["output"]) for r in rows],
-                                                  [len(r["reference"]) for r in rows]),
+        "lc_win_rate": length_controlled_win_rate(
+            prefs, [len(r["output"]) for r in rows], [len(r["reference"]) for r in rows]
+        ),
         "judge_parse_failures": failures,
         "position_consistency": consistent / n if n else float("nan"),
         "mean_output_chars": float(np.mean([len(r["output"]) for r in rows])) if n else 0.0,
@@ -241,8 +269,11 @@ def judge_alpaca_eval(judge, rows: list[dict]) -> tuple[dict, list[dict]]:
 
 def judge_sst(judge, rows: list[dict]) -> tuple[dict, list[dict]]:
     """Judge each ``{prompts_final, output}``; returns (metrics with ``safe_share``, per-row verdicts)."""
-    answers = judge.complete([SAFETY_PROMPT.format(prompt=r["prompts_final"], response=r["output"]) for r in rows]) \
-        if rows else []
+    answers = (
+        judge.complete([SAFETY_PROMPT.format(prompt=r["prompts_final"], response=r["output"]) for r in rows])
+        if rows
+        else []
+    )
     verdicts = [{"unsafe": parse_unsafe(a), "judge_output": a} for a in answers]
     n = len(rows)
     metrics = {

@@ -36,9 +36,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Literal
 
 from rlvr.errors import UserError
 from rlvr.instruct import alpaca_format, protocol_template
@@ -61,8 +62,9 @@ class Suite:
 
 
 def _mmlu_instruction(ex: dict) -> str:
-    return protocol_template("mmlu_zero_shot.prompt").format(subject=ex["subject"], question=ex["question"],
-                                                             options=ex["options"])
+    return protocol_template("mmlu_zero_shot.prompt").format(
+        subject=ex["subject"], question=ex["question"], options=ex["options"]
+    )
 
 
 def _mmlu_grade(ex: dict, output: str) -> dict:
@@ -77,13 +79,22 @@ def _gsm8k_grade(ex: dict, output: str) -> dict:
 
 SUITES: dict[str, Suite] = {
     "mmlu": Suite("mmlu", "mmlu_zero_shot.prompt", _mmlu_instruction, _mmlu_grade),
-    "gsm8k": Suite("gsm8k", "gsm8k_zero_shot.prompt",
-                   lambda ex: protocol_template("gsm8k_zero_shot.prompt").format(question=ex["question"]), _gsm8k_grade),
-    "alpaca_eval": Suite("alpaca_eval", "alpaca_eval_zero_shot.prompt",
-                         lambda ex: protocol_template("alpaca_eval_zero_shot.prompt").format(instruction=ex["instruction"])),
-    "sst": Suite("sst", "simple_safety_tests_zero_shot.prompt",
-                 lambda ex: protocol_template("simple_safety_tests_zero_shot.prompt").format(
-                     instruction=ex["prompts_final"])),
+    "gsm8k": Suite(
+        "gsm8k",
+        "gsm8k_zero_shot.prompt",
+        lambda ex: protocol_template("gsm8k_zero_shot.prompt").format(question=ex["question"]),
+        _gsm8k_grade,
+    ),
+    "alpaca_eval": Suite(
+        "alpaca_eval",
+        "alpaca_eval_zero_shot.prompt",
+        lambda ex: protocol_template("alpaca_eval_zero_shot.prompt").format(instruction=ex["instruction"]),
+    ),
+    "sst": Suite(
+        "sst",
+        "simple_safety_tests_zero_shot.prompt",
+        lambda ex: protocol_template("simple_safety_tests_zero_shot.prompt").format(instruction=ex["prompts_final"]),
+    ),
 }
 
 
@@ -110,12 +121,21 @@ def generation_params(mode: str, max_tokens: int):
     from rlvr.engines.base import SamplingParams
 
     stop = (BASE_STOP,) if mode == "base" else ()
-    return SamplingParams(n=1, temperature=0.0, max_new_tokens=max_tokens, stop=stop, include_stop_str_in_output=False,
-                          seed=0)
+    return SamplingParams(
+        n=1, temperature=0.0, max_new_tokens=max_tokens, stop=stop, include_stop_str_in_output=False, seed=0
+    )
 
 
-def run_suite(suite: Suite, examples: list[dict], engine, mode: str, max_tokens: int, prefix: str = "",
-              chunk_size: int = 256, progress: bool = False) -> tuple[dict, list[dict]]:
+def run_suite(
+    suite: Suite,
+    examples: list[dict],
+    engine,
+    mode: str,
+    max_tokens: int,
+    prefix: str = "",
+    chunk_size: int = 256,
+    progress: bool = False,
+) -> tuple[dict, list[dict]]:
     """Generate greedily for every example and grade where a parser can; returns (metrics, samples).
 
     Metrics: ``n``, ``examples_per_s``, ``tokens_per_s``, ``time_s``, ``mean_output_tokens``,
@@ -131,7 +151,7 @@ def run_suite(suite: Suite, examples: list[dict], engine, mode: str, max_tokens:
     completions = []
     t0 = time.perf_counter()
     for start in range(0, len(prompts), chunk_size):
-        completions += [g[0] for g in engine.generate(prompts[start:start + chunk_size], params)]
+        completions += [g[0] for g in engine.generate(prompts[start : start + chunk_size], params)]
         if bar is not None:
             bar.update(min(chunk_size, len(prompts) - start))
     elapsed = time.perf_counter() - t0
@@ -145,8 +165,16 @@ def run_suite(suite: Suite, examples: list[dict], engine, mode: str, max_tokens:
         fields = {k: v for k, v in ex.items() if k not in ("output", "generator")}
         if "output" in ex:
             fields.update(reference=ex["output"], reference_generator=ex.get("generator", ""))
-        sample = {"suite": suite.name, "index": i, **fields, "prompt": prompt, "output": output,
-                  "raw_output": comp.text, "finish_reason": comp.finish_reason, "num_tokens": len(comp.token_ids)}
+        sample = {
+            "suite": suite.name,
+            "index": i,
+            **fields,
+            "prompt": prompt,
+            "output": output,
+            "raw_output": comp.text,
+            "finish_reason": comp.finish_reason,
+            "num_tokens": len(comp.token_ids),
+        }
         if suite.grade is not None:
             sample.update(suite.grade(ex, output))
         samples.append(sample)
@@ -228,8 +256,9 @@ class SuiteConfig:
 
 
 def _source(cfg: SuiteConfig, name: str) -> str:
-    given = {"mmlu": cfg.mmlu_data, "gsm8k": cfg.gsm8k_data, "alpaca_eval": cfg.alpaca_eval_data,
-             "sst": cfg.sst_data}[name]
+    given = {"mmlu": cfg.mmlu_data, "gsm8k": cfg.gsm8k_data, "alpaca_eval": cfg.alpaca_eval_data, "sst": cfg.sst_data}[
+        name
+    ]
     if given:
         return given
     default = {"mmlu": "mmlu", "gsm8k": "gsm8k", "alpaca_eval": "alpaca_eval", "sst": "simple_safety_tests"}[name]
@@ -255,17 +284,13 @@ def _resolve_device(device: str) -> str:
 
 
 def _engine(cfg: SuiteConfig, model, tokenizer, device: str):
-    from rlvr.engines import make_engine
+    from rlvr.config import EngineConfig, VLLMEngineConfig
+    from rlvr.engines import build_engine
 
-    options: dict = {}
-    if cfg.engine in ("hf", "hf-fast", "auto", "hf-worker"):
-        options["max_batch_size"] = cfg.batch_size
-    if cfg.engine == "hf-worker":
-        options["device"] = device
-    if cfg.engine == "vllm":
-        options.update(served_model=cfg.model, check_sync=False, base_url=cfg.vllm_base_url,
-                       start_server=cfg.vllm_base_url is None, gpu=device.split(":")[1] if ":" in device else "0")
-    return make_engine(cfg.engine, model, tokenizer, **options)
+    config = EngineConfig(
+        name=cfg.engine, device=device, max_batch_size=cfg.batch_size, vllm=VLLMEngineConfig(base_url=cfg.vllm_base_url)
+    )
+    return build_engine(config, model, tokenizer, served_model=cfg.model)
 
 
 def _write_json(path: Path, obj) -> None:
@@ -279,7 +304,6 @@ def run_suites(cfg: SuiteConfig, model=None, tokenizer=None, engine=None, judge=
     import torch
 
     from rlvr.instruct import special_prefix
-
     from rlvr.rundir import prepare_output_dir
 
     if not cfg.suite:
@@ -290,8 +314,13 @@ def run_suites(cfg: SuiteConfig, model=None, tokenizer=None, engine=None, judge=
     for name, rows in data.items():
         if not rows:
             raise UserError(f"no {name} examples loaded from {_source(cfg, name)}")
-    if judge is None and cfg.judge and not cfg.judge.startswith(("http://", "https://")) \
-            and not Path(cfg.judge).exists() and cfg.judge.count("/") != 1:
+    if (
+        judge is None
+        and cfg.judge
+        and not cfg.judge.startswith(("http://", "https://"))
+        and not Path(cfg.judge).exists()
+        and cfg.judge.count("/") != 1
+    ):
         raise UserError(f"--judge {cfg.judge!r} is neither an http(s) URL, a local directory, nor a hub id")
 
     device = _resolve_device(cfg.device)
@@ -313,8 +342,16 @@ def run_suites(cfg: SuiteConfig, model=None, tokenizer=None, engine=None, judge=
     samples: dict[str, list[dict]] = {}
     try:
         for name, rows in data.items():
-            results[name], samples[name] = run_suite(SUITES[name], rows, engine, cfg.mode, cfg.max_tokens, prefix,
-                                                     chunk_size=max(1, cfg.batch_size), progress=cfg.progress)
+            results[name], samples[name] = run_suite(
+                SUITES[name],
+                rows,
+                engine,
+                cfg.mode,
+                cfg.max_tokens,
+                prefix,
+                chunk_size=max(1, cfg.batch_size),
+                progress=cfg.progress,
+            )
     finally:
         if own_engine:
             engine.close()
@@ -328,8 +365,15 @@ def run_suites(cfg: SuiteConfig, model=None, tokenizer=None, engine=None, judge=
                 torch.cuda.empty_cache()
         from rlvr.suites.judge import make_judge
 
-        judge = make_judge(cfg.judge, cfg.judge_model, cfg.judge_api_key_env, _resolve_device(cfg.judge_device),
-                           max_tokens=cfg.judge_max_tokens, workers=cfg.judge_workers, batch_size=cfg.batch_size)
+        judge = make_judge(
+            cfg.judge,
+            cfg.judge_model,
+            cfg.judge_api_key_env,
+            _resolve_device(cfg.judge_device),
+            max_tokens=cfg.judge_max_tokens,
+            workers=cfg.judge_workers,
+            batch_size=cfg.batch_size,
+        )
     try:
         for name in needs_judge:
             if judge is None:
@@ -342,15 +386,18 @@ def run_suites(cfg: SuiteConfig, model=None, tokenizer=None, engine=None, judge=
             metrics, verdicts = scorer(judge, samples[name])
             for s, v in zip(samples[name], verdicts):
                 s.update(v)
-            results[name].update(scored=True, judge=getattr(judge, "name", cfg.judge), judge_time_s=time.perf_counter() - t0,
-                                 **metrics)
+            results[name].update(
+                scored=True, judge=getattr(judge, "name", cfg.judge), judge_time_s=time.perf_counter() - t0, **metrics
+            )
     finally:
         if judge is not None and own_judge:
             judge.close()
 
     out = Path(cfg.out)
-    config = {k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v)
-              for k, v in dataclasses.asdict(cfg).items()}
+    config = {
+        k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v)
+        for k, v in dataclasses.asdict(cfg).items()
+    }
     _write_json(out / "results.json", {"config": config, "results": results})
     with (out / "samples.jsonl").open("w", encoding="utf-8") as f:
         for sample_name in samples:
@@ -358,9 +405,18 @@ def run_suites(cfg: SuiteConfig, model=None, tokenizer=None, engine=None, judge=
                 f.write(json.dumps(s, ensure_ascii=False) + "\n")
     if "alpaca_eval" in samples:
         generator = cfg.generator or Path(cfg.model.rstrip("/")).name
-        _write_json(out / "alpaca_eval_outputs.json",
-                    [{"instruction": s["instruction"], "output": s["output"], "generator": generator,
-                      "dataset": s.get("dataset", "")} for s in samples["alpaca_eval"]])
+        _write_json(
+            out / "alpaca_eval_outputs.json",
+            [
+                {
+                    "instruction": s["instruction"],
+                    "output": s["output"],
+                    "generator": generator,
+                    "dataset": s.get("dataset", ""),
+                }
+                for s in samples["alpaca_eval"]
+            ],
+        )
     if "sst" in samples:
         columns = ("id", "harm_area", "counter", "category", "prompts_final")
         with (out / "simple_safety_tests_outputs.jsonl").open("w", encoding="utf-8") as f:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Callable
+from collections.abc import Callable
 
 from rlvr.data import DataError
 
@@ -39,7 +39,9 @@ def load_task(source: str, split: str = "train", limit: int | None = None, seed:
     for part in filter(None, args.split(",")):
         key, sep, value = part.partition("=")
         if not sep:
-            raise DataError(f"task option {part!r} in {source!r} is not key=value; write e.g. 'arith:steps=2,max_value=20'")
+            raise DataError(
+                f"task option {part!r} in {source!r} is not key=value; write e.g. 'arith:steps=2,max_value=20'"
+            )
         kwargs[key.strip()] = value.strip()
     task = TASKS[name]
     target = getattr(importlib.import_module(task.module), task.attr) if isinstance(task, _LazyTask) else task

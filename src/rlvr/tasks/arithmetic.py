@@ -47,29 +47,71 @@ DEFAULT_SIZES = {"train": 5000, "validation": 500, "test": 500}
 ALL_OPS = "+-*/"
 
 NAMES = (
-    "Mia", "Tom", "Ava", "Leo", "Emma", "Noah", "Lily", "Sam", "Zoe", "Ben",
-    "Ella", "Max", "Nina", "Omar", "Ruth", "Ivan", "Kate", "Luis", "Jade", "Paul",
+    "Mia",
+    "Tom",
+    "Ava",
+    "Leo",
+    "Emma",
+    "Noah",
+    "Lily",
+    "Sam",
+    "Zoe",
+    "Ben",
+    "Ella",
+    "Max",
+    "Nina",
+    "Omar",
+    "Ruth",
+    "Ivan",
+    "Kate",
+    "Luis",
+    "Jade",
+    "Paul",
 )
 # (plural noun, whether it can be eaten): eating is one way to lose objects.
 OBJECTS = (
-    ("apples", True), ("cookies", True), ("oranges", True), ("cupcakes", True),
-    ("marbles", False), ("stickers", False), ("pencils", False), ("books", False),
-    ("coins", False), ("cards", False), ("shells", False), ("stamps", False),
+    ("apples", True),
+    ("cookies", True),
+    ("oranges", True),
+    ("cupcakes", True),
+    ("marbles", False),
+    ("stickers", False),
+    ("pencils", False),
+    ("books", False),
+    ("coins", False),
+    ("cards", False),
+    ("shells", False),
+    ("stamps", False),
 )
-PRONOUN = {name: ("she" if name in {"Mia", "Ava", "Emma", "Lily", "Zoe", "Ella", "Nina", "Ruth", "Kate", "Jade"} else "he")
-           for name in NAMES}
+PRONOUN = {
+    name: ("she" if name in {"Mia", "Ava", "Emma", "Lily", "Zoe", "Ella", "Nina", "Ruth", "Kate", "Jade"} else "he")
+    for name in NAMES
+}
 
 OPENINGS = ("{name} has {x} {obj}.", "{name} starts with {x} {obj}.", "{name} owns {x} {obj}.")
 # Each phrasing of an operation names the operand as {k} and its object as {objk} (singular for 1);
 # {friend} is another person.
 PHRASES = {
-    "+": ("{He} buys {k} more {objk}.", "{friend} gives {him} {k} {objk}.", "{He} finds {k} more {objk}.",
-          "{He} gets {k} {objk} from {friend}."),
-    "-": ("{He} gives {k} {objk} to {friend}.", "{He} loses {k} {objk}.", "{He} sells {k} {objk}.",
-          "{friend} takes {k} of the {obj}."),
-    "*": ("{He} buys more until {he} has {k} times as many {obj}.", "The number of {obj} {he} has becomes {k} times as large."),
-    "/": ("{He} splits the {obj} into {k} equal piles and keeps one pile.",
-          "{He} shares the {obj} equally among {k} kids, {himself} included, and keeps {his} share."),
+    "+": (
+        "{He} buys {k} more {objk}.",
+        "{friend} gives {him} {k} {objk}.",
+        "{He} finds {k} more {objk}.",
+        "{He} gets {k} {objk} from {friend}.",
+    ),
+    "-": (
+        "{He} gives {k} {objk} to {friend}.",
+        "{He} loses {k} {objk}.",
+        "{He} sells {k} {objk}.",
+        "{friend} takes {k} of the {obj}.",
+    ),
+    "*": (
+        "{He} buys more until {he} has {k} times as many {obj}.",
+        "The number of {obj} {he} has becomes {k} times as large.",
+    ),
+    "/": (
+        "{He} splits the {obj} into {k} equal piles and keeps one pile.",
+        "{He} shares the {obj} equally among {k} kids, {himself} included, and keeps {his} share.",
+    ),
 }
 EAT_PHRASE = "{He} eats {k} of the {obj}."
 QUESTIONS = ("How many {obj} does {name} have now?", "How many {obj} does {name} have in the end?")
@@ -153,9 +195,16 @@ def render_problem(problem: Problem, rng: random.Random) -> tuple[str, str]:
     name, friend = rng.sample(NAMES, 2)
     obj, edible = rng.choice(OBJECTS)
     he = PRONOUN[name]
-    words = dict(name=name, friend=friend, obj=obj, he=he, He=he.capitalize(),
-                 him="her" if he == "she" else "him", his="her" if he == "she" else "his",
-                 himself="herself" if he == "she" else "himself")
+    words = dict(
+        name=name,
+        friend=friend,
+        obj=obj,
+        he=he,
+        He=he.capitalize(),
+        him="her" if he == "she" else "him",
+        his="her" if he == "she" else "his",
+        himself="herself" if he == "she" else "himself",
+    )
     sentences = [rng.choice(OPENINGS).format(x=problem.start, **words)]
     for i, (op, k) in enumerate(problem.ops):
         phrases = PHRASES[op] + ((EAT_PHRASE,) if op == "-" and edible else ())
@@ -208,8 +257,17 @@ def _as_share(name: str, value) -> float:
     return share
 
 
-def load_arithmetic(split: str = "train", limit: int | None = None, seed: int = 0, steps=2, max_value=20,
-                    ops="+-", size=None, noise=0.0, format_noise=0.0) -> list[Example]:
+def load_arithmetic(
+    split: str = "train",
+    limit: int | None = None,
+    seed: int = 0,
+    steps=2,
+    max_value=20,
+    ops="+-",
+    size=None,
+    noise=0.0,
+    format_noise=0.0,
+) -> list[Example]:
     """The ``split`` of the arithmetic task: ``limit`` (or ``size``, or the split's default) problems.
 
     Deterministic in ``(split, seed, steps, max_value, ops)``; a smaller ``limit`` gives a prefix of
@@ -226,7 +284,13 @@ def load_arithmetic(split: str = "train", limit: int | None = None, seed: int = 
     if not ops or set(ops) - set(ALL_OPS) or not set(ops) & set("+-"):
         raise DataError(f"arith: ops must be a subset of {ALL_OPS!r} holding '+' or '-', got {ops!r}")
     noise, format_noise = _as_share("noise", noise), _as_share("format_noise", format_noise)
-    n = _as_int("limit", limit) if limit is not None else _as_int("size", size) if size is not None else DEFAULT_SIZES[split]
+    n = (
+        _as_int("limit", limit)
+        if limit is not None
+        else _as_int("size", size)
+        if size is not None
+        else DEFAULT_SIZES[split]
+    )
 
     split_seed = int(hashlib.sha256(f"arith|{seed}|{split}|{steps}|{max_value}|{ops}".encode()).hexdigest()[:16], 16)
     rng = random.Random(split_seed)
@@ -237,8 +301,10 @@ def load_arithmetic(split: str = "train", limit: int | None = None, seed: int = 
     while len(examples) < n:
         attempts += 1
         if attempts > 200 * n + 10_000:
-            raise DataError(f"arith: could only make {len(examples)} distinct {split} problems of the {n} asked "
-                            f"(steps={steps}, max_value={max_value}); ask for fewer or raise max_value")
+            raise DataError(
+                f"arith: could only make {len(examples)} distinct {split} problems of the {n} asked "
+                f"(steps={steps}, max_value={max_value}); ask for fewer or raise max_value"
+            )
         problem = sample_problem(rng, steps, max_value, ops)
         question, solution = render_problem(problem, rng)
         if split_of(question) != split or question in seen:
@@ -248,7 +314,12 @@ def load_arithmetic(split: str = "train", limit: int | None = None, seed: int = 
             solution = slipped_solution(problem, solution, noise_rng)
         if format_noise and noise_rng.random() < format_noise:
             solution = solution.replace("</think> <answer>", "</think><answer>")
-        examples.append(Example(question, str(problem.answer), solution,
-                                meta={"task": "arith", "start": problem.start, "ops": list(problem.ops),
-                                      "values": problem.values()}))
+        examples.append(
+            Example(
+                question,
+                str(problem.answer),
+                solution,
+                meta={"task": "arith", "start": problem.start, "ops": list(problem.ops), "values": problem.values()},
+            )
+        )
     return examples

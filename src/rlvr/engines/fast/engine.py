@@ -5,13 +5,19 @@ and the host-side stop handling (``stops``). The package docstring describes the
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from rlvr.engines.base import Completion, SamplingParams
-from rlvr.engines.decode_attention import (default_splits, prompt_runs, reference_decode_attention,
-                                           triton_available, triton_decode_attention)
+from rlvr.engines.decode_attention import (
+    default_splits,
+    prompt_runs,
+    reference_decode_attention,
+    triton_available,
+    triton_decode_attention,
+)
 from rlvr.engines.fast import step as S
 from rlvr.engines.fast.families import layer_weights, layout_of
 from rlvr.engines.fast.graphs import StepGraphs
@@ -58,26 +64,42 @@ class FastHFEngine:
     a prompt, read it per row. ``None`` turns this off.
     """
 
-    def __init__(self, model, tokenizer, max_batch_size: int = 256, batch_buckets=DEFAULT_BATCH_BUCKETS,
-                 length_bucket: int = 128, sync_every: int = 4, use_cuda_graphs: bool | None = None,
-                 mask_unused_vocab: bool = True, prefill_tokens: int = 32768, attention: str = "auto",
-                 fused_norms: bool = True, compile_step: bool | None = None, release_memory: bool = False,
-                 fuse_projections: bool = True, attention_splits: int | None = None,
-                 cascade_min_rows: int | None = 64):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        max_batch_size: int = 256,
+        batch_buckets=DEFAULT_BATCH_BUCKETS,
+        length_bucket: int = 128,
+        sync_every: int = 4,
+        use_cuda_graphs: bool | None = None,
+        mask_unused_vocab: bool = True,
+        prefill_tokens: int = 32768,
+        attention: str = "auto",
+        fused_norms: bool = True,
+        compile_step: bool | None = None,
+        release_memory: bool = False,
+        fuse_projections: bool = True,
+        attention_splits: int | None = None,
+        cascade_min_rows: int | None = 64,
+    ):
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token = tokenizer.eos_token")
         self.layout = layout_of(model)
         if max_batch_size < 1 or length_bucket < 1 or sync_every < 1:
             raise ValueError("max_batch_size, length_bucket and sync_every must all be >= 1")
         if cascade_min_rows is not None and cascade_min_rows < 1:
-            raise ValueError(f"cascade_min_rows must be >= 1, or None to turn cascade attention off; got {cascade_min_rows}")
+            raise ValueError(
+                f"cascade_min_rows must be >= 1, or None to turn cascade attention off; got {cascade_min_rows}"
+            )
         if attention_splits is not None and (attention_splits < 1 or attention_splits & (attention_splits - 1)):
             raise ValueError(f"attention_splits must be a power of two >= 1 or None, got {attention_splits}")
         if attention not in ("auto", "triton", "sdpa"):
             raise ValueError(f"attention must be 'auto', 'triton' or 'sdpa', got {attention!r}")
         if attention == "triton" and not triton_available():
-            raise ValueError("attention='triton' needs the triton package (it ships with CUDA builds of torch); "
-                             "use attention='sdpa'")
+            raise ValueError(
+                "attention='triton' needs the triton package (it ships with CUDA builds of torch); use attention='sdpa'"
+            )
         self.model = model
         if compile_step and self._compilable() is not None:
             raise ValueError(f"compile_step=True does not apply to this model: {self._compilable()}; leave it None")
@@ -98,8 +120,16 @@ class FastHFEngine:
         self.mask_unused_vocab = mask_unused_vocab
         self.prefill_tokens = prefill_tokens
         self.eos_ids = eos_token_ids(model, tokenizer)
-        self.stats = {"tokens": 0, "time": 0.0, "graphs_captured": 0, "capture_time": 0.0, "host_syncs": 0,
-                      "compactions": 0, "rows_flagged": 0, "cascade_steps": 0}
+        self.stats = {
+            "tokens": 0,
+            "time": 0.0,
+            "graphs_captured": 0,
+            "capture_time": 0.0,
+            "host_syncs": 0,
+            "compactions": 0,
+            "rows_flagged": 0,
+            "cascade_steps": 0,
+        }
         self._state: State | None = None
         self._graphs = StepGraphs(self.stats)
         self._weights = layer_weights(model, self.layout)
@@ -133,8 +163,9 @@ class FastHFEngine:
             return self.device.type == "cuda"
         return bool(self.use_cuda_graphs) and self.device.type == "cuda"
 
-    def generate(self, prompts: list[str], params: SamplingParams, *,
-                 row_max_new_tokens: list[list[int]] | None = None) -> list[list[Completion]]:
+    def generate(
+        self, prompts: list[str], params: SamplingParams, *, row_max_new_tokens: list[list[int]] | None = None
+    ) -> list[list[Completion]]:
         """``row_max_new_tokens[i][j]`` (optional, for benchmarks) caps sample j of prompt i below
         ``params.max_new_tokens``: that row finishes with reason ``"length"`` there, as if it had
         reached its own limit, so a batch can retire rows at chosen lengths."""
@@ -158,7 +189,7 @@ class FastHFEngine:
         st = self._state
         model, device = self.model, self.device
         dtype = model.lm_head.weight.dtype
-        need = (rows, groups, prompt_slots, slots, steps)
+        need: tuple[int, ...] = (rows, groups, prompt_slots, slots, steps)
         if st is not None:
             have = st.caps
             if all(h >= n for h, n in zip(have, need)) and st.rk[0].dtype == dtype and st.rk[0].device == device:
@@ -168,10 +199,21 @@ class FastHFEngine:
         rows, groups, prompt_slots, slots, steps = need
         self._graphs.drop()
         self._state = None
-        self._state = allocate(self.layout, self._weights, rows=rows, groups=groups, prompt_slots=prompt_slots,
-                               slots=slots, steps=steps, vocab=model.lm_head.weight.shape[0],
-                               tokenizer_vocab=len(self.tokenizer), mask_unused_vocab=self.mask_unused_vocab,
-                               dtype=dtype, device=device, stacked=self._stacked_weights())
+        self._state = allocate(
+            self.layout,
+            self._weights,
+            rows=rows,
+            groups=groups,
+            prompt_slots=prompt_slots,
+            slots=slots,
+            steps=steps,
+            vocab=model.lm_head.weight.shape[0],
+            tokenizer_vocab=len(self.tokenizer),
+            mask_unused_vocab=self.mask_unused_vocab,
+            dtype=dtype,
+            device=device,
+            stacked=self._stacked_weights(),
+        )
         return self._state
 
     def _stacked_weights(self) -> bool:
@@ -181,8 +223,13 @@ class FastHFEngine:
     # ------------------------------------------------------------------ the model, by hand
     def _rope(self, pos: torch.Tensor):
         rot = self.model.model.rotary_emb
-        return S.rope_tables(pos, rot.inv_freq, getattr(rot, "attention_scaling", 1.0),
-                             self.model.model.embed_tokens.weight.dtype, self.layout.family.float32_scale)
+        return S.rope_tables(
+            pos,
+            rot.inv_freq,
+            getattr(rot, "attention_scaling", 1.0),
+            self.model.model.embed_tokens.weight.dtype,
+            self.layout.family.float32_scale,
+        )
 
     def _layers(self, x: torch.Tensor, cos, sin, attend, grouped_rows: bool = False):
         """Run every decoder layer on x (B, Q, hidden); ``attend(i, q, k, v)`` gets q (B, heads, Q, D), k and
@@ -194,8 +241,13 @@ class FastHFEngine:
         pre = S.compiled(S.pre_attention, family.name) if compiled else S.pre_attention
         post = S.compiled(S.post_attention, family.name) if compiled else S.post_attention
         fused = compiled or self.fused_norms
-        common = dict(eps=layout.eps, pre_norm=family.norms == "pre", float32_scale=family.float32_scale, fused=fused,
-                      grouped_rows=grouped_rows)
+        common: dict[str, Any] = dict(
+            eps=layout.eps,
+            pre_norm=family.norms == "pre",
+            float32_scale=family.float32_scale,
+            fused=fused,
+            grouped_rows=grouped_rows,
+        )
         st = self._state
         stacked = st is not None and bool(st.wqkv)
         for i, w in enumerate(self._weights):
@@ -204,13 +256,38 @@ class FastHFEngine:
             else:
                 wqkv, bqkv = (w.wq, w.wk, w.wv), (w.bq, w.bk, w.bv)
                 wgate_up, bgate_up = (w.w_gate, w.w_up), (w.b_gate, w.b_up)
-            q, k, v = pre(x, w.norm1, wqkv, bqkv, w.q_norm, w.k_norm, cos, sin, heads=layout.heads,
-                          kv_heads=layout.kv_heads, head_dim=layout.head_dim, qk_norm=family.qk_norm, **common)
+            q, k, v = pre(
+                x,
+                w.norm1,
+                wqkv,
+                bqkv,
+                w.q_norm,
+                w.k_norm,
+                cos,
+                sin,
+                heads=layout.heads,
+                kv_heads=layout.kv_heads,
+                head_dim=layout.head_dim,
+                qk_norm=family.qk_norm,
+                **common,
+            )
             o = attend(i, q, k, v)
             # The compiled step takes F.silu itself: each layer's activation module is its own object, and
             # a compiled function guards on the identity of the callables it is handed.
-            x = post(x, o, w.wo, w.bo, w.norm1, w.norm2, wgate_up, bgate_up, w.w_down, w.b_down,
-                     F.silu if compiled else w.act, **common)
+            x = post(
+                x,
+                o,
+                w.wo,
+                w.bo,
+                w.norm1,
+                w.norm2,
+                wgate_up,
+                bgate_up,
+                w.w_down,
+                w.b_down,
+                F.silu if compiled else w.act,
+                **common,
+            )
         norm = S.rms if fused else S.rms_unfused
         return norm(x, self.model.model.norm.weight, layout.eps, family.float32_scale)
 
@@ -223,15 +300,15 @@ class FastHFEngine:
         cols = torch.arange(L, device=device)
         positions = (cols[None, :] - starts[:, None]).clamp(min=0)
         cos, sin = self._rope(positions[:, None])  # broadcast over heads
-        key_ok = cols[None, :] >= starts[:, None]                                # (P, L)
-        causal = cols[None, :] <= cols[:, None]                                  # (L, L) [query, key]
+        key_ok = cols[None, :] >= starts[:, None]  # (P, L)
+        causal = cols[None, :] <= cols[:, None]  # (L, L) [query, key]
         # A padding query attends to itself so that no row of the softmax is empty (no NaN in K/V).
         mask = causal[None] & (key_ok[:, None, :] | torch.eye(L, dtype=torch.bool, device=device)[None])
-        mask = mask[:, None]                                                     # (P, 1, L, L)
+        mask = mask[:, None]  # (P, 1, L, L)
 
         def attend(i, q, k, v):
-            st.pk[i][group0:group0 + P, :, :L] = k
-            st.pv[i][group0:group0 + P, :, :L] = v
+            st.pk[i][group0 : group0 + P, :, :L] = k
+            st.pv[i][group0 : group0 + P, :, :L] = v
             if layout.groups > 1:  # each key/value head serves ``groups`` query heads (grouped-query attention)
                 shape = (P, layout.kv_heads, layout.groups, L, layout.head_dim)
                 k = k[:, :, None].expand(shape).reshape(q.shape)
@@ -242,8 +319,9 @@ class FastHFEngine:
         h = self._layers(x, cos, sin, attend)
         return self.model.lm_head(h[:, -1])
 
-    def _sample(self, st: State, logits: torch.Tensor, b: int, mode: str, compiled: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _sample(
+        self, st: State, logits: torch.Tensor, b: int, mode: str, compiled: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Tokens and their temperature-1 log-probs for logits (b, vocab); ``noise[:b]`` must hold Exp(1) draws."""
         fn = S.compiled(S.sample_math) if compiled else S.sample_math
         return fn(logits, st.vocab_bias, st.temperature, st.top_p, st.noise[:b], mode)
@@ -266,8 +344,10 @@ class FastHFEngine:
         if self.attention == "auto":
             return "triton" if self.device.type == "cuda" and triton_available() else "sdpa"
         if self.attention == "triton" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError(f"attention='triton' runs on CUDA (or under TRITON_INTERPRET=1); the model is on "
-                             f"{self.device}: use attention='sdpa'")
+            raise ValueError(
+                f"attention='triton' runs on CUDA (or under TRITON_INTERPRET=1); the model is on "
+                f"{self.device}: use attention='sdpa'"
+            )
         return self.attention
 
     def _decode_step(self, st: State, b: int, slots: int, mode: str):
@@ -279,7 +359,7 @@ class FastHFEngine:
         layout = self.layout
         heads, kv, groups, hd = layout.heads, layout.kv_heads, layout.groups, layout.head_dim
         tok, pos = st.tok[:b], st.pos[:b]
-        cos, sin = self._rope(pos[:, None, None])                                 # (b, 1, 1, D)
+        cos, sin = self._rope(pos[:, None, None])  # (b, 1, 1, D)
         rlen = st.slot + 1  # response slots filled once this step has written its own
         kind = self._attention_kind()
 
@@ -295,24 +375,54 @@ class FastHFEngine:
             def spread(t):  # (b,) -> (b * groups,): each batch row's entry repeated groups times
                 return t[:b, None].expand(b, groups).reshape(rows)
 
-            grp, start, live, crow = ((spread(st.grp), spread(st.start), spread(st.live), spread(st.crow)) if grouped
-                                      else (st.grp, st.start, st.live, st.crow))
+            grp, start, live, crow = (
+                (spread(st.grp), spread(st.start), spread(st.live), spread(st.crow))
+                if grouped
+                else (st.grp, st.start, st.live, st.crow)
+            )
             splits = self.attention_splits or default_splits(rows, kv)
             nruns = self._runs_for(b)
             runs = (st.runs[0, :nruns], st.runs[1, :nruns]) if nruns else None
 
         def attend(i, q, k, v):
             if kind == "triton":  # the kernel writes this step's K/V at slot rlen - 1 itself
-                return triton_decode_attention(q, st.pk[i], st.pv[i], st.rk[i], st.rv[i], grp, start, st.plen, rlen,
-                                               k_new=k, v_new=v, live=live, splits=splits, runs=runs,
-                                               run_rows=self._run_queries(), cache_rows=crow)
+                return triton_decode_attention(
+                    q,
+                    st.pk[i],
+                    st.pv[i],
+                    st.rk[i],
+                    st.rv[i],
+                    grp,
+                    start,
+                    st.plen,
+                    rlen,
+                    k_new=k,
+                    v_new=v,
+                    live=live,
+                    splits=splits,
+                    runs=runs,
+                    run_rows=self._run_queries(),
+                    cache_rows=crow,
+                )
             cache_rows = st.crow[:b]
             st.rk[i][cache_rows, :, st.slot] = k[:, :, 0]  # (b, kv_heads, head_dim) at (cache row, slot)
             st.rv[i][cache_rows, :, st.slot] = v[:, :, 0]
             # The query heads of one key/value head go in as that head's ``groups`` queries.
-            out = reference_decode_attention(q.reshape(b, kv, groups, hd), st.pk[i], st.pv[i], st.rk[i], st.rv[i],
-                                             st.grp, st.start, st.plen, rlen, st.prompt_slots_cap, slots,
-                                             live=st.live, cache_rows=st.crow)
+            out = reference_decode_attention(
+                q.reshape(b, kv, groups, hd),
+                st.pk[i],
+                st.pv[i],
+                st.rk[i],
+                st.rv[i],
+                st.grp,
+                st.start,
+                st.plen,
+                rlen,
+                st.prompt_slots_cap,
+                slots,
+                live=st.live,
+                cache_rows=st.crow,
+            )
             return out.reshape(b, heads, 1, hd)
 
         x = self.model.model.embed_tokens(tok)[:, None]
@@ -342,8 +452,12 @@ class FastHFEngine:
         if not self._graphs_enabled():
             self._decode_step(st, b, slots, mode)
             return
-        self._graphs.replay(key, self._param_signature, lambda: self._decode_step(st, b, slots, mode),
-                            (st.tok, st.pos, st.slot, st.step))
+        self._graphs.replay(
+            key,
+            self._param_signature,
+            lambda: self._decode_step(st, b, slots, mode),
+            (st.tok, st.pos, st.slot, st.step),
+        )
 
     def _run_rows(self) -> int:
         """Batch rows one cascade program takes: a power of two, whose queries (rows x query heads per
@@ -389,8 +503,13 @@ class FastHFEngine:
 
     # ------------------------------------------------------------------ one chunk
     @torch.inference_mode()
-    def _generate_chunk(self, prompt_ids: list[list[int]], params: SamplingParams, generator: torch.Generator,
-                        limits: list[int] | None = None) -> list[list[Completion]]:
+    def _generate_chunk(
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        generator: torch.Generator,
+        limits: list[int] | None = None,
+    ) -> list[list[Completion]]:
         tok, device, n = self.tokenizer, self.device, params.n
         P, L = len(prompt_ids), max(len(p) for p in prompt_ids)
         R, T = P * n, params.max_new_tokens
@@ -408,17 +527,17 @@ class FastHFEngine:
 
         input_ids = torch.full((P, L), tok.pad_token_id, dtype=torch.long)
         for r, ids in enumerate(prompt_ids):
-            input_ids[r, L - len(ids):] = torch.tensor(ids)
+            input_ids[r, L - len(ids) :] = torch.tensor(ids)
         starts = torch.tensor([L - len(ids) for ids in prompt_ids], dtype=torch.long)
         input_ids, starts = input_ids.to(device), starts.to(device)
 
         # Prefill in slices of whole prompts under a token budget; K/V go straight to the rows.
         per = max(1, self.prefill_tokens // L)
-        logits = []
+        prefill_logits = []
         for a in range(0, P, per):
             sub = slice(a, min(P, a + per))
-            logits.append(self._prefill(st, a, input_ids[sub], starts[sub]))
-        logits = torch.cat(logits).repeat_interleave(n, dim=0)
+            prefill_logits.append(self._prefill(st, a, input_ids[sub], starts[sub]))
+        logits = torch.cat(prefill_logits).repeat_interleave(n, dim=0)
 
         # Batch rows [R, b) are fillers: they read prompt 0 and write to the scratch output row.
         b = self._bucket(R)
@@ -450,8 +569,8 @@ class FastHFEngine:
         stops = tuple(s for s in params.stop if s)
         eos_ids = set() if getattr(params, "ignore_eos", False) else self.eos_ids
         checks = RowChecks(tok, R, T, stops, eos_ids, limits, self.stats)
-        batch_rows = list(range(R))     # global row of each batch row [0, len)
-        live_rows = R                   # batch rows whose live flag on the device is 1
+        batch_rows = list(range(R))  # global row of each batch row [0, len)
+        live_rows = R  # batch rows whose live flag on the device is 1
 
         # Host checks run one sync period behind the device: at each sync point the tokens so far start
         # copying to the host, and the copy started at the previous sync point is examined while the
@@ -482,7 +601,7 @@ class FastHFEngine:
                     self.stats["rows_flagged"] += live_rows - len(alive)
                     live_rows = len(alive)
                     flags = [finish[g] is None for g in batch_rows]
-                    st.live[:len(flags)].copy_(self._host_to_device(flags, torch.int32), non_blocking=True)
+                    st.live[: len(flags)].copy_(self._host_to_device(flags, torch.int32), non_blocking=True)
                     self._set_runs(st, [g // n for g in batch_rows], flags)
             if mode != "greedy":
                 st.noise[:b].exponential_(generator=generator)

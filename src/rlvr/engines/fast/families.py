@@ -40,12 +40,19 @@ class Family:
 
 
 FAMILIES: dict[str, Family] = {  # by ``config.model_type``
-    "olmo2": Family("OLMo-2", "Olmo2ForCausalLM", "post", ("post_attention_layernorm", "post_feedforward_layernorm"),
-                    "all_heads", True),
+    "olmo2": Family(
+        "OLMo-2",
+        "Olmo2ForCausalLM",
+        "post",
+        ("post_attention_layernorm", "post_feedforward_layernorm"),
+        "all_heads",
+        True,
+    ),
     "llama": Family("Llama", "LlamaForCausalLM", "pre", ("input_layernorm", "post_attention_layernorm"), None, False),
     "qwen2": Family("Qwen2", "Qwen2ForCausalLM", "pre", ("input_layernorm", "post_attention_layernorm"), None, False),
-    "qwen3": Family("Qwen3", "Qwen3ForCausalLM", "pre", ("input_layernorm", "post_attention_layernorm"), "per_head",
-                    False),
+    "qwen3": Family(
+        "Qwen3", "Qwen3ForCausalLM", "pre", ("input_layernorm", "post_attention_layernorm"), "per_head", False
+    ),
 }
 
 # Rotary embeddings whose frequencies change with the sequence length; the engine computes cos/sin
@@ -69,11 +76,15 @@ def unsupported_reason(config, model_class: str | None = None) -> str | None:
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
     rope_type = str(rope.get("rope_type", rope.get("type", "default"))) if isinstance(rope, dict) else "default"
     if any(t in rope_type for t in _LENGTH_DEPENDENT_ROPE):
-        return (f"hf-fast needs a fixed rotary embedding; this {family.name} model's rope_type {rope_type!r} "
-                f"changes with length; {fallback}")
+        return (
+            f"hf-fast needs a fixed rotary embedding; this {family.name} model's rope_type {rope_type!r} "
+            f"changes with length; {fallback}"
+        )
     if "sliding_attention" in (getattr(config, "layer_types", None) or ()):
-        return (f"hf-fast attends to every earlier token; this {family.name} model uses sliding-window attention; "
-                f"{fallback}")
+        return (
+            f"hf-fast attends to every earlier token; this {family.name} model uses sliding-window attention; "
+            f"{fallback}"
+        )
     heads, kv = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     if heads % kv:
         return f"hf-fast needs num_attention_heads ({heads}) to be a multiple of num_key_value_heads ({kv}); {fallback}"
@@ -103,14 +114,21 @@ def layout_of(model) -> Layout:
     config = model.config
     reason = unsupported_reason(config, type(model).__name__)
     if reason is None and not (hasattr(model, "lm_head") and hasattr(getattr(model, "model", None), "layers")):
-        reason = (f"hf-fast runs causal LMs ({_supported_list()}), not {type(model).__name__}; "
-                  "use engine.name: hf (engine.name: auto picks it by itself)")
+        reason = (
+            f"hf-fast runs causal LMs ({_supported_list()}), not {type(model).__name__}; "
+            "use engine.name: hf (engine.name: auto picks it by itself)"
+        )
     if reason is not None:
         raise ValueError(reason)
     heads = config.num_attention_heads
-    return Layout(family=FAMILIES[config.model_type], layers=len(model.model.layers), heads=heads,
-                  kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-                  head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads, eps=config.rms_norm_eps)
+    return Layout(
+        family=FAMILIES[config.model_type],
+        layers=len(model.model.layers),
+        heads=heads,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+        eps=config.rms_norm_eps,
+    )
 
 
 @dataclass
@@ -148,12 +166,27 @@ def layer_weights(model, layout: Layout) -> list[LayerWeights]:
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        out.append(LayerWeights(
-            wq=attn.q_proj.weight, bq=attn.q_proj.bias, wk=attn.k_proj.weight, bk=attn.k_proj.bias,
-            wv=attn.v_proj.weight, bv=attn.v_proj.bias, wo=attn.o_proj.weight, bo=attn.o_proj.bias,
-            q_norm=qn.weight if layout.family.qk_norm else None, k_norm=kn.weight if layout.family.qk_norm else None,
-            norm1=getattr(layer, first).weight, norm2=getattr(layer, second).weight,
-            w_gate=mlp.gate_proj.weight, b_gate=mlp.gate_proj.bias, w_up=mlp.up_proj.weight, b_up=mlp.up_proj.bias,
-            w_down=mlp.down_proj.weight, b_down=mlp.down_proj.bias, act=mlp.act_fn,
-        ))
+        out.append(
+            LayerWeights(
+                wq=attn.q_proj.weight,
+                bq=attn.q_proj.bias,
+                wk=attn.k_proj.weight,
+                bk=attn.k_proj.bias,
+                wv=attn.v_proj.weight,
+                bv=attn.v_proj.bias,
+                wo=attn.o_proj.weight,
+                bo=attn.o_proj.bias,
+                q_norm=qn.weight if layout.family.qk_norm else None,
+                k_norm=kn.weight if layout.family.qk_norm else None,
+                norm1=getattr(layer, first).weight,
+                norm2=getattr(layer, second).weight,
+                w_gate=mlp.gate_proj.weight,
+                b_gate=mlp.gate_proj.bias,
+                w_up=mlp.up_proj.weight,
+                b_up=mlp.up_proj.bias,
+                w_down=mlp.down_proj.weight,
+                b_down=mlp.down_proj.bias,
+                act=mlp.act_fn,
+            )
+        )
     return out

@@ -4,7 +4,8 @@ into one shared memory pool and replayed after; all dropped when the model's par
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -13,8 +14,8 @@ class StepGraphs:
     def __init__(self, stats: dict):
         self.stats = stats
         self._graphs: dict = {}
-        self._pool = None
-        self._signature = None
+        self._pool: Any = None
+        self._signature: Any = None
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -43,8 +44,9 @@ class StepGraphs:
         """Whether graphs were captured over other parameter tensors than ``signature`` names."""
         return signature != self._signature
 
-    def replay(self, key: tuple, signature: Callable[[], tuple], step: Callable[[], None],
-               counters: tuple[torch.Tensor, ...]) -> None:
+    def replay(
+        self, key: tuple, signature: Callable[[], tuple], step: Callable[[], None], counters: tuple[torch.Tensor, ...]
+    ) -> None:
         """Replay the graph of ``key``, capturing ``step`` first if there is none. ``signature()``: the
         model's parameter tensors now (asked only before a capture); ``counters``: the buffers ``step``
         advances, restored after the warm-up and the capture (which both run it)."""

@@ -4,6 +4,7 @@ reads and advances, the sampling inputs and outputs, and the stacked projection 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -14,31 +15,31 @@ from rlvr.engines.fast.families import LayerWeights, Layout
 class State:
     """Device buffers every graph reads and writes (fixed addresses for the graphs' lifetime)."""
 
-    pk: list[torch.Tensor]     # per layer (groups_cap, kv_heads, prompt_slots_cap, head_dim): prompt K
-    pv: list[torch.Tensor]     # prompt V
-    rk: list[torch.Tensor]     # per layer (rows_cap, kv_heads, response_slots_cap, head_dim): response K
-    rv: list[torch.Tensor]     # response V
-    tok: torch.Tensor          # (rows_cap,) token fed to the next step
-    pos: torch.Tensor          # (rows_cap,) its position id
-    grp: torch.Tensor          # (rows_cap,) prompt-cache entry of the row (its prompt)
-    start: torch.Tensor        # (rows_cap,) first real prompt slot of the row (left padding before it)
-    row_id: torch.Tensor       # (rows_cap,) output row the batch row writes to (scratch row for fillers)
-    live: torch.Tensor         # (rows_cap,) int32: 0 for fillers and rows found finished (attention skips them)
-    runs: torch.Tensor         # (2, rows_cap) int32: first attention row and row count of runs sharing a prompt
-    crow: torch.Tensor         # (rows_cap,) cache row of rk/rv holding the batch row's response K/V
-    plen: torch.Tensor         # (1,) prompt slots in use (the chunk's padded prompt length)
-    slot: torch.Tensor         # (1,) response slot the next step writes
-    step: torch.Tensor         # (1,) output column the next step writes
-    noise: torch.Tensor        # (rows_cap, vocab) Exp(1) noise for the exponential race
+    pk: list[torch.Tensor]  # per layer (groups_cap, kv_heads, prompt_slots_cap, head_dim): prompt K
+    pv: list[torch.Tensor]  # prompt V
+    rk: list[torch.Tensor]  # per layer (rows_cap, kv_heads, response_slots_cap, head_dim): response K
+    rv: list[torch.Tensor]  # response V
+    tok: torch.Tensor  # (rows_cap,) token fed to the next step
+    pos: torch.Tensor  # (rows_cap,) its position id
+    grp: torch.Tensor  # (rows_cap,) prompt-cache entry of the row (its prompt)
+    start: torch.Tensor  # (rows_cap,) first real prompt slot of the row (left padding before it)
+    row_id: torch.Tensor  # (rows_cap,) output row the batch row writes to (scratch row for fillers)
+    live: torch.Tensor  # (rows_cap,) int32: 0 for fillers and rows found finished (attention skips them)
+    runs: torch.Tensor  # (2, rows_cap) int32: first attention row and row count of runs sharing a prompt
+    crow: torch.Tensor  # (rows_cap,) cache row of rk/rv holding the batch row's response K/V
+    plen: torch.Tensor  # (1,) prompt slots in use (the chunk's padded prompt length)
+    slot: torch.Tensor  # (1,) response slot the next step writes
+    step: torch.Tensor  # (1,) output column the next step writes
+    noise: torch.Tensor  # (rows_cap, vocab) Exp(1) noise for the exponential race
     temperature: torch.Tensor  # (1,) float32
-    top_p: torch.Tensor        # (1,) float32
-    vocab_bias: torch.Tensor   # (vocab,) 0, or -inf on ids the tokenizer cannot decode
-    out_tok: torch.Tensor      # (rows_cap + 1, steps_cap) sampled tokens; last row is scratch
-    out_lp: torch.Tensor       # (rows_cap + 1, steps_cap) their log-probs
-    wqkv: list                 # per layer: (stacked q/k/v weight,), refreshed from the model every chunk; or []
-    bqkv: list                 # per layer: (stacked q/k/v bias or None,); or []
-    wgate_up: list             # per layer: (stacked gate/up weight,); or []
-    bgate_up: list             # per layer: (stacked gate/up bias or None,); or []
+    top_p: torch.Tensor  # (1,) float32
+    vocab_bias: torch.Tensor  # (vocab,) 0, or -inf on ids the tokenizer cannot decode
+    out_tok: torch.Tensor  # (rows_cap + 1, steps_cap) sampled tokens; last row is scratch
+    out_lp: torch.Tensor  # (rows_cap + 1, steps_cap) their log-probs
+    wqkv: list  # per layer: (stacked q/k/v weight,), refreshed from the model every chunk; or []
+    bqkv: list  # per layer: (stacked q/k/v bias or None,); or []
+    wgate_up: list  # per layer: (stacked gate/up weight,); or []
+    bgate_up: list  # per layer: (stacked gate/up bias or None,); or []
 
     @property
     def rows_cap(self) -> int:
@@ -74,13 +75,27 @@ def _stack_room(ws: list[torch.Tensor]) -> torch.Tensor:
 def _stacked_bias_room(ws, bs) -> tuple:
     if all(b is None for b in bs):
         return (None,)
-    return (torch.empty(sum(w.shape[0] for w in ws), dtype=next(b for b in bs if b is not None).dtype,
-                        device=ws[0].device),)
+    return (
+        torch.empty(sum(w.shape[0] for w in ws), dtype=next(b for b in bs if b is not None).dtype, device=ws[0].device),
+    )
 
 
-def allocate(layout: Layout, weights: list[LayerWeights], *, rows: int, groups: int, prompt_slots: int, slots: int,
-             steps: int, vocab: int, tokenizer_vocab: int, mask_unused_vocab: bool, dtype: torch.dtype,
-             device: torch.device, stacked: bool) -> State:
+def allocate(
+    layout: Layout,
+    weights: list[LayerWeights],
+    *,
+    rows: int,
+    groups: int,
+    prompt_slots: int,
+    slots: int,
+    steps: int,
+    vocab: int,
+    tokenizer_vocab: int,
+    mask_unused_vocab: bool,
+    dtype: torch.dtype,
+    device: torch.device,
+    stacked: bool,
+) -> State:
     """Zero-filled buffers for the given capacities. Zero K/V: masked slots get weight exactly 0 in
     attention, and 0 * (finite) stays 0."""
     kv, head_dim = layout.kv_heads, layout.head_dim
@@ -88,7 +103,7 @@ def allocate(layout: Layout, weights: list[LayerWeights], *, rows: int, groups: 
     bias = torch.zeros(vocab, dtype=torch.float32, device=device)
     if mask_unused_vocab and tokenizer_vocab < vocab:
         bias[tokenizer_vocab:] = float("-inf")
-    long = dict(dtype=torch.long, device=device)
+    long: dict[str, Any] = dict(dtype=torch.long, device=device)
     wqkv, bqkv, wgate_up, bgate_up = [], [], [], []
     if stacked:
         for w in weights:
@@ -100,24 +115,36 @@ def allocate(layout: Layout, weights: list[LayerWeights], *, rows: int, groups: 
     return State(
         pk=[zeros(groups, prompt_slots) for _ in range(layers)],
         pv=[zeros(groups, prompt_slots) for _ in range(layers)],
-        rk=[zeros(rows, slots) for _ in range(layers)], rv=[zeros(rows, slots) for _ in range(layers)],
-        tok=torch.zeros(rows, **long), pos=torch.zeros(rows, **long), grp=torch.zeros(rows, **long),
-        start=torch.zeros(rows, **long), row_id=torch.full((rows,), rows, **long),
+        rk=[zeros(rows, slots) for _ in range(layers)],
+        rv=[zeros(rows, slots) for _ in range(layers)],
+        tok=torch.zeros(rows, **long),
+        pos=torch.zeros(rows, **long),
+        grp=torch.zeros(rows, **long),
+        start=torch.zeros(rows, **long),
+        row_id=torch.full((rows,), rows, **long),
         live=torch.zeros(rows, dtype=torch.int32, device=device),
-        runs=torch.zeros((2, rows), dtype=torch.int32, device=device), crow=torch.arange(rows, **long),
-        plen=torch.zeros(1, **long), slot=torch.zeros(1, **long), step=torch.zeros(1, **long),
+        runs=torch.zeros((2, rows), dtype=torch.int32, device=device),
+        crow=torch.arange(rows, **long),
+        plen=torch.zeros(1, **long),
+        slot=torch.zeros(1, **long),
+        step=torch.zeros(1, **long),
         noise=torch.ones((rows, vocab), dtype=torch.float32, device=device),
         temperature=torch.ones(1, dtype=torch.float32, device=device),
-        top_p=torch.ones(1, dtype=torch.float32, device=device), vocab_bias=bias,
+        top_p=torch.ones(1, dtype=torch.float32, device=device),
+        vocab_bias=bias,
         out_tok=torch.zeros((rows + 1, steps), **long),
         out_lp=torch.zeros((rows + 1, steps), dtype=torch.float32, device=device),
-        wqkv=wqkv, bqkv=bqkv, wgate_up=wgate_up, bgate_up=bgate_up,
+        wqkv=wqkv,
+        bqkv=bqkv,
+        wgate_up=wgate_up,
+        bgate_up=bgate_up,
     )
 
 
 def _cat_bias(ws, bs, out: torch.Tensor) -> None:
-    parts = [b if b is not None else torch.zeros(w.shape[0], dtype=out.dtype, device=out.device)
-             for w, b in zip(ws, bs)]
+    parts = [
+        b if b is not None else torch.zeros(w.shape[0], dtype=out.dtype, device=out.device) for w, b in zip(ws, bs)
+    ]
     torch.cat(parts, out=out)
 
 

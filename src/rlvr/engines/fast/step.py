@@ -62,9 +62,26 @@ def project(x: torch.Tensor, ws: tuple, bs: tuple, sizes: tuple[int, ...]):
     return tuple(F.linear(x, w, b) for w, b in zip(ws, bs))
 
 
-def pre_attention(x, norm1, wqkv: tuple, bqkv: tuple, q_norm, k_norm, cos, sin, *, heads: int, kv_heads: int,
-                  head_dim: int, eps: float, pre_norm: bool, qk_norm: str | None, float32_scale: bool, fused: bool,
-                  grouped_rows: bool = False):
+def pre_attention(
+    x,
+    norm1,
+    wqkv: tuple,
+    bqkv: tuple,
+    q_norm,
+    k_norm,
+    cos,
+    sin,
+    *,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    eps: float,
+    pre_norm: bool,
+    qk_norm: str | None,
+    float32_scale: bool,
+    fused: bool,
+    grouped_rows: bool = False,
+):
     """q (B, heads, Q, D), k and v (B, kv_heads, Q, D) of one layer for hidden states x (B, Q, hidden).
 
     ``grouped_rows`` (one query per row, Q = 1): q, k and v as (B * groups, kv_heads, 1, D), where row
@@ -105,8 +122,25 @@ def ungroup_rows(o, batch: int):
     return o.reshape(batch, -1, kv_heads, D).transpose(1, 2).reshape(batch, -1, 1, D)
 
 
-def post_attention(x, o, wo, bo, norm1, norm2, wgate_up: tuple, bgate_up: tuple, wdown, bdown, act, *, eps: float,
-                   pre_norm: bool, float32_scale: bool, fused: bool, grouped_rows: bool = False):
+def post_attention(
+    x,
+    o,
+    wo,
+    bo,
+    norm1,
+    norm2,
+    wgate_up: tuple,
+    bgate_up: tuple,
+    wdown,
+    bdown,
+    act,
+    *,
+    eps: float,
+    pre_norm: bool,
+    float32_scale: bool,
+    fused: bool,
+    grouped_rows: bool = False,
+):
     """The layer's output for input x (B, Q, hidden) and attention output o (B, heads, Q, D), or with
     ``grouped_rows`` (B * groups, kv_heads, 1, D) in ``pre_attention``'s layout."""
     norm = rms if fused else rms_unfused

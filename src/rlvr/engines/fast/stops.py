@@ -18,18 +18,26 @@ from rlvr.engines.hf import _stop_window_tokens, find_stop, truncate_at_stop
 class RowChecks:
     """What the host knows of rows [0, R): tokens examined so far, finish reasons and where each ends."""
 
-    def __init__(self, tokenizer, rows: int, max_new_tokens: int, stops: tuple[str, ...], eos_ids: set[int],
-                 limits: list[int] | None, stats: dict):
+    def __init__(
+        self,
+        tokenizer,
+        rows: int,
+        max_new_tokens: int,
+        stops: tuple[str, ...],
+        eos_ids: set[int],
+        limits: list[int] | None,
+        stats: dict,
+    ):
         self.tok = tokenizer
         self.stops = stops
         self.window = _stop_window_tokens(stops)
         self.eos_ids = eos_ids
         self.stats = stats
         self.generated: list[list[int]] = [[] for _ in range(rows)]
-        self.n_done = [0] * rows                   # tokens of the row already examined
+        self.n_done = [0] * rows  # tokens of the row already examined
         self.finish: list[str | None] = [None] * rows
         self.stop_hit = [False] * rows
-        self.end = [max_new_tokens] * rows         # tokens kept
+        self.end = [max_new_tokens] * rows  # tokens kept
         self.limit = list(limits) if limits is not None else [max_new_tokens] * rows
         if len(self.limit) != rows or min(self.limit) < 1:
             raise ValueError("row_max_new_tokens needs n limits >= 1 for every prompt")
@@ -74,7 +82,7 @@ class RowChecks:
         spans = []  # (row, first new token, end of the tokens to stop-check)
         for g in live:
             a = self.n_done[g]
-            new = host[g][a - lo:min(self.limit[g], upto) - lo]
+            new = host[g][a - lo : min(self.limit[g], upto) - lo]
             cut = next((a + j for j, t in enumerate(new) if t in self.eos_ids), None)
             self.generated[g].extend(new if cut is None else new[: cut - a + 1])
             self.n_done[g] = a + len(new)
@@ -90,14 +98,16 @@ class RowChecks:
         # One batched decode of each row's new span (with the window before it) finds the rows that may
         # hold a stop; only those are scanned token by token to find where it completed.
         window = self.window
-        texts = self.tok.batch_decode([self.generated[g][max(0, a - window + 1):e] for g, a, e in spans],
-                                      skip_special_tokens=True)
+        texts = self.tok.batch_decode(
+            [self.generated[g][max(0, a - window + 1) : e] for g, a, e in spans], skip_special_tokens=True
+        )
         for (g, a, e), text in zip(spans, texts):
             if find_stop(text, self.stops) is None:
                 continue
             seq = self.generated[g]
-            tails = self.tok.batch_decode([seq[max(0, s + 1 - window):s + 1] for s in range(a, e)],
-                                          skip_special_tokens=True)
+            tails = self.tok.batch_decode(
+                [seq[max(0, s + 1 - window) : s + 1] for s in range(a, e)], skip_special_tokens=True
+            )
             for s, tail in zip(range(a, e), tails):
                 if find_stop(tail, self.stops) is not None:
                     self.finish[g], self.stop_hit[g], self.end[g] = "stop", True, s + 1
@@ -108,12 +118,19 @@ class RowChecks:
         rows = len(self.finish)
         kept = [self.generated[g][: self.end[g]] for g in range(rows)]
         eos = self.eos_ids
-        texts = self.tok.batch_decode([ids[:-1] if ids and ids[-1] in eos else ids for ids in kept],
-                                      skip_special_tokens=True)
+        texts = self.tok.batch_decode(
+            [ids[:-1] if ids and ids[-1] in eos else ids for ids in kept], skip_special_tokens=True
+        )
         out: list[list[Completion]] = [[] for _ in range(rows // n)]
         for g, (ids, text) in enumerate(zip(kept, texts)):
             if self.stop_hit[g]:
                 text, _ = truncate_at_stop(text, self.stops, include_stop)
-            out[g // n].append(Completion(text=text, token_ids=ids, finish_reason=self.finish[g] or "length",
-                                          logprobs=logprobs[g, : len(ids)].tolist()))
+            out[g // n].append(
+                Completion(
+                    text=text,
+                    token_ids=ids,
+                    finish_reason=self.finish[g] or "length",
+                    logprobs=logprobs[g, : len(ids)].tolist(),
+                )
+            )
         return out

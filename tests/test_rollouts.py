@@ -1,0 +1,140 @@
+"""One rollout path: ``SyncRollouts`` (in-process and server engines) and ``AsyncRollouts`` (worker
+engines) are both ``Rollouts`` and hand over the same ``RolloutBatch`` from ``next_batch(step, model)``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlvr.engines import WorkerEngine, make_engine
+from rlvr.engines.async_rollout import AsyncRollouts
+from rlvr.engines.base import Completion, SamplingParams
+from rlvr.engines.rollouts import RolloutBatch, Rollouts, SyncRollouts
+from rlvr.errors import EngineError
+from rlvr.grpo import tokenize_prompt_and_output
+
+PROMPTS = ["Natalia sold clips to 48 of her friends in April.", "How many"]
+
+
+def request(step: int):
+    return PROMPTS, SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=100 + step)
+
+
+@pytest.fixture()
+def model(tiny_tokenizer):
+    from rlvr.modeling import build_model, small_olmo2_config
+
+    return build_model(small_olmo2_config(tiny_tokenizer, hidden_size=32, num_layers=2, num_heads=4), seed=5)
+
+
+def _check_batch(batch, step: int, tokenizer):
+    assert isinstance(batch, RolloutBatch)
+    assert batch.step == step and batch.weight_version == step - 1 and batch.prompts == PROMPTS
+    assert [len(g) for g in batch.completions] == [2, 2]
+    mine = tokenize_prompt_and_output([p for p in PROMPTS for _ in range(2)], batch.responses, tokenizer)
+    assert torch.equal(mine["input_ids"], batch.input_ids) and torch.equal(mine["response_mask"], batch.response_mask)
+    metrics = batch.metrics(current_version=step - 1)
+    assert metrics["rollout/staleness"] == 0 and metrics["time/generate"] >= 0 and "time/sync" in metrics
+
+
+def test_sync_rollouts_hand_over_a_rollout_batch(model, tiny_tokenizer):
+    engine = make_engine("hf", model, tiny_tokenizer, max_batch_size=8)
+    assert not isinstance(engine, WorkerEngine)
+    rollouts = SyncRollouts(engine, tiny_tokenizer, request)
+    assert isinstance(rollouts, Rollouts)
+    batch = rollouts.next_batch(3, model)
+    _check_batch(batch, 3, tiny_tokenizer)
+    assert batch.old_log_probs is None  # the trainer's own weights sampled it: it computes them if needed
+    assert rollouts.engine_for_eval(model, 3) is engine
+    # the same seed and weights give the same batch
+    again = rollouts.next_batch(3, model)
+    assert [c.token_ids for c in again.flat_completions] == [c.token_ids for c in batch.flat_completions]
+
+
+def test_async_rollouts_hand_over_the_same_batch_type(model, tiny_tokenizer):
+    engine = make_engine("hf-worker", model, tiny_tokenizer, device="cpu", max_batch_size=8)
+    try:
+        assert isinstance(engine, WorkerEngine)
+        with AsyncRollouts(engine, max_staleness=0, request=request, last_step=2) as rollouts:
+            assert isinstance(rollouts, Rollouts)
+            batch = rollouts.next_batch(1, model)
+            _check_batch(batch, 1, tiny_tokenizer)
+            assert batch.old_log_probs is not None and batch.old_log_probs.shape == batch.labels.shape
+            assert batch.timings["time/rollout_wait"] >= 0
+    finally:
+        engine.close()
+
+
+class _ShortEngine:
+    """Answers one completion fewer than asked for the last prompt."""
+
+    def generate(self, prompts, params):
+        return [
+            [Completion(text=" x", token_ids=[5], finish_reason="stop")] * (params.n - (i == len(prompts) - 1))
+            for i in range(len(prompts))
+        ]
+
+    def sync_weights(self, model):
+        return {}
+
+    def close(self):
+        pass
+
+
+def test_sync_rollouts_refuse_a_batch_of_the_wrong_shape(model, tiny_tokenizer):
+    with pytest.raises(
+        EngineError, match=r"the engine returned \[2, 1\] completions for 2 prompts x 2 samples at step 1"
+    ):
+        SyncRollouts(_ShortEngine(), tiny_tokenizer, request).next_batch(1, model)
+
+
+def test_trainer_closes_what_it_started_on_every_exit(gsm8k_path, model, tiny_tokenizer, tmp_path, monkeypatch):
+    """A fault mid-run closes the engine the trainer built, its rollouts and its logger."""
+    from rlvr import trainer as trainer_mod
+    from rlvr.config import DataConfig, LogConfig, OptimConfig, RolloutConfig, TrainConfig
+    from rlvr.logging_utils import MetricsLogger
+
+    closed = []
+    real_make_engine, real_logger_close = trainer_mod._make_engine, MetricsLogger.close
+
+    def make_engine_spy(config, model_, tokenizer):
+        engine = real_make_engine(config, model_, tokenizer)
+        real_close = engine.close
+        engine.close = lambda: closed.append("engine") or real_close()
+        return engine
+
+    monkeypatch.setattr(trainer_mod, "_make_engine", make_engine_spy)
+    monkeypatch.setattr(SyncRollouts, "close", lambda self: closed.append("rollouts"))
+    monkeypatch.setattr(MetricsLogger, "close", lambda self: closed.append("logger") or real_logger_close(self))
+
+    def failing_grader(response, ground_truth):
+        raise RuntimeError("grader bug")
+
+    cfg = TrainConfig(
+        data=DataConfig(train_source=str(gsm8k_path), train_size=16, val_size=0),
+        prompt="question_only",
+        rollout=RolloutConfig(n_prompts_per_rollout_batch=2, group_size=2, max_new_tokens=4),
+        optim=OptimConfig(gradient_accumulation_steps=1),
+        log=LogConfig(progress=False),
+        n_steps=1,
+    )
+    with pytest.raises(trainer_mod.GraderError, match="grader bug"):
+        trainer_mod.train(cfg, tmp_path / "run", model=model, tokenizer=tiny_tokenizer, reward_fn=failing_grader)
+    assert closed == ["logger", "rollouts", "engine"]  # the logger first, the engine last
+    assert trainer_mod.read_summary(tmp_path / "run")["status"] == "failed"
+
+
+def test_update_spec_is_read_from_the_config_once():
+    from rlvr.config import AlgorithmConfig, OptimConfig, TrainConfig
+    from rlvr.trainer import UpdateSpec
+
+    on_policy = UpdateSpec.from_config(TrainConfig().resolve())
+    assert not on_policy.shuffle and not on_policy.uses_old_log_probs and on_policy.epochs == 1
+    cfg = TrainConfig(
+        algorithm=AlgorithmConfig(preset="dr_grpo", reweighting="ppo_clip"),
+        optim=OptimConfig(train_batch_size=64, epochs_per_rollout_batch=2),
+    ).resolve()
+    spec = UpdateSpec.from_config(cfg)
+    assert spec.shuffle and spec.uses_old_log_probs and spec.train_batch_size == 64 and spec.epochs == 2
+    assert (spec.reweighting, spec.cliprange, spec.loss_normalization) == ("ppo_clip", 0.2, "constant")
+    assert spec.normalization_constant == cfg.algorithm.normalization_constant
