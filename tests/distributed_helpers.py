@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 
 import torch
 import torch.multiprocessing as mp
@@ -30,6 +31,16 @@ def _enter(rank: int, world_size: int, port: int, device: str, fn, args):
         barrier()  # no rank tears the group down while another still uses it
     finally:
         shutdown_distributed()
+    exit_now()
+
+
+def exit_now() -> None:
+    """End a finished rank without running interpreter and C++ teardown: gloo's worker threads can
+    still be alive then, and destroying them aborts the process (SIGABRT, "terminate called without
+    an active exception") after its work succeeded."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn, *args, world_size: int = 2, device: str = "cpu") -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from distributed_helpers import tiny_causal_lm  # noqa: E402
+from distributed_helpers import exit_now, tiny_causal_lm  # noqa: E402
 
 N_EXAMPLES, P, G, SEED = 12, 4, 2, 5
 TRAIN_BATCH, STEPS, EPOCHS = 4, 2, 2
@@ -114,6 +114,7 @@ def main(out_dir: str) -> None:
         torch.save(results, Path(out_dir) / "weights.pt")
     barrier()  # no rank tears the group down while another still uses it
     shutdown_distributed()
+    exit_now()
 
 
 if __name__ == "__main__":
