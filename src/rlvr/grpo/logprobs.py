@@ -60,6 +60,18 @@ def _lm_head(model, allow_sharded: bool = False):
     return head
 
 
+def model_device(model) -> torch.device:
+    """The device ``model`` computes on: its parameters' device, or, for parameters that FSDP2 keeps
+    offloaded on the CPU, the device of their mesh (where each layer is gathered to run)."""
+    param = next(model.parameters())
+    mesh = getattr(param, "device_mesh", None)
+    if mesh is None or mesh.device_type == param.device.type:
+        return param.device
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
+
+
 def _peft_base(model):
     """The transformers model inside a peft wrapper, whose own layers hold the adapters, so its
     backbone and head compute what the wrapper does; any other model as it is."""
@@ -246,7 +258,7 @@ def get_response_log_probs(
     ``backbone``: a stand-in for ``model.base_model`` with the same parameters (``compile_backbone``).
     """
     model = _without_peft(model)
-    device = next(model.parameters()).device
+    device = model_device(model)
     input_ids = input_ids.to(device)
     labels = labels.to(device)
     kwargs = {}

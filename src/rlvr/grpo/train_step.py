@@ -41,7 +41,7 @@ import torch
 from rlvr.grpo.advantages import compute_group_normalized_rewards, compute_rollout_rewards
 from rlvr.grpo.aggregate import aggregate_loss_across_microbatch, get_aggregation
 from rlvr.grpo.diagnostics import importance_statistics
-from rlvr.grpo.logprobs import DEFAULT_CHUNK_TOKENS, get_response_log_probs
+from rlvr.grpo.logprobs import DEFAULT_CHUNK_TOKENS, get_response_log_probs, model_device
 from rlvr.grpo.losses import compute_policy_gradient_loss, validate_reweighting
 from rlvr.grpo.tokenize import tokenize_prompt_and_output
 
@@ -136,7 +136,7 @@ def policy_gradient_update(
         raise ValueError(f"got {advantages.numel()} advantages for a batch of {batch} sequences")
     if old_log_probs is not None:
         old_log_probs = old_log_probs[:, : labels.shape[1]]
-    device = next(model.parameters()).device
+    device = model_device(model)  # the parameters' device, or the GPU that CPU-offloaded shards run on
     lengths = (response_mask.long().cumsum(1).argmax(1) + 1).tolist()  # last response position + 1
     lengths = [max(1, n) for n in lengths]
     keep = (advantages != 0).tolist() if skip_zero_advantage else [True] * batch
