@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from rlvr.optim import MasterWeightAdamW, make_adamw
+from rlvr.optim import MasterWeightAdamW, make_adamw, make_rmsprop
 
 
 def test_pure_bf16_adamw_loses_small_updates_and_master_weights_keep_them():
@@ -112,3 +112,22 @@ def test_trainer_steps_a_bf16_policy_through_master_weights(gsm8k_path, tiny_mod
     assert isinstance(opt, MasterWeightAdamW)
     opt, _ = _optimizer_and_scheduler(cfg, copy.deepcopy(tiny_model), torch.device("cpu"))
     assert type(opt) is torch.optim.AdamW
+
+
+def test_master_weight_rmsprop_steps_tensor_by_tensor_unless_asked():
+    """DPO's master-weight RMSprop uses the per-tensor update (its temporaries are one tensor's size),
+    and the same update as the multi-tensor one; an explicit ``foreach`` still wins."""
+    torch.manual_seed(0)
+    weights = [torch.randn(4, 3, dtype=torch.bfloat16, requires_grad=True) for _ in range(2)]
+    copies = [w.detach().clone().requires_grad_(True) for w in weights]
+    per_tensor = make_rmsprop(weights, master_weights=True, lr=1e-2)
+    multi = make_rmsprop(copies, master_weights=True, lr=1e-2, foreach=True)
+    assert per_tensor.defaults["foreach"] is False and multi.defaults["foreach"] is True
+    for _ in range(3):
+        for a, b in zip(weights, copies):
+            grad = torch.randn(4, 3, dtype=torch.bfloat16)
+            a.grad, b.grad = grad.clone(), grad.clone()
+        per_tensor.step()
+        multi.step()
+    for a, b in zip(weights, copies):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
