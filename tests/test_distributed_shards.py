@@ -124,3 +124,24 @@ def test_metrics_reduced_and_written_once(tmp_path):
     # a failure on rank 0 reaches the other ranks instead of leaving them in the next collective
     assert (tmp_path / "errors0.txt").read_text() == "raised on rank 0"
     assert "failed on rank 0" in (tmp_path / "errors1.txt").read_text()
+
+
+def test_data_parallel_settings_that_cannot_work_are_clear_errors():
+    from rlvr.config import ConfigError, TrainConfig
+
+    def config(**sections):
+        return TrainConfig.from_dict({"rollout": {"n_prompts_per_rollout_batch": 4}, **sections}).resolve()
+
+    with pytest.raises(ConfigError, match="distributed.cpu_offload needs distributed.strategy fsdp"):
+        config(distributed={"cpu_offload": True}).validate()
+    assert config().data_parallel_strategy(1) == "none" and config().data_parallel_strategy(2) == "ddp"
+    config().check_world(1)
+    config().check_world(2)
+    with pytest.raises(ConfigError, match="strategy is none; set it to ddp or fsdp"):
+        config(distributed={"strategy": "none"}).check_world(2)
+    with pytest.raises(ConfigError, match="does not split over 3 ranks"):
+        config().check_world(3)
+    with pytest.raises(ConfigError, match="engine.name=hf-worker"):
+        config(engine={"name": "hf-worker"}).check_world(2)
+    with pytest.raises(ConfigError, match="set model.compile false"):
+        config(model={"compile": True}, distributed={"strategy": "fsdp"}).check_world(1)

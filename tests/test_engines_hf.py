@@ -49,6 +49,21 @@ def test_n_samples_differ_and_seed_reproduces(tiny_model, tiny_tokenizer):
     assert [[x.token_ids for x in g] for g in a] != [[x.token_ids for x in g] for g in c]
 
 
+def test_prompt_seeds_sample_a_prompt_alone_in_its_batch_the_same_whatever_the_others(tiny_model, tiny_tokenizer):
+    engine = HFEngine(tiny_model, tiny_tokenizer, max_batch_size=4)  # n=4: one prompt per decoded batch
+
+    def sample(prompts, seeds):
+        params = SamplingParams(n=4, temperature=1.0, max_new_tokens=10, seed=1, prompt_seeds=seeds)
+        return [[c.token_ids for c in g] for g in engine.generate(prompts, params)]
+
+    together = sample(PROMPTS, (11, 12, 13))
+    assert sample(PROMPTS[1:], (12, 13)) == together[1:]  # a data-parallel rank's share of the call
+    assert sample(PROMPTS[:1], (11,)) == together[:1]
+    assert sample(PROMPTS[:1], (99,)) != together[:1]
+    with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
+        sample(PROMPTS, (1, 2))
+
+
 def test_chunking_keeps_prompt_alignment(tiny_model, tiny_tokenizer):
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=8)
     small = HFEngine(tiny_model, tiny_tokenizer, max_batch_size=2).generate(PROMPTS, params)

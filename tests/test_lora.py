@@ -110,9 +110,9 @@ def test_adapters_added_at_load(tmp_path, tiny_model, tiny_tokenizer):
     assert len(trainable) == 2 * tiny_model.config.num_hidden_layers and all("q_proj.lora_" in n for n in trainable)
 
 
-def test_train_refuses_lora_until_it_applies_it():
-    from rlvr.config import ConfigError, TrainConfig
+def test_train_accepts_lora():
+    from rlvr.config import TrainConfig
 
-    config = TrainConfig.from_dict({"model": {"lora": {"rank": 4}}})
-    with pytest.raises(ConfigError, match="model.lora is not applied by rlvr train yet"):
-        config.resolve().validate()
+    config = TrainConfig.from_dict({"model": {"lora": {"rank": 4}}}).resolve()
+    config.validate()
+    assert config.model.lora.rank == 4

@@ -4,6 +4,8 @@ Layout under a run directory::
 
     checkpoints/step_000040/model/        save_pretrained (weights, config) + tokenizer
     checkpoints/step_000040/trainer_state.pt   optimizer, scheduler, RNG states, step, data position, counters
+    checkpoints/step_000040/sharded/      (FSDP2 and LoRA runs) model and optimizer shards, torch.distributed.checkpoint
+    checkpoints/step_000040/rng/rank_K.pt (several processes) each rank's RNG states
     checkpoints/step_000040/manifest.json size and sha256 of every other file, written last
     checkpoints/latest                    name of the newest complete checkpoint
 
@@ -28,6 +30,7 @@ import random
 import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,6 +43,8 @@ CKPT_DIR = "checkpoints"
 STATE_FILE = "trainer_state.pt"
 MODEL_DIR = "model"
 MANIFEST = "manifest.json"
+SHARDED_DIR = "sharded"
+RNG_DIR = "rng"
 DAMAGED_PREFIX = "damaged-"
 
 __all__ = [
@@ -137,37 +142,81 @@ def set_rng_state(state: dict) -> None:
 
 
 def save_checkpoint(
-    run_dir: str | Path, step: int, model, tokenizer, optimizer, scheduler, state: dict, keep: int = 1
+    run_dir: str | Path,
+    step: int,
+    model,
+    tokenizer,
+    optimizer,
+    scheduler,
+    state: dict,
+    keep: int = 1,
+    sharded: bool = False,
 ) -> Path:
     """Write checkpoint ``step`` atomically and drop all but the newest ``keep``. Returns its directory.
 
     ``state`` holds the loop's own position (data position, counters); RNG states are added here.
+    Under a process group every rank must call it: each writes its RNG state (``rng/rank_K.pt``), and
+    rank 0 the rest. ``sharded`` (FSDP2, LoRA): the model's trainable tensors and the optimizer go to
+    ``sharded/`` through ``torch.distributed.checkpoint`` (each rank its shards, loadable on any number
+    of ranks), and ``model/`` holds the full weights (LoRA merged) gathered tensor by tensor; otherwise
+    rank 0 writes the model with ``save_pretrained`` and the optimizer into ``trainer_state.pt``
+    (a DDP optimizer is the same on every rank). Several nodes need a run directory they all share.
     """
+    from rlvr.distributed.world import barrier, current_world
+
+    world = current_world()
     root = Path(run_dir) / CKPT_DIR
-    root.mkdir(parents=True, exist_ok=True)
     name = f"step_{step:06d}"
     final = root / name
     tmp = root / f".tmp-{name}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    model.save_pretrained(str(tmp / MODEL_DIR))
-    if tokenizer is not None:
-        tokenizer.save_pretrained(str(tmp / MODEL_DIR))
-    torch.save(
-        {
-            "step": step,
-            "optimizer": optimizer.state_dict(),
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "rng": rng_state(),
-            "loop": state,
-        },
-        tmp / STATE_FILE,
-    )
+    if world.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    barrier()
+    if sharded:
+        from rlvr.distributed.checkpoint import export_hf, save_sharded
+
+        save_sharded(tmp / SHARDED_DIR, model, optimizer)
+        export_hf(model, tmp / MODEL_DIR, tokenizer)
+    elif world.is_main:
+        from rlvr.distributed.wrap import unwrap_model
+
+        plain: Any = unwrap_model(model)
+        plain.save_pretrained(str(tmp / MODEL_DIR))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp / MODEL_DIR))
+    if world.distributed:
+        (tmp / RNG_DIR).mkdir(exist_ok=True)
+        torch.save(rng_state(), tmp / RNG_DIR / f"rank_{world.rank}.pt")
+    barrier()
+    if world.is_main:
+        torch.save(
+            {
+                "step": step,
+                "format": "sharded" if sharded else "full",
+                "world_size": world.world_size,
+                "optimizer": None if sharded else optimizer.state_dict(),
+                "scheduler": scheduler.state_dict() if scheduler is not None else None,
+                "rng": rng_state(),
+                "loop": state,
+            },
+            tmp / STATE_FILE,
+        )
+        _commit(run_dir, tmp, final, keep)
+    barrier()
+    return final
+
+
+def _commit(run_dir: str | Path, tmp: Path, final: Path, keep: int) -> None:
+    """Checksum, fsync and rename the written ``tmp`` into place as ``final``, point ``latest`` at it
+    and drop all but the newest ``keep`` checkpoints."""
+    root = final.parent
     write_manifest(tmp)
     _fsync_tree(tmp)
     if final.exists():  # re-saving the same step (e.g. the final save right after a periodic one)
-        old = root / f".old-{name}"
+        old = root / f".old-{final.name}"
         if old.exists():
             shutil.rmtree(old)
         os.replace(final, old)
@@ -176,13 +225,17 @@ def save_checkpoint(
     else:
         os.replace(tmp, final)
     _fsync_dir(root)
-    atomic_write_text(root / "latest", name + "\n")
+    atomic_write_text(root / "latest", final.name + "\n")
     for stale in list_checkpoints(run_dir)[:-keep]:
         if stale != final:
             shutil.rmtree(stale, ignore_errors=True)
     for leftover in root.glob(".tmp-*"):
         shutil.rmtree(leftover, ignore_errors=True)
-    return final
+
+
+def checkpoint_format(ckpt_dir: str | Path) -> str:
+    """``full`` (model folder + optimizer in trainer_state.pt) or ``sharded`` (DCP folder)."""
+    return "sharded" if (Path(ckpt_dir) / SHARDED_DIR).is_dir() else "full"
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -282,11 +335,29 @@ def load_model_weights(model, model_dir: str | Path) -> None:
         )
 
 
-def load_trainer_state(ckpt_dir: str | Path, optimizer, scheduler) -> dict:
-    """Restore optimizer, scheduler and RNG states; returns the loop state saved with them."""
-    blob = torch.load(Path(ckpt_dir) / STATE_FILE, map_location="cpu", weights_only=False)
-    optimizer.load_state_dict(blob["optimizer"])
+def load_trainer_state(ckpt_dir: str | Path, optimizer, scheduler, model=None) -> dict:
+    """Restore optimizer, scheduler and RNG states (and, from a sharded checkpoint, ``model``'s
+    trainable tensors, on any number of ranks); returns the loop state saved with them. Each rank
+    takes its own RNG state when the checkpoint has one for its rank, else rank 0's (a run resumed on
+    more ranks than wrote it: the extra ranks keep their seeded state)."""
+    from rlvr.distributed.world import current_world
+
+    ckpt_dir = Path(ckpt_dir)
+    blob = torch.load(ckpt_dir / STATE_FILE, map_location="cpu", weights_only=False)
+    if checkpoint_format(ckpt_dir) == "sharded":
+        if model is None:
+            raise ValueError(f"{ckpt_dir} is a sharded checkpoint: pass the model to load it into")
+        from rlvr.distributed.checkpoint import load_sharded
+
+        load_sharded(ckpt_dir / SHARDED_DIR, model, optimizer)
+    else:
+        optimizer.load_state_dict(blob["optimizer"])
     if scheduler is not None and blob["scheduler"] is not None:
         scheduler.load_state_dict(blob["scheduler"])
-    set_rng_state(blob["rng"])
+    rank = current_world().rank
+    own = ckpt_dir / RNG_DIR / f"rank_{rank}.pt"
+    if own.is_file():
+        set_rng_state(torch.load(own, map_location="cpu", weights_only=False))
+    elif rank == 0:
+        set_rng_state(blob["rng"])
     return {"step": blob["step"], **blob["loop"]}

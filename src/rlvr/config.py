@@ -48,7 +48,7 @@ class ConfigError(UserError, ValueError):
 @dataclass(frozen=True)
 class LoraConfig:
     rank: int = 0
-    """LoRA rank (0: no adapters, every weight trains). With a rank, only low-rank adapters on ``target_modules`` train (peft; ``rlvr.lora.apply_lora``). Not yet applied by rlvr train."""
+    """LoRA rank (0: no adapters, every weight trains). With a rank, only low-rank adapters on ``target_modules`` train (peft): checkpoints hold the adapters and a merged model, and the rollout engine samples from a merged copy."""
     alpha: float = 16.0
     """LoRA scale numerator: an adapter's update is multiplied by alpha / rank."""
     dropout: float = 0.0
@@ -305,6 +305,19 @@ def upgrade_moved_keys(raw: dict) -> dict:
     return out
 
 
+STRATEGIES = ("auto", "none", "ddp", "fsdp")
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """Data-parallel training over the processes ``torchrun`` starts (one per GPU)."""
+
+    strategy: Literal["auto", "none", "ddp", "fsdp"] = "auto"
+    """auto: ddp when torchrun started several processes, else none (one process, no process group); ddp: a full replica per rank, gradients all-reduced; fsdp: FSDP2, parameters, gradients and optimizer state sharded per decoder layer over the ranks, float32 parameters computing in model.dtype (a one-process run with fsdp starts a process group of one, e.g. for cpu_offload)."""
+    cpu_offload: bool = False
+    """fsdp only: keep the sharded parameters, gradients and optimizer state in CPU memory (the optimizer steps there) and copy each layer to the GPU for its forward and backward: the largest models per GPU, at a cost in speed."""
+
+
 @dataclass(frozen=True)
 class LogConfig:
     wandb: bool = False
@@ -336,6 +349,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     n_steps: int = 200
     """Rollout steps (each: sample, grade, one or more optimizer steps)."""
     eval_every: int = 10
@@ -574,10 +588,11 @@ class TrainConfig:
                     "grpo (also called ppo_clip: PPO token clip, cliprange 0.2), noclip, gspo or cispo (or max_staleness=0)",
                 )
         need(self.model.dtype in DTYPES, f"unknown model.dtype {self.model.dtype!r}: choose one of {DTYPES}")
+        d = self.distributed
+        need(d.strategy in STRATEGIES, f"unknown distributed.strategy {d.strategy!r}: choose one of {STRATEGIES}")
         need(
-            not self.model.lora.rank,
-            "model.lora is not applied by rlvr train yet (rlvr.lora and rlvr.distributed "
-            "hold the pieces); set model.lora.rank to 0",
+            not d.cpu_offload or d.strategy == "fsdp",
+            f"distributed.cpu_offload needs distributed.strategy fsdp (got {d.strategy!r}); set the strategy to fsdp",
         )
         need(
             self.engine.worker.dtype in DTYPES,
@@ -654,6 +669,43 @@ class TrainConfig:
                 f"data.val_size={self.data.val_size} but the validation data has only {n_val} examples; "
                 f"set data.val_size <= {n_val} or point data.val_source/val_split at a larger set"
             )
+
+    def data_parallel_strategy(self, world_size: int) -> str:
+        """The strategy a run over ``world_size`` processes uses: ``none``, ``ddp`` or ``fsdp``."""
+        s = self.distributed.strategy
+        if s == "auto":
+            return "ddp" if world_size > 1 else "none"
+        return s
+
+    def check_world(self, world_size: int) -> None:
+        """Checks that need the number of processes (after the process group starts, before the model loads)."""
+        strategy = self.data_parallel_strategy(world_size)
+        if world_size == 1 and strategy != "fsdp":
+            return
+        if strategy == "none":
+            raise ConfigError(
+                f"torchrun started {world_size} processes but distributed.strategy is none; set it to ddp or fsdp "
+                "(or auto), or run one process"
+            )
+        from rlvr.distributed.world import check_prompts_divisible
+
+        check_prompts_divisible(self.rollout.n_prompts_per_rollout_batch, world_size)
+        problems = []
+        if self.engine.name in ("hf-worker", "vllm") or self.engine.max_staleness:
+            problems.append(
+                f"engine.name={self.engine.name} (max_staleness={self.engine.max_staleness}) with several trainer "
+                "processes: each rank samples its share with an in-process engine; use engine.name hf, hf-fast or auto "
+                "(see docs/scaling.md)"
+            )
+        if self.model.compile:
+            problems.append(
+                "model.compile trains through a compiled stand-in for the decoder that bypasses the data-parallel "
+                "wrapper; set model.compile false under ddp or fsdp"
+            )
+        if self.log.gradient_variance_every:
+            problems.append("log.gradient_variance_every is a one-process diagnostic; set it to 0 under ddp or fsdp")
+        if problems:
+            raise ConfigError("; ".join(problems))
 
     # -- (de)serialisation --------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -868,7 +920,16 @@ def save_config(config: TrainConfig, path: str | Path) -> None:
 
 
 # Fields that may change when a run is resumed without changing what it computes up to now.
-RESUMABLE_CHANGES = ("n_steps", "eval_every", "eval_at_start", "dump_every", "save_every", "keep_checkpoints", "log.")
+RESUMABLE_CHANGES = (
+    "n_steps",
+    "eval_every",
+    "eval_at_start",
+    "dump_every",
+    "save_every",
+    "keep_checkpoints",
+    "log.",
+    "distributed.cpu_offload",
+)
 
 
 def config_differences(a: TrainConfig, b: TrainConfig) -> list[str]:

@@ -61,6 +61,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import os
 import sys
 import time
 import warnings
@@ -90,6 +91,7 @@ from rlvr.config import (
     save_config,
     upgrade_moved_keys,
 )
+from rlvr.distributed.world import World, gather_objects
 from rlvr.engines.base import Engine, SamplingParams, WorkerEngine
 from rlvr.engines.rollouts import RolloutBatch, RolloutRequest, Rollouts, SyncRollouts
 from rlvr.errors import EngineError, GraderError, NonFiniteError, TrainingError, UserError
@@ -165,14 +167,23 @@ def _dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def _load_policy(config: TrainConfig, train_examples, device, dtype, ckpt: Path | None):
+    """The policy and tokenizer: from the checkpoint's full weights, or as the config says. With LoRA
+    the checkpoint's ``model/`` holds merged weights, so the base model comes from the config (the
+    adapters come from the checkpoint's shards) and only the tokenizer from the checkpoint."""
     from rlvr.modeling import fresh_model, load_model_and_tokenizer, tokenizer_corpus, train_tokenizer
 
-    if ckpt is not None:
+    lora = bool(config.model.lora.rank)
+    if ckpt is not None and not lora:
         return load_model_and_tokenizer(ckpt / "model", device=device, dtype=dtype)
     if config.model.fresh is not None:
-        tokenizer = train_tokenizer(
-            tokenizer_corpus(train_examples, config.prompt), vocab_size=config.model.tokenizer_vocab_size
-        )
+        if ckpt is not None:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(str(ckpt / "model"))
+        else:
+            tokenizer = train_tokenizer(
+                tokenizer_corpus(train_examples, config.prompt), vocab_size=config.model.tokenizer_vocab_size
+            )
         model = fresh_model(config.model.fresh, tokenizer, seed=config.seed, dtype=dtype)
         return model.to(device), tokenizer
     return load_model_and_tokenizer(config.model.name_or_path, device=device, dtype=dtype, flag="model.name_or_path")
@@ -211,7 +222,7 @@ def _optimizer_and_scheduler(config: TrainConfig, model, device: torch.device):
         lr=o.lr,
         betas=tuple(o.betas),
         weight_decay=o.weight_decay,
-        fused=device.type == "cuda",
+        fused=device.type == "cuda" and not config.distributed.cpu_offload,
     )
     total = config.n_steps * config.updates_per_rollout_batch
     scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -261,11 +272,36 @@ class UpdateSpec:
         )
 
 
+class EngineWeights:
+    """The plain model an in-process rollout engine samples from. A plain policy, or a DDP replica's
+    module, is read in place; a sharded (FSDP2) or adapted (LoRA) policy is copied into ``copy`` (full
+    weights, LoRA merged, gathered tensor by tensor: every rank calls ``current`` together) whenever
+    the optimizer has stepped since the last copy."""
+
+    def __init__(self, policy: torch.nn.Module, scheduler, copy: torch.nn.Module | None = None):
+        self.policy, self.scheduler, self.copy = policy, scheduler, copy
+        self._version: int | None = None
+        self.copy_time = 0.0
+
+    def current(self) -> torch.nn.Module:
+        from rlvr.distributed.wrap import copy_full_weights, unwrap_model
+
+        if self.copy is None:
+            return unwrap_model(self.policy)
+        version = self.scheduler.last_epoch
+        if version != self._version:
+            t0 = time.perf_counter()
+            copy_full_weights(self.policy, self.copy)
+            self.copy_time, self._version = time.perf_counter() - t0, version
+        return self.copy
+
+
 @dataclass
 class RunParts:
     """What every step of a run works with, built once by the setup."""
 
     model: torch.nn.Module
+    """The policy as it trains: plain, or wrapped by DDP or FSDP2, maybe with LoRA adapters."""
     tokenizer: Any
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
@@ -282,7 +318,15 @@ class RunParts:
     val_examples: list
     """``(name, examples)`` per validation set; the first is logged as val/reward, ..."""
     request: RolloutRequest
-    """``request(s)``: the prompts and sampling parameters of step s."""
+    """``request(s)``: the prompts and sampling parameters of step s (this rank's share)."""
+    engine_weights: EngineWeights
+    """The plain model the engine samples from, refreshed from the policy."""
+    world: World = field(default_factory=World)
+    """This process among the run's data-parallel ranks."""
+    rows_held: range = range(0)
+    """Rows of each step's global rollout batch (prompt-major) that this rank samples and trains on."""
+    sharded_checkpoints: bool = False
+    """Checkpoints through torch.distributed.checkpoint (FSDP2, LoRA) rather than one model folder."""
     rollouts: Rollouts | None = None
     """Started with the engine, once the run's summary says it is running."""
 
@@ -351,14 +395,23 @@ class TrainBatch:
 # ---------------------------------------------------------------------------------------------
 
 
-def _step_examples(config: TrainConfig, train_examples, step: int) -> list:
-    return [
-        train_examples[i]
-        for i in batch_indices(len(train_examples), config.rollout.n_prompts_per_rollout_batch, step - 1, config.seed)
-    ]
+def _rank_prompts(config: TrainConfig, world: World) -> range:
+    """Positions, within every global rollout batch, of the prompts this rank samples and trains on."""
+    from rlvr.distributed.world import rank_prompt_range
+
+    return rank_prompt_range(config.rollout.n_prompts_per_rollout_batch, world.rank, world.world_size)
 
 
-def _sampling_params(config: TrainConfig, step: int, prompt=None) -> SamplingParams:
+def _step_examples(config: TrainConfig, train_examples, step: int, world: World | None = None) -> list:
+    """This rank's examples of 1-based step ``step`` (all of them in one process)."""
+    indices = batch_indices(len(train_examples), config.rollout.n_prompts_per_rollout_batch, step - 1, config.seed)
+    positions = _rank_prompts(config, world or World())
+    return [train_examples[i] for i in indices[positions.start : positions.stop]]
+
+
+def _sampling_params(config: TrainConfig, step: int, prompt=None, world: World | None = None) -> SamplingParams:
+    """Step ``step``'s sampling: one seed per prompt position in the global batch, so a rank's prompts are
+    seeded as in one process."""
     from rlvr.task_config import build_prompt
 
     r = config.rollout
@@ -371,19 +424,23 @@ def _sampling_params(config: TrainConfig, step: int, prompt=None) -> SamplingPar
         stop=prompt.stop,
         include_stop_str_in_output=True,
         seed=derive_seed(config.seed, "rollout", step),
+        prompt_seeds=tuple(
+            derive_seed(config.seed, "rollout", step, i) for i in _rank_prompts(config, world or World())
+        ),
     )
 
 
-def _rollout_request(config: TrainConfig, train_examples, prompt=None) -> RolloutRequest:
-    """``request(s)``: the prompts and sampling parameters of 1-based step s (a pure function of the seed and s).
-    ``prompt``: the run's bound ``Prompt`` (default: the config's, which needs no tokenizer unless it is chat)."""
+def _rollout_request(config: TrainConfig, train_examples, prompt=None, world: World | None = None) -> RolloutRequest:
+    """``request(s)``: this rank's prompts and sampling parameters of 1-based step s (a pure function of the
+    seed, s and the rank). ``prompt``: the run's bound ``Prompt`` (default: the config's, which needs no
+    tokenizer unless it is chat)."""
     from rlvr.task_config import build_prompt
 
     prompt = prompt or build_prompt(config)
 
     def request(s: int):
-        prompts = [prompt.render(ex.question) for ex in _step_examples(config, train_examples, s)]
-        return prompts, _sampling_params(config, s, prompt)
+        prompts = [prompt.render(ex.question) for ex in _step_examples(config, train_examples, s, world)]
+        return prompts, _sampling_params(config, s, prompt, world)
 
     return request
 
@@ -407,9 +464,14 @@ def _make_rollouts(config: TrainConfig, engine: Engine, tokenizer, request: Roll
         raise EngineError(f"engine.max_staleness={config.engine.max_staleness} cannot run on this engine: {e}") from e
 
 
-def _rollout(step: int, model, rollouts: Rollouts, request: RolloutRequest, log: dict) -> RolloutBatch:
+def _rollout(
+    step: int, engine_weights: EngineWeights, rollouts: Rollouts, request: RolloutRequest, log: dict
+) -> RolloutBatch:
     """Phase 1: step ``step``'s batch from the run's rollouts (sampled ``max_staleness`` steps ago at most)."""
     try:
+        model = engine_weights.current()
+        if engine_weights.copy is not None:
+            log["time/engine_copy"] = engine_weights.copy_time
         batch = rollouts.next_batch(step, model)
     except EngineError:
         raise
@@ -578,9 +640,10 @@ def _minibatches(n_rows: int, train_batch: int, shuffle: bool, seed: int, step: 
     return [order[i : i + train_batch] for i in range(0, n_rows, train_batch)]
 
 
-def _optimizer_step(run: RunParts, batch: TrainBatch, rows: list[int]) -> tuple[torch.Tensor, dict]:
-    """One ``policy_gradient_update`` on ``rows`` of the batch, as the run's ``UpdateSpec`` says."""
-    spec, rows_t = run.update_spec, torch.tensor(rows)
+def _optimizer_step(run: RunParts, batch: TrainBatch, rows: list[int], global_batch=None) -> tuple[torch.Tensor, dict]:
+    """One ``policy_gradient_update`` on ``rows`` of the batch, as the run's ``UpdateSpec`` says; with
+    ``global_batch`` (a ``rlvr.distributed.GlobalBatch``) ``rows`` are this rank's part of it."""
+    spec, rows_t = run.update_spec, torch.tensor(rows, dtype=torch.long)
     old = batch.old_log_probs[rows_t] if (batch.old_log_probs is not None and spec.uses_old_log_probs) else None
     return policy_gradient_update(
         run.model,
@@ -599,6 +662,7 @@ def _optimizer_step(run: RunParts, batch: TrainBatch, rows: list[int]) -> tuple[
         skip_zero_advantage=spec.skip_zero_advantage,
         max_tokens_per_microbatch=spec.max_tokens_per_microbatch,
         backbone=run.backbone,
+        global_batch=global_batch,
     )
 
 
@@ -612,9 +676,16 @@ def _update(config: TrainConfig, step: int, run: RunParts, batch: TrainBatch, st
     losses, grad_norms, entropies, clips, updates = [], [], [], [], []
     n_updates = 0
     lr_used = run.scheduler.get_last_lr()[0]
+    n_global_rows = config.rollout_batch_size
     for epoch in range(spec.epochs):
-        for rows in _minibatches(len(batch.advantages), spec.train_batch_size, spec.shuffle, config.seed, step, epoch):
-            loss, meta = _optimizer_step(run, batch, rows)
+        for rows in _minibatches(n_global_rows, spec.train_batch_size, spec.shuffle, config.seed, step, epoch):
+            if run.world.backend is None:
+                loss, meta = _optimizer_step(run, batch, rows)
+            else:
+                from rlvr.distributed.world import GlobalBatch, local_rows
+
+                global_batch = GlobalBatch(len(rows), run.world.world_size)
+                loss, meta = _optimizer_step(run, batch, local_rows(rows, run.rows_held), global_batch)
             with warnings.catch_warnings():
                 # A step whose rollouts all had zero advantage takes no optimizer step; the schedule
                 # still advances so that lr stays a function of the step count.
@@ -659,40 +730,51 @@ def _update(config: TrainConfig, step: int, run: RunParts, batch: TrainBatch, st
 
 
 def _dump_rollouts(
-    config: TrainConfig, step: int, run_dir: Path, batch: RolloutBatch, scores: Scores, train_batch: TrainBatch
+    config: TrainConfig,
+    step: int,
+    run_dir: Path,
+    batch: RolloutBatch,
+    scores: Scores,
+    train_batch: TrainBatch,
+    world: World | None = None,
 ) -> None:
-    """Phase 5: the step's rollouts, with their rewards and advantages, to DIR/rollouts/step_N.jsonl."""
+    """Phase 5: the step's rollouts, with their rewards and advantages, to DIR/rollouts/step_N.jsonl
+    (every rank's, in the global batch's order, written by rank 0)."""
     G = config.rollout.group_size
+    world = world or World()
+    first_group = _rank_prompts(config, world).start
     completions, responses = batch.flat_completions, batch.responses
     n_train_tokens = train_batch.response_mask.sum(dim=1).tolist()  # the tokens the loss saw (engine ids may add EOS)
-    write_jsonl(
-        run_dir / "rollouts" / f"step_{step}.jsonl",
-        [
-            {
-                "step": step,
-                "weight_version": batch.weight_version,
-                "group": i // G,
-                "prompt": batch.prompts[i // G],
-                "response": responses[i],
-                "ground_truth": scores.ground_truths[i],
-                "reward": float(scores.rewards[i]),
-                "format_reward": float(scores.meta["format_rewards"][i]),
-                "advantage": float(train_batch.advantages[i]),
-                "finish_reason": completions[i].finish_reason,
-                "n_tokens": len(completions[i].token_ids),
-                "n_train_tokens": n_train_tokens[i],
-            }
-            for i in range(len(responses))
-        ],
-    )
+    records = [
+        {
+            "step": step,
+            "weight_version": batch.weight_version,
+            "group": first_group + i // G,
+            "prompt": batch.prompts[i // G],
+            "response": responses[i],
+            "ground_truth": scores.ground_truths[i],
+            "reward": float(scores.rewards[i]),
+            "format_reward": float(scores.meta["format_rewards"][i]),
+            "advantage": float(train_batch.advantages[i]),
+            "finish_reason": completions[i].finish_reason,
+            "n_tokens": len(completions[i].token_ids),
+            "n_train_tokens": n_train_tokens[i],
+        }
+        for i in range(len(responses))
+    ]
+    if world.distributed:
+        records = [r for rank_records in gather_objects(records) for r in rank_records]
+    if world.is_main:
+        write_jsonl(run_dir / "rollouts" / f"step_{step}.jsonl", records)
 
 
 def _rollout_step(config: TrainConfig, step: int, run_dir: Path, run: RunParts, state: TrainState) -> dict:
     """Phases 1-5 of the module docstring for 1-based rollout step ``step``; returns its metrics."""
     log: dict = {"step": step}
     t_step = time.perf_counter()
-    batch = _rollout(step, run.model, run.rollouts, run.request, log)
-    scores = _score(config, step, batch, run.reward_fn, _step_examples(config, run.train_examples, step), log)
+    batch = _rollout(step, run.engine_weights, run.rollouts, run.request, log)
+    examples = _step_examples(config, run.train_examples, step, run.world)
+    scores = _score(config, step, batch, run.reward_fn, examples, log)
     train_batch = _advantages(config, step, batch, scores, run, log)
     if config.log.gradient_variance_every and step % config.log.gradient_variance_every == 0:
         _gradient_variance(config, run, train_batch, scores, log)
@@ -707,8 +789,42 @@ def _rollout_step(config: TrainConfig, step: int, run_dir: Path, run: RunParts, 
     if torch.cuda.is_available():
         log["mem/peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
     if config.dump_every and step % config.dump_every == 0:
-        _dump_rollouts(config, step, run_dir, batch, scores, train_batch)
+        _dump_rollouts(config, step, run_dir, batch, scores, train_batch, run.world)
+    if run.world.distributed:
+        log = global_metrics(gather_objects(log), gather_objects(scores.rewards.tolist()))
     return log
+
+
+_MAX_METRICS = ("time/", "mem/")
+_SUM_METRICS = ("tokens_per_s", "train/reward/timeouts")
+
+
+def global_metrics(rank_logs: list[dict], rank_rewards: list[list[float]]) -> dict:
+    """One step's metrics over all ranks from each rank's own (``rank_logs``, in rank order).
+
+    Ranks hold equal shares (the same number of prompts and rows), so a per-row or per-group mean
+    over the global batch is the mean of the ranks' means; times and memory take the largest rank,
+    throughputs and counts the sum, and ``train/reward_std`` is recomputed from every rank's rewards.
+    What every rank already holds globally (the update's loss, gradient norm, entropy: reduced inside
+    ``policy_gradient_update``) is the same on every rank and passes through; anything that is not a
+    number (the per-update records) is rank 0's."""
+    out = dict(rank_logs[0])
+    for key in {k for log in rank_logs for k in log}:
+        values = [log[key] for log in rank_logs if key in log]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+            continue
+        if all(v == values[0] for v in values):
+            out[key] = values[0]
+        elif key.startswith(_MAX_METRICS):
+            out[key] = max(values)
+        elif key in _SUM_METRICS:
+            out[key] = sum(values)
+        else:
+            out[key] = sum(values) / len(values)
+    rewards = torch.tensor([r for rank in rank_rewards for r in rank], dtype=torch.float32)
+    if "train/reward_std" in out:
+        out["train/reward_std"] = rewards.std().item() if rewards.numel() > 1 else 0.0
+    return out
 
 
 def _validate(
@@ -764,10 +880,15 @@ def _validation(config: TrainConfig, step: int, run_dir: Path, run: RunParts, st
     keep the result in ``state.last_val``; returns the metrics to log (none without validation data)."""
     if not run.val_examples:
         return {}
-    engine = run.rollouts.engine_for_eval(run.model, step)
-    val = _validate(
-        run.model, run.tokenizer, engine, config, run.val_examples, step, run_dir, run.prompt, run.val_reward
-    )
+    model = run.engine_weights.current()  # every rank: under FSDP2 the copy gathers the shards
+    val: dict = {}
+    if run.world.is_main:  # the other ranks wait for rank 0's result (the engine holds plain weights)
+        engine = run.rollouts.engine_for_eval(model, step)
+        val = _validate(
+            model, run.tokenizer, engine, config, run.val_examples, step, run_dir, run.prompt, run.val_reward
+        )
+    if run.world.distributed:
+        val = gather_objects(val)[0]
     state.last_val = {k: v for k, v in val.items() if k.startswith("val/")}
     return val
 
@@ -888,15 +1009,54 @@ def train(
         import_plugins(config.plugins)
     config = config.resolve()
     config.validate()
-    with sigterm_as_interrupt(), RunDirLock(run_dir):
-        ckpt, finished = _prepare_run_dir(config, run_dir, resume)
-        if finished:
-            return run_dir
-        return _train(config, run_dir, ckpt, model=model, tokenizer=tokenizer, reward_fn=reward_fn, engine=engine)
+    world, started_group = _start_world(config)
+    try:
+        config.check_world(world.world_size)
+        # Rank 0 owns the run directory (lock, config, summary, metrics); the others follow its decisions.
+        with sigterm_as_interrupt(), RunDirLock(run_dir) if world.is_main else contextlib.nullcontext():
+            prepared = _prepare_run_dir(config, run_dir, resume) if world.is_main else None
+            if world.distributed:
+                prepared = gather_objects(prepared)[0]
+                if prepared is None:
+                    raise ConfigError("rank 0 could not prepare the run directory (see its message)")
+            ckpt, finished = prepared
+            if finished:
+                return run_dir
+            return _train(
+                config, run_dir, ckpt, world, model=model, tokenizer=tokenizer, reward_fn=reward_fn, engine=engine
+            )
+    finally:
+        if started_group:
+            from rlvr.distributed.world import shutdown_distributed
+
+            shutdown_distributed()
+
+
+def _start_world(config: TrainConfig) -> tuple[World, bool]:
+    """This process's place among the run's ranks, and whether this call started the process group:
+    torchrun's processes join theirs; a one-process run with ddp or fsdp starts a group of one; other
+    one-process runs need none."""
+    import torch.distributed as dist
+
+    from rlvr.distributed.world import current_world, launched_by_torchrun, start_process_group
+
+    if dist.is_available() and dist.is_initialized():
+        return current_world(), False
+    if not launched_by_torchrun() and config.distributed.strategy in ("auto", "none"):
+        return World(), False
+    return start_process_group("cuda" if config.policy_device.startswith("cuda") else "cpu"), True
 
 
 def _setup(
-    config: TrainConfig, run_dir: Path, ckpt: Path | None, *, model, tokenizer, reward_fn, own_engine: bool
+    config: TrainConfig,
+    run_dir: Path,
+    ckpt: Path | None,
+    world: World,
+    *,
+    model,
+    tokenizer,
+    reward_fn,
+    own_engine: bool,
 ) -> tuple[RunParts, TrainState]:
     """Seeds, data, policy, optimizer and the loop state (restored from ``ckpt``); nothing is started yet."""
     if model is None and ckpt is None and config.model.fresh is None:
@@ -926,28 +1086,57 @@ def _setup(
     if reward_fn is None:
         reward_fn = val_reward
 
-    device = torch.device(config.policy_device)
+    device = world.device if world.backend is not None else torch.device(config.policy_device)
+    strategy = config.data_parallel_strategy(world.world_size)
     dtype = _dtype(config.model.dtype, device)
+    # FSDP2 keeps float32 parameters (and so float32 AdamW) and computes in the model dtype.
+    load_dtype = torch.float32 if strategy == "fsdp" else dtype
+    lora = config.model.lora
     if model is None:
         if own_engine:
             _check_engine_runs_model(config)
-        model, tokenizer = _load_policy(config, train_examples, device, dtype, ckpt)
+        model, tokenizer = _load_policy(config, train_examples, device, load_dtype, ckpt)
     else:
         if tokenizer is None:
             raise ValueError("pass the tokenizer together with the model")
-        model.to(device=device, dtype=dtype)
-        if ckpt is not None:
+        model.to(device=device, dtype=load_dtype)
+        if ckpt is not None and not lora.rank:
             load_model_weights(model, ckpt / "model")
     prompt = prompt.bind(tokenizer)
+    # An engine cannot read sharded or adapted weights in place: it samples from a plain copy.
+    engine_copy = None
+    if strategy == "fsdp" or lora.rank:
+        import copy
+
+        engine_copy = copy.deepcopy(model).to(dtype=dtype).eval()
+        engine_copy.requires_grad_(False)
     if config.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora.rank:
+        from rlvr.lora import apply_lora
+
+        torch.manual_seed(derive_seed(config.seed, "lora"))  # the same adapters on every rank
+        model = apply_lora(model, lora)
+    if world.distributed:  # each rank's own stream from here on (dropout)
+        torch.manual_seed(derive_seed(config.seed, "rank", world.rank))
+    if strategy != "none":
+        from rlvr.distributed.wrap import wrap_model
+
+        model = wrap_model(
+            model,
+            cast(Any, strategy),
+            device,
+            param_dtype=dtype if strategy == "fsdp" and dtype != torch.float32 else None,
+            cpu_offload=config.distributed.cpu_offload,
+        )
     backbone = compile_backbone(model) if config.model.compile else None
     optimizer, scheduler = _optimizer_and_scheduler(config, model, device)
     state = TrainState()
     if ckpt is not None:
-        state = TrainState.from_checkpoint(load_trainer_state(ckpt, optimizer, scheduler))
+        state = TrainState.from_checkpoint(load_trainer_state(ckpt, optimizer, scheduler, model=model))
         _refresh_lr(optimizer, scheduler)
-        truncate_metrics(run_dir / "metrics.jsonl", state.step)
+        if world.is_main:
+            truncate_metrics(run_dir / "metrics.jsonl", state.step)
     run = RunParts(
         model=model,
         tokenizer=tokenizer,
@@ -960,7 +1149,14 @@ def _setup(
         prompt=prompt,
         train_examples=train_examples,
         val_examples=val_examples,
-        request=_rollout_request(config, train_examples, prompt),
+        request=_rollout_request(config, train_examples, prompt, world),
+        engine_weights=EngineWeights(model, scheduler, engine_copy),
+        world=world,
+        rows_held=range(
+            _rank_prompts(config, world).start * config.rollout.group_size,
+            _rank_prompts(config, world).stop * config.rollout.group_size,
+        ),
+        sharded_checkpoints=strategy == "fsdp" or bool(lora.rank),
     )
     return run, state
 
@@ -971,7 +1167,7 @@ def _start_rollouts(
     """The engine (built from the config unless given) and the rollouts over it, each closed by ``resources``."""
     if engine is None:
         try:
-            engine = _make_engine(config, run.model, run.tokenizer)
+            engine = _make_engine(config, run.engine_weights.current(), run.tokenizer)
         except Exception as e:  # noqa: BLE001
             raise EngineError(f"could not start the {config.engine.name} engine: {type(e).__name__}: {e}") from e
         resources.callback(engine.close)
@@ -1002,10 +1198,14 @@ class RunRecord:
             run.scheduler,
             state=state.checkpoint_record(at * self.config.rollout.n_prompts_per_rollout_batch),
             keep=self.config.keep_checkpoints,
+            sharded=run.sharded_checkpoints,
         )
         state.saved_step = at
 
-    def summary(self, status: str, message: str = "") -> None:
+    def summary(self, status: str, message: str = "", every_rank: bool = False) -> None:
+        """Write summary.json: rank 0 alone, unless ``every_rank`` (a failure, which may be one rank's own)."""
+        if not (self.run.world.is_main or every_rank):
+            return
         s = self.state
         _write_summary(
             self.run_dir,
@@ -1052,13 +1252,16 @@ class RunRecord:
         e.args = (
             f"{text}{'' if text.endswith('.') else '.'} {self.resume_hint()}",
         )  # what is on disk is known only here
-        self.summary("failed", str(e))
+        w = self.run.world
+        self.summary("failed", (f"rank {w.rank}: " if w.distributed else "") + str(e), every_rank=True)
 
 
-def _train(config: TrainConfig, run_dir: Path, ckpt: Path | None, *, model, tokenizer, reward_fn, engine) -> Path:
+def _train(
+    config: TrainConfig, run_dir: Path, ckpt: Path | None, world: World, *, model, tokenizer, reward_fn, engine
+) -> Path:
     """The run itself, in a locked and prepared run directory, from ``ckpt`` (None: from step 0)."""
     run, state = _setup(
-        config, run_dir, ckpt, model=model, tokenizer=tokenizer, reward_fn=reward_fn, own_engine=engine is None
+        config, run_dir, ckpt, world, model=model, tokenizer=tokenizer, reward_fn=reward_fn, own_engine=engine is None
     )
     record = RunRecord(config, run_dir, run, state)
     # The reward, engine, rollouts, logger and progress bar: closed on every way out, in reverse order.
@@ -1067,12 +1270,16 @@ def _train(config: TrainConfig, run_dir: Path, ckpt: Path | None, *, model, toke
         try:
             record.summary("running")
             run.rollouts = _start_rollouts(config, run, engine, resources)
-            logger = MetricsLogger(
-                run_dir,
-                config.to_dict(),
-                wandb=config.log.wandb,
-                wandb_project=config.log.wandb_project,
-                tensorboard=config.log.tensorboard,
+            logger = (
+                MetricsLogger(
+                    run_dir,
+                    config.to_dict(),
+                    wandb=config.log.wandb,
+                    wandb_project=config.log.wandb_project,
+                    tensorboard=config.log.tensorboard,
+                )
+                if world.is_main
+                else _NoLogger()
             )
             resources.callback(logger.close)
             from tqdm.auto import tqdm
@@ -1082,7 +1289,7 @@ def _train(config: TrainConfig, run_dir: Path, ckpt: Path | None, *, model, toke
                 initial=state.step,
                 desc="train",
                 unit="step",
-                disable=not config.log.progress,
+                disable=not (config.log.progress and world.is_main),
                 dynamic_ncols=True,
             )
             resources.callback(bar.close)
@@ -1102,6 +1309,10 @@ def _train(config: TrainConfig, run_dir: Path, ckpt: Path | None, *, model, toke
                 state.last_train_reward = metrics["train/reward"]
                 bar.set_postfix(progress_postfix(metrics, state.last_val))
                 bar.update(1)
+                if world.distributed:  # every rank stops after the same step, or none does
+                    from rlvr.distributed.world import reduce_values
+
+                    deferred.requested = int(reduce_values([deferred.requested or 0], "max")[0]) or None
                 deferred.raise_if_requested()
             record.checkpoint()
             record.summary("finished")
@@ -1112,6 +1323,16 @@ def _train(config: TrainConfig, run_dir: Path, ckpt: Path | None, *, model, toke
         except TrainingError as e:
             record.failed(e)
             raise
+
+
+class _NoLogger:
+    """The metrics logger of ranks other than 0: rank 0 writes the (global) metrics once."""
+
+    def log(self, metrics: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def progress_postfix(metrics: dict, last_val: dict) -> dict:
@@ -1192,6 +1413,20 @@ def parse_command(argv: list[str]) -> tuple[TrainConfig, Path, bool]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rlvr.distributed.world import launched_by_torchrun
+
+    torchrun_rank = launched_by_torchrun()
+    code = _main(argv)
+    if torchrun_rank:
+        # End a torchrun rank without interpreter teardown: gloo's worker threads may still be alive
+        # then, and destroying them aborts a process whose work is done (SIGABRT).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
+
+
+def _main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         try:

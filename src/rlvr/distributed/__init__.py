@@ -8,6 +8,7 @@ from rlvr.distributed.world import (
     World,
     all_reduce_tensor,
     barrier,
+    broadcast_from_main,
     check_prompts_divisible,
     current_world,
     gather_objects,
@@ -24,6 +25,7 @@ from rlvr.distributed.world import (
     reduce_metrics,
     reduce_values,
     shutdown_distributed,
+    start_process_group,
     sum_metrics,
 )
 from rlvr.distributed.wrap import (
@@ -40,6 +42,7 @@ __all__ = [
     "World",
     "all_reduce_tensor",
     "barrier",
+    "broadcast_from_main",
     "check_prompts_divisible",
     "current_world",
     "copy_full_weights",
@@ -63,6 +66,7 @@ __all__ = [
     "reduce_values",
     "save_sharded",
     "shutdown_distributed",
+    "start_process_group",
     "sum_metrics",
     "unwrap_model",
     "wrap_model",

@@ -82,6 +82,29 @@ def init_distributed(device: str | None = None, timeout: timedelta = timedelta(m
     return World(rank, world_size, local_rank, dev, dist.get_backend())
 
 
+def start_process_group(device: str | None = None) -> World:
+    """``init_distributed`` for torchrun's processes, or, without torchrun, a process group of one
+    (a free local port for the rendezvous): a one-process run with FSDP2 goes through the same code."""
+    if launched_by_torchrun() or dist.is_initialized():
+        return init_distributed(device)
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    saved = {k: os.environ.get(k) for k in names}
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        return init_distributed(device)
+    finally:  # the process was not started by torchrun, and must not look as if it had been
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def current_world() -> World:
     """The ``World`` of an already started default group (or the one-process world)."""
     if not (dist.is_available() and dist.is_initialized()):
@@ -210,6 +233,11 @@ def gather_objects(obj) -> list:
     out: list = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
+
+
+def broadcast_from_main(obj):
+    """Rank 0's ``obj`` on every rank (picklable; ``obj`` itself when alone)."""
+    return gather_objects(obj)[0]
 
 
 def barrier() -> None:

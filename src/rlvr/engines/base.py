@@ -24,6 +24,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = True
     seed: int | None = None
     """The same seed, prompts and weights reproduce the same batch."""
+    prompt_seeds: tuple[int, ...] | None = None
+    """One seed per prompt, instead of ``seed`` for in-process engines: each batch of prompts decoded together
+    is sampled from the seeds of its prompts, so a prompt alone in its batch (engine ``max_batch_size`` =
+    ``n``) gets the same samples whatever other prompts the call holds (a data-parallel rank's share of a
+    rollout batch samples as in one process)."""
     ignore_eos: bool = False
     """Keep sampling past EOS (forced length, for speed benchmarks); engines that cannot, ignore it."""
 
@@ -36,6 +41,13 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:
             raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+    def for_prompts(self, prompts: list[str]) -> None:
+        """Check ``prompt_seeds`` against the prompts of a call."""
+        if self.prompt_seeds is not None and len(self.prompt_seeds) != len(prompts):
+            raise ValueError(
+                f"SamplingParams.prompt_seeds has {len(self.prompt_seeds)} seeds for {len(prompts)} prompts"
+            )
 
 
 @dataclass

@@ -29,6 +29,7 @@ Models whose embedding matrix is larger than the tokenizer (OLMo pads its vocab 
 
 from __future__ import annotations
 
+import hashlib
 import time
 
 import torch
@@ -117,6 +118,18 @@ def seeded_generator(seed: int | None, device) -> torch.Generator:
     return generator
 
 
+def chunk_generator(
+    params: SamplingParams, prompt_indices: list[int], shared: torch.Generator, device
+) -> torch.Generator:
+    """The generator of one chunk: ``shared`` (seeded once per call from ``params.seed``), or, with
+    ``params.prompt_seeds``, a fresh one seeded from the seeds of the chunk's prompts."""
+    if params.prompt_seeds is None:
+        return shared
+    seeds = tuple(params.prompt_seeds[i] for i in prompt_indices)
+    digest = hashlib.sha256(repr(seeds).encode()).digest()
+    return seeded_generator(int.from_bytes(digest[:8], "little") >> 2, device)
+
+
 def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
     """Token ids of each prompt (no special tokens); an empty prompt is an error."""
     encoded = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
@@ -148,6 +161,7 @@ def generate_in_chunks(engine, prompts: list[str], params: SamplingParams, run_c
     if not prompts:
         return []
     t0 = time.perf_counter()
+    params.for_prompts(prompts)
     generator = seeded_generator(params.seed, engine.device)
     encoded = encode_prompts(engine.tokenizer, prompts)
     order = longest_first(encoded)
@@ -158,7 +172,8 @@ def generate_in_chunks(engine, prompts: list[str], params: SamplingParams, run_c
     try:
         for start in range(0, len(order), per_chunk):
             idx = order[start : start + per_chunk]
-            for i, comps in zip(idx, run_chunk(idx, [encoded[i] for i in idx], generator)):
+            chunk_gen = chunk_generator(params, idx, generator, engine.device)
+            for i, comps in zip(idx, run_chunk(idx, [encoded[i] for i in idx], chunk_gen)):
                 results[i] = comps
     finally:
         engine.model.train(was_training)

@@ -1,0 +1,217 @@
+"""``rlvr train`` over two ranks (``torchrun --nproc-per-node 2``, gloo on the CPU) against the same run in
+one process: DDP on-policy and FSDP2 off-policy give the one-process metrics and final weights; an FSDP2
+run that crashes resumes, on one process, to the uninterrupted result; LoRA trains only its adapters,
+under FSDP2 as in one process, and its merged export is a model that ``rlvr eval`` loads.
+
+Each rank samples its own prompts with its own engine, and a prompt alone in an engine batch
+(``engine.max_batch_size`` = ``group_size``) is sampled from its own seed, so the ranks' rollouts are the
+one-process rollouts and everything downstream can be compared. Float32 throughout; the tolerance
+(``RTOL``, ``ATOL``) covers the different order of the gradient sums across ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from rlvr.config import load_config_file
+from rlvr.logging_utils import read_metrics
+from rlvr.trainer import read_summary, train
+
+pytestmark = pytest.mark.slow
+
+TESTS = Path(__file__).resolve().parent
+RTOL, ATOL = 1e-4, 1e-5
+COMPARED = (
+    "train/reward",
+    "train/pass@1",
+    "train/pass@2",
+    "train/response_length",
+    "train/reward_std",
+    "train/zero_adv_frac",
+    "train/loss",
+    "train/grad_norm",
+    "train/entropy",
+    "train/n_updates",
+    "lr",
+)
+
+REWARD = '''
+import os
+from pathlib import Path
+
+
+def parity(response, ground_truth, **fields):
+    """Right about half the time on random text, so groups have signal."""
+    crash_after = os.environ.get("RLVR_TEST_CRASH_AFTER")  # a run directory whose step-2 dump ends the grader
+    if crash_after and (Path(crash_after) / "rollouts" / "step_2.jsonl").exists():
+        raise RuntimeError("planted grader crash")
+    return float(len(response) % 2 == 0)
+'''
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_tokenizer):
+    """A saved tiny OLMo-2, a small arithmetic data file, the reward file and a base config file."""
+    from rlvr.modeling import build_model, small_olmo2_config
+
+    root = tmp_path_factory.mktemp("dist")
+    model = build_model(small_olmo2_config(tiny_tokenizer, hidden_size=32, num_layers=2, num_heads=4), seed=0)
+    model.save_pretrained(root / "model")
+    tiny_tokenizer.save_pretrained(root / "model")
+    rows = [{"question": f"What is {a} plus {a + 3}?", "answer": f"#### {2 * a + 3}"} for a in range(24)]
+    (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (root / "reward.py").write_text(REWARD)
+    base = {
+        "model": {"name_or_path": str(root / "model")},
+        "data": {"train_source": str(root / "data.jsonl"), "train_size": 16, "val_size": 2},
+        "prompt": "question_only",
+        "reward": {"fn": f"{root / 'reward.py'}:parity"},
+        "rollout": {"n_prompts_per_rollout_batch": 4, "group_size": 2, "max_new_tokens": 6},
+        "optim": {"lr": 3e-3, "gradient_accumulation_steps": 2},
+        "engine": {"name": "hf", "max_batch_size": 2},
+        "log": {"progress": False, "engine_logprob_check_every": 1, "val_samples": 2},
+        "n_steps": 3,
+        "eval_every": 0,
+        "dump_every": 1,
+        "save_every": 1,
+        "seed": 3,
+    }
+    return root, base
+
+
+def _config_file(path: Path, base: dict, **sections) -> Path:
+    cfg = json.loads(json.dumps(base))
+    for name, values in sections.items():
+        if isinstance(values, dict):
+            cfg.setdefault(name, {}).update(values)
+        else:
+            cfg[name] = values
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def _torchrun(args: list[str], env_extra: dict | None = None, nproc: int = 2) -> subprocess.CompletedProcess:
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(TESTS.parent / "src"), os.environ.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS="1",
+        **(env_extra or {}),
+    )
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+    return subprocess.run([*cmd, "-m", "rlvr", "train", *args], env=env, capture_output=True, text=True, timeout=900)
+
+
+def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    ckpt = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    return load_file(str(ckpt / "model" / "model.safetensors"))
+
+
+def _assert_same_run(got: Path, want: Path, start: dict[str, torch.Tensor]) -> None:
+    a, b = read_metrics(want / "metrics.jsonl"), read_metrics(got / "metrics.jsonl")
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        for key in COMPARED:
+            if ra.get(key) is None:  # e.g. no entropy when every advantage of the step was zero
+                assert rb.get(key) is None, (key, ra["step"])
+            else:
+                assert rb[key] == pytest.approx(ra[key], rel=RTOL, abs=ATOL), (key, ra["step"])
+    wa, wb = _weights(want), _weights(got)
+    assert set(wa) == set(wb)
+    assert max(float((wa[n] - start[n]).abs().max()) for n in wa) > 1e-3, "training moved nothing"
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], rtol=RTOL, atol=ATOL, msg=name)
+    dumped = [json.loads(line) for line in (got / "rollouts" / "step_1.jsonl").read_text().splitlines()]
+    reference = [json.loads(line) for line in (want / "rollouts" / "step_1.jsonl").read_text().splitlines()]
+    assert [(r["group"], r["response"]) for r in dumped] == [(r["group"], r["response"]) for r in reference]
+
+
+def _start_weights(root: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(root / "model" / "model.safetensors"))
+
+
+def test_ddp_on_policy_two_ranks_equal_one_process(setup, tmp_path):
+    root, base = setup
+    cfg = _config_file(tmp_path / "cfg.json", base)
+    train(load_config_file(cfg), tmp_path / "one")
+    proc = _torchrun(["--config", str(cfg), "--out", str(tmp_path / "two"), "--distributed.strategy", "ddp"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _assert_same_run(tmp_path / "two", tmp_path / "one", _start_weights(root))
+    assert read_summary(tmp_path / "two")["status"] == "finished"
+    saved = json.loads((tmp_path / "two" / "config.json").read_text())
+    assert saved["distributed"]["strategy"] == "ddp"
+
+
+def test_fsdp_off_policy_two_ranks_equal_one_process_and_resume_on_one(setup, tmp_path):
+    root, base = setup
+    off_policy = {
+        "algorithm": {"reweighting": "ppo_clip"},
+        "optim": {"lr": 3e-3, "gradient_accumulation_steps": 2, "train_batch_size": 4, "epochs_per_rollout_batch": 2},
+    }
+    cfg = _config_file(tmp_path / "cfg.json", base, **off_policy)
+    train(load_config_file(cfg), tmp_path / "one")
+    start = _start_weights(root)
+
+    fsdp = ["--config", str(cfg), "--distributed.strategy", "fsdp"]
+    proc = _torchrun([*fsdp, "--out", str(tmp_path / "two")])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _assert_same_run(tmp_path / "two", tmp_path / "one", start)
+    assert (tmp_path / "two" / "checkpoints" / "step_000003" / "sharded").is_dir()
+
+    # A crash in step 3 on both ranks leaves the checkpoint of step 2, which one process resumes.
+    broken = tmp_path / "broken"
+    proc = _torchrun([*fsdp, "--out", str(broken)], env_extra={"RLVR_TEST_CRASH_AFTER": str(broken)})
+    assert proc.returncode != 0
+    assert "planted grader crash" in proc.stderr
+    assert (broken / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    assert read_summary(broken)["status"] == "failed"
+    assert sorted(p.name for p in (broken / "checkpoints" / "step_000002" / "rng").iterdir()) == [
+        "rank_0.pt",
+        "rank_1.pt",
+    ]
+    from rlvr.trainer import main
+
+    assert main(["--resume", str(broken)]) == 0  # one process: an FSDP2 group of one
+    _assert_same_run(broken, tmp_path / "one", start)
+
+
+def test_lora_under_fsdp_equals_one_process_and_exports_a_model_eval_loads(setup, tmp_path):
+    from safetensors.torch import load_file
+
+    root, base = setup
+    lora = {
+        "model": {
+            "name_or_path": str(root / "model"),
+            "lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]},
+        }
+    }
+    cfg = _config_file(tmp_path / "cfg.json", base, optim={"lr": 3e-2, "gradient_accumulation_steps": 2}, **lora)
+    train(load_config_file(cfg), tmp_path / "one")
+    proc = _torchrun(["--config", str(cfg), "--out", str(tmp_path / "two"), "--distributed.strategy", "fsdp"])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    start = _start_weights(root)
+    _assert_same_run(tmp_path / "two", tmp_path / "one", start)
+
+    ckpt = tmp_path / "one" / "checkpoints" / "step_000003"
+    merged = load_file(str(ckpt / "model" / "model.safetensors"))
+    assert set(merged) == set(start)  # plain names, no adapter tensors
+    moved = {n for n in merged if not torch.equal(merged[n], start[n])}
+    assert moved and all(any(t in n for t in ("q_proj", "v_proj", "up_proj")) for n in moved), sorted(moved)
+
+    from rlvr.cli import main
+
+    out = tmp_path / "eval"
+    rc = main(
+        ["eval", "--model", str(ckpt / "model"), "--data", str(root / "data.jsonl"), "--split", "train"]
+        + ["--prompt", "question_only", "--limit", "2", "--max-tokens", "4", "--device", "cpu", "--out", str(out)]
+    )
+    assert rc == 0 and (out / "results.json").is_file()
