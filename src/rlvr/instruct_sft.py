@@ -182,7 +182,7 @@ def load_or_build_model(
         model = modeling.fresh_model(
             name, tokenizer, seed=seed, dtype=dtype, max_position_embeddings=max_position_embeddings
         )
-        return model.to(device), tokenizer
+        return model.to(device), tokenizer  # type: ignore[arg-type]  # transformers' stub of .to takes the model
     check_model_name(name)
     return modeling.load_model_and_tokenizer(name, device=device, dtype=dtype)
 

@@ -129,7 +129,7 @@ def init_model(config: SFTConfig, examples: list[Example]):
 
     if config.model in modeling.MODEL_SIZES:
         tokenizer = modeling.train_tokenizer(modeling.tokenizer_corpus(examples, config.prompt), config.vocab_size)
-        model = modeling.fresh_model(config.model, tokenizer, seed=config.seed).to(config.device)
+        model = modeling.fresh_model(config.model, tokenizer, seed=config.seed).to(config.device)  # type: ignore[arg-type]  # transformers' stub of .to
         return model, tokenizer
     _check_model(config.model)
     return modeling.load_model_and_tokenizer(config.model, device=config.device, dtype=torch.float32)
