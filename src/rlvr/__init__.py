@@ -13,6 +13,8 @@ and so are those of instruction tuning, DPO and the assistant evaluations::
                       parse_mmlu_response, parse_gsm8k_response)
 """
 
+from typing import Any
+
 from rlvr.dpo import compute_per_instance_dpo_loss
 from rlvr.grpo import (
     PRESETS,
@@ -48,7 +50,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name):
+def __getattr__(name: str) -> Any:
     # Rewards import lazily: grading pulls in math-verify/sympy, which the math above does not need.
     if name in ("r1_zero_reward_fn", "question_only_reward_fn"):
         from rlvr import rewards

@@ -15,7 +15,9 @@ import contextlib
 import importlib
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TextIO
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("rlvr.evaluate", "evaluate prompts on a model: accuracy, format categories, samples"),
@@ -37,12 +39,19 @@ def _usage() -> str:
 
 
 @contextlib.contextmanager
-def _plain_warnings(command: str):
+def _plain_warnings(command: str) -> Iterator[None]:
     """rlvr's own warnings as one line each (``rlvr train: warning: ...``), without the source line
     that Python prints by default; other libraries' warnings are left as they are."""
     default = warnings.showwarning
 
-    def show(message, category, filename, lineno, file=None, line=None):
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
         if Path(filename).parent.name == "rlvr" or "rlvr" in Path(filename).parts:
             print(f"rlvr {command}: warning: {message}", file=file or sys.stderr)
         else:

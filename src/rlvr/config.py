@@ -56,7 +56,7 @@ class LoraConfig:
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
     """Names (last part) of the linear layers that get adapters, or ["all-linear"] for every linear layer but the output head."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         problems = []
         if self.rank < 0:
             problems.append(f"model.lora.rank must be >= 0, got {self.rank}")
@@ -456,7 +456,7 @@ class TrainConfig:
         warns: list[str] = []
         a, r, o = self.algorithm, self.rollout, self.optim
 
-        def need(cond: bool, msg: str):
+        def need(cond: bool, msg: str) -> None:
             if not cond:
                 errors.append(msg)
 
@@ -719,7 +719,7 @@ class TrainConfig:
 _PLURAL = {bool: "booleans", int: "integers", float: "numbers", str: "strings"}
 
 
-def _type_name(tp) -> str:
+def _type_name(tp: Any) -> str:
     origin = typing.get_origin(tp)
     if origin is Literal:
         return "one of " + ", ".join(repr(c) for c in typing.get_args(tp))
@@ -736,7 +736,7 @@ def _type_name(tp) -> str:
     )
 
 
-def _show(value) -> str:
+def _show(value: object) -> str:
     kind = {bool: "boolean", int: "integer", float: "number", str: "string", list: "list", dict: "mapping"}
     return f"{kind.get(type(value), type(value).__name__)} {value!r}"
 
@@ -744,11 +744,11 @@ def _show(value) -> str:
 _NUMBER = re.compile(r"^\s*[-+]?(\d[\d_]*\.?\d*|\.\d+)([eE][-+]?\d+)?\s*$")
 
 
-def _convert(value, tp, key: str):
+def _convert(value: Any, tp: Any, key: str) -> Any:
     """``value`` as field type ``tp``; raises ``ConfigError`` naming ``key`` and the expected type."""
     origin = typing.get_origin(tp)
 
-    def wrong(extra: str = ""):
+    def wrong(extra: str = "") -> ConfigError:
         hint = extra or (
             " (write the number without quotes)"
             if isinstance(value, str) and _NUMBER.match(value) and tp in (int, float)
@@ -803,7 +803,7 @@ def _convert(value, tp, key: str):
     raise ConfigError(f"config key {key} has a type ({tp}) that files cannot set; set it in Python")
 
 
-def _from_dict(cls, d: dict, where: str):
+def _from_dict(cls: Any, d: dict, where: str) -> Any:
     if not isinstance(d, dict):
         raise ConfigError(
             f"{'config key ' + where.rstrip('.') if where else 'the config'} must be a mapping of "
@@ -847,7 +847,7 @@ YamlLoader.add_implicit_resolver(
 )
 
 
-def load_yaml(path: str | Path):
+def load_yaml(path: str | Path) -> Any:
     """A YAML file with YAML 1.2 numbers: ``1e-5`` is a float (YAML 1.1, PyYAML's default, reads a
     string). Raises ``ConfigError`` for a file that does not parse."""
     path = Path(path)

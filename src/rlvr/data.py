@@ -26,8 +26,10 @@ import csv
 import json
 import random
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from rlvr.errors import UserError
 
@@ -62,13 +64,13 @@ class RowFormat:
     answer_field: str = "answer"
     answer_format: str = "gsm8k"
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.answer_format not in ANSWER_FORMATS:
             raise DataError(
                 f"unknown data.answer_format {self.answer_format!r}: choose one of {', '.join(ANSWER_FORMATS)}"
             )
 
-    def example(self, row, where: str) -> Example:
+    def example(self, row: Any, where: str) -> Example:
         """The example of ``row``; ``DataError`` starting with ``where`` for a row that does not fit."""
         q, a = self.question_field, self.answer_field
         if not isinstance(row, dict):
@@ -137,7 +139,7 @@ def _rationale(answer: str) -> str:
 # -- local files ----------------------------------------------------------------------------------
 
 
-def _jsonl_rows(path: Path):
+def _jsonl_rows(path: Path) -> Iterator[tuple[Any, str]]:
     with path.open(encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
@@ -149,7 +151,7 @@ def _jsonl_rows(path: Path):
                 raise DataError(f"{where}: not valid JSON ({e.msg}); each line must be one JSON object") from None
 
 
-def _json_rows(path: Path):
+def _json_rows(path: Path) -> Iterator[tuple[Any, str]]:
     text = path.read_text(encoding="utf-8")
     try:
         data = json.loads(text)
@@ -198,7 +200,7 @@ def _item_lines(text: str) -> list[int]:
     return lines
 
 
-def _parquet_rows(path: Path):
+def _parquet_rows(path: Path) -> Iterator[tuple[Any, str]]:
     import pyarrow.parquet as pq
 
     try:
@@ -209,7 +211,7 @@ def _parquet_rows(path: Path):
         yield row, f"{path}: row {i + 1}"
 
 
-def _csv_rows(path: Path):
+def _csv_rows(path: Path) -> Iterator[tuple[Any, str]]:
     with path.open(encoding="utf-8", newline="") as f:
         reader = csv.DictReader(f)
         for row in reader:

@@ -35,9 +35,10 @@ import re
 import shutil
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,9 @@ import torch.nn.functional as F
 from rlvr.data import DataError
 from rlvr.errors import UserError
 from rlvr.instruct import alpaca_format, encode_documents, read_jsonl
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 OUTPUT_FILES = ("metrics.jsonl", "config.json", "best", "checkpoints", "summary.json")
 
@@ -179,12 +183,14 @@ def dpo_loss(
     }
 
 
-def pair_token_ids(tokenizer, prompt: str, responses: list[str]) -> list[list[int]]:
+def pair_token_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, responses: list[str]) -> list[list[int]]:
     """Token ids of ``prompt`` with each response in the Alpaca template, BOS per the tokenizer, EOS last."""
     return encode_documents(tokenizer, [alpaca_format(prompt, r) for r in responses])
 
 
-def sequence_log_probs(model, sequences: list[list[int]], pad_id: int = 0, backbone=None) -> torch.Tensor:
+def sequence_log_probs(
+    model: torch.nn.Module, sequences: list[list[int]], pad_id: int = 0, backbone: Callable[..., Any] | None = None
+) -> torch.Tensor:
     """Summed log-probability of each token sequence (every token after the first), in one
     right-padded forward; shape (len(sequences),), float32, on the model's device."""
     from rlvr.grpo import get_response_log_probs
@@ -205,7 +211,13 @@ def sequence_log_probs(model, sequences: list[list[int]], pad_id: int = 0, backb
 
 
 def compute_per_instance_dpo_loss(
-    lm, lm_ref, tokenizer, beta: float, prompt: str, response_chosen: str, response_rejected: str
+    lm: torch.nn.Module,
+    lm_ref: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    beta: float,
+    prompt: str,
+    response_chosen: str,
+    response_rejected: str,
 ) -> torch.Tensor:
     """The DPO loss of one pair, a scalar on ``lm``'s device, differentiable in ``lm``; ``lm_ref``
     may sit on another device and gets no gradient."""
@@ -333,7 +345,9 @@ def _from_dict(d: dict) -> DPOConfig:
     return DPOConfig(**d)
 
 
-def tokenize_pairs(tokenizer, pairs: list[PreferencePair], max_tokens: int) -> tuple[list, list[PreferencePair], int]:
+def tokenize_pairs(
+    tokenizer: PreTrainedTokenizerBase, pairs: list[PreferencePair], max_tokens: int
+) -> tuple[list[tuple[list[int], list[int]]], list[PreferencePair], int]:
     """``(token pairs, kept pairs, dropped)``: each kept pair as (chosen ids, rejected ids)."""
     texts = [alpaca_format(p.prompt, r) for p in pairs for r in (p.chosen, p.rejected)]
     ids = encode_documents(tokenizer, texts)
@@ -353,7 +367,7 @@ class ReferenceCache:
     in training, ``--eval-batch-pairs`` in validation): with equal shapes the policy and the reference
     give bit-identical log-probs while their weights are equal, so every margin starts at exactly 0."""
 
-    def __init__(self, ref_model, pad_id: int, n: int):
+    def __init__(self, ref_model: torch.nn.Module, pad_id: int, n: int) -> None:
         self.model, self.pad_id = ref_model, pad_id
         self.values = torch.full((n, 2), float("nan"))
         self.computed = 0
@@ -384,7 +398,12 @@ def _metrics_of(out: dict[str, torch.Tensor], policy: torch.Tensor, prefix: str)
 
 @torch.no_grad()
 def evaluate_pairs(
-    model, ref_cache: ReferenceCache, token_pairs: list, beta: float, pad_id: int, pairs_per_forward: int = 8
+    model: torch.nn.Module,
+    ref_cache: ReferenceCache,
+    token_pairs: list[tuple[list[int], list[int]]],
+    beta: float,
+    pad_id: int,
+    pairs_per_forward: int = 8,
 ) -> dict[str, float]:
     """Validation metrics of ``token_pairs`` (``val/loss``, ``val/preference_accuracy``, margins, log-probs)."""
     was_training = model.training
@@ -401,15 +420,15 @@ def evaluate_pairs(
 
 
 def dpo_step(
-    model,
-    optimizer,
-    token_pairs: list,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    token_pairs: list[tuple[list[int], list[int]]],
     indices: list[int],
     ref_cache: ReferenceCache,
     beta: float,
     pad_id: int,
     max_grad_norm: float | None,
-    backbone=None,
+    backbone: Callable[..., Any] | None = None,
     pairs_per_forward: int = 1,
 ) -> dict[str, float]:
     """One optimizer step over the pairs ``indices``: a forward and backward per ``pairs_per_forward``
@@ -436,7 +455,7 @@ def dpo_step(
     return {**_metrics_of(stacked, torch.cat(policy_rows), "train"), "train/grad_norm": grad_norm}
 
 
-def _save_best(out: Path, model, tokenizer, step: int, metrics: dict) -> None:
+def _save_best(out: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, step: int, metrics: dict) -> None:
     """Replace ``OUT/best`` with the current model, atomically (a crash leaves the previous best)."""
     from rlvr.rundir import atomic_write_json
 
@@ -463,7 +482,7 @@ def _better(metrics: dict, best: dict | None) -> bool:
     return best is None or metrics["val/preference_accuracy"] > best["val/preference_accuracy"]
 
 
-def _make_optimizer(cfg: DPOConfig, model, device: torch.device):
+def _make_optimizer(cfg: DPOConfig, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
     from rlvr.optim import make_adamw, make_rmsprop
 
     if cfg.optimizer == "adamw":
@@ -530,7 +549,14 @@ def run_dpo(cfg: DPOConfig) -> Path:
         return _train(cfg, out, ckpt, train_pairs, val_pairs, counts)
 
 
-def _train(cfg: DPOConfig, out: Path, ckpt: Path | None, train_pairs, val_pairs, counts: dict) -> Path:
+def _train(
+    cfg: DPOConfig,
+    out: Path,
+    ckpt: Path | None,
+    train_pairs: list[PreferencePair],
+    val_pairs: list[PreferencePair],
+    counts: dict,
+) -> Path:
     from tqdm.auto import tqdm
 
     from rlvr.checkpoint import load_trainer_state, save_checkpoint
@@ -584,7 +610,7 @@ def _train(cfg: DPOConfig, out: Path, ckpt: Path | None, train_pairs, val_pairs,
         truncate_metrics(out / "metrics.jsonl", start)
     atomic_write_json(out / "config.json", _as_dict(replace(cfg, resume=None, overwrite=False)))
 
-    def checkpoint(step: int):
+    def checkpoint(step: int) -> None:
         save_checkpoint(
             out,
             step,

@@ -30,13 +30,22 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import tyro
 
 from rlvr.engines.base import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+    from rlvr.data import Example
+    from rlvr.engines.base import Engine
+    from rlvr.prompts import Prompt
 
 CATEGORIES = ("correct", "formatted_wrong", "unformatted")
 
@@ -112,15 +121,15 @@ def _category(format_reward: float, answer_reward: float) -> str:
 
 
 def evaluate(
-    model,
-    tokenizer,
-    examples,
-    prompt_name,
-    engine=None,
+    model: torch.nn.Module | None,
+    tokenizer: PreTrainedTokenizerBase | None,
+    examples: Sequence[Example],
+    prompt_name: Prompt | str,
+    engine: Engine | None = None,
     params: SamplingParams | None = None,
     progress: bool = False,
     chunk_size: int = 256,
-    reward=None,
+    reward: Callable[[str, str], dict] | None = None,
 ) -> tuple[dict, list[dict]]:
     """Sample, grade and summarise ``examples`` under a prompt: a ``Prompt`` or a name ``resolve_prompt`` takes.
 

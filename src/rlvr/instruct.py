@@ -25,8 +25,12 @@ import random
 from functools import cache
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING, TextIO, cast
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 ALPACA_TEMPLATE = "alpaca_sft.prompt"
 
@@ -61,7 +65,7 @@ def alpaca_fixed_parts() -> tuple[str, str]:
     return head, middle
 
 
-def encode_documents(tokenizer, texts: list[str]) -> list[list[int]]:
+def encode_documents(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
     """Token ids of each text with the tokenizer's own special tokens (BOS for Llama-3), then EOS.
 
     A tokenizer that already closes its encodings with EOS does not get a second one.
@@ -81,12 +85,12 @@ def encode_documents(tokenizer, texts: list[str]) -> list[list[int]]:
     return documents
 
 
-def encode_document(tokenizer, text: str) -> list[int]:
+def encode_document(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     """``encode_documents`` for one text."""
     return encode_documents(tokenizer, [text])[0]
 
 
-def special_prefix(tokenizer) -> str:
+def special_prefix(tokenizer: PreTrainedTokenizerBase) -> str:
     """The text of the special tokens the tokenizer puts before every encoding (``<|begin_of_text|>``
     for Llama-3, ``""`` for tokenizers that add none).
 
@@ -97,7 +101,7 @@ def special_prefix(tokenizer) -> str:
     plain = tokenizer("a", add_special_tokens=False)["input_ids"]
     for start in range(len(with_special) - len(plain) + 1):
         if with_special[start : start + len(plain)] == plain:
-            return tokenizer.decode(with_special[:start]) if start else ""
+            return cast(str, tokenizer.decode(with_special[:start])) if start else ""
     return ""
 
 
@@ -106,7 +110,7 @@ def special_prefix(tokenizer) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _open_text(path: Path):
+def _open_text(path: Path) -> TextIO:
     return gzip.open(path, "rt", encoding="utf-8") if path.suffix == ".gz" else path.open(encoding="utf-8")
 
 
@@ -213,12 +217,14 @@ def pack_documents(documents: list[list[int]], seq_length: int) -> PackedSFTData
     return PackedSFTDataset(stream, seq_length)
 
 
-def encode_pairs(tokenizer, pairs: list[dict]) -> list[list[int]]:
+def encode_pairs(tokenizer: PreTrainedTokenizerBase, pairs: list[dict]) -> list[list[int]]:
     """Each ``{prompt, response}`` as an Alpaca-formatted, special-token-framed document."""
     return encode_documents(tokenizer, [alpaca_format(p["prompt"], p["response"]) for p in pairs])
 
 
-def get_packed_sft_dataset(tokenizer, dataset_path, seq_length: int, shuffle: bool, seed: int = 0) -> PackedSFTDataset:
+def get_packed_sft_dataset(
+    tokenizer: PreTrainedTokenizerBase, dataset_path: str | Path, seq_length: int, shuffle: bool, seed: int = 0
+) -> PackedSFTDataset:
     """The packed instruction-tuning dataset of a ``{prompt, response}`` JSONL(.gz) file.
 
     Documents are shuffled first (with ``random.Random(seed)``) when ``shuffle`` is set. Item ``i`` is
@@ -231,7 +237,9 @@ def get_packed_sft_dataset(tokenizer, dataset_path, seq_length: int, shuffle: bo
     return pack_documents(documents, seq_length)
 
 
-def iterate_batches(dataset, batch_size: int, shuffle: bool, seed: int | None = None):
+def iterate_batches(
+    dataset: torch.utils.data.Dataset, batch_size: int, shuffle: bool, seed: int | None = None
+) -> torch.utils.data.DataLoader:
     """One epoch of dict batches of ``dataset`` (a ``torch.utils.data.DataLoader``): ``len`` is
     ``ceil(len(dataset) / batch_size)`` and the last batch may be short. ``seed`` fixes the order."""
     if batch_size < 1:

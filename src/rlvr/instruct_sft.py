@@ -26,14 +26,20 @@ import json
 import math
 import random
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from rlvr.errors import UserError
 from rlvr.instruct import alpaca_format, encode_pairs, load_prompt_response, pack_documents
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from rlvr.instruct import PackedSFTDataset
 
 OUTPUT_FILES = ("model.safetensors", "metrics.jsonl", "sft_config.json")
 
@@ -162,11 +168,11 @@ def load_or_build_model(
     name: str,
     device: torch.device,
     dtype: torch.dtype,
-    tokenizer_texts,
+    tokenizer_texts: Callable[[], Iterable[str]],
     vocab_size: int,
     seed: int,
     max_position_embeddings: int = 2048,
-):
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """``(model, tokenizer)``: a checkpoint (local directory or hub id), or a fresh OLMo-2 of a named
     size with a byte-level BPE tokenizer trained on ``tokenizer_texts()``.
 
@@ -182,19 +188,27 @@ def load_or_build_model(
         model = modeling.fresh_model(
             name, tokenizer, seed=seed, dtype=dtype, max_position_embeddings=max_position_embeddings
         )
-        return model.to(device), tokenizer
+        return model.to(device), tokenizer  # type: ignore[arg-type]  # transformers' stub of .to takes the model
     check_model_name(name)
     return modeling.load_model_and_tokenizer(name, device=device, dtype=dtype)
 
 
-def token_nll(model, input_ids: torch.Tensor, labels: torch.Tensor, backbone=None) -> torch.Tensor:
+def token_nll(
+    model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, backbone: Callable[..., Any] | None = None
+) -> torch.Tensor:
     """Mean negative log-likelihood of every label of a (rows, seq_length) block."""
     from rlvr.grpo import get_response_log_probs
 
     return -get_response_log_probs(model, input_ids, labels, backbone=backbone)["log_probs"].mean()
 
 
-def accumulate_step(model, dataset, indices: list[int], rows_per_microbatch: int, backbone=None) -> tuple[float, int]:
+def accumulate_step(
+    model: torch.nn.Module,
+    dataset: PackedSFTDataset,
+    indices: list[int],
+    rows_per_microbatch: int,
+    backbone: Callable[..., Any] | None = None,
+) -> tuple[float, int]:
     """Backpropagate the mean token NLL of the windows ``indices`` in microbatches of at most
     ``rows_per_microbatch`` rows; the accumulated gradient is that of the whole batch (every window
     has the same length, so a microbatch weighs rows / batch). Returns ``(loss, tokens)``."""
@@ -211,7 +225,7 @@ def accumulate_step(model, dataset, indices: list[int], rows_per_microbatch: int
 
 
 @torch.no_grad()
-def validation_loss(model, dataset, rows_per_microbatch: int) -> float:
+def validation_loss(model: torch.nn.Module, dataset: PackedSFTDataset, rows_per_microbatch: int) -> float:
     """Mean token NLL over every window of ``dataset``."""
     if len(dataset) == 0:
         return float("nan")

@@ -17,6 +17,8 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Iterator
+from types import FrameType
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT
 EXIT_TERMINATED = 143  # 128 + SIGTERM
@@ -30,12 +32,12 @@ def exit_code(exc: BaseException) -> int:
     return EXIT_TERMINATED if isinstance(exc, Terminated) else EXIT_INTERRUPTED
 
 
-def _raise_terminated(signum, frame):
+def _raise_terminated(signum: int, frame: FrameType | None) -> None:
     raise Terminated()
 
 
 @contextlib.contextmanager
-def sigterm_as_interrupt():
+def sigterm_as_interrupt() -> Iterator[None]:
     """Within the block (main thread only; elsewhere a no-op) SIGTERM raises ``Terminated``."""
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -51,14 +53,14 @@ class DeferInterrupts:
     """While active, a first Ctrl-C or SIGTERM only sets ``requested``; a second one interrupts at
     once. Outside the main thread signals cannot be caught, so this does nothing there."""
 
-    _NAMES = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
+    _NAMES: dict[int, str] = {signal.SIGINT: "Ctrl-C", signal.SIGTERM: "SIGTERM"}
 
     def __init__(self, what: str = "finishing this step, then saving a checkpoint"):
         self.what = what
         self.requested: int | None = None
         self._previous: dict = {}
 
-    def _handler(self, signum, frame):
+    def _handler(self, signum: int, frame: FrameType | None) -> None:
         if self.requested is not None:
             raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
         self.requested = signum
@@ -71,7 +73,7 @@ class DeferInterrupts:
                 self._previous[sig] = signal.signal(sig, self._handler)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()

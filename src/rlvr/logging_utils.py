@@ -19,11 +19,12 @@ import os
 import re
 import warnings
 from pathlib import Path
+from typing import Any
 
 from rlvr.rundir import atomic_write_jsonl, atomic_write_text
 
 
-def _clean(value):
+def _clean(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None if math.isnan(value) else (1e308 if value > 0 else -1e308)
     return value

@@ -10,8 +10,21 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import (
+        Olmo2Config,
+        PretrainedConfig,
+        PreTrainedModel,
+        PreTrainedTokenizerBase,
+        PreTrainedTokenizerFast,
+    )
+
+    from rlvr.config import LoraConfig
+    from rlvr.data import Example
 
 SPECIAL_TOKENS = {"pad_token": "<|pad|>", "eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}
 
@@ -51,7 +64,7 @@ LLAMA31_8B = dict(
 )
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 512):
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer trained on ``texts``, wrapped as a ``PreTrainedTokenizerFast``.
 
     Byte-level means any string round-trips (no unknown tokens), so prompts and model outputs
@@ -90,13 +103,13 @@ MODEL_SIZES: dict[str, dict] = {
 
 
 def small_olmo2_config(
-    tokenizer,
+    tokenizer: PreTrainedTokenizerBase,
     hidden_size: int = 64,
     num_layers: int = 2,
     num_heads: int = 4,
     intermediate_size: int | None = None,
     max_position_embeddings: int = 2048,
-):
+) -> Olmo2Config:
     from transformers import Olmo2Config
 
     return Olmo2Config(
@@ -114,7 +127,7 @@ def small_olmo2_config(
     )
 
 
-def build_model(config, seed: int = 0, dtype: torch.dtype = torch.float32):
+def build_model(config: PretrainedConfig, seed: int = 0, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
     """A randomly initialised causal LM for ``config`` (deterministic for a given seed)."""
     from transformers import AutoModelForCausalLM
 
@@ -125,8 +138,12 @@ def build_model(config, seed: int = 0, dtype: torch.dtype = torch.float32):
 
 
 def fresh_model(
-    size: str, tokenizer, seed: int = 0, dtype: torch.dtype = torch.float32, max_position_embeddings: int = 2048
-):
+    size: str,
+    tokenizer: PreTrainedTokenizerBase,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    max_position_embeddings: int = 2048,
+) -> PreTrainedModel:
     """A randomly initialised OLMo-2 model of named ``size`` (see ``MODEL_SIZES``) for ``tokenizer``."""
     if size not in MODEL_SIZES:
         raise ValueError(f"unknown model size {size!r}; choose one of {sorted(MODEL_SIZES)}")
@@ -137,7 +154,7 @@ def fresh_model(
     return build_model(config, seed=seed, dtype=dtype)
 
 
-def tokenizer_corpus(examples, prompt_name: str | None = "r1_zero") -> list[str]:
+def tokenizer_corpus(examples: Iterable[Example], prompt_name: str | None = "r1_zero") -> list[str]:
     """Texts to train a tokenizer on: each example's rendered prompt and its solution.
 
     The prompt template repeats in every text, so BPE learns it as a few long tokens and prompts
@@ -154,7 +171,7 @@ def tokenizer_corpus(examples, prompt_name: str | None = "r1_zero") -> list[str]
     return texts
 
 
-def save_model_and_tokenizer(model, tokenizer, out_dir: str | Path) -> Path:
+def save_model_and_tokenizer(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, out_dir: str | Path) -> Path:
     """Write ``model`` and ``tokenizer`` to ``out_dir`` so that ``load_model_and_tokenizer`` reads them back."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -163,7 +180,7 @@ def save_model_and_tokenizer(model, tokenizer, out_dir: str | Path) -> Path:
     return out_dir
 
 
-def count_parameters(model) -> int:
+def count_parameters(model: torch.nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
@@ -197,8 +214,8 @@ def load_model_and_tokenizer(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     flag: str = "--model",
-    lora=None,
-):
+    lora: LoraConfig | None = None,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer from a local directory or a hub id.
 
     The default dtype is bfloat16 on CUDA and float32 on CPU. A tokenizer without a pad token gets
@@ -232,5 +249,6 @@ def load_model_and_tokenizer(
     if lora is not None and lora.rank:
         from rlvr.lora import apply_lora
 
-        return apply_lora(model, lora), tokenizer
+        # A peft model: it forwards attribute lookups to the PreTrainedModel it wraps.
+        return apply_lora(model, lora), tokenizer  # type: ignore[return-value]
     return model, tokenizer

@@ -14,6 +14,8 @@ Memory: 4 bytes per low-precision parameter for the copy, plus float32 instead o
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -40,13 +42,13 @@ class _MasterWeights(torch.optim.Optimizer):
     float32 values, not from their rounded copies in the model.
     """
 
-    def __init__(self, params, **kwargs):
+    def __init__(self, params: Iterable[torch.Tensor], **kwargs: Any) -> None:
         self.model_params = list(params)
         self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.model_params]
         super().__init__(self.masters, **kwargs)
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure: Callable[[], float] | None = None) -> None:
         if closure is not None:
             raise ValueError(f"{type(self).__name__} does not take a closure")
         for p, m in zip(self.model_params, self.masters):
@@ -61,7 +63,7 @@ class _MasterWeights(torch.optim.Optimizer):
                 p.copy_(m)
                 m.grad = None
 
-    def zero_grad(self, set_to_none: bool = True):
+    def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
         for p in self.model_params:
             if set_to_none:
@@ -69,12 +71,12 @@ class _MasterWeights(torch.optim.Optimizer):
             elif p.grad is not None:
                 p.grad.zero_()
 
-    def state_dict(self):
+    def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
         sd["master_weights"] = [None if m is p else m.detach().cpu() for p, m in zip(self.model_params, self.masters)]
         return sd
 
-    def load_state_dict(self, state_dict):
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
         saved = state_dict.pop("master_weights", None)
         super().load_state_dict(state_dict)
@@ -96,7 +98,7 @@ class MasterWeightRMSprop(_MasterWeights, torch.optim.RMSprop):
     """``torch.optim.RMSprop`` over float32 masters of the given parameters (same arguments)."""
 
 
-def make_rmsprop(params, master_weights: bool = True, **kwargs) -> torch.optim.RMSprop:
+def make_rmsprop(params: Iterable[torch.Tensor], master_weights: bool = True, **kwargs: Any) -> torch.optim.RMSprop:
     """RMSprop (DPO's optimizer): ``MasterWeightRMSprop`` when asked and some parameter is not float32."""
     params = [p for p in params if p.requires_grad]
     if master_weights and any(p.dtype != torch.float32 for p in params):
@@ -108,7 +110,7 @@ def make_rmsprop(params, master_weights: bool = True, **kwargs) -> torch.optim.R
     return torch.optim.RMSprop(params, **kwargs)
 
 
-def make_adamw(params, master_weights: bool = True, **kwargs) -> torch.optim.AdamW:
+def make_adamw(params: Iterable[torch.Tensor], master_weights: bool = True, **kwargs: Any) -> torch.optim.AdamW:
     """AdamW for the trainer: ``MasterWeightAdamW`` when asked and some parameter is not float32."""
     params = [p for p in params if p.requires_grad]
     if master_weights and any(p.dtype != torch.float32 for p in params):

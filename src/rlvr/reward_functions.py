@@ -19,10 +19,14 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from rlvr import rewards
 from rlvr.errors import UserError
 from rlvr.reward_worker import is_file_spec
+
+if TYPE_CHECKING:
+    import torch
 
 BUILTIN_REWARDS: dict[str, Callable] = {
     "r1_zero": rewards.r1_zero_reward_fn,
@@ -87,7 +91,7 @@ class UserRewardFunction:
                 f"the fields{columns}: {reply.get('error')}; give it a **fields parameter"
             )
 
-    def __call__(self, response: str, ground_truth: str, **fields) -> dict:
+    def __call__(self, response: str, ground_truth: str, **fields: Any) -> dict:
         try:
             reply = self.worker.request(
                 {"response": response, "ground_truth": ground_truth, "fields": fields}, self.timeout_s
@@ -114,7 +118,7 @@ class UserRewardFunction:
         self.worker.close()
 
 
-def as_reward_dict(value, where: str) -> dict:
+def as_reward_dict(value: Any, where: str) -> dict:
     """A reward function's result as a dict of floats with ``reward``."""
     if isinstance(value, (bool, int, float)):
         return {"reward": float(value)}
@@ -176,7 +180,7 @@ class Reward:
             if isinstance(fn, UserRewardFunction):
                 fn.close()
 
-    def __call__(self, response: str, ground_truth: str, **fields) -> dict:
+    def __call__(self, response: str, ground_truth: str, **fields: Any) -> dict:
         several = len(self.components) > 1
         total, formats, out = 0.0, [], {"timed_out": 0.0}
         answer = None
@@ -217,8 +221,11 @@ def build_reward(
 
 
 def score_responses(
-    reward_fn, responses: Sequence[str], ground_truths: Sequence[str], fields: Sequence[dict] | None = None
-):
+    reward_fn: Callable[[str, str], dict],
+    responses: Sequence[str],
+    ground_truths: Sequence[str],
+    fields: Sequence[dict] | None = None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
     """Score every response like ``compute_rollout_rewards``; a ``Reward`` also gets each example's
     ``fields`` and adds ``logged`` to the metadata: the mean of each extra number as
     ``reward/<name>`` and the count of cut-off calls as ``reward/timeouts``."""

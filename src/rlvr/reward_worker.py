@@ -17,14 +17,16 @@ import inspect
 import json
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 
 def is_file_spec(target: str) -> bool:
     return target.endswith(".py") or "/" in target or os.sep in target
 
 
-def load_function(spec: str):
+def load_function(spec: str) -> Callable[..., Any]:
     """The callable that ``spec`` names; ``ValueError`` with a one-line explanation when it cannot."""
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name:
@@ -60,7 +62,7 @@ def load_function(spec: str):
     return fn
 
 
-def _jsonable(value):
+def _jsonable(value: Any) -> Any:
     """Numbers (numpy's too) as floats, containers walked, anything else as text."""
     if isinstance(value, bool) or value is None or isinstance(value, str):
         return value

@@ -56,6 +56,8 @@ import threading
 import time
 from collections.abc import Sequence
 from fractions import Fraction
+from types import ModuleType
+from typing import Any
 
 MAX_ANSWER_CHARS = 1000
 """Longer answers score 0 unread: no GSM8K answer is that long, and it bounds the regex work."""
@@ -650,7 +652,7 @@ def _serve() -> None:
         out.flush()
 
 
-def _exactly_equal(sympy, pred, gold) -> bool:
+def _exactly_equal(sympy: ModuleType, pred: Any, gold: Any) -> bool:
     """math-verify compares numbers after rounding; we demand one exact number, not a set or equation."""
     if not isinstance(pred, sympy.Expr) or not isinstance(gold, sympy.Expr):
         return False

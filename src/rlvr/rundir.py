@@ -23,6 +23,7 @@ import socket
 import sys
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 from rlvr.errors import UserError
 
@@ -67,7 +68,7 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     fsync_dir(path.parent)
 
 
-def atomic_write_json(path: str | Path, obj, **dumps_kwargs) -> None:
+def atomic_write_json(path: str | Path, obj: Any, **dumps_kwargs: Any) -> None:
     atomic_write_text(path, json.dumps(obj, **{"indent": 2, **dumps_kwargs}) + "\n")
 
 
@@ -179,7 +180,7 @@ class RunDirLock:
     def __enter__(self) -> RunDirLock:
         return self.acquire()
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
 

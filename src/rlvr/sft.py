@@ -29,12 +29,16 @@ import random
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from rlvr.data import DataError, Example, load_examples
 from rlvr.optim import lr_factor
 from rlvr.prompts import render
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 
 @dataclass
@@ -104,7 +108,9 @@ def sft_pairs(examples: list[Example], prompt: str = "r1_zero") -> tuple[list[st
     return [render(prompt, ex.question) for ex in examples], [sft_response(ex) for ex in examples]
 
 
-def response_nll(model, input_ids: torch.Tensor, labels: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+def response_nll(
+    model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, response_mask: torch.Tensor
+) -> torch.Tensor:
     """Mean negative log-likelihood of the labels where ``response_mask`` is True; (B, T) inputs."""
     from rlvr.grpo import get_response_log_probs
 
@@ -113,7 +119,9 @@ def response_nll(model, input_ids: torch.Tensor, labels: torch.Tensor, response_
     return -(log_probs * mask).sum() / mask.sum().clamp(min=1)
 
 
-def sft_loss(model, tokenizer, prompts: list[str], responses: list[str]) -> tuple[torch.Tensor, int]:
+def sft_loss(
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list[str], responses: list[str]
+) -> tuple[torch.Tensor, int]:
     """Mean NLL over the response tokens of the batch, and the number of those tokens."""
     from rlvr.grpo import tokenize_prompt_and_output
 
@@ -122,14 +130,14 @@ def sft_loss(model, tokenizer, prompts: list[str], responses: list[str]) -> tupl
     return loss, int(batch["response_mask"].sum())
 
 
-def init_model(config: SFTConfig, examples: list[Example]):
+def init_model(config: SFTConfig, examples: list[Example]) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """``(model, tokenizer)``: a fresh model of a named size (with a tokenizer trained on ``examples``),
     or a checkpoint from a local directory or the hub."""
     from rlvr import modeling
 
     if config.model in modeling.MODEL_SIZES:
         tokenizer = modeling.train_tokenizer(modeling.tokenizer_corpus(examples, config.prompt), config.vocab_size)
-        model = modeling.fresh_model(config.model, tokenizer, seed=config.seed).to(config.device)
+        model = modeling.fresh_model(config.model, tokenizer, seed=config.seed).to(config.device)  # type: ignore[arg-type]  # transformers' stub of .to
         return model, tokenizer
     _check_model(config.model)
     return modeling.load_model_and_tokenizer(config.model, device=config.device, dtype=torch.float32)

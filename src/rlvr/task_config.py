@@ -20,8 +20,16 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from rlvr.errors import UserError
+
+if TYPE_CHECKING:
+    from rlvr.config import TrainConfig
+    from rlvr.data import Example
+    from rlvr.evaluate import EvalConfig
+    from rlvr.prompts import Prompt
+    from rlvr.reward_functions import Reward
 
 VAL_SOURCE_OPTIONS = ("split", "size", "config", "question_field", "answer_field", "answer_format")
 
@@ -43,7 +51,7 @@ class DataSource:
     answer_field: str
     answer_format: str
 
-    def load(self, seed: int = 0):
+    def load(self, seed: int = 0) -> list[Example]:
         from rlvr.data import load_examples
 
         return load_examples(
@@ -58,7 +66,7 @@ class DataSource:
         )
 
 
-def train_source(config) -> DataSource:
+def train_source(config: TrainConfig) -> DataSource:
     d = config.data
     return DataSource(
         "train",
@@ -72,10 +80,10 @@ def train_source(config) -> DataSource:
     )
 
 
-def val_sources(config) -> list[DataSource]:
+def val_sources(config: TrainConfig) -> list[DataSource]:
     """The validation sets: each of ``data.val_sources``, else the one of ``data.val_source`` (named ``""``)."""
     d = config.data
-    base = dict(
+    base: dict[str, Any] = dict(
         split=d.val_split,
         size=d.val_size,
         config=d.config,
@@ -120,7 +128,7 @@ def parse_val_source(spec: str, base: dict) -> DataSource:
     return DataSource(name, source, **options)
 
 
-def task_config_problems(config) -> list[str]:
+def task_config_problems(config: TrainConfig) -> list[str]:
     """One line per problem of the prompt, data and reward settings of a ``TrainConfig`` (no loading)."""
     from rlvr.data import ANSWER_FORMATS
     from rlvr.prompts import CHAT, PromptError
@@ -178,7 +186,7 @@ def task_config_problems(config) -> list[str]:
     return problems
 
 
-def build_prompt(config):
+def build_prompt(config: TrainConfig) -> Prompt:
     """The ``Prompt`` of a ``TrainConfig`` (not yet bound to a tokenizer)."""
     from rlvr.prompts import resolve_prompt
 
@@ -186,7 +194,7 @@ def build_prompt(config):
     return resolve_prompt(config.prompt, o.system, o.user_template, o.stop)
 
 
-def build_reward(config, prompt=None):
+def build_reward(config: TrainConfig, prompt: Prompt | None = None) -> Reward:
     """The ``Reward`` of a ``TrainConfig`` (user functions not started)."""
     from rlvr.reward_functions import build_reward as build
 
@@ -195,7 +203,7 @@ def build_reward(config, prompt=None):
     return build(r.fn, r.fns, r.weights, r.timeout_s, default=prompt.default_reward)
 
 
-def load_task_data(config):
+def load_task_data(config: TrainConfig) -> tuple[list[Example], list[tuple[str, list[Example]]]]:
     """``(train_examples, [(name, val_examples), ...])``; ``val_size`` 0 gives no validation sets."""
     train = train_source(config).load(seed=config.seed)
     if not config.data.val_size and not config.data.val_sources:
@@ -214,7 +222,7 @@ def load_task_data(config):
     return train, sets
 
 
-def prepare_reward(config, examples, prompt=None):
+def prepare_reward(config: TrainConfig, examples: list[Example], prompt: Prompt | None = None) -> Reward:
     """The run's ``Reward``, its user functions loaded and checked against the fields of ``examples``."""
     reward = build_reward(config, prompt)
     fields = sorted({k for ex in examples[:1] for k in ex.fields})
@@ -301,17 +309,17 @@ class EvalTasks:
     def load_data(self) -> list[tuple[str, list]]:
         return [(s.name, s.load()) for s in self.sources]
 
-    def rewards(self, examples) -> list:
+    def rewards(self, examples: list[Example]) -> list[Reward]:
         """One started ``Reward`` per prompt (user functions checked against the fields of ``examples``)."""
         return [prepare_reward(c, examples, p) for c, p in zip(self.configs, self.prompts)]
 
-    def result_name(self, set_name: str, prompt) -> str:
+    def result_name(self, set_name: str, prompt: Prompt) -> str:
         if not set_name:
             return prompt.name
         return set_name if len(self.prompts) == 1 else f"{set_name}/{prompt.name}"
 
 
-def eval_tasks(cfg) -> EvalTasks:
+def eval_tasks(cfg: EvalConfig) -> EvalTasks:
     """The prompts, data sets and rewards of ``rlvr eval`` flags (an ``EvalConfig``), or of the training
     config file it names with ``--config`` (its validation sets, as validation in training reads them).
     ``TaskConfigError`` for settings that cannot work, before anything loads."""

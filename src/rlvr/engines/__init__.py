@@ -20,6 +20,9 @@ from rlvr.engines.base import Completion, Engine, SamplingParams, WorkerEngine
 from rlvr.errors import UserError
 
 if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
     from rlvr.config import EngineConfig
 
 
@@ -92,20 +95,22 @@ def engine_names() -> tuple[str, ...]:
     return (*ENGINES, AUTO)
 
 
-def register_engine(name: str, class_path: str, options: Callable[[EngineConfig, str | None], dict] = _no_options):
+def register_engine(
+    name: str, class_path: str, options: Callable[[EngineConfig, str | None], dict] = _no_options
+) -> None:
     """Add engine ``name`` to the table: its class as ``module:ClassName`` and how an ``EngineConfig``
     becomes its constructor options (default: none, the class's own defaults)."""
     ENGINES[name] = EngineEntry(class_path, options)
 
 
-def resolve_engine_name(name: str, model) -> str:
+def resolve_engine_name(name: str, model: torch.nn.Module) -> str:
     """``name``, with ``auto`` resolved for ``model``: ``hf-fast`` when it runs the model's architecture,
     else ``hf``."""
     if name != AUTO:
         return name
     from rlvr.engines.fast.families import unsupported_reason
 
-    return "hf" if unsupported_reason(model.config) else "hf-fast"
+    return "hf" if unsupported_reason(model.config) else "hf-fast"  # type: ignore[arg-type]  # a transformers config
 
 
 def engine_entry(name: str) -> EngineEntry:
@@ -116,7 +121,7 @@ def engine_entry(name: str) -> EngineEntry:
         raise UnknownEngineError(f"unknown engine {name!r}: choose one of {', '.join(engine_names())}") from None
 
 
-def make_engine(name: str, model, tokenizer, **options) -> Engine:
+def make_engine(name: str, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, **options: Any) -> Engine:
     """Build engine ``name`` for the trainer's ``model`` and ``tokenizer`` with constructor ``options``:
     ``HFEngine`` (``max_batch_size``, ...), ``FastHFEngine`` (``attention``, ``cascade_min_rows``, ...),
     ``HFWorkerEngine`` (``device``, ``dtype``, ``bucket_mb``, ``probe_tolerance``, ...) or ``VLLMEngine``
@@ -125,7 +130,13 @@ def make_engine(name: str, model, tokenizer, **options) -> Engine:
     return engine_entry(resolve_engine_name(name, model)).load()(model, tokenizer, **options)
 
 
-def build_engine(config: EngineConfig, model, tokenizer, served_model: str | None = None, **overrides) -> Engine:
+def build_engine(
+    config: EngineConfig,
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    served_model: str | None = None,
+    **overrides: Any,
+) -> Engine:
     """Build ``config.name`` with the options its section of ``config`` gives (``overrides`` win);
     ``served_model`` is the hub id or directory a server engine loads."""
     name = resolve_engine_name(config.name, model)

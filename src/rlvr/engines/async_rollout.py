@@ -35,9 +35,13 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any
 
 from rlvr.engines.base import Completion, SamplingParams, WorkerEngine
 from rlvr.engines.rollouts import RolloutBatch, RolloutRequest
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["AsyncRollouts", "QueuedEngine", "RolloutBatch", "RolloutOrderError"]
 
@@ -97,7 +101,7 @@ class AsyncRollouts:
         step, version)``; for tests and debugging."""
 
     # -- the trainer's calls --------------------------------------------------------------------
-    def sync(self, model, version: int) -> Future:
+    def sync(self, model: torch.nn.Module, version: int) -> Future:
         """Snapshot ``model`` as weight version ``version`` now; load it on the worker after every
         request already queued. Returns a future of the load's metrics (it raises ``WeightSyncError``
         when the probe check fails). A version already queued is not sent again; an older one is an error.
@@ -154,7 +158,7 @@ class AsyncRollouts:
         return fut.result(timeout)
 
     def next_batch(
-        self, step: int, model, request: RolloutRequest | None = None, last_step: int | None = None
+        self, step: int, model: torch.nn.Module, request: RolloutRequest | None = None, last_step: int | None = None
     ) -> RolloutBatch:
         """The whole schedule for 1-based trainer step ``step``, whose weights are version ``step - 1``.
 
@@ -189,7 +193,7 @@ class AsyncRollouts:
         self._check_open()
         return self._pool.submit(self.engine.generate, list(prompts), params).result(timeout)
 
-    def engine_for_eval(self, model, version: int) -> QueuedEngine:
+    def engine_for_eval(self, model: torch.nn.Module, version: int) -> QueuedEngine:
         """Queue the load of ``model`` as ``version`` and return an ``Engine`` whose ``generate`` runs
         through this queue (after that load): validation sees the newest weights and never races
         the rollouts for the worker."""
@@ -205,21 +209,21 @@ class AsyncRollouts:
         if self.close_engine:
             self.engine.close()
 
-    def __enter__(self):
+    def __enter__(self) -> AsyncRollouts:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # -- the background thread ------------------------------------------------------------------
-    def _check_open(self):
+    def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("these rollouts are closed; build a new AsyncRollouts")
 
-    def _log(self, *event):
+    def _log(self, *event: Any) -> None:
         self.events.append(event)
 
-    def _load(self, snap, queued_at: float) -> dict:
+    def _load(self, snap: Any, queued_at: float) -> dict:
         start = time.perf_counter()
         self._log("sync_start", snap.version)
         try:
@@ -230,7 +234,14 @@ class AsyncRollouts:
         return meta
 
     def _rollout(
-        self, step: int, request_id: int, version: int, prompts, params, load: Future, queued_at: float
+        self,
+        step: int,
+        request_id: int,
+        version: int,
+        prompts: list[str],
+        params: SamplingParams,
+        load: Future,
+        queued_at: float,
     ) -> RolloutBatch:
         start = time.perf_counter()
         # The load ran earlier on this same thread; if it failed, the worker holds unverified weights.
@@ -291,7 +302,7 @@ class QueuedEngine:
             self.load.result()
         return self.rollouts.generate(prompts, params)
 
-    def sync_weights(self, model) -> dict:
+    def sync_weights(self, model: torch.nn.Module) -> dict:
         return {}
 
     def close(self) -> None:

@@ -10,7 +10,10 @@ the sampling distribution at temperature 1 (None where the engine cannot give th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -32,7 +35,7 @@ class SamplingParams:
     ignore_eos: bool = False
     """Keep sampling past EOS (forced length, for speed benchmarks); engines that cannot, ignore it."""
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.n < 1:
             raise ValueError(f"SamplingParams.n must be >= 1, got {self.n}")
         if self.temperature < 0:
@@ -67,7 +70,7 @@ class Engine(Protocol):
         """For each prompt, ``params.n`` completions (outer list aligned with ``prompts``)."""
         ...
 
-    def sync_weights(self, model) -> dict:
+    def sync_weights(self, model: torch.nn.Module) -> dict:
         """Load the trainer's current weights; returns timing/check metadata (e.g. ``{"time/sync": s}``)."""
         ...
 
@@ -80,7 +83,7 @@ class WorkerEngine(Engine, Protocol):
     trainer: weights are copied at a version and loaded later, and a rollout is generated and scored
     (old log-probs) by the same weights in one request. ``rlvr.engines.async_rollout`` drives it."""
 
-    def snapshot(self, model, version: int) -> Any:
+    def snapshot(self, model: torch.nn.Module, version: int) -> Any:
         """Copy ``model``'s weights as weight version ``version`` now (the model may change afterwards)."""
         ...
 

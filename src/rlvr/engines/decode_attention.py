@@ -45,8 +45,20 @@ except ImportError:  # pragma: no cover - depends on the install
 
 
 def reference_decode_attention(
-    q, pk, pv, rk, rv, grp, start, plen, rlen, prompt_slots: int, response_slots: int, live=None, cache_rows=None
-):
+    q: torch.Tensor,
+    pk: torch.Tensor,
+    pv: torch.Tensor,
+    rk: torch.Tensor,
+    rv: torch.Tensor,
+    grp: torch.Tensor,
+    start: torch.Tensor,
+    plen: torch.Tensor,
+    rlen: torch.Tensor,
+    prompt_slots: int,
+    response_slots: int,
+    live: torch.Tensor | None = None,
+    cache_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Attention of one query per row, q (b, heads, 1, head_dim), over the row's prompt and response slots.
 
     ``prompt_slots`` / ``response_slots`` are how many leading slots of each cache to read (at least
@@ -77,7 +89,9 @@ def triton_available() -> bool:
 if triton is not None:
 
     @triton.jit
-    def _accumulate(kbase, vbase, lo, hi, stride_s, q, d, dok, m, l, acc, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    def _accumulate(  # type: ignore[no-untyped-def]  # Triton reads a kernel's annotations; only constexpr ones here
+        kbase, vbase, lo, hi, stride_s, q, d, dok, m, l, acc, BLOCK: tl.constexpr, STAGES: tl.constexpr
+    ):
         """Online softmax over slots [lo, hi) of one (row, head), kept per lane: lane j of the block sees
         slots j, j + BLOCK, ... (from ``lo`` rounded down to a block) and holds its own running max ``m``,
         sum ``l`` and weighted values ``acc`` (BLOCK, DP). Every step is elementwise but the q.k dot; the
@@ -102,7 +116,7 @@ if triton is not None:
         return m, l, acc
 
     @triton.jit
-    def _decode_attention_kernel(
+    def _decode_attention_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: annotations are Triton's
         Q,
         KN,
         VN,
@@ -255,7 +269,7 @@ if triton is not None:
             tl.store(base + D + 1, total)
 
     @triton.jit
-    def _prompt_attention_kernel(
+    def _prompt_attention_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: annotations are Triton's
         Q,
         PK,
         PV,
@@ -332,7 +346,9 @@ if triton is not None:
             tl.store(out + D + 1, l, mask=live)
 
     @triton.jit
-    def _combine_kernel(PART, OUT, so_b, so_h, D: tl.constexpr, DP: tl.constexpr, SPLITS: tl.constexpr):
+    def _combine_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: annotations are Triton's
+        PART, OUT, so_b, so_h, D: tl.constexpr, DP: tl.constexpr, SPLITS: tl.constexpr
+    ):
         """Merge the SPLITS partial softmaxes of one (row, head): rescale each to the common max."""
         row = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1).to(tl.int64)
@@ -379,28 +395,28 @@ def default_splits(rows: int, heads: int, programs: int = 1024, most: int = 16) 
 
 
 def triton_decode_attention(
-    q,
-    pk,
-    pv,
-    rk,
-    rv,
-    grp,
-    start,
-    plen,
-    rlen,
-    k_new=None,
-    v_new=None,
-    live=None,
+    q: torch.Tensor,
+    pk: torch.Tensor,
+    pv: torch.Tensor,
+    rk: torch.Tensor,
+    rv: torch.Tensor,
+    grp: torch.Tensor,
+    start: torch.Tensor,
+    plen: torch.Tensor,
+    rlen: torch.Tensor,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    live: torch.Tensor | None = None,
     splits: int = 1,
     block: int = 16,
     num_warps: int = 2,
     num_stages: int = 3,
-    runs=None,
+    runs: tuple[torch.Tensor, torch.Tensor] | None = None,
     run_rows: int = 16,
     run_block: int = 32,
     run_warps: int = 4,
-    cache_rows=None,
-):
+    cache_rows: torch.Tensor | None = None,
+) -> torch.Tensor:
     """``reference_decode_attention`` as one Triton kernel (CUDA, or the Triton interpreter on CPU).
 
     ``k_new``, ``v_new`` (b, heads, 1, head_dim), optional: the current token's K/V; the kernel writes

@@ -31,10 +31,17 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from rlvr.engines.base import Completion, SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from rlvr.engines.fast.engine import FastHFEngine
 
 
 def find_stop(text: str, stops: tuple[str, ...] | list[str]) -> tuple[int, str] | None:
@@ -49,7 +56,7 @@ def find_stop(text: str, stops: tuple[str, ...] | list[str]) -> tuple[int, str] 
     return best
 
 
-def truncate_at_stop(text: str, stops, include_stop: bool) -> tuple[str, bool]:
+def truncate_at_stop(text: str, stops: tuple[str, ...] | list[str], include_stop: bool) -> tuple[str, bool]:
     """Cut ``text`` at its first stop string; returns ``(text, stopped)``.
 
     With ``include_stop`` the stop string is kept (the text ends right after it), otherwise the text
@@ -98,7 +105,7 @@ def sample_next(
 
 
 @torch.inference_mode()
-def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def sequence_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Teacher-forced log p(token_t | tokens < t) for a right-padded batch, shape (B, T-1).
 
     Positions whose target is padding are 0. Used for the weight-sync probe and by tests.
@@ -109,7 +116,7 @@ def sequence_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     return lp * attention_mask[:, 1:].to(lp.dtype)
 
 
-def seeded_generator(seed: int | None, device) -> torch.Generator:
+def seeded_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
     """A generator on ``device`` seeded with ``seed`` (a fresh random seed when None)."""
     if seed is None:
         seed = int(torch.randint(0, 2**62, (1,)).item())
@@ -119,7 +126,7 @@ def seeded_generator(seed: int | None, device) -> torch.Generator:
 
 
 def chunk_generator(
-    params: SamplingParams, prompt_indices: list[int], shared: torch.Generator, device
+    params: SamplingParams, prompt_indices: list[int], shared: torch.Generator, device: torch.device
 ) -> torch.Generator:
     """The generator of one chunk: ``shared`` (seeded once per call from ``params.seed``), or, with
     ``params.prompt_seeds``, a fresh one seeded from the seeds of the chunk's prompts."""
@@ -130,7 +137,7 @@ def chunk_generator(
     return seeded_generator(int.from_bytes(digest[:8], "little") >> 2, device)
 
 
-def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
+def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> list[list[int]]:
     """Token ids of each prompt (no special tokens); an empty prompt is an error."""
     encoded = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
     for i, ids in enumerate(encoded):
@@ -139,7 +146,7 @@ def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
     return encoded
 
 
-def eos_token_ids(model, tokenizer) -> set[int]:
+def eos_token_ids(model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> set[int]:
     """The ids that end a sequence: the model's generation config, else the tokenizer's EOS."""
     config = getattr(model, "generation_config", None)
     eos = getattr(config, "eos_token_id", None) if config is not None else None
@@ -153,7 +160,12 @@ def longest_first(encoded: list[list[int]]) -> list[int]:
     return sorted(range(len(encoded)), key=lambda i: -len(encoded[i]))
 
 
-def generate_in_chunks(engine, prompts: list[str], params: SamplingParams, run_chunk) -> list[list[Completion]]:
+def generate_in_chunks(
+    engine: HFEngine | FastHFEngine,
+    prompts: list[str],
+    params: SamplingParams,
+    run_chunk: Callable[[list[int], list[list[int]], torch.Generator], list[list[Completion]]],
+) -> list[list[Completion]]:
     """The driver both in-process engines share: encode the prompts, cut them longest first into
     chunks of at most ``engine.max_batch_size`` rows (prompts x samples), call
     ``run_chunk(prompt_indices, prompt_ids, generator)`` for each in eval mode, restore the model's
@@ -182,7 +194,7 @@ def generate_in_chunks(engine, prompts: list[str], params: SamplingParams, run_c
     return results
 
 
-def _stop_window_tokens(stops) -> int:
+def _stop_window_tokens(stops: Sequence[str]) -> int:
     # Every token decodes to at least one byte, so the last len(stop in bytes) tokens hold any
     # occurrence that the newest token completed; +2 leaves room for a split multi-byte character.
     return max((len(s.encode("utf-8")) for s in stops), default=0) + 2
@@ -197,11 +209,17 @@ class HFEngine:
     """
 
     def __init__(
-        self, model, tokenizer, max_batch_size: int = 64, compact_fraction: float = 0.25, mask_unused_vocab: bool = True
-    ):
+        self,
+        model: torch.nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
+        max_batch_size: int = 64,
+        compact_fraction: float = 0.25,
+        mask_unused_vocab: bool = True,
+    ) -> None:
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token = tokenizer.eos_token")
-        self.model = model
+        # A transformers causal LM (or a PEFT model over one): its config and submodules are read by name.
+        self.model: Any = model
         self.tokenizer = tokenizer
         self.max_batch_size = max_batch_size
         self.compact_fraction = compact_fraction
@@ -231,7 +249,7 @@ class HFEngine:
             cache[key] = {i for i, piece in enumerate(pieces) if any(c in piece for c in last)}
         return cache[key]
 
-    def sync_weights(self, model) -> dict:
+    def sync_weights(self, model: torch.nn.Module) -> dict:
         self.model = model
         return {"time/sync": 0.0}
 
@@ -348,7 +366,7 @@ class HFEngine:
             ids = generated[g]
             row_logprobs = lp_host[g, : len(ids)].tolist()
             body = ids[:-1] if ids and ids[-1] in self.eos_ids else ids
-            text = tok.decode(body, skip_special_tokens=True)
+            text = cast(str, tok.decode(body, skip_special_tokens=True))
             if stop_hit[g]:
                 text, _ = truncate_at_stop(text, stops, params.include_stop_str_in_output)
             completions[g // n].append(

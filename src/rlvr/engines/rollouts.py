@@ -20,12 +20,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 
 from rlvr.engines.base import Completion, Engine, SamplingParams
 from rlvr.errors import EngineError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 RolloutRequest = Callable[[int], "tuple[list[str], SamplingParams]"]
 """``request(step)``: the prompts and sampling parameters of 1-based step ``step``."""
@@ -75,11 +78,11 @@ class RolloutBatch:
 
 @runtime_checkable
 class Rollouts(Protocol):
-    def next_batch(self, step: int, model) -> RolloutBatch:
+    def next_batch(self, step: int, model: torch.nn.Module) -> RolloutBatch:
         """The batch of 1-based trainer step ``step``, whose weights (``model``) are version ``step - 1``."""
         ...
 
-    def engine_for_eval(self, model, version: int) -> Engine:
+    def engine_for_eval(self, model: torch.nn.Module, version: int) -> Engine:
         """The engine that validates ``model`` as weight version ``version`` now."""
         ...
 
@@ -99,12 +102,12 @@ class SyncRollouts:
     """Rollouts generated at the call by an engine that takes the trainer's weights in place (or over
     the wire) before every batch: every batch is on-policy (weight version ``step - 1``)."""
 
-    def __init__(self, engine: Engine, tokenizer, request: RolloutRequest):
+    def __init__(self, engine: Engine, tokenizer: PreTrainedTokenizerBase, request: RolloutRequest) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.request = request
 
-    def next_batch(self, step: int, model) -> RolloutBatch:
+    def next_batch(self, step: int, model: torch.nn.Module) -> RolloutBatch:
         from rlvr.grpo import tokenize_from_ids
         from rlvr.grpo.tokenize import pad_token_id
 
@@ -153,7 +156,7 @@ class SyncRollouts:
             timings={"time/generate": generate_time, "time/tokenize": time.perf_counter() - t0},
         )
 
-    def engine_for_eval(self, model, version: int) -> Engine:
+    def engine_for_eval(self, model: torch.nn.Module, version: int) -> Engine:
         return self.engine
 
     def close(self) -> None:

@@ -30,12 +30,17 @@ import os
 import subprocess
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import requests
 
 from rlvr.engines.base import Completion, SamplingParams
 from rlvr.engines.worker import PROBE_TEXTS, WeightSyncError
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
 
 
 class VLLMEngine:
@@ -48,8 +53,8 @@ class VLLMEngine:
 
     def __init__(
         self,
-        model,
-        tokenizer,
+        model: torch.nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
         served_model: str | None = None,
         base_url: str | None = None,
         port: int = 8000,
@@ -62,8 +67,8 @@ class VLLMEngine:
         master_port: int = 29551,
         probe_tolerance: float = 0.25,
         check_sync: bool = True,
-        session=None,
-    ):
+        session: requests.Session | None = None,
+    ) -> None:
         self.tokenizer = tokenizer
         self.served_model = served_model or getattr(getattr(model, "config", None), "_name_or_path", None)
         if not self.served_model:
@@ -164,7 +169,7 @@ class VLLMEngine:
         return parse_completions(body, len(prompts), params.n)
 
     # -- weight sync ----------------------------------------------------------------------------
-    def _trainer_init(self, world_size: int):
+    def _trainer_init(self, world_size: int) -> Any:
         """Join the NCCL group as rank 0 (vLLM's trainer-side helper; imported only here)."""
         from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
 
@@ -172,18 +177,18 @@ class VLLMEngine:
             dict(master_address=self.master_address, master_port=self.master_port, world_size=world_size)
         )
 
-    def _trainer_send(self, model) -> None:
+    def _trainer_send(self, model: torch.nn.Module) -> None:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerSendWeightsArgs, NCCLWeightTransferEngine
 
         NCCLWeightTransferEngine.trainer_send_weights(
             iterator=model.named_parameters(), trainer_args=NCCLTrainerSendWeightsArgs(group=self._group, packed=True)
         )
 
-    def _post_while(self, path: str, payload: dict, work) -> None:
+    def _post_while(self, path: str, payload: dict, work: Callable[[], object]) -> None:
         """POST ``path`` in a thread (the server blocks in NCCL) while ``work()`` runs here."""
         errors: list[BaseException] = []
 
-        def post():
+        def post() -> None:
             try:
                 self._request("POST", path, payload)
             except BaseException as e:  # re-raised in the caller's thread
@@ -213,7 +218,7 @@ class VLLMEngine:
         )
         self._group = holder["group"]
 
-    def sync_weights(self, model) -> dict:
+    def sync_weights(self, model: torch.nn.Module) -> dict:
         t0 = time.perf_counter()
         if self._group is None:
             self.init_weight_transfer()
@@ -241,7 +246,7 @@ class VLLMEngine:
                 )
         return info
 
-    def probe_diff(self, model) -> float:
+    def probe_diff(self, model: torch.nn.Module) -> float:
         """Max |server − trainer| over the probe batch's prompt log-probs."""
         import torch
 

@@ -40,11 +40,18 @@ import socket
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rlvr.engines.base import Completion, Engine, SamplingParams
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 PROBE_TEXTS = (
     "User: Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.\n"
@@ -77,7 +84,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _make_group(backend: str, rank: int, port: int, timeout_s: float):
+def _make_group(
+    backend: str, rank: int, port: int, timeout_s: float
+) -> Any:  # torch's stubs give these backends no broadcast, which they have
     """A two-rank process group (trainer 0, worker 1) that does not touch the default group."""
     import torch.distributed as dist
 
@@ -99,12 +108,12 @@ def _wire(t: torch.Tensor, backend: str) -> torch.Tensor:
     return t
 
 
-def _named_tensors(model) -> list[tuple[str, torch.Tensor]]:
+def _named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """Parameters then buffers, in a fixed order; both sides build the same architecture."""
     return list(model.named_parameters()) + list(model.named_buffers())
 
 
-def build_plan(model, bucket_mb: float) -> list[dict]:
+def build_plan(model: torch.nn.Module, bucket_mb: float) -> list[dict]:
     """Group the model's tensors into buckets of one dtype and about ``bucket_mb`` MB each."""
     limit = int(bucket_mb * 2**20)
     plan: list[dict] = []
@@ -119,7 +128,9 @@ def build_plan(model, bucket_mb: float) -> list[dict]:
     return plan
 
 
-def probe_batch(tokenizer, texts=PROBE_TEXTS) -> tuple[torch.Tensor, torch.Tensor]:
+def probe_batch(
+    tokenizer: PreTrainedTokenizerBase, texts: Sequence[str] = PROBE_TEXTS
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The probe texts as a right-padded ``(input_ids, attention_mask)`` batch."""
     ids = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
     L = max(map(len, ids))
@@ -131,7 +142,7 @@ def probe_batch(tokenizer, texts=PROBE_TEXTS) -> tuple[torch.Tensor, torch.Tenso
     return input_ids, mask
 
 
-def _probe(model, input_ids, mask) -> torch.Tensor:
+def _probe(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     from rlvr.engines.hf import sequence_logprobs
 
     device = next(model.parameters()).device
@@ -144,10 +155,10 @@ def _probe(model, input_ids, mask) -> torch.Tensor:
 
 
 def _rollout(
-    engine,
-    model,
-    tokenizer,
-    version,
+    engine: Engine,
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    version: int | None,
     request_id: int,
     prompts: list[str],
     params: SamplingParams,
@@ -193,9 +204,9 @@ def _rollout(
 
 
 def _worker_main(
-    conn,
-    config,
-    tokenizer,
+    conn: Connection,
+    config: PretrainedConfig,
+    tokenizer: PreTrainedTokenizerBase,
     device: str,
     dtype: torch.dtype,
     backend: str,
@@ -323,8 +334,8 @@ class HFWorkerEngine:
 
     def __init__(
         self,
-        model,
-        tokenizer,
+        model: torch.nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
         device: str = "cpu",
         dtype: torch.dtype | str | None = None,
         bucket_mb: float = 256.0,
@@ -332,8 +343,8 @@ class HFWorkerEngine:
         backend: str | None = None,
         timeout_s: float = 600.0,
         start_timeout_s: float = 300.0,
-        **engine_options,
-    ):
+        **engine_options: Any,
+    ) -> None:
         import torch.multiprocessing as mp
 
         dev = torch.device(device)
@@ -380,7 +391,7 @@ class HFWorkerEngine:
         self.sync_weights(model)
 
     # -- plumbing ------------------------------------------------------------------------------
-    def _wait(self, timeout_s: float | None = None):
+    def _wait(self, timeout_s: float | None = None) -> Any:
         deadline = time.monotonic() + (timeout_s or self.timeout_s)
         while not self._conn.poll(0.05):
             if not self._proc.is_alive():
@@ -394,7 +405,7 @@ class HFWorkerEngine:
             raise RuntimeError(f"the engine worker failed:\n{value}")
         return value
 
-    def _call(self, cmd: str, payload=None):
+    def _call(self, cmd: str, payload: Any = None) -> Any:
         with self._lock:
             if self._closed:
                 raise RuntimeError("this engine is closed; build a new one")
@@ -406,7 +417,7 @@ class HFWorkerEngine:
         return self._call("generate", (list(prompts), params))
 
     @torch.no_grad()
-    def sync_weights(self, model) -> dict:
+    def sync_weights(self, model: torch.nn.Module) -> dict:
         """Broadcast ``model``'s weights in flat buckets, then check the probe log-probs.
 
         Raises ``WeightSyncError`` when the worker's probe log-probs differ from the trainer's by more
@@ -439,7 +450,7 @@ class HFWorkerEngine:
 
     # -- deferred, versioned syncs and scored rollouts (for async_rollout) ----------------------
     @torch.no_grad()
-    def snapshot(self, model, version: int) -> WeightSnapshot:
+    def snapshot(self, model: torch.nn.Module, version: int) -> WeightSnapshot:
         """Copy ``model``'s weights into flat buckets on the communication device, and its probe
         log-probs, as they are now: the model may change afterwards without affecting the snapshot.
 
@@ -511,7 +522,7 @@ class HFWorkerEngine:
             },
         )
 
-    def probe_diff(self, model) -> float:
+    def probe_diff(self, model: torch.nn.Module) -> float:
         """Max absolute difference of the probe batch's log-probs between trainer and worker."""
         mine = _probe(model, self._probe_ids, self._probe_mask)
         theirs = self._call("probe", (self._probe_ids, self._probe_mask))
@@ -547,8 +558,8 @@ class HFWorkerEngine:
                 self._proc.join(timeout=10)
             self._conn.close()
 
-    def __enter__(self):
+    def __enter__(self) -> HFWorkerEngine:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()

@@ -18,6 +18,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -25,6 +27,10 @@ from rlvr.config import flatten
 from rlvr.experiments.runs import Run, group_runs, read_rollouts
 from rlvr.grpo.diagnostics import ADVANTAGE_MASS, SEQ_EPS, TOKEN_EPS, group_gradient_weight, predicted_group_weight
 from rlvr.grpo.variance import ESTIMATORS
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 # --- the run's estimator ----------------------------------------------------------------------------
 
@@ -310,7 +316,7 @@ def predicted_baseline_change(p: float, energy_correct: float, energy_incorrect:
     return (1 - p) * ((1 - p) + p * energy_incorrect / energy_correct)
 
 
-def _g(x) -> str:
+def _g(x: object) -> str:
     return f"{x:.3g}" if isinstance(x, (int, float)) and math.isfinite(x) else "–"
 
 
@@ -508,7 +514,7 @@ def _quarter(v: np.ndarray, c: UpdateCurves, first: bool) -> str:
 # --- figures ----------------------------------------------------------------------------------------
 
 
-def _pyplot():
+def _pyplot() -> ModuleType:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -523,7 +529,7 @@ def _wrap(text: str, width_chars: int) -> str:
     return "\n".join(textwrap.wrap(text, max(55, width_chars)))
 
 
-def _save(fig, path: Path) -> Path:
+def _save(fig: Figure, path: Path) -> Path:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
@@ -708,7 +714,7 @@ def plot_variance(runs: Sequence[Run], path: Path) -> Path | None:
 _PHASE_CMAP = "viridis"
 
 
-def _plot_finite(ax, x: np.ndarray, y: np.ndarray, *args, **kwargs) -> None:
+def _plot_finite(ax: Axes, x: np.ndarray, y: np.ndarray, *args: Any, **kwargs: Any) -> None:
     """``ax.plot`` of the finite points only, joined across the updates that logged nothing."""
     ok = np.isfinite(y)
     ax.plot(x[ok], y[ok], *args, **kwargs)

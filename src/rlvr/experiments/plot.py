@@ -23,8 +23,14 @@ import re
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 from rlvr.config import flatten
 from rlvr.experiments.runs import (
@@ -46,7 +52,7 @@ LINESTYLES = ("-", "--", "-.", ":")
 _NOT_SETTING_KEYS = ("seed", "out", "out_dir", "output_dir", "run_dir", "name", "resume", "plugins")
 
 
-def _pyplot():
+def _pyplot() -> ModuleType:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -76,7 +82,7 @@ def all_metrics(runs: Sequence[Run]) -> list[str]:
 
 
 def draw_metric(
-    ax,
+    ax: Axes,
     groups: dict[str, list[Run]],
     metric: str,
     band: str = "minmax",
@@ -112,7 +118,7 @@ def draw_metric(
     return drawn
 
 
-def _legend(ax, band: str, n_groups: int) -> None:
+def _legend(ax: Axes, band: str, n_groups: int) -> None:
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
@@ -148,7 +154,7 @@ def plot_metric(
         plt.close(fig)
 
 
-def _save(fig, path: str | Path) -> Path:
+def _save(fig: Figure, path: str | Path) -> Path:
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -20,6 +20,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -158,11 +159,11 @@ class Run:
         return f"{self.setting}/seed_{self.seed}" if self.seed is not None else self.setting
 
 
-def _is_number(value) -> bool:
+def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def config_value(config: dict, names: Sequence[str]):
+def config_value(config: dict, names: Sequence[str]) -> Any:
     """The value of the first of ``names`` found in ``config``, matched on the full dotted key or its
     last component (so ``lr`` finds ``optim.lr``); None if absent."""
     flat = flatten(config)

@@ -38,6 +38,13 @@ import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+    from rlvr.data import Example
 
 
 @dataclass
@@ -90,14 +97,14 @@ class ProofConfig:
     """Show progress bars."""
 
 
-def worked_solution(example, answer: str | None = None) -> str:
+def worked_solution(example: Example, answer: str | None = None) -> str:
     """``"7 + 5 = 12. 12 - 3 = 9. The answer is 9."`` for an arith example (``answer`` replaces the final number)."""
     values = example.meta["values"]
     steps = " ".join(f"{a} {op} {k} = {b}." for (op, k), a, b in zip(example.meta["ops"], values, values[1:]))
     return f"{steps} The answer is {example.ground_truth if answer is None else answer}."
 
 
-def restated(example) -> str | None:
+def restated(example: Example) -> str | None:
     """The flawed solution (the starting amount as the answer), or None where it would be right."""
     start = str(example.meta["start"])
     return None if start == example.ground_truth else worked_solution(example, start)
@@ -110,7 +117,9 @@ def _write_jsonl(path: Path, rows: list[dict]) -> Path:
     return path
 
 
-def task_accuracy(model, tokenizer, problems, max_new_tokens: int) -> dict:
+def task_accuracy(
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, problems: list[Example], max_new_tokens: int
+) -> dict:
     """Greedy accuracy on ``problems`` in fine-tuned mode; how often the answer restates the start; how
     often the last computed result (before "The answer is") is right, whatever the answer says."""
     from rlvr.engines import make_engine

@@ -60,10 +60,10 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -73,6 +73,11 @@ from rlvr.errors import UserError
 from rlvr.experiments.plugins import import_plugins, resolve_plugin
 from rlvr.interrupts import Terminated, exit_code, sigterm_as_interrupt
 from rlvr.rundir import LOCK_FILE, atomic_write_json, atomic_write_text, describe_holder, lock_holder
+
+if TYPE_CHECKING:
+    # ``train_fn(config_path, out_dir, resume)``: one run, in this process.
+    TrainFn = Callable[[Path, Path, bool], None]
+
 
 SETTING_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.=+,-]*$")
 SWEEP_DIR = "_sweep"
@@ -131,7 +136,7 @@ def deep_merge(base: dict, overrides: dict) -> dict:
     return out
 
 
-def _fmt(value) -> str:
+def _fmt(value: object) -> str:
     if isinstance(value, float):
         return f"{value:g}"
     return str(value)
@@ -228,7 +233,7 @@ class SweepSpec:
         return deep_merge(deep_merge(self.base, self.settings[setting]), {self.seed_field: seed})
 
 
-def _parse_settings(raw) -> dict[str, dict]:
+def _parse_settings(raw: Any) -> dict[str, dict]:
     if raw is None:
         return {}
     if isinstance(raw, dict):
@@ -312,7 +317,7 @@ def _count_lines(path: Path) -> int:
         return 0
 
 
-def _same(a, b) -> bool:
+def _same(a: Any, b: Any) -> bool:
     if (
         isinstance(a, (int, float))
         and isinstance(b, (int, float))
@@ -513,7 +518,9 @@ def execute(
     return _execute_parallel(todo, out, plugins, max_parallel, devices, python, echo)
 
 
-def _execute_in_process(todo, out, train_fn, echo) -> list[Outcome]:
+def _execute_in_process(
+    todo: list[PlannedRun], out: Path, train_fn: TrainFn, echo: Callable[[str], None]
+) -> list[Outcome]:
     outcomes = []
     for i, p in enumerate(todo, 1):
         echo(f"[{i}/{len(todo)}] {p.action} {p.label}")
@@ -533,7 +540,15 @@ def _execute_in_process(todo, out, train_fn, echo) -> list[Outcome]:
     return outcomes
 
 
-def _execute_parallel(todo, out, plugins, max_parallel, devices, python, echo) -> list[Outcome]:
+def _execute_parallel(
+    todo: list[PlannedRun],
+    out: Path,
+    plugins: Sequence[str],
+    max_parallel: int,
+    devices: Sequence[str] | None,
+    python: str,
+    echo: Callable[[str], None],
+) -> list[Outcome]:
     pending = list(todo)
     running: dict[int, tuple[subprocess.Popen, PlannedRun, float, Any]] = {}
     free_slots = list(range(max_parallel))
@@ -587,7 +602,11 @@ def _execute_parallel(todo, out, plugins, max_parallel, devices, python, echo) -
     return outcomes
 
 
-def _stop_children(running, echo, grace_s: float = 120.0) -> None:
+def _stop_children(
+    running: Iterable[tuple[subprocess.Popen, PlannedRun, float, Any]],
+    echo: Callable[[str], None],
+    grace_s: float = 120.0,
+) -> None:
     """Ctrl-C each child (the trainer then finishes its step and saves a checkpoint, so the next
     sweep resumes it), wait up to ``grace_s``, then kill what is left of its process group (the
     child and anything it started, such as an engine worker)."""
@@ -661,7 +680,7 @@ def run_sweep(
     settings: Sequence[str] | None = None,
     devices: Sequence[str] | None = None,
     base_overrides: dict | None = None,
-    train_fn=None,
+    train_fn: TrainFn | None = None,
     argv: Sequence[str] = (),
     echo: Callable[[str], None] = print,
 ) -> tuple[list[PlannedRun], list[Outcome]]:

@@ -23,6 +23,7 @@ New baselines and normalizers are plain functions registered in ``BASELINES`` / 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -53,7 +54,7 @@ BASELINES: dict[str, Reduce] = {"mean": _mean, "none": _zero}
 NORMALIZERS: dict[str, Reduce] = {"std": _std_plus_eps, "mean": _mean_plus_eps, "none": _one}
 
 
-def register_baseline(name: str):
+def register_baseline(name: str) -> Callable[[Reduce], Reduce]:
     """Decorator: make ``fn(rewards (n_groups, G), eps) -> (n_groups, 1)`` selectable as ``baseline=name``."""
 
     def deco(fn: Reduce) -> Reduce:
@@ -63,7 +64,7 @@ def register_baseline(name: str):
     return deco
 
 
-def register_normalizer(name: str):
+def register_normalizer(name: str) -> Callable[[Reduce], Reduce]:
     """Decorator: make ``fn(rewards (n_groups, G), eps) -> (n_groups, 1)`` selectable as ``advantage_normalizer=name``."""
 
     def deco(fn: Reduce) -> Reduce:
@@ -73,14 +74,18 @@ def register_normalizer(name: str):
     return deco
 
 
-def _lookup(table: dict, kind: str, name: str):
+def _lookup(table: dict[str, Reduce], kind: str, name: str) -> Reduce:
     try:
         return table[name]
     except KeyError:
         raise ValueError(f"unknown {kind} {name!r}: choose one of {sorted(table)} or register your own") from None
 
 
-def compute_rollout_rewards(reward_fn, rollout_responses: Sequence[str], repeated_ground_truths: Sequence[str]):
+def compute_rollout_rewards(
+    reward_fn: Callable[[str, str], dict[str, float]],
+    rollout_responses: Sequence[str],
+    repeated_ground_truths: Sequence[str],
+) -> tuple[torch.Tensor, dict[str, Any]]:
     """Score every response. Returns ``raw_rewards`` (B,) float32 and metadata with the mean reward,
     mean format reward and mean answer reward, plus ``format_rewards`` (B,) for per-sample logging."""
     if len(rollout_responses) != len(repeated_ground_truths):
@@ -102,8 +107,12 @@ def compute_rollout_rewards(reward_fn, rollout_responses: Sequence[str], repeate
 
 
 def compute_group_normalized_rewards(
-    raw_rewards, group_size: int, baseline: str = "mean", advantage_eps: float = 1e-6, advantage_normalizer: str = "std"
-):
+    raw_rewards: torch.Tensor | Sequence[float],
+    group_size: int,
+    baseline: str = "mean",
+    advantage_eps: float = 1e-6,
+    advantage_normalizer: str = "std",
+) -> tuple[torch.Tensor, dict[str, Any]]:
     """Advantages (B,) = (r - baseline(group)) / normalizer(group) over consecutive groups of ``group_size``.
 
     Metadata: reward mean/std/min/max over the batch, ``zero_adv_frac`` (share of groups whose

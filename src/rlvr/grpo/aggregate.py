@@ -20,11 +20,12 @@ from dataclasses import dataclass
 import torch
 
 Number = float | torch.Tensor
+Divisor = Callable[[Number, int, float | None], Number]
 
 
 @dataclass(frozen=True)
 class Aggregation:
-    divisor: Callable[[Number, int, float | None], Number]
+    divisor: Divisor
     """``divisor(n_tokens, batch_size, normalization_constant)``: what a sequence's summed token loss is
     divided by, for ``n_tokens`` response tokens (a float, or a tensor of one count per sequence) in a
     batch of ``batch_size`` sequences."""
@@ -37,11 +38,13 @@ class Aggregation:
 AGGREGATIONS: dict[str, Aggregation] = {}
 
 
-def register_aggregation(name: str, per_sequence: bool, needs_normalization_constant: bool = False):
+def register_aggregation(
+    name: str, per_sequence: bool, needs_normalization_constant: bool = False
+) -> Callable[[Divisor], Divisor]:
     """Decorator: make ``divisor(n_tokens, batch_size, normalization_constant)`` selectable as
     ``loss_normalization=name`` (see ``Aggregation``)."""
 
-    def deco(divisor):
+    def deco(divisor: Divisor) -> Divisor:
         AGGREGATIONS[name] = Aggregation(divisor, per_sequence, needs_normalization_constant)
         return divisor
 
@@ -49,13 +52,13 @@ def register_aggregation(name: str, per_sequence: bool, needs_normalization_cons
 
 
 @register_aggregation("sequence", per_sequence=True)
-def _per_sequence_tokens(n_tokens, batch_size, normalization_constant):
+def _per_sequence_tokens(n_tokens: Number, batch_size: int, normalization_constant: float | None) -> Number:
     n = n_tokens.clamp(min=1) if isinstance(n_tokens, torch.Tensor) else max(n_tokens, 1)
     return n * batch_size
 
 
 @register_aggregation("constant", per_sequence=False, needs_normalization_constant=True)
-def _fixed_constant(n_tokens, batch_size, normalization_constant):
+def _fixed_constant(n_tokens: Number, batch_size: int, normalization_constant: float | None) -> Number:
     return normalization_constant
 
 
@@ -80,7 +83,7 @@ def aggregate_loss_across_microbatch(
     mask: torch.Tensor,
     loss_normalization: str = "sequence",
     normalization_constant: float | None = None,
-):
+) -> torch.Tensor:
     loss = per_token_policy_gradient_loss
     m = mask.to(device=loss.device, dtype=loss.dtype)
     if m.shape != loss.shape:

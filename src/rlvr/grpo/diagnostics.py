@@ -49,7 +49,7 @@ MassFn = Callable[[int, float, float], tuple[float, float]]
 ADVANTAGE_MASS: dict[tuple[str, str], MassFn] = {}
 
 
-def register_advantage_mass(baseline: str, normalizer: str):
+def register_advantage_mass(baseline: str, normalizer: str) -> Callable[[MassFn], MassFn]:
     """Decorator: the closed-form advantage mass of (``baseline``, ``normalizer``) for binary rewards,
     ``fn(G, p, eps) -> (sum of |A| over correct samples, sum over incorrect samples)``."""
 
@@ -67,13 +67,13 @@ def _centred_mass(G: int, p: float) -> float:
 
 
 @register_advantage_mass("mean", "none")
-def _mass_mean_none(G, p, eps):
+def _mass_mean_none(G: int, p: float, eps: float) -> tuple[float, float]:
     m = _centred_mass(G, p)
     return m, m
 
 
 @register_advantage_mass("mean", "std")
-def _mass_mean_std(G, p, eps):
+def _mass_mean_std(G: int, p: float, eps: float) -> tuple[float, float]:
     if G < 2:
         raise ValueError("the std normalizer needs group_size >= 2")
     m = _centred_mass(G, p)
@@ -84,7 +84,7 @@ def _mass_mean_std(G, p, eps):
 
 
 @register_advantage_mass("mean", "mean")
-def _mass_mean_mean(G, p, eps):
+def _mass_mean_mean(G: int, p: float, eps: float) -> tuple[float, float]:
     m = _centred_mass(G, p)
     if m == 0.0:
         return 0.0, 0.0
@@ -92,7 +92,7 @@ def _mass_mean_mean(G, p, eps):
 
 
 @register_advantage_mass("none", "none")
-def _mass_none_none(G, p, eps):
+def _mass_none_none(G: int, p: float, eps: float) -> tuple[float, float]:
     return G * p, 0.0
 
 

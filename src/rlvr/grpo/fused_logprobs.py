@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -121,7 +122,7 @@ def _forward(
 class _LinearLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx,
+        ctx: Any,
         hidden: torch.Tensor,
         weight: torch.Tensor,
         bias: torch.Tensor | None,
@@ -137,7 +138,9 @@ class _LinearLogProbs(torch.autograd.Function):
         return lp, entropy
 
     @staticmethod
-    def backward(ctx, grad_lp: torch.Tensor, _grad_entropy: torch.Tensor):
+    def backward(
+        ctx: Any, grad_lp: torch.Tensor, _grad_entropy: torch.Tensor
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None, None, None]:
         hidden, weight, bias, labels, lse = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         _, _, grad_pass = _passes(ctx.compiled)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import sys
 import types
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint
@@ -20,7 +22,9 @@ from torch.utils.checkpoint import checkpoint
 from rlvr.grpo.fused_logprobs import DEFAULT_CHUNK_TOKENS, linear_log_probs
 
 
-def _stats_from_logits(logits: torch.Tensor, labels: torch.Tensor, want_entropy: bool):
+def _stats_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, want_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     logits = logits.float()
     log_z = torch.logsumexp(logits, dim=-1)
     log_probs = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - log_z
@@ -33,7 +37,7 @@ def _stats_from_logits(logits: torch.Tensor, labels: torch.Tensor, want_entropy:
     return log_probs, entropy
 
 
-def _lm_head(model, allow_sharded: bool = False):
+def _lm_head(model: torch.nn.Module, allow_sharded: bool = False) -> torch.nn.Linear | None:
     """The output projection when logits are a plain ``Linear`` of the last hidden state, else None.
 
     Models that post-process logits (soft-capping, logit scaling) fall back to the model's own
@@ -53,14 +57,14 @@ def _lm_head(model, allow_sharded: bool = False):
         or getattr(cfg, "logit_scale", None) not in (None, 1.0)
     ):
         return None
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None  # type: ignore[operator]
     backbone = getattr(model, "base_model", None)
     if type(head) is not torch.nn.Linear or backbone is None or backbone is model:
         return None
     return head
 
 
-def model_device(model) -> torch.device:
+def model_device(model: torch.nn.Module) -> torch.device:
     """The device ``model`` computes on: its parameters' device, or, for parameters that FSDP2 keeps
     offloaded on the CPU, the device of their mesh (where each layer is gathered to run)."""
     param = next(model.parameters())
@@ -72,7 +76,7 @@ def model_device(model) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-def _peft_base(model):
+def _peft_base(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model inside a peft wrapper, whose own layers hold the adapters, so its
     backbone and head compute what the wrapper does; any other model as it is."""
     peft = sys.modules.get("peft")  # a model cannot be a PeftModel if peft was never imported
@@ -81,7 +85,7 @@ def _peft_base(model):
     return model.get_base_model()
 
 
-def _without_peft(model):
+def _without_peft(model: torch.nn.Module) -> torch.nn.Module:
     """``_peft_base``, except that a sharded (FSDP2) peft root stays whole: its forward methods are
     what gather its parameters."""
     from torch.distributed.fsdp import FSDPModule
@@ -90,7 +94,14 @@ def _without_peft(model):
 
 
 def _fused_log_probs(
-    model, head, input_ids, labels, kwargs: dict, chunk_tokens: int, return_token_entropy: bool, backbone=None
+    model: torch.nn.Module,
+    head: torch.nn.Linear,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    kwargs: dict,
+    chunk_tokens: int,
+    return_token_entropy: bool,
+    backbone: Callable[..., Any] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Log-probs through the backbone and the chunked fused head (``linear_log_probs``)."""
     rows = input_ids.shape[0]
@@ -101,7 +112,7 @@ def _fused_log_probs(
         copies = 2 if rows == 1 else 1
         input_ids = input_ids.repeat(copies, 1)
         kwargs = {k: v.repeat(copies, 1) for k, v in kwargs.items()}
-    hidden = (model.base_model if backbone is None else backbone)(
+    hidden = (model.base_model if backbone is None else backbone)(  # type: ignore[operator]  # transformers' backbone
         input_ids=input_ids, use_cache=False, **kwargs
     ).last_hidden_state[:rows]
     flat_h = hidden.reshape(-1, hidden.shape[-1])
@@ -123,19 +134,32 @@ def _fused_log_probs(
 FUSED_METHOD = "rlvr_fused_log_probs"
 
 
-def _fused_forward(self, input_ids, labels, kwargs: dict, chunk_tokens: int, return_token_entropy: bool):
+def _fused_forward(
+    self: torch.nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    kwargs: dict,
+    chunk_tokens: int,
+    return_token_entropy: bool,
+) -> dict[str, torch.Tensor]:
     """The fused log-prob pass as a method of the model (peft wrapper or not) that a data-parallel
     wrapper runs in place of ``forward``: the wrapper's hooks then see it as the model's forward."""
     plain = _peft_base(self)
     out = _fused_log_probs(
-        plain, plain.get_output_embeddings(), input_ids, labels, kwargs, chunk_tokens, return_token_entropy
+        plain,
+        plain.get_output_embeddings(),  # type: ignore[operator]  # a transformers model's head
+        input_ids,
+        labels,
+        kwargs,
+        chunk_tokens,
+        return_token_entropy,
     )
     # FSDP2 hooks the backward through the returned tensors; fresh ones (not views) keep an in-place
     # change by a caller from detaching that hook.
     return {k: v.clone() for k, v in out.items()}
 
 
-def enable_fused_log_probs(model) -> bool:
+def enable_fused_log_probs(model: torch.nn.Module) -> bool:
     """Let an FSDP2-sharded model use the fused head: registers ``_fused_forward`` as one of its
     forward methods (``register_fsdp_forward_method``), so the root's parameters are gathered for it
     and its gradients reduced after it like a forward's. False (and nothing done) when the model's
@@ -149,7 +173,7 @@ def enable_fused_log_probs(model) -> bool:
     return True
 
 
-def _wrapped_fused_call(model):
+def _wrapped_fused_call(model: torch.nn.Module) -> Callable[..., dict[str, torch.Tensor]] | None:
     """The fused pass run through a data-parallel wrapper, so the wrapper's hooks see it as the
     model's forward: the method ``enable_fused_log_probs`` registered on an FSDP2 root, or, under DDP,
     the inner model's ``forward`` pointed at ``_fused_forward`` for one call. None otherwise."""
@@ -162,7 +186,9 @@ def _wrapped_fused_call(model):
         return None
     inner = model.module
 
-    def call(input_ids, labels, kwargs, chunk_tokens, return_token_entropy):
+    def call(
+        input_ids: torch.Tensor, labels: torch.Tensor, kwargs: dict, chunk_tokens: int, return_token_entropy: bool
+    ) -> dict[str, torch.Tensor]:
         had_own = "forward" in inner.__dict__
         own = inner.__dict__.get("forward")
         inner.forward = types.MethodType(_fused_forward, inner)
@@ -202,9 +228,10 @@ class LayerwiseCompiledBackbone:
     engines, which call the same modules between training steps, run them eagerly.
     """
 
-    def __init__(self, model, dynamic: bool = True):
-        self.base_model = model.base_model
-        self.layers = list(self.base_model.layers)
+    def __init__(self, model: torch.nn.Module, dynamic: bool = True) -> None:
+        # transformers' backbone (``model.base_model``): its decoder layers are read by name.
+        self.base_model: Any = model.base_model
+        self.layers = list(self.base_model.layers)  # type: ignore[union-attr, arg-type]
         kinds = {type(layer) for layer in self.layers}
         if len(kinds) != 1:
             raise ValueError(
@@ -212,7 +239,7 @@ class LayerwiseCompiledBackbone:
             )
         self.compiled_forward = torch.compile(kinds.pop().forward, dynamic=dynamic, options=inductor_options())
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         for layer in self.layers:
             layer.forward = types.MethodType(self.compiled_forward, layer)
         try:
@@ -222,7 +249,7 @@ class LayerwiseCompiledBackbone:
                 del layer.forward
 
 
-def compile_backbone(model, dynamic: bool = True):
+def compile_backbone(model: torch.nn.Module, dynamic: bool = True) -> Any:
     """A compiled stand-in for the model's backbone (``model.base_model``), for ``backbone=`` below.
 
     Models whose backbone keeps its decoder layers in ``base_model.layers`` (OLMo-2, Llama, Qwen and
@@ -236,20 +263,20 @@ def compile_backbone(model, dynamic: bool = True):
             f"model.compile needs a model whose logits are a plain Linear of model.base_model's output; "
             f"{type(model).__name__} is not one (wrapped, soft-capped or scaled logits): set model.compile to false"
         )
-    if isinstance(getattr(model.base_model, "layers", None), torch.nn.ModuleList) and len(model.base_model.layers):
+    if isinstance(getattr(model.base_model, "layers", None), torch.nn.ModuleList) and len(model.base_model.layers):  # type: ignore[union-attr, arg-type]
         return LayerwiseCompiledBackbone(model, dynamic=dynamic)
-    return torch.compile(model.base_model, dynamic=dynamic, options=inductor_options())
+    return torch.compile(model.base_model, dynamic=dynamic, options=inductor_options())  # type: ignore[arg-type]
 
 
 def get_response_log_probs(
-    model,
+    model: torch.nn.Module,
     input_ids: torch.Tensor,
     labels: torch.Tensor,
     return_token_entropy: bool = False,
     attention_mask: torch.Tensor | None = None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     position_ids: torch.Tensor | None = None,
-    backbone=None,
+    backbone: Callable[..., Any] | None = None,
 ) -> dict[str, torch.Tensor]:
     """``log_probs`` (B, T): log p(labels[b, t] | input_ids[b, :t+1]); with the flag, ``token_entropy``
     (B, T): entropy of the next-token distribution at t (detached: it is a diagnostic).
@@ -292,7 +319,11 @@ def get_response_log_probs(
 
 @torch.no_grad()
 def compute_log_probs_batched(
-    model, input_ids: torch.Tensor, labels: torch.Tensor, batch_size: int, chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    batch_size: int,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> torch.Tensor:
     """``log_probs`` for a large batch in slices of ``batch_size`` rows (no grad), on the model's device.
 

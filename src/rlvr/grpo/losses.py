@@ -31,10 +31,12 @@ from dataclasses import dataclass
 
 import torch
 
+ReweightFn = Callable[..., tuple[torch.Tensor, dict]]
+
 
 @dataclass(frozen=True)
 class Reweighting:
-    fn: Callable[..., tuple[torch.Tensor, dict]]
+    fn: ReweightFn
     """``fn(A (B,1), logp (B,T), old (B,T)|None, cliprange float|None, mask (B,T) bool|None)``."""
     needs_old_log_probs: bool = False
     needs_cliprange: bool = False
@@ -46,14 +48,14 @@ REWEIGHTINGS: dict[str, Reweighting] = {}
 
 def register_reweighting(
     name: str, needs_old_log_probs: bool = True, needs_cliprange: bool = False, needs_response_mask: bool = False
-):
+) -> Callable[[ReweightFn], ReweightFn]:
     """Decorator registering ``fn`` as an importance-reweighting method selectable by ``name``.
 
     ``fn`` must return a per-token loss that is zero (with zero gradient) for a sequence whose
     advantage is zero: the train step skips such sequences entirely.
     """
 
-    def deco(fn):
+    def deco(fn: ReweightFn) -> ReweightFn:
         REWEIGHTINGS[name] = Reweighting(fn, needs_old_log_probs, needs_cliprange, needs_response_mask)
         return fn
 
@@ -75,18 +77,24 @@ def _clip_stats(clipped: torch.Tensor, mask: torch.Tensor | None) -> dict:
 
 
 @register_reweighting("none", needs_old_log_probs=False)
-def _reinforce(A, logp, old, eps, mask):
+def _reinforce(
+    A: torch.Tensor, logp: torch.Tensor, old: torch.Tensor | None, eps: float | None, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, dict]:
     return -A * logp, {}
 
 
 @register_reweighting("noclip")
-def _noclip(A, logp, old, eps, mask):
+def _noclip(
+    A: torch.Tensor, logp: torch.Tensor, old: torch.Tensor | None, eps: float | None, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, dict]:
     ratio = torch.exp(logp - old)
     return -A * ratio, {"ratio_mean": _masked_mean(ratio, mask).detach()}
 
 
 @register_reweighting("ppo_clip", needs_cliprange=True)
-def _ppo_clip(A, logp, old, eps, mask):
+def _ppo_clip(
+    A: torch.Tensor, logp: torch.Tensor, old: torch.Tensor | None, eps: float | None, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, dict]:
     ratio = torch.exp(logp - old)
     unclipped = A * ratio
     clipped = A * torch.clamp(ratio, 1.0 - eps, 1.0 + eps)
@@ -102,7 +110,9 @@ for _alias, _name in REWEIGHTING_ALIASES.items():
 
 
 @register_reweighting("gspo", needs_cliprange=True, needs_response_mask=True)
-def _gspo(A, logp, old, eps, mask):
+def _gspo(
+    A: torch.Tensor, logp: torch.Tensor, old: torch.Tensor | None, eps: float | None, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, dict]:
     m = mask.to(logp.dtype)
     n_tokens = m.sum(dim=1, keepdim=True).clamp(min=1)
     log_s = ((logp - old) * m).sum(dim=1, keepdim=True) / n_tokens
@@ -117,7 +127,9 @@ def _gspo(A, logp, old, eps, mask):
 
 
 @register_reweighting("cispo", needs_cliprange=True)
-def _cispo(A, logp, old, eps, mask):
+def _cispo(
+    A: torch.Tensor, logp: torch.Tensor, old: torch.Tensor | None, eps: float | None, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, dict]:
     ratio = torch.exp(logp - old)
     weight = torch.clamp(ratio, max=1.0 + eps).detach()
     meta = _clip_stats(ratio > 1.0 + eps, mask)
@@ -133,7 +145,11 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
 
 
 def validate_reweighting(
-    name: str, old_log_probs, cliprange, response_mask=None, check_mask: bool = True
+    name: str,
+    old_log_probs: torch.Tensor | None,
+    cliprange: float | None,
+    response_mask: torch.Tensor | None = None,
+    check_mask: bool = True,
 ) -> Reweighting:
     """The registered method ``name``, after checking it has the arguments it needs (ValueError if not)."""
     if name not in REWEIGHTINGS:
@@ -167,7 +183,7 @@ def compute_policy_gradient_loss(
     old_log_probs: torch.Tensor | None = None,
     cliprange: float | None = None,
     response_mask: torch.Tensor | None = None,
-):
+) -> tuple[torch.Tensor, dict]:
     """Per-token loss (B, T) and metadata for one reweighting method (see the module docstring).
 
     ``raw_rewards_or_advantages`` has shape (B,) or (B, 1). ``old_log_probs`` may be longer than

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
-def pad_token_id(tokenizer) -> int:
+
+def pad_token_id(tokenizer: PreTrainedTokenizerBase) -> int:
     """The tokenizer's pad id, or its EOS id when it has no pad token."""
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
@@ -13,7 +18,9 @@ def pad_token_id(tokenizer) -> int:
     return pad
 
 
-def tokenize_prompt_and_output(prompt_strs: list[str], output_strs: list[str], tokenizer) -> dict[str, torch.Tensor]:
+def tokenize_prompt_and_output(
+    prompt_strs: list[str], output_strs: list[str], tokenizer: PreTrainedTokenizerBase
+) -> dict[str, torch.Tensor]:
     """Tokenise prompts and outputs separately, concatenate, right-pad, and shift by one.
 
     Returns ``input_ids`` (B, L-1) = padded[:, :-1], ``labels`` (B, L-1) = padded[:, 1:] and a

@@ -33,8 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -45,8 +45,13 @@ from rlvr.grpo.logprobs import DEFAULT_CHUNK_TOKENS, get_response_log_probs, mod
 from rlvr.grpo.losses import compute_policy_gradient_loss, validate_reweighting
 from rlvr.grpo.tokenize import tokenize_prompt_and_output
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
-def _check_divisible(batch: int, gradient_accumulation_steps: int):
+    from rlvr.distributed import GlobalBatch
+
+
+def _check_divisible(batch: int, gradient_accumulation_steps: int) -> None:
     if gradient_accumulation_steps < 1:
         raise ValueError(f"gradient_accumulation_steps must be >= 1, got {gradient_accumulation_steps}")
     if batch % gradient_accumulation_steps:
@@ -80,8 +85,8 @@ def microbatch_plan(
 
 
 def policy_gradient_update(
-    model,
-    optimizer,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
     input_ids: torch.Tensor,
     labels: torch.Tensor,
     response_mask: torch.Tensor,
@@ -97,9 +102,9 @@ def policy_gradient_update(
     max_tokens_per_microbatch: int | None = None,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     step: bool = True,
-    backbone=None,
-    global_batch=None,
-):
+    backbone: Callable[..., Any] | None = None,
+    global_batch: GlobalBatch | None = None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
     """Accumulate the policy-gradient of a tokenised batch, clip, step once, clear grads.
 
     Returns ``(loss, metadata)``: ``loss`` is the aggregated loss of the whole batch (detached);
@@ -251,15 +256,23 @@ def policy_gradient_update(
     return total_loss.detach(), metadata
 
 
-def _gradient_sync(model, last: bool):
+def _gradient_sync(model: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager:
     """DDP reduces gradients only on the last microbatch (``no_sync`` before it); FSDP2 reduce-scatters
     after every microbatch, which keeps only sharded gradients between them."""
     if last or not hasattr(model, "no_sync"):
         return contextlib.nullcontext()
-    return model.no_sync()
+    return model.no_sync()  # type: ignore[operator]  # DDP's (checked above)
 
 
-def _padding_backward(model, input_ids, labels, lengths, device, chunk_tokens, backbone) -> None:
+def _padding_backward(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    lengths: list[int],
+    device: torch.device,
+    chunk_tokens: int,
+    backbone: Callable[..., Any] | None,
+) -> None:
     """A forward and backward with zero loss, so this rank joins the collectives of a microbatch it
     does not have: the shortest of its rows, or one placeholder token pair when it holds none."""
     if input_ids.shape[0]:
@@ -286,12 +299,12 @@ def _importance_parts(log_ratios: list, cpu: bool = False) -> tuple:
 
 
 def grpo_train_step(
-    model,
-    tokenizer,
-    optimizer,
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    optimizer: torch.optim.Optimizer,
     gradient_accumulation_steps: int,
     max_grad_norm: float | None,
-    reward_fn,
+    reward_fn: Callable[[str, str], dict[str, float]],
     repeated_prompts: Sequence[str],
     rollout_responses: Sequence[str],
     repeated_ground_truths: Sequence[str],
@@ -304,7 +317,7 @@ def grpo_train_step(
     cliprange: float | None = None,
     loss_normalization: str = "sequence",
     normalization_constant: float | None = None,
-):
+) -> tuple[torch.Tensor, dict[str, Any]]:
     """One GRPO optimizer step from raw rollouts (the course-standard interface).
 
     Returns ``(loss, metadata)``: the aggregated loss of the whole batch, and metadata with at least

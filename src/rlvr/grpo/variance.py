@@ -46,6 +46,8 @@ baseline adds more variance than it removes.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -56,7 +58,7 @@ from rlvr.grpo.logprobs import DEFAULT_CHUNK_TOKENS, get_response_log_probs
 ESTIMATORS = ("no_baseline", "mean_baseline", "leave_one_out", "run")
 
 
-def _flat_grad(loss: torch.Tensor, params: list[torch.Tensor], retain: bool) -> torch.Tensor:
+def _flat_grad(loss: torch.Tensor, params: Sequence[torch.Tensor], retain: bool) -> torch.Tensor:
     grads = torch.autograd.grad(loss, params, retain_graph=retain, allow_unused=True)
     return torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).float() for g, p in zip(grads, params)])
 
@@ -82,7 +84,7 @@ def _coefficients(rewards: torch.Tensor, group_size: int, baseline: str, normali
 
 
 def gradient_variance(
-    model,
+    model: torch.nn.Module,
     input_ids: torch.Tensor,
     labels: torch.Tensor,
     response_mask: torch.Tensor,
@@ -95,7 +97,7 @@ def gradient_variance(
     advantage_normalizer: str = "std",
     advantage_eps: float = 1e-6,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
-    backbone=None,
+    backbone: Callable[..., Any] | None = None,
     keep_bytes: int = 2**30,
 ) -> dict:
     """Per-group gradient variance of each estimator on one rollout batch (rows in consecutive groups

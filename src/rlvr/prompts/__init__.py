@@ -21,13 +21,17 @@ from __future__ import annotations
 
 import string
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from rlvr.errors import UserError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 CHAT = "chat"
 
@@ -87,7 +91,7 @@ def stop_strings(name: str) -> list[str]:
     return list(resolve_prompt(name).stop)
 
 
-def reward_fn_for(name: str):
+def reward_fn_for(name: str) -> Callable[..., dict]:
     """The reward function that grades responses to prompt ``name``."""
     from rlvr import rewards
 
@@ -118,7 +122,7 @@ class Prompt:
     tokenizer: Any = None
     """The tokenizer whose chat template a chat prompt renders with (``bind``)."""
 
-    def bind(self, tokenizer) -> Prompt:
+    def bind(self, tokenizer: PreTrainedTokenizerBase | None) -> Prompt:
         """This prompt rendering with ``tokenizer`` (chat prompts need it; others ignore it)."""
         if self.kind != CHAT:
             return self
@@ -217,12 +221,15 @@ def resolve_prompt(
     )
 
 
-def end_of_turn(tokenizer) -> str | None:
+def end_of_turn(tokenizer: PreTrainedTokenizerBase) -> str | None:
     """The text the chat template puts after an assistant message (its end-of-turn token), if any."""
     marker = "\u2063rlvr-end-of-turn\u2063"
     try:
-        text = tokenizer.apply_chat_template(
-            [{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}], tokenize=False
+        text = cast(
+            str,
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}], tokenize=False
+            ),
         )
     except Exception:  # noqa: BLE001 (templates may refuse this conversation; then there is nothing to check)
         return None
@@ -231,7 +238,7 @@ def end_of_turn(tokenizer) -> str | None:
     return text.rsplit(marker, 1)[1].strip() or None
 
 
-def check_chat_template(tokenizer) -> None:
+def check_chat_template(tokenizer: PreTrainedTokenizerBase) -> None:
     """``PromptError`` unless ``tokenizer`` has a chat template."""
     if not getattr(tokenizer, "chat_template", None):
         name = getattr(tokenizer, "name_or_path", "") or "the model"

@@ -33,12 +33,19 @@ from __future__ import annotations
 import os
 import re
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from rlvr.errors import UserError
+
+if TYPE_CHECKING:
+    import requests
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from rlvr.engines.base import Engine
 
 PAIRWISE_PROMPT = """You are comparing two responses to the same instruction. Decide which response follows the instruction better: more helpful, more accurate, clearer. Judge the content, not the order in which the responses appear, and do not favour a response for being longer.
 
@@ -87,12 +94,21 @@ def parse_unsafe(text: str) -> bool | None:
 class EngineJudge:
     """A local judge model behind an rlvr engine (greedy)."""
 
-    def __init__(self, model, tokenizer, engine, max_tokens: int = 32, name: str = "judge"):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        engine: Engine,
+        max_tokens: int = 32,
+        name: str = "judge",
+    ) -> None:
         self.model, self.tokenizer, self.engine = model, tokenizer, engine
         self.max_tokens, self.name = max_tokens, name
 
     @classmethod
-    def load(cls, path: str, device: str = "cpu", engine: str = "hf", max_tokens: int = 32, batch_size: int = 64):
+    def load(
+        cls, path: str, device: str = "cpu", engine: str = "hf", max_tokens: int = 32, batch_size: int = 64
+    ) -> EngineJudge:
         from rlvr.engines import make_engine
         from rlvr.modeling import load_model_and_tokenizer
 
@@ -102,8 +118,11 @@ class EngineJudge:
 
     def format(self, prompt: str) -> str:
         if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            return cast(
+                str,
+                self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+                ),
             )
         from rlvr.instruct import special_prefix
 
@@ -131,8 +150,8 @@ class EndpointJudge:
         workers: int = 8,
         timeout_s: float = 300.0,
         retries: int = 3,
-        session=None,
-    ):
+        session: requests.Session | None = None,
+    ) -> None:
         import requests
 
         self.base_url = base_url.rstrip("/")
@@ -198,7 +217,7 @@ def make_judge(
     max_tokens: int = 32,
     workers: int = 8,
     batch_size: int = 64,
-):
+) -> EngineJudge | EndpointJudge:
     """An ``EndpointJudge`` for an http(s) URL, else an ``EngineJudge`` for a model path or hub id."""
     if spec.startswith(("http://", "https://")):
         return EndpointJudge(spec, model_name, os.environ.get(api_key_env), max_tokens, workers)
@@ -211,7 +230,11 @@ def make_judge(
 
 
 def length_controlled_win_rate(
-    preferences, model_lengths, reference_lengths, l2: float = 1e-6, max_iter: int = 100
+    preferences: Sequence[float],
+    model_lengths: Sequence[float],
+    reference_lengths: Sequence[float],
+    l2: float = 1e-6,
+    max_iter: int = 100,
 ) -> float:
     """sigmoid(bias) of the logistic fit ``P(model preferred) = sigmoid(bias + w * tanh(d / sd(d)))``,
     ``d`` = model length - reference length; preferences may be fractional (1/2 for a split verdict).
@@ -235,13 +258,14 @@ def length_controlled_win_rate(
     return float(1.0 / (1.0 + np.exp(-w[0])))
 
 
-def judge_alpaca_eval(judge, rows: list[dict]) -> tuple[dict, list[dict]]:
+def judge_alpaca_eval(judge: EngineJudge | EndpointJudge, rows: list[dict]) -> tuple[dict, list[dict]]:
     """Judge each ``{instruction, output, reference}`` in both orders; returns (metrics, per-row verdicts)."""
     prompts = []
     for r in rows:
         prompts.append(PAIRWISE_PROMPT.format(instruction=r["instruction"], first=r["output"], second=r["reference"]))
         prompts.append(PAIRWISE_PROMPT.format(instruction=r["instruction"], first=r["reference"], second=r["output"]))
     answers = judge.complete(prompts) if prompts else []
+    verdicts: list[dict[str, Any]]
     verdicts, failures, consistent = [], 0, 0
     for i in range(len(rows)):
         first, second = parse_choice(answers[2 * i]), parse_choice(answers[2 * i + 1])
@@ -267,7 +291,7 @@ def judge_alpaca_eval(judge, rows: list[dict]) -> tuple[dict, list[dict]]:
     return metrics, verdicts
 
 
-def judge_sst(judge, rows: list[dict]) -> tuple[dict, list[dict]]:
+def judge_sst(judge: EngineJudge | EndpointJudge, rows: list[dict]) -> tuple[dict, list[dict]]:
     """Judge each ``{prompts_final, output}``; returns (metrics with ``safe_share``, per-row verdicts)."""
     answers = (
         judge.complete([SAFETY_PROMPT.format(prompt=r["prompts_final"], response=r["output"]) for r in rows])

@@ -39,11 +39,18 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from rlvr.errors import UserError
 from rlvr.instruct import alpaca_format, protocol_template
 from rlvr.suites.parsing import parse_gsm8k_response, parse_mmlu_response, same_number
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedTokenizerBase
+
+    from rlvr.engines.base import Engine, SamplingParams
+    from rlvr.suites.judge import EndpointJudge, EngineJudge
 
 SuiteName = Literal["mmlu", "gsm8k", "alpaca_eval", "sst"]
 SYSTEM_PROMPT = "zero_shot_system_prompt.prompt"
@@ -117,7 +124,7 @@ def clean_output(text: str, mode: str) -> str:
     return text
 
 
-def generation_params(mode: str, max_tokens: int):
+def generation_params(mode: str, max_tokens: int) -> SamplingParams:
     from rlvr.engines.base import SamplingParams
 
     stop = (BASE_STOP,) if mode == "base" else ()
@@ -129,7 +136,7 @@ def generation_params(mode: str, max_tokens: int):
 def run_suite(
     suite: Suite,
     examples: list[dict],
-    engine,
+    engine: Engine,
     mode: str,
     max_tokens: int,
     prefix: str = "",
@@ -283,7 +290,7 @@ def _resolve_device(device: str) -> str:
     return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
 
 
-def _engine(cfg: SuiteConfig, model, tokenizer, device: str):
+def _engine(cfg: SuiteConfig, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, device: str) -> Engine:
     from rlvr.config import EngineConfig, VLLMEngineConfig
     from rlvr.engines import build_engine
 
@@ -293,11 +300,17 @@ def _engine(cfg: SuiteConfig, model, tokenizer, device: str):
     return build_engine(config, model, tokenizer, served_model=cfg.model)
 
 
-def _write_json(path: Path, obj) -> None:
+def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def run_suites(cfg: SuiteConfig, model=None, tokenizer=None, engine=None, judge=None) -> dict:
+def run_suites(
+    cfg: SuiteConfig,
+    model: torch.nn.Module | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    engine: Engine | None = None,
+    judge: EngineJudge | EndpointJudge | None = None,
+) -> dict:
     """Run every suite of ``cfg`` and write the outputs; returns ``{suite: metrics}``.
 
     ``model``/``tokenizer``/``engine``/``judge`` replace loading them from ``cfg`` (tests, experiments)."""

@@ -10,17 +10,21 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from rlvr.data import DataError
+
+if TYPE_CHECKING:
+    from rlvr.data import Example
 
 
 class _LazyTask:
     """A registry entry that imports ``module`` and calls its ``attr`` on first use."""
 
-    def __init__(self, module: str, attr: str):
+    def __init__(self, module: str, attr: str) -> None:
         self.module, self.attr = module, attr
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> list[Example]:
         return getattr(importlib.import_module(self.module), self.attr)(*args, **kwargs)
 
 
@@ -33,7 +37,7 @@ def is_task_spec(source: str) -> bool:
     return source.split(":", 1)[0] in TASKS
 
 
-def load_task(source: str, split: str = "train", limit: int | None = None, seed: int = 0):
+def load_task(source: str, split: str = "train", limit: int | None = None, seed: int = 0) -> list[Example]:
     name, _, args = source.partition(":")
     kwargs = {}
     for part in filter(None, args.split(",")):

@@ -39,6 +39,7 @@ from __future__ import annotations
 import hashlib
 import random
 from dataclasses import dataclass
+from typing import Any
 
 from rlvr.data import DataError, Example
 
@@ -240,14 +241,14 @@ def slipped_solution(problem: Problem, solution: str, rng: random.Random) -> str
     return " " + " ".join(lines) + f" </think> <answer> {wrong[-1]} </answer>"
 
 
-def _as_int(name: str, value) -> int:
+def _as_int(name: str, value: Any) -> int:
     try:
         return int(value)
     except (TypeError, ValueError):
         raise DataError(f"arith: {name} must be an integer, got {value!r}") from None
 
 
-def _as_share(name: str, value) -> float:
+def _as_share(name: str, value: Any) -> float:
     try:
         share = float(value)
     except (TypeError, ValueError):
@@ -261,12 +262,12 @@ def load_arithmetic(
     split: str = "train",
     limit: int | None = None,
     seed: int = 0,
-    steps=2,
-    max_value=20,
-    ops="+-",
-    size=None,
-    noise=0.0,
-    format_noise=0.0,
+    steps: int | str = 2,
+    max_value: int | str = 20,
+    ops: str = "+-",
+    size: int | str | None = None,
+    noise: float | str = 0.0,
+    format_noise: float | str = 0.0,
 ) -> list[Example]:
     """The ``split`` of the arithmetic task: ``limit`` (or ``size``, or the split's default) problems.
 

@@ -5,7 +5,8 @@ and the host-side stop handling (``stops``). The package docstring describes the
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -24,6 +25,9 @@ from rlvr.engines.fast.graphs import StepGraphs
 from rlvr.engines.fast.state import State, allocate, refresh_stacked
 from rlvr.engines.fast.stops import RowChecks
 from rlvr.engines.hf import eos_token_ids, generate_in_chunks
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 DEFAULT_BATCH_BUCKETS = (256, 192, 128, 96, 64, 48, 32, 24, 16, 8, 4, 2, 1)
 
@@ -66,10 +70,10 @@ class FastHFEngine:
 
     def __init__(
         self,
-        model,
-        tokenizer,
+        model: torch.nn.Module,
+        tokenizer: PreTrainedTokenizerBase,
         max_batch_size: int = 256,
-        batch_buckets=DEFAULT_BATCH_BUCKETS,
+        batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS,
         length_bucket: int = 128,
         sync_every: int = 4,
         use_cuda_graphs: bool | None = None,
@@ -82,7 +86,7 @@ class FastHFEngine:
         fuse_projections: bool = True,
         attention_splits: int | None = None,
         cascade_min_rows: int | None = 64,
-    ):
+    ) -> None:
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token = tokenizer.eos_token")
         self.layout = layout_of(model)
@@ -100,7 +104,8 @@ class FastHFEngine:
             raise ValueError(
                 "attention='triton' needs the triton package (it ships with CUDA builds of torch); use attention='sdpa'"
             )
-        self.model = model
+        # A transformers causal LM of a supported family: its config and submodules are read by name.
+        self.model: Any = model
         if compile_step and self._compilable() is not None:
             raise ValueError(f"compile_step=True does not apply to this model: {self._compilable()}; leave it None")
         self.attention = attention
@@ -139,7 +144,7 @@ class FastHFEngine:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def sync_weights(self, model) -> dict:
+    def sync_weights(self, model: torch.nn.Module) -> dict:
         if model is not self.model:
             self.layout = layout_of(model)
             self.model = model
@@ -172,7 +177,9 @@ class FastHFEngine:
         if prompts and params.n > self.max_batch_size:
             raise ValueError(f"n={params.n} exceeds max_batch_size={self.max_batch_size}; raise max_batch_size")
 
-        def run_chunk(idx, prompt_ids, generator):
+        def run_chunk(
+            idx: list[int], prompt_ids: list[list[int]], generator: torch.Generator
+        ) -> list[list[Completion]]:
             limits = None
             if row_max_new_tokens is not None:
                 limits = [min(int(x), params.max_new_tokens) for i in idx for x in row_max_new_tokens[i]]
@@ -221,7 +228,7 @@ class FastHFEngine:
         return self.fuse_projections and self._step_compiled()
 
     # ------------------------------------------------------------------ the model, by hand
-    def _rope(self, pos: torch.Tensor):
+    def _rope(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         rot = self.model.model.rotary_emb
         return S.rope_tables(
             pos,
@@ -231,7 +238,14 @@ class FastHFEngine:
             self.layout.family.float32_scale,
         )
 
-    def _layers(self, x: torch.Tensor, cos, sin, attend, grouped_rows: bool = False):
+    def _layers(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+        grouped_rows: bool = False,
+    ) -> torch.Tensor:
         """Run every decoder layer on x (B, Q, hidden); ``attend(i, q, k, v)`` gets q (B, heads, Q, D), k and
         v (B, kv_heads, Q, D) and returns (B, heads, Q, D), or with ``grouped_rows`` all three in
         ``step.pre_attention``'s grouped layout. The compiled pieces when the step is compiled (always
@@ -306,7 +320,7 @@ class FastHFEngine:
         mask = causal[None] & (key_ok[:, None, :] | torch.eye(L, dtype=torch.bool, device=device)[None])
         mask = mask[:, None]  # (P, 1, L, L)
 
-        def attend(i, q, k, v):
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             st.pk[i][group0 : group0 + P, :, :L] = k
             st.pv[i][group0 : group0 + P, :, :L] = v
             if layout.groups > 1:  # each key/value head serves ``groups`` query heads (grouped-query attention)
@@ -350,7 +364,7 @@ class FastHFEngine:
             )
         return self.attention
 
-    def _decode_step(self, st: State, b: int, slots: int, mode: str):
+    def _decode_step(self, st: State, b: int, slots: int, mode: str) -> None:
         """One step for batch rows [0, b): feed ``tok``, write K/V at response ``slot``, sample, record,
         advance. ``slots``: response slots the SDPA path reads (the Triton path reads the filled ones).
 
@@ -372,7 +386,9 @@ class FastHFEngine:
             # query heads (the group's rows run side by side, mostly from the GPU's L2 cache).
             rows = b * groups
 
-            def spread(t):  # (b,) -> (b * groups,): each batch row's entry repeated groups times
+            def spread(
+                t: torch.Tensor,
+            ) -> torch.Tensor:  # (b,) -> (b * groups,): each batch row's entry repeated groups times
                 return t[:b, None].expand(b, groups).reshape(rows)
 
             grp, start, live, crow = (
@@ -384,7 +400,7 @@ class FastHFEngine:
             nruns = self._runs_for(b)
             runs = (st.runs[0, :nruns], st.runs[1, :nruns]) if nruns else None
 
-        def attend(i, q, k, v):
+        def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
             if kind == "triton":  # the kernel writes this step's K/V at slot rlen - 1 itself
                 return triton_decode_attention(
                     q,
@@ -445,7 +461,7 @@ class FastHFEngine:
         nruns = self._runs_for(b)
         return b, slots, mode, nruns, self._run_rows() if nruns else 0
 
-    def _run_step(self, st: State, b: int, slots: int, mode: str):
+    def _run_step(self, st: State, b: int, slots: int, mode: str) -> None:
         key = self._step_key(b, slots, mode)
         if key[3]:
             self.stats["cascade_steps"] += 1
@@ -617,7 +633,7 @@ class FastHFEngine:
         t = torch.tensor(values, dtype=dtype)
         return t.pin_memory() if self.device.type == "cuda" else t
 
-    def _compact(self, st: State, alive: list[int], b: int, nb: int):
+    def _compact(self, st: State, alive: list[int], b: int, nb: int) -> None:
         """Move the alive batch rows to [0, len(alive)) and fill the rest of the new bucket with scratch rows.
 
         The K/V caches stay where they are: a row takes its cache row along (``crow``), and the scratch

@@ -13,9 +13,14 @@ with ``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``, the norms named 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)
@@ -64,7 +69,7 @@ def _supported_list() -> str:
     return ", ".join(f"{f.name} ({f.model_class})" for f in FAMILIES.values())
 
 
-def unsupported_reason(config, model_class: str | None = None) -> str | None:
+def unsupported_reason(config: PretrainedConfig, model_class: str | None = None) -> str | None:
     """None when hf-fast runs a model of this transformers ``config``; otherwise one line that says why and
     names the fallback. Reads the config only, so it can run before the weights load."""
     model_type = getattr(config, "model_type", None)
@@ -108,10 +113,10 @@ class Layout:
         return self.heads // self.kv_heads
 
 
-def layout_of(model) -> Layout:
+def layout_of(model: torch.nn.Module) -> Layout:
     """The layout of ``model``; a one-line ``ValueError`` (naming the supported families and the ``hf``
     fallback) for a model hf-fast cannot run."""
-    config = model.config
+    config: Any = model.config  # a transformers config: its fields are read by name
     reason = unsupported_reason(config, type(model).__name__)
     if reason is None and not (hasattr(model, "lm_head") and hasattr(getattr(model, "model", None), "layers")):
         reason = (
@@ -123,7 +128,7 @@ def layout_of(model) -> Layout:
     heads = config.num_attention_heads
     return Layout(
         family=FAMILIES[config.model_type],
-        layers=len(model.model.layers),
+        layers=len(model.model.layers),  # type: ignore[union-attr, arg-type]  # transformers' decoder stack
         heads=heads,
         kv_heads=getattr(config, "num_key_value_heads", None) or heads,
         head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
@@ -156,14 +161,14 @@ class LayerWeights:
     b_up: torch.Tensor | None
     w_down: torch.Tensor
     b_down: torch.Tensor | None
-    act: object
+    act: Callable[[torch.Tensor], torch.Tensor]
     """The MLP's activation function (the model's own module)."""
 
 
-def layer_weights(model, layout: Layout) -> list[LayerWeights]:
+def layer_weights(model: torch.nn.Module, layout: Layout) -> list[LayerWeights]:
     out = []
     first, second = layout.family.norm_names
-    for layer in model.model.layers:
+    for layer in model.model.layers:  # type: ignore[union-attr]  # transformers' decoder stack
         attn, mlp = layer.self_attn, layer.mlp
         qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         out.append(

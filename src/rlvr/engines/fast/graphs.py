@@ -4,7 +4,7 @@ into one shared memory pool and replayed after; all dropped when the model's par
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -13,7 +13,7 @@ import torch
 class StepGraphs:
     def __init__(self, stats: dict):
         self.stats = stats
-        self._graphs: dict = {}
+        self._graphs: dict[tuple, torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
         self._signature: Any = None
 
@@ -23,13 +23,13 @@ class StepGraphs:
     def __bool__(self) -> bool:
         return bool(self._graphs)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[tuple]:
         return iter(self._graphs)
 
-    def __getitem__(self, key: tuple):
+    def __getitem__(self, key: tuple) -> torch.cuda.CUDAGraph:
         return self._graphs[key]
 
-    def get(self, key: tuple):
+    def get(self, key: tuple) -> torch.cuda.CUDAGraph | None:
         """The captured graph of ``key``, or None."""
         return self._graphs.get(key)
 
@@ -60,7 +60,7 @@ class StepGraphs:
             self._signature = now
         graph.replay()
 
-    def _capture(self, step: Callable[[], None], counters: tuple[torch.Tensor, ...]):
+    def _capture(self, step: Callable[[], None], counters: tuple[torch.Tensor, ...]) -> torch.cuda.CUDAGraph:
         t0 = time.perf_counter()
         saved = [t.clone() for t in counters]
         # The warm-up runs the step for real (it writes K/V at the current slot and one output

@@ -3,6 +3,7 @@ reads and advances, the sampling inputs and outputs, and the stacked projection 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,7 +73,7 @@ def _stack_room(ws: list[torch.Tensor]) -> torch.Tensor:
     return torch.empty((sum(w.shape[0] for w in ws), *ws[0].shape[1:]), dtype=ws[0].dtype, device=ws[0].device)
 
 
-def _stacked_bias_room(ws, bs) -> tuple:
+def _stacked_bias_room(ws: list[torch.Tensor], bs: list[torch.Tensor | None]) -> tuple:
     if all(b is None for b in bs):
         return (None,)
     return (
@@ -141,7 +142,7 @@ def allocate(
     )
 
 
-def _cat_bias(ws, bs, out: torch.Tensor) -> None:
+def _cat_bias(ws: Sequence[torch.Tensor], bs: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
     parts = [
         b if b is not None else torch.zeros(w.shape[0], dtype=out.dtype, device=out.device) for w, b in zip(ws, bs)
     ]

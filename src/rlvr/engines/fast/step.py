@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import functools
 import types
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +46,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return ((x * cos) + (rotate_half(x) * sin)).to(x.dtype)
 
 
-def rope_tables(pos: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype, float32: bool):
+def rope_tables(
+    pos: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: torch.dtype, float32: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin for position ids ``pos`` (any shape; a trailing head_dim axis is added), as the
     model's rotary module computes them: float32, cast to the model's dtype unless ``float32``."""
     freqs = pos.float()[..., None] * inv_freq.float()
@@ -53,7 +57,7 @@ def rope_tables(pos: torch.Tensor, inv_freq: torch.Tensor, scale: float, dtype: 
     return (cos, sin) if float32 else (cos.to(dtype), sin.to(dtype))
 
 
-def project(x: torch.Tensor, ws: tuple, bs: tuple, sizes: tuple[int, ...]):
+def project(x: torch.Tensor, ws: tuple, bs: tuple, sizes: tuple[int, ...]) -> tuple[torch.Tensor, ...]:
     """The projections of x whose outputs are ``sizes`` wide: one matmul with the weights' rows stacked
     (``ws`` = (stacked,), ``bs`` = (stacked bias or None,)), or one matmul per weight. Stacked, a decode
     step reads the same bytes in fewer, larger kernels."""
@@ -63,14 +67,14 @@ def project(x: torch.Tensor, ws: tuple, bs: tuple, sizes: tuple[int, ...]):
 
 
 def pre_attention(
-    x,
-    norm1,
+    x: torch.Tensor,
+    norm1: torch.Tensor,
     wqkv: tuple,
     bqkv: tuple,
-    q_norm,
-    k_norm,
-    cos,
-    sin,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
     *,
     heads: int,
     kv_heads: int,
@@ -81,7 +85,7 @@ def pre_attention(
     float32_scale: bool,
     fused: bool,
     grouped_rows: bool = False,
-):
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q (B, heads, Q, D), k and v (B, kv_heads, Q, D) of one layer for hidden states x (B, Q, hidden).
 
     ``grouped_rows`` (one query per row, Q = 1): q, k and v as (B * groups, kv_heads, 1, D), where row
@@ -106,7 +110,9 @@ def pre_attention(
     return q, k, v
 
 
-def group_rows(q, k, v, kv_heads: int):
+def group_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_heads: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q (B, heads, 1, D), k and v (B, kv_heads, 1, D) in ``pre_attention``'s ``grouped_rows`` layout."""
     B, heads, _, D = q.shape
     g = heads // kv_heads
@@ -116,31 +122,31 @@ def group_rows(q, k, v, kv_heads: int):
     return q, k, v
 
 
-def ungroup_rows(o, batch: int):
+def ungroup_rows(o: torch.Tensor, batch: int) -> torch.Tensor:
     """Attention output o (B * groups, kv_heads, 1, D) in the ``grouped_rows`` layout as (B, heads, 1, D)."""
     _, kv_heads, _, D = o.shape
     return o.reshape(batch, -1, kv_heads, D).transpose(1, 2).reshape(batch, -1, 1, D)
 
 
 def post_attention(
-    x,
-    o,
-    wo,
-    bo,
-    norm1,
-    norm2,
+    x: torch.Tensor,
+    o: torch.Tensor,
+    wo: torch.Tensor,
+    bo: torch.Tensor | None,
+    norm1: torch.Tensor,
+    norm2: torch.Tensor,
     wgate_up: tuple,
     bgate_up: tuple,
-    wdown,
-    bdown,
-    act,
+    wdown: torch.Tensor,
+    bdown: torch.Tensor | None,
+    act: Callable[[torch.Tensor], torch.Tensor],
     *,
     eps: float,
     pre_norm: bool,
     float32_scale: bool,
     fused: bool,
     grouped_rows: bool = False,
-):
+) -> torch.Tensor:
     """The layer's output for input x (B, Q, hidden) and attention output o (B, heads, Q, D), or with
     ``grouped_rows`` (B * groups, kv_heads, 1, D) in ``pre_attention``'s layout."""
     norm = rms if fused else rms_unfused
@@ -157,7 +163,14 @@ def post_attention(
     return x + norm(F.linear(act(gate) * up, wdown, bdown), norm2, eps, float32_scale)
 
 
-def sample_math(logits, vocab_bias, temperature, top_p, noise, mode: str):
+def sample_math(
+    logits: torch.Tensor,
+    vocab_bias: torch.Tensor,
+    temperature: torch.Tensor,
+    top_p: torch.Tensor,
+    noise: torch.Tensor,
+    mode: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens and their temperature-1 log-probs for logits (b, vocab); ``noise`` holds Exp(1) draws."""
     logits = logits.float()
     lse = torch.logsumexp(logits, dim=-1)
@@ -180,7 +193,7 @@ def sample_math(logits, vocab_bias, temperature, top_p, noise, mode: str):
 
 
 @functools.cache
-def compiled(fn, key: str | None = None):
+def compiled(fn: Callable[..., Any], key: str | None = None) -> Callable[..., Any]:
     """``torch.compile(fn, dynamic=True)``, once per process and ``key`` (batch size and length stay
     symbolic). Each key compiles its own copy of ``fn``'s code: dynamo counts recompilations per code
     object and runs a function eagerly past 8 of them, so one family's shapes must not use up another's."""

@@ -9,10 +9,18 @@ end are dropped), so text, token ids, log-probs and finish reasons equal per-tok
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from rlvr.engines.base import Completion
 from rlvr.engines.hf import _stop_window_tokens, find_stop, truncate_at_stop
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    # A fetched span: (first token index, the tokens on the host, the event that marks the copy done or None).
+    Pending = tuple[int, torch.Tensor, torch.cuda.Event | None]
 
 
 class RowChecks:
@@ -20,14 +28,14 @@ class RowChecks:
 
     def __init__(
         self,
-        tokenizer,
+        tokenizer: PreTrainedTokenizerBase,
         rows: int,
         max_new_tokens: int,
         stops: tuple[str, ...],
         eos_ids: set[int],
         limits: list[int] | None,
         stats: dict,
-    ):
+    ) -> None:
         self.tok = tokenizer
         self.stops = stops
         self.window = _stop_window_tokens(stops)
@@ -48,7 +56,7 @@ class RowChecks:
     def all_finished(self) -> bool:
         return all(f is not None for f in self.finish)
 
-    def fetch(self, out_tok: torch.Tensor, upto: int):
+    def fetch(self, out_tok: torch.Tensor, upto: int) -> Pending | None:
         """Start copying the sampled tokens [lo, upto) of ``out_tok`` (rows, steps) to the host, lo being the
         first token some unfinished row has not examined; returns the pending read (None when every row
         is done)."""
@@ -65,7 +73,7 @@ class RowChecks:
         done.record()
         return lo, host, done
 
-    def examine(self, pending) -> None:
+    def examine(self, pending: Pending | None) -> None:
         """Read a fetched span of new tokens of the unfinished rows; apply EOS, stop strings and the length
         limit exactly as checking after every token would."""
         if pending is None:
@@ -78,7 +86,7 @@ class RowChecks:
         if not live:
             return
         upto = lo + host.shape[1]
-        host = host.tolist()
+        host = host.tolist()  # type: ignore[assignment]  # the span's rows as lists of ids from here on
         spans = []  # (row, first new token, end of the tokens to stop-check)
         for g in live:
             a = self.n_done[g]
