@@ -29,8 +29,9 @@ import os
 import random
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -38,6 +39,11 @@ import torch
 from rlvr.errors import UserError
 from rlvr.rundir import atomic_write_text
 from rlvr.rundir import fsync_dir as _fsync_dir
+
+if TYPE_CHECKING:
+    from torch import nn
+    from torch.optim.lr_scheduler import LRScheduler
+    from transformers import PreTrainedTokenizerBase
 
 CKPT_DIR = "checkpoints"
 STATE_FILE = "trainer_state.pt"
@@ -144,11 +150,11 @@ def set_rng_state(state: dict) -> None:
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
-    model,
-    tokenizer,
-    optimizer,
-    scheduler,
-    state: dict,
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase | None,
+    optimizer: torch.optim.Optimizer,
+    scheduler: LRScheduler | None,
+    state: dict[str, Any],
     keep: int = 1,
     sharded: bool = False,
 ) -> Path:
@@ -274,7 +280,7 @@ def _set_aside(ckpt: Path) -> Path:
     return target
 
 
-def resumable_checkpoint(run_dir: str | Path, echo=None) -> Path | None:
+def resumable_checkpoint(run_dir: str | Path, echo: Callable[[str], object] | None = None) -> Path | None:
     """The newest checkpoint of ``run_dir`` that passes ``verify_checkpoint``, or None when the run
     has none (it starts from the beginning).
 
@@ -308,7 +314,7 @@ def resumable_checkpoint(run_dir: str | Path, echo=None) -> Path | None:
     return None
 
 
-def load_model_weights(model, model_dir: str | Path) -> None:
+def load_model_weights(model: nn.Module, model_dir: str | Path) -> None:
     """Load the weights saved by ``save_pretrained`` in ``model_dir`` into ``model`` (in place, exact)."""
     from safetensors.torch import load_file
 
@@ -335,7 +341,12 @@ def load_model_weights(model, model_dir: str | Path) -> None:
         )
 
 
-def load_trainer_state(ckpt_dir: str | Path, optimizer, scheduler, model=None) -> dict:
+def load_trainer_state(
+    ckpt_dir: str | Path,
+    optimizer: torch.optim.Optimizer,
+    scheduler: LRScheduler | None,
+    model: nn.Module | None = None,
+) -> dict[str, Any]:
     """Restore optimizer, scheduler and RNG states (and, from a sharded checkpoint, ``model``'s
     trainable tensors, on any number of ranks); returns the loop state saved with them. Each rank
     takes its own RNG state when the checkpoint has one for its rank, else rank 0's (a run resumed on

@@ -65,10 +65,10 @@ import os
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any, cast
+from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import torch
 import tyro
@@ -110,6 +110,15 @@ from rlvr.logging_utils import MetricsLogger, truncate_metrics, write_jsonl
 from rlvr.optim import lr_factor, make_adamw
 from rlvr.rundir import RunDirLock, atomic_write_json
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from rlvr.data import Example
+    from rlvr.distributed.world import GlobalBatch
+    from rlvr.engines.base import Completion
+    from rlvr.prompts import Prompt
+    from rlvr.reward_functions import Reward
+
 __all__ = [
     "EngineError",
     "GraderError",
@@ -131,7 +140,7 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 
 
-def derive_seed(seed: int, *parts) -> int:
+def derive_seed(seed: int, *parts: object) -> int:
     """A 62-bit seed that depends only on ``seed`` and ``parts`` (stable across processes and runs)."""
     digest = hashlib.sha256(repr((seed, *parts)).encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 2
@@ -166,7 +175,9 @@ def _dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def _load_policy(config: TrainConfig, train_examples, device, dtype, ckpt: Path | None):
+def _load_policy(
+    config: TrainConfig, train_examples: Sequence[Example], device: torch.device, dtype: torch.dtype, ckpt: Path | None
+) -> tuple[torch.nn.Module, PreTrainedTokenizerBase]:
     """The policy and tokenizer: from the checkpoint's full weights, or as the config says. With LoRA
     the checkpoint's ``model/`` holds merged weights, so the base model comes from the config (the
     adapters come from the checkpoint's shards) and only the tokenizer from the checkpoint."""
@@ -184,7 +195,7 @@ def _load_policy(config: TrainConfig, train_examples, device, dtype, ckpt: Path 
             tokenizer = train_tokenizer(
                 tokenizer_corpus(train_examples, config.prompt), vocab_size=config.model.tokenizer_vocab_size
             )
-        model = fresh_model(config.model.fresh, tokenizer, seed=config.seed, dtype=dtype)
+        model: torch.nn.Module = fresh_model(config.model.fresh, tokenizer, seed=config.seed, dtype=dtype)
         return model.to(device), tokenizer
     return load_model_and_tokenizer(config.model.name_or_path, device=device, dtype=dtype, flag="model.name_or_path")
 
@@ -204,17 +215,21 @@ def _check_engine_runs_model(config: TrainConfig) -> None:
         raise ConfigError(f"engine.name hf-fast: {reason}")
 
 
-def _make_engine(config: TrainConfig, model, tokenizer):
+def _make_engine(config: TrainConfig, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> Engine:
     from rlvr.engines import build_engine, resolve_engine_name
 
     if config.engine.name == "auto" and resolve_engine_name("auto", model) == "hf":
         from rlvr.engines.fast import unsupported_reason
 
-        warnings.warn(f"engine.name auto runs the hf engine: {unsupported_reason(model.config)}", stacklevel=2)
+        warnings.warn(
+            f"engine.name auto runs the hf engine: {unsupported_reason(cast(Any, model).config)}", stacklevel=2
+        )
     return build_engine(config.engine, model, tokenizer, served_model=config.model.name_or_path)
 
 
-def _optimizer_and_scheduler(config: TrainConfig, model, device: torch.device):
+def _optimizer_and_scheduler(
+    config: TrainConfig, model: torch.nn.Module, device: torch.device
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     o = config.optim
     optimizer = make_adamw(
         model.parameters(),
@@ -278,7 +293,12 @@ class EngineWeights:
     weights, LoRA merged, gathered tensor by tensor: every rank calls ``current`` together) whenever
     the optimizer has stepped since the last copy."""
 
-    def __init__(self, policy: torch.nn.Module, scheduler, copy: torch.nn.Module | None = None):
+    def __init__(
+        self,
+        policy: torch.nn.Module,
+        scheduler: torch.optim.lr_scheduler.LRScheduler,
+        copy: torch.nn.Module | None = None,
+    ) -> None:
         self.policy, self.scheduler, self.copy = policy, scheduler, copy
         self._version: int | None = None
         self.copy_time = 0.0
@@ -302,20 +322,20 @@ class RunParts:
 
     model: torch.nn.Module
     """The policy as it trains: plain, or wrapped by DDP or FSDP2, maybe with LoRA adapters."""
-    tokenizer: Any
+    tokenizer: PreTrainedTokenizerBase
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
-    backbone: torch.nn.Module | None
+    backbone: Callable[..., Any] | None
     """A compiled stand-in for the model's decoder stack (``model.compile``), else None."""
     update_spec: UpdateSpec
     reward_fn: Callable[..., dict]
     """Grades the training rollouts."""
-    val_reward: Any
+    val_reward: Reward
     """The configured reward (``reward.fn``, else the prompt's own): validation always grades with it."""
-    prompt: Any
+    prompt: Prompt
     """The run's ``Prompt``, bound to the tokenizer."""
-    train_examples: list
-    val_examples: list
+    train_examples: list[Example]
+    val_examples: list[tuple[str, list[Example]]]
     """``(name, examples)`` per validation set; the first is logged as val/reward, ..."""
     request: RolloutRequest
     """``request(s)``: the prompts and sampling parameters of step s (this rank's share)."""
@@ -402,14 +422,18 @@ def _rank_prompts(config: TrainConfig, world: World) -> range:
     return rank_prompt_range(config.rollout.n_prompts_per_rollout_batch, world.rank, world.world_size)
 
 
-def _step_examples(config: TrainConfig, train_examples, step: int, world: World | None = None) -> list:
+def _step_examples(
+    config: TrainConfig, train_examples: Sequence[Example], step: int, world: World | None = None
+) -> list[Example]:
     """This rank's examples of 1-based step ``step`` (all of them in one process)."""
     indices = batch_indices(len(train_examples), config.rollout.n_prompts_per_rollout_batch, step - 1, config.seed)
     positions = _rank_prompts(config, world or World())
     return [train_examples[i] for i in indices[positions.start : positions.stop]]
 
 
-def _sampling_params(config: TrainConfig, step: int, prompt=None, world: World | None = None) -> SamplingParams:
+def _sampling_params(
+    config: TrainConfig, step: int, prompt: Prompt | None = None, world: World | None = None
+) -> SamplingParams:
     """Step ``step``'s sampling: one seed per prompt position in the global batch, so a rank's prompts are
     seeded as in one process."""
     from rlvr.task_config import build_prompt
@@ -430,7 +454,9 @@ def _sampling_params(config: TrainConfig, step: int, prompt=None, world: World |
     )
 
 
-def _rollout_request(config: TrainConfig, train_examples, prompt=None, world: World | None = None) -> RolloutRequest:
+def _rollout_request(
+    config: TrainConfig, train_examples: Sequence[Example], prompt: Prompt | None = None, world: World | None = None
+) -> RolloutRequest:
     """``request(s)``: this rank's prompts and sampling parameters of 1-based step s (a pure function of the
     seed, s and the rank). ``prompt``: the run's bound ``Prompt`` (default: the config's, which needs no
     tokenizer unless it is chat)."""
@@ -438,14 +464,16 @@ def _rollout_request(config: TrainConfig, train_examples, prompt=None, world: Wo
 
     prompt = prompt or build_prompt(config)
 
-    def request(s: int):
+    def request(s: int) -> tuple[list[str], SamplingParams]:
         prompts = [prompt.render(ex.question) for ex in _step_examples(config, train_examples, s, world)]
         return prompts, _sampling_params(config, s, prompt, world)
 
     return request
 
 
-def _make_rollouts(config: TrainConfig, engine: Engine, tokenizer, request: RolloutRequest) -> Rollouts:
+def _make_rollouts(
+    config: TrainConfig, engine: Engine, tokenizer: PreTrainedTokenizerBase, request: RolloutRequest
+) -> Rollouts:
     """``AsyncRollouts`` over an engine that holds its own copy of the weights (hf-worker), else ``SyncRollouts``."""
     from rlvr.engines.async_rollout import AsyncRollouts
 
@@ -489,7 +517,13 @@ def _rollout(
     return batch
 
 
-def _grade(reward_fn, responses, ground_truths, step: int, fields=None):
+def _grade(
+    reward_fn: Callable[..., dict],
+    responses: Sequence[str],
+    ground_truths: Sequence[str],
+    step: int,
+    fields: Sequence[dict] | None = None,
+) -> tuple[torch.Tensor, dict[str, Any]]:
     from rlvr.reward_functions import score_responses
 
     try:
@@ -503,7 +537,14 @@ def _grade(reward_fn, responses, ground_truths, step: int, fields=None):
     return raw, meta
 
 
-def _score(config: TrainConfig, step: int, batch: RolloutBatch, reward_fn, examples: list, log: dict) -> Scores:
+def _score(
+    config: TrainConfig,
+    step: int,
+    batch: RolloutBatch,
+    reward_fn: Callable[..., dict],
+    examples: list[Example],
+    log: dict,
+) -> Scores:
     """Phase 2: grade every response against its question's ground truth (and the example's other fields)."""
     G = config.rollout.group_size
     completions = batch.flat_completions
@@ -528,7 +569,13 @@ def _score(config: TrainConfig, step: int, batch: RolloutBatch, reward_fn, examp
     return Scores(raw_rewards, reward_meta, truths)
 
 
-def _engine_agreement(completions, output_ids, old_log_probs, response_mask, eos_id) -> dict:
+def _engine_agreement(
+    completions: Sequence[Completion],
+    output_ids: list[list[int]],
+    old_log_probs: torch.Tensor,
+    response_mask: torch.Tensor,
+    eos_id: int | None,
+) -> dict:
     """Mean |engine log-prob - trainer log-prob| over response tokens of the rollouts whose engine
     token ids equal the retokenised response, and the share of rollouts that match."""
     total_diff, n_tokens, matched, comparable = 0.0, 0, 0, 0
@@ -556,7 +603,13 @@ def _engine_agreement(completions, output_ids, old_log_probs, response_mask, eos
 
 
 def _old_log_probs(
-    config: TrainConfig, step: int, batch: RolloutBatch, model, tokenizer, uses_old_log_probs: bool, log: dict
+    config: TrainConfig,
+    step: int,
+    batch: RolloutBatch,
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    uses_old_log_probs: bool,
+    log: dict,
 ) -> torch.Tensor | None:
     """The sampling weights' log-probs of the batch, when the update uses them or the engine's are checked
     against them: the rollouts' own (a worker sends them), else the trainer's, which are the sampling
@@ -640,7 +693,9 @@ def _minibatches(n_rows: int, train_batch: int, shuffle: bool, seed: int, step: 
     return [order[i : i + train_batch] for i in range(0, n_rows, train_batch)]
 
 
-def _optimizer_step(run: RunParts, batch: TrainBatch, rows: list[int], global_batch=None) -> tuple[torch.Tensor, dict]:
+def _optimizer_step(
+    run: RunParts, batch: TrainBatch, rows: list[int], global_batch: GlobalBatch | None = None
+) -> tuple[torch.Tensor, dict]:
     """One ``policy_gradient_update`` on ``rows`` of the batch, as the run's ``UpdateSpec`` says; with
     ``global_batch`` (a ``rlvr.distributed.GlobalBatch``) ``rows`` are this rank's part of it."""
     spec, rows_t = run.update_spec, torch.tensor(rows, dtype=torch.long)
@@ -828,7 +883,15 @@ def global_metrics(rank_logs: list[dict], rank_rewards: list[list[float]]) -> di
 
 
 def _validate(
-    model, tokenizer, engine: Engine, config: TrainConfig, val_sets, step: int, run_dir: Path, prompt=None, reward=None
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    engine: Engine,
+    config: TrainConfig,
+    val_sets: Sequence[tuple[str, Sequence[Example]]] | Sequence[Example],
+    step: int,
+    run_dir: Path,
+    prompt: Prompt | None = None,
+    reward: Callable[[str, str], dict] | None = None,
 ) -> dict:
     """Validate on each ``(name, examples)`` of ``val_sets`` (a bare list of examples: one unnamed set).
     The first set is logged as val/reward, ...; each named one also as val/NAME/accuracy, ..."""
@@ -836,7 +899,7 @@ def _validate(
     from rlvr.task_config import validation_metrics
 
     if val_sets and not isinstance(val_sets[0], tuple):
-        val_sets = [("", val_sets)]
+        val_sets = [("", cast("Sequence[Example]", val_sets))]
     r = config.rollout
     params = SamplingParams(
         n=1,
@@ -847,7 +910,7 @@ def _validate(
     )
     t0 = time.perf_counter()
     out, dump = {}, []
-    for i, (name, examples) in enumerate(val_sets):
+    for i, (name, examples) in enumerate(cast("Sequence[tuple[str, Sequence[Example]]]", val_sets)):
         try:
             metrics, samples = evaluate(
                 model,
@@ -898,7 +961,7 @@ def _validation(config: TrainConfig, step: int, run_dir: Path, run: RunParts, st
 # ---------------------------------------------------------------------------------------------
 
 
-def _write_summary(run_dir: Path, **fields) -> None:
+def _write_summary(run_dir: Path, **fields: Any) -> None:
     atomic_write_json(run_dir / "summary.json", fields)
 
 
@@ -968,7 +1031,7 @@ def _read_run_config(run_dir: Path) -> TrainConfig | None:
         raise ConfigError(f"{path} cannot be read ({e}); start a new run with --config FILE --out DIR") from None
 
 
-def _refresh_lr(optimizer, scheduler) -> None:
+def _refresh_lr(optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
     """Set the lr of every parameter group from the schedule at its restored position.
 
     A restored scheduler keeps the lr its old schedule gave last; when the run was extended the
@@ -984,10 +1047,10 @@ def train(
     out_dir: str | Path,
     resume: bool = False,
     *,
-    model=None,
-    tokenizer=None,
-    reward_fn=None,
-    engine=None,
+    model: torch.nn.Module | None = None,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    reward_fn: Callable[..., dict] | None = None,
+    engine: Engine | None = None,
 ) -> Path:
     """Train a policy as ``config`` says, writing everything to ``out_dir``; returns ``out_dir``.
 
@@ -1053,9 +1116,9 @@ def _setup(
     ckpt: Path | None,
     world: World,
     *,
-    model,
-    tokenizer,
-    reward_fn,
+    model: torch.nn.Module | None,
+    tokenizer: PreTrainedTokenizerBase | None,
+    reward_fn: Callable[..., dict] | None,
     own_engine: bool,
 ) -> tuple[RunParts, TrainState]:
     """Seeds, data, policy, optimizer and the loop state (restored from ``ckpt``); nothing is started yet."""
@@ -1111,7 +1174,7 @@ def _setup(
         engine_copy = copy.deepcopy(model).to(dtype=dtype).eval()
         engine_copy.requires_grad_(False)
     if config.model.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        cast(Any, model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora.rank:
         from rlvr.lora import apply_lora
 
@@ -1180,7 +1243,7 @@ def _start_rollouts(
 class RunRecord:
     """What the run directory says about the run: its checkpoints and ``summary.json``."""
 
-    def __init__(self, config: TrainConfig, run_dir: Path, run: RunParts, state: TrainState):
+    def __init__(self, config: TrainConfig, run_dir: Path, run: RunParts, state: TrainState) -> None:
         self.config, self.run_dir, self.run, self.state = config, run_dir, run, state
         self.t_start = time.perf_counter()
 
@@ -1257,7 +1320,15 @@ class RunRecord:
 
 
 def _train(
-    config: TrainConfig, run_dir: Path, ckpt: Path | None, world: World, *, model, tokenizer, reward_fn, engine
+    config: TrainConfig,
+    run_dir: Path,
+    ckpt: Path | None,
+    world: World,
+    *,
+    model: torch.nn.Module | None,
+    tokenizer: PreTrainedTokenizerBase | None,
+    reward_fn: Callable[..., dict] | None,
+    engine: Engine | None,
 ) -> Path:
     """The run itself, in a locked and prepared run directory, from ``ckpt`` (None: from step 0)."""
     run, state = _setup(

@@ -14,15 +14,19 @@ a wrapped model loads into an unwrapped one and back. With LoRA (peft) only the 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from rlvr.distributed.wrap import full_state_dict_on_main, unwrap_model
 
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from transformers import PreTrainedTokenizerBase
 
-def _options(trainable_only: bool):
+
+def _options(trainable_only: bool) -> StateDictOptions:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
     # Without the frozen parameters the checkpoint covers only part of the model, so loading must
@@ -90,7 +94,9 @@ def load_sharded(
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
 
 
-def export_hf(model: nn.Module, out_dir: str | Path, tokenizer=None, merge_lora: bool = True) -> Path | None:
+def export_hf(
+    model: nn.Module, out_dir: str | Path, tokenizer: PreTrainedTokenizerBase | None = None, merge_lora: bool = True
+) -> Path | None:
     """One Hugging Face folder with the full weights (LoRA adapters merged), written by rank 0 from
     weights gathered tensor by tensor; every rank must call it. Returns the folder on rank 0."""
     state = full_state_dict_on_main(model, merge_lora=merge_lora)

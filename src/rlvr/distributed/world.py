@@ -19,7 +19,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -27,6 +27,7 @@ import torch.distributed as dist
 from rlvr.config import ConfigError
 
 ReduceOp = Literal["sum", "mean", "max", "min"]
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -189,7 +190,9 @@ def _collective_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if "nccl" in dist.get_backend() else torch.device("cpu")
 
 
-def all_reduce_tensor(tensor: torch.Tensor, op: ReduceOp = "sum", group=None) -> torch.Tensor:
+def all_reduce_tensor(
+    tensor: torch.Tensor, op: ReduceOp = "sum", group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """``tensor`` reduced over the ranks (a new tensor on ``tensor``'s device; itself when alone)."""
     if not _active():
         return tensor
@@ -200,42 +203,44 @@ def all_reduce_tensor(tensor: torch.Tensor, op: ReduceOp = "sum", group=None) ->
     return out.to(tensor.device)
 
 
-def reduce_values(values: Sequence[float], op: ReduceOp = "sum", group=None) -> list[float]:
+def reduce_values(values: Sequence[float], op: ReduceOp = "sum", group: dist.ProcessGroup | None = None) -> list[float]:
     """Python numbers reduced over the ranks in one collective (float64)."""
     if not _active() or not values:
         return [float(v) for v in values]
     return all_reduce_tensor(torch.tensor([float(v) for v in values], dtype=torch.float64), op, group).tolist()
 
 
-def reduce_metrics(metrics: Mapping[str, float], op: ReduceOp = "mean", group=None) -> dict[str, float]:
+def reduce_metrics(
+    metrics: Mapping[str, float], op: ReduceOp = "mean", group: dist.ProcessGroup | None = None
+) -> dict[str, float]:
     """Numeric metrics reduced over the ranks, keys in sorted order so every rank sends the same
     vector; every rank must pass the same keys."""
     keys = sorted(metrics)
     return dict(zip(keys, reduce_values([metrics[k] for k in keys], op, group)))
 
 
-def sum_metrics(metrics: Mapping[str, float], group=None) -> dict[str, float]:
+def sum_metrics(metrics: Mapping[str, float], group: dist.ProcessGroup | None = None) -> dict[str, float]:
     return reduce_metrics(metrics, "sum", group)
 
 
-def mean_metrics(metrics: Mapping[str, float], group=None) -> dict[str, float]:
+def mean_metrics(metrics: Mapping[str, float], group: dist.ProcessGroup | None = None) -> dict[str, float]:
     return reduce_metrics(metrics, "mean", group)
 
 
-def max_metrics(metrics: Mapping[str, float], group=None) -> dict[str, float]:
+def max_metrics(metrics: Mapping[str, float], group: dist.ProcessGroup | None = None) -> dict[str, float]:
     return reduce_metrics(metrics, "max", group)
 
 
-def gather_objects(obj) -> list:
+def gather_objects(obj: Any) -> list[Any]:
     """Every rank's ``obj`` (picklable), in rank order; ``[obj]`` when alone."""
     if not _active():
         return [obj]
-    out: list = [None] * dist.get_world_size()
+    out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, obj)
     return out
 
 
-def broadcast_from_main(obj):
+def broadcast_from_main(obj: Any) -> Any:
     """Rank 0's ``obj`` on every rank (picklable; ``obj`` itself when alone)."""
     return gather_objects(obj)[0]
 
@@ -245,7 +250,7 @@ def barrier() -> None:
         dist.barrier()
 
 
-def on_main(fn: Callable, *args, **kwargs):
+def on_main(fn: Callable[..., _T], *args: Any, **kwargs: Any) -> _T | None:
     """Run ``fn`` on rank 0 only (logging, rollout dumps, files); the others get None. Raises on the
     other ranks too when it failed on rank 0, so no rank waits forever in a later collective."""
     world = current_world()
@@ -292,14 +297,14 @@ class GlobalBatch:
 
     n_sequences: int
     world_size: int
-    group: object | None = None
+    group: dist.ProcessGroup | None = None
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         if self.n_sequences < 0 or self.world_size < 1:
             raise ValueError(f"bad GlobalBatch(n_sequences={self.n_sequences}, world_size={self.world_size})")
 
     @classmethod
-    def of(cls, local_n_sequences: int, group=None) -> GlobalBatch:
+    def of(cls, local_n_sequences: int, group: dist.ProcessGroup | None = None) -> GlobalBatch:
         """The global batch made of every rank's ``local_n_sequences`` (one collective)."""
         total = reduce_values([local_n_sequences], "sum", group)[0]
         world_size = dist.get_world_size(group) if _active() else 1

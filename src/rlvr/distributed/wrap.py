@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from peft.tuners.lora import LoraLayer
 
 Strategy = Literal["ddp", "fsdp"]
 
@@ -150,7 +153,7 @@ def iter_full_weights(model: nn.Module, merge_lora: bool = True) -> Iterator[tup
         yield _hf_name(name), full
 
 
-def _lora_delta(layer, state: dict, owner: str) -> torch.Tensor:
+def _lora_delta(layer: LoraLayer, state: dict[str, torch.Tensor], owner: str) -> torch.Tensor:
     """``scale · B A`` summed over the layer's active adapters, from full (gathered) adapter weights."""
     if getattr(layer, "use_dora", {}) and any(layer.use_dora.values()):
         raise NotImplementedError("merging DoRA adapters while sharded is not supported; use plain LoRA")
