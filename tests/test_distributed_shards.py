@@ -145,3 +145,38 @@ def test_data_parallel_settings_that_cannot_work_are_clear_errors():
         config(engine={"name": "hf-worker"}).check_world(2)
     with pytest.raises(ConfigError, match="set model.compile false"):
         config(model={"compile": True}, distributed={"strategy": "fsdp"}).check_world(1)
+
+
+def test_global_metrics_combines_equal_rank_shares_by_hand():
+    from rlvr.trainer import global_metrics
+
+    rank0 = {
+        "step": 3,
+        "train/reward": 0.25,
+        "time/generate": 2.0,
+        "tokens_per_s": 100.0,
+        "train/loss": 0.5,
+        "train/reward_std": 0.1,
+        "updates": ["rank 0"],
+        "train/reward/timeouts": 1.0,
+        "mem/peak_gb": 10.0,
+    }
+    rank1 = {
+        "step": 3,
+        "train/reward": 0.75,
+        "time/generate": 3.0,
+        "tokens_per_s": 50.0,
+        "train/loss": 0.5,
+        "train/reward_std": 0.2,
+        "updates": ["rank 1"],
+        "train/reward/timeouts": 2.0,
+        "mem/peak_gb": 12.0,
+    }
+    # rewards 0,0,0,1 and 1,1,0,1: mean 0.25 and 0.75; all eight have mean 0.5 and unbiased std sqrt(2/7)
+    out = global_metrics([rank0, rank1], [[0.0, 0.0, 0.0, 1.0], [1.0, 1.0, 0.0, 1.0]])
+    assert out["train/reward"] == 0.5  # (0.25 + 0.75) / 2: equal shares
+    assert out["time/generate"] == 3.0 and out["mem/peak_gb"] == 12.0  # the slowest, the largest rank
+    assert out["tokens_per_s"] == 150.0 and out["train/reward/timeouts"] == 3.0  # sums
+    assert out["train/loss"] == 0.5 and out["step"] == 3  # already global: passes through
+    assert out["updates"] == ["rank 0"]
+    assert out["train/reward_std"] == pytest.approx((2 / 7) ** 0.5)

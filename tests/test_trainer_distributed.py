@@ -1,7 +1,7 @@
 """``rlvr train`` over two ranks (``torchrun --nproc-per-node 2``, gloo on the CPU) against the same run in
 one process: DDP on-policy and FSDP2 off-policy give the one-process metrics and final weights; an FSDP2
 run that crashes resumes, on one process, to the uninterrupted result; LoRA trains only its adapters,
-under FSDP2 as in one process, and its merged export is a model that ``rlvr eval`` loads.
+under FSDP2 and DDP as in one process, and its merged export is a model that ``rlvr eval`` loads.
 
 Each rank samples its own prompts with its own engine, and a prompt alone in an engine batch
 (``engine.max_batch_size`` = ``group_size``) is sampled from its own seed, so the ranks' rollouts are the
@@ -184,7 +184,8 @@ def test_fsdp_off_policy_two_ranks_equal_one_process_and_resume_on_one(setup, tm
     _assert_same_run(broken, tmp_path / "one", start)
 
 
-def test_lora_under_fsdp_equals_one_process_and_exports_a_model_eval_loads(setup, tmp_path):
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_lora_over_two_ranks_equals_one_process_and_exports_a_model_eval_loads(strategy, setup, tmp_path):
     from safetensors.torch import load_file
 
     root, base = setup
@@ -196,7 +197,7 @@ def test_lora_under_fsdp_equals_one_process_and_exports_a_model_eval_loads(setup
     }
     cfg = _config_file(tmp_path / "cfg.json", base, optim={"lr": 3e-2, "gradient_accumulation_steps": 2}, **lora)
     train(load_config_file(cfg), tmp_path / "one")
-    proc = _torchrun(["--config", str(cfg), "--out", str(tmp_path / "two"), "--distributed.strategy", "fsdp"])
+    proc = _torchrun(["--config", str(cfg), "--out", str(tmp_path / "two"), "--distributed.strategy", strategy])
     assert proc.returncode == 0, proc.stderr[-4000:]
     start = _start_weights(root)
     _assert_same_run(tmp_path / "two", tmp_path / "one", start)
