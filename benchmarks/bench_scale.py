@@ -44,6 +44,7 @@ CASES = {
     "1b-lora": ("1b", "none", False, LORA, False, 16, True),
     "7b-lora": ("7b", "none", False, LORA, True, 16, False),
     "7b-fsdp-offload": ("7b", "fsdp", True, None, True, 32, False),
+    "1b-fsdp-offload-ckpt": ("1b", "fsdp", True, None, True, 32, False),
     "7b-fsdp": ("7b", "fsdp", False, None, False, 4, False),
     "7b-fsdp-offload-no-ckpt": ("7b", "fsdp", True, None, False, 8, False),
 }

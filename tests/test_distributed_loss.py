@@ -160,7 +160,12 @@ def _precision_worker(world, out_path):
         "float32": {},
         "bf16": {"param_dtype": torch.bfloat16},
         "bf16-offload": {"param_dtype": torch.bfloat16, "cpu_offload": True},
-        "float32-checkpointing": {"checkpointing": True},
+        "float32-checkpointing": {"activation_checkpointing": True},
+        "bf16-offload-checkpointing": {
+            "param_dtype": torch.bfloat16,
+            "cpu_offload": True,
+            "activation_checkpointing": True,
+        },
         "ddp-checkpointing": {"checkpointing": True},
     }
     for name, kwargs in variants.items():
@@ -214,3 +219,6 @@ def test_fsdp_bf16_compute_float32_master_weights_and_offload(tmp_path):
     for name in ("float32-checkpointing", "ddp-checkpointing"):  # recomputation changes no number either
         assert report[name]["loss"] == pytest.approx(exact["loss"], rel=1e-6), name
         assert report[name]["grad_norm"] == pytest.approx(exact["grad_norm"], rel=1e-5), name
+    offloaded, checkpointed = report["bf16-offload"], report["bf16-offload-checkpointing"]
+    assert checkpointed["loss"] == offloaded["loss"]
+    assert checkpointed["grad_norm"] == pytest.approx(offloaded["grad_norm"], rel=1e-5)

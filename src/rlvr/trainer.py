@@ -1173,7 +1173,8 @@ def _setup(
 
         engine_copy = copy.deepcopy(model).to(dtype=dtype).eval()
         engine_copy.requires_grad_(False)
-    if config.model.gradient_checkpointing:
+    # Under FSDP2 the wrapper checkpoints each layer around its all-gather (``wrap_model``).
+    if config.model.gradient_checkpointing and strategy != "fsdp":
         cast(Any, model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora.rank:
         from rlvr.lora import apply_lora
@@ -1191,6 +1192,7 @@ def _setup(
             device,
             param_dtype=dtype if strategy == "fsdp" and dtype != torch.float32 else None,
             cpu_offload=config.distributed.cpu_offload,
+            activation_checkpointing=config.model.gradient_checkpointing and strategy == "fsdp",
         )
     backbone = compile_backbone(model) if config.model.compile else None
     optimizer, scheduler = _optimizer_and_scheduler(config, model, device)

@@ -68,6 +68,7 @@ def wrap_model(
     reduce_dtype: torch.dtype | None = torch.float32,
     cpu_offload: bool = False,
     reshard_after_forward: bool = True,
+    activation_checkpointing: bool = False,
 ) -> nn.Module:
     """``model`` ready for data-parallel training over the default process group.
 
@@ -80,7 +81,11 @@ def wrap_model(
     sharded parameters, and so AdamW's state, stay float32), ``reduce_dtype`` that of the gradient
     reduce-scatter (float32 by default). ``cpu_offload`` keeps the sharded parameters, gradients and
     optimizer state on the CPU (the optimizer step runs there) and copies each layer to the GPU for
-    its forward and backward. Every rank must hold the same (full) weights before wrapping.
+    its forward and backward. ``activation_checkpointing`` (fsdp): each decoder layer recomputes its
+    activations in the backward, through ``checkpoint_wrapper`` applied before ``fully_shard`` so that
+    the layer's all-gather stays outside the recomputed region (transformers' own
+    ``gradient_checkpointing_enable`` puts it inside). Every rank must hold the same (full) weights
+    before wrapping.
     """
     if strategy == "ddp":
         from torch.nn.parallel import DistributedDataParallel
@@ -95,7 +100,8 @@ def wrap_model(
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     # Pinned host memory speeds the copies to a GPU; without one there is nothing to pin.
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
-    for layer in decoder_layers(model):
+    layers = _checkpointed_layers(model) if activation_checkpointing else decoder_layers(model)
+    for layer in layers:
         fully_shard(layer, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_after_forward)
     # The root keeps embeddings, final norm and head; it is gathered for the whole forward anyway.
     fully_shard(model, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_after_forward)
@@ -103,6 +109,22 @@ def wrap_model(
 
     enable_fused_log_probs(model)
     return model
+
+
+def _checkpointed_layers(model: nn.Module) -> list[nn.Module]:
+    """Replace every decoder layer by a non-reentrant ``checkpoint_wrapper`` around it, in place, and
+    return the wrappers. Their state dicts keep the plain names (the wrapper strips its prefix)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl, checkpoint_wrapper
+
+    targets = {id(layer) for layer in decoder_layers(model)}
+    wrappers: list[nn.Module] = []
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if id(child) in targets:
+                wrapper = checkpoint_wrapper(child, checkpoint_impl=CheckpointImpl.NO_REENTRANT)
+                setattr(parent, name, wrapper)
+                wrappers.append(wrapper)
+    return wrappers
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -121,7 +143,12 @@ def _lora_layers(model: nn.Module) -> dict[str, Any]:
         return {}
     from peft.tuners.lora import LoraLayer
 
-    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLayer)}
+    # Module names as the state dict spells them: a checkpoint wrapper's own level is left out there.
+    return {
+        name.replace("_checkpoint_wrapped_module.", ""): m
+        for name, m in model.named_modules()
+        if isinstance(m, LoraLayer)
+    }
 
 
 @torch.no_grad()
