@@ -1,6 +1,6 @@
 """``rlvr train`` over two ranks (``torchrun --nproc-per-node 2``, gloo on the CPU) against the same run in
-one process: DDP on-policy and FSDP2 off-policy give the one-process metrics and final weights; an FSDP2
-run that crashes resumes, on one process, to the uninterrupted result; LoRA trains only its adapters,
+one process: DDP on-policy and FSDP2 off-policy give the one-process metrics and final weights; a run
+that crashes resumes to the uninterrupted result (DDP on two ranks, FSDP2 on one process); LoRA trains only its adapters,
 under FSDP2 and DDP as in one process, and its merged export is a model that ``rlvr eval`` loads.
 
 Each rank samples its own prompts with its own engine, and a prompt alone in an engine batch
@@ -139,7 +139,7 @@ def _start_weights(root: Path) -> dict[str, torch.Tensor]:
     return load_file(str(root / "model" / "model.safetensors"))
 
 
-def test_ddp_on_policy_two_ranks_equal_one_process(setup, tmp_path):
+def test_ddp_on_policy_two_ranks_equal_one_process_and_resume_on_two(setup, tmp_path):
     root, base = setup
     cfg = _config_file(tmp_path / "cfg.json", base)
     train(load_config_file(cfg), tmp_path / "one")
@@ -149,6 +149,19 @@ def test_ddp_on_policy_two_ranks_equal_one_process(setup, tmp_path):
     assert read_summary(tmp_path / "two")["status"] == "finished"
     saved = json.loads((tmp_path / "two" / "config.json").read_text())
     assert saved["distributed"]["strategy"] == "ddp"
+
+    # A crash in step 3 leaves the step-2 checkpoint (one-process layout, each rank's RNG state beside
+    # it); two ranks resume it to the uninterrupted result.
+    broken = tmp_path / "broken"
+    ddp = ["--config", str(cfg), "--distributed.strategy", "ddp"]
+    proc = _torchrun([*ddp, "--out", str(broken)], env_extra={"RLVR_TEST_CRASH_AFTER": str(broken)})
+    assert proc.returncode != 0 and "planted grader crash" in proc.stderr
+    step2 = broken / "checkpoints" / "step_000002"
+    assert not (step2 / "sharded").exists() and (step2 / "model" / "model.safetensors").is_file()
+    assert sorted(p.name for p in (step2 / "rng").iterdir()) == ["rank_0.pt", "rank_1.pt"]
+    proc = _torchrun(["--resume", str(broken)])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _assert_same_run(broken, tmp_path / "one", _start_weights(root))
 
 
 def test_fsdp_off_policy_two_ranks_equal_one_process_and_resume_on_one(setup, tmp_path):
