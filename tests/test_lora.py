@@ -116,3 +116,11 @@ def test_train_accepts_lora():
     config = TrainConfig.from_dict({"model": {"lora": {"rank": 4}}}).resolve()
     config.validate()
     assert config.model.lora.rank == 4
+
+
+def test_lora_with_model_compile_is_a_clear_error():
+    from rlvr.config import ConfigError, TrainConfig
+
+    config = TrainConfig.from_dict({"model": {"lora": {"rank": 4}, "compile": True}}).resolve()
+    with pytest.raises(ConfigError, match="model.compile does not run LoRA models"):
+        config.validate()

@@ -588,6 +588,11 @@ class TrainConfig:
                     "grpo (also called ppo_clip: PPO token clip, cliprange 0.2), noclip, gspo or cispo (or max_staleness=0)",
                 )
         need(self.model.dtype in DTYPES, f"unknown model.dtype {self.model.dtype!r}: choose one of {DTYPES}")
+        need(
+            not (self.model.compile and self.model.lora.rank),
+            "model.compile does not run LoRA models (the compiled stand-in is the plain decoder stack); "
+            "set model.compile false or model.lora.rank 0",
+        )
         d = self.distributed
         need(d.strategy in STRATEGIES, f"unknown distributed.strategy {d.strategy!r}: choose one of {STRATEGIES}")
         need(
