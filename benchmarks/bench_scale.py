@@ -22,19 +22,8 @@ import sys
 import time
 from pathlib import Path
 
-# OLMo-2-1124-7B's shape (allenai/OLMo-2-1124-7B config.json).
-OLMO2_7B = dict(
-    vocab_size=100352,
-    hidden_size=4096,
-    intermediate_size=11008,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=32,
-    max_position_embeddings=4096,
-    rope_theta=500000.0,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
+from rlvr.modeling import OLMO2_1B, OLMO2_7B
+
 LORA = {"rank": 16, "alpha": 32, "target_modules": ["all-linear"]}
 CASES = {
     # name: (shape, strategy, cpu_offload, lora, gradient checkpointing, rows per microbatch, write checkpoint)
@@ -50,15 +39,9 @@ CASES = {
 }
 
 
+# The 1B shape cut down to a CPU-sized model (--tiny), as bench_speed.py does.
 TINY = dict(
-    vocab_size=8192,
-    hidden_size=64,
-    intermediate_size=256,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=4,
-    max_position_embeddings=4096,
-    tie_word_embeddings=False,
+    OLMO2_1B, hidden_size=64, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4
 )
 
 
@@ -81,7 +64,7 @@ def run_case(name: str, data_dir: str, out: Path, tiny: bool = False) -> dict:
     )
     from rlvr.data import load_gsm8k_jsonl
     from rlvr.logging_utils import read_metrics
-    from rlvr.modeling import OLMO2_1B, build_model, tokenizer_corpus, train_tokenizer
+    from rlvr.modeling import build_model, tokenizer_corpus, train_tokenizer
 
     shape_name, strategy, offload, lora, ckpting, micro, write_ckpt = CASES[name]
     examples = load_gsm8k_jsonl(Path(data_dir) / "train.jsonl")

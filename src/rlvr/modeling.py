@@ -42,6 +42,15 @@ OLMO2_1B = dict(
     tie_word_embeddings=False,
 )
 
+# OLMo-2-1124-7B's shape (allenai/OLMo-2-1124-7B config.json), for the memory benchmarks with random weights.
+OLMO2_7B = dict(
+    OLMO2_1B,
+    hidden_size=4096,
+    intermediate_size=11008,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=32,
+)
 # Llama-3.1-8B's shape (meta-llama/Llama-3.1-8B config.json), for the assistant benchmarks with random weights.
 LLAMA31_8B = dict(
     vocab_size=128256,

@@ -91,7 +91,7 @@ from rlvr.config import (
     save_config,
     upgrade_moved_keys,
 )
-from rlvr.distributed.world import World, gather_objects
+from rlvr.distributed.world import World, gather_objects, rank_row_range
 from rlvr.engines.base import Engine, SamplingParams, WorkerEngine
 from rlvr.engines.rollouts import RolloutBatch, RolloutRequest, Rollouts, SyncRollouts
 from rlvr.errors import EngineError, GraderError, NonFiniteError, TrainingError, UserError
@@ -1217,9 +1217,8 @@ def _setup(
         request=_rollout_request(config, train_examples, prompt, world),
         engine_weights=EngineWeights(model, scheduler, engine_copy),
         world=world,
-        rows_held=range(
-            _rank_prompts(config, world).start * config.rollout.group_size,
-            _rank_prompts(config, world).stop * config.rollout.group_size,
+        rows_held=rank_row_range(
+            config.rollout.n_prompts_per_rollout_batch, config.rollout.group_size, world.rank, world.world_size
         ),
         sharded_checkpoints=strategy == "fsdp" or bool(lora.rank),
     )
