@@ -1,5 +1,6 @@
 """Step time and peak GPU memory of ``rlvr train`` on one GPU with the memory levers: FSDP2 (a process
-group of one: float32 sharded parameters and AdamW state, bf16 compute), its CPU offload, LoRA and
+group of one: float32 sharded parameters and AdamW state, bf16 compute; or all bf16 with
+``optim.master_weights: false``), its CPU offload, LoRA and
 gradient checkpointing, at OLMo-2-1B's shape and at OLMo-2-7B's shape (random weights, a tokenizer
 trained on GSM8K). Every case is ``rlvr.trainer.train`` itself (hf-fast engine, parity reward so that
 groups have signal), run in its own process so that a case that runs out of memory leaves the others;
@@ -26,16 +27,18 @@ from rlvr.modeling import OLMO2_1B, OLMO2_7B
 
 LORA = {"rank": 16, "alpha": 32, "target_modules": ["all-linear"]}
 CASES = {
-    # name: (shape, strategy, cpu_offload, lora, gradient checkpointing, rows per microbatch, write checkpoint)
-    "1b": ("1b", "none", False, None, False, 16, False),
-    "1b-fsdp": ("1b", "fsdp", False, None, False, 16, True),
-    "1b-fsdp-offload": ("1b", "fsdp", True, None, False, 32, False),
-    "1b-lora": ("1b", "none", False, LORA, False, 16, True),
-    "7b-lora": ("7b", "none", False, LORA, True, 16, False),
-    "7b-fsdp-offload": ("7b", "fsdp", True, None, True, 32, False),
-    "1b-fsdp-offload-ckpt": ("1b", "fsdp", True, None, True, 32, False),
-    "7b-fsdp": ("7b", "fsdp", False, None, False, 4, False),
-    "7b-fsdp-offload-no-ckpt": ("7b", "fsdp", True, None, False, 8, False),
+    # name: (shape, strategy, cpu_offload, lora, gradient checkpointing, rows per microbatch, write checkpoint,
+    #        float32 master weights)
+    "1b": ("1b", "none", False, None, False, 16, False, True),
+    "1b-fsdp": ("1b", "fsdp", False, None, False, 16, True, True),
+    "1b-fsdp-offload": ("1b", "fsdp", True, None, False, 32, False, True),
+    "1b-lora": ("1b", "none", False, LORA, False, 16, True, True),
+    "7b-lora": ("7b", "none", False, LORA, True, 16, False, True),
+    "7b-fsdp-bf16": ("7b", "fsdp", False, None, True, 16, False, False),
+    "7b-fsdp-offload": ("7b", "fsdp", True, None, True, 32, False, True),
+    "1b-fsdp-offload-ckpt": ("1b", "fsdp", True, None, True, 32, False, True),
+    "7b-fsdp": ("7b", "fsdp", False, None, False, 4, False, True),
+    "7b-fsdp-offload-no-ckpt": ("7b", "fsdp", True, None, False, 8, False, True),
 }
 
 
@@ -66,7 +69,7 @@ def run_case(name: str, data_dir: str, out: Path, tiny: bool = False) -> dict:
     from rlvr.logging_utils import read_metrics
     from rlvr.modeling import build_model, tokenizer_corpus, train_tokenizer
 
-    shape_name, strategy, offload, lora, ckpting, micro, write_ckpt = CASES[name]
+    shape_name, strategy, offload, lora, ckpting, micro, write_ckpt, master = CASES[name]
     examples = load_gsm8k_jsonl(Path(data_dir) / "train.jsonl")
     tok = train_tokenizer(tokenizer_corpus(examples), vocab_size=8192)
     shape = dict(TINY if tiny else OLMO2_1B if shape_name == "1b" else OLMO2_7B)
@@ -74,7 +77,7 @@ def run_case(name: str, data_dir: str, out: Path, tiny: bool = False) -> dict:
     config = Olmo2Config(
         **shape, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, bos_token_id=tok.bos_token_id
     )
-    dtype = torch.float32 if strategy == "fsdp" or tiny else torch.bfloat16
+    dtype = torch.float32 if (strategy == "fsdp" and master) or tiny else torch.bfloat16
     with torch.device(device):
         model = build_model(config, seed=0, dtype=dtype)
     n_params = sum(p.numel() for p in model.parameters())
@@ -89,8 +92,8 @@ def run_case(name: str, data_dir: str, out: Path, tiny: bool = False) -> dict:
         data=DataConfig(train_source=str(Path(data_dir) / "train.jsonl"), train_size=512, val_size=0),
         prompt="r1_zero",
         rollout=RolloutConfig(n_prompts_per_rollout_batch=n_prompts, group_size=group, max_new_tokens=256),
-        optim=OptimConfig(lr=1e-6, gradient_accumulation_steps=n_prompts * group // micro),
-        engine=EngineConfig(name="hf" if tiny else "hf-fast", fast=FastEngineConfig(release_memory=shape_name == "7b")),
+        optim=OptimConfig(lr=1e-6, gradient_accumulation_steps=n_prompts * group // micro, master_weights=master),
+        engine=EngineConfig(name="hf" if tiny else "hf-fast", fast=FastEngineConfig(release_memory=shape_name == "7b" and not tiny)),
         log=LogConfig(progress=False, engine_logprob_check_every=0, val_samples=0),
         distributed=DistributedConfig(strategy=strategy, cpu_offload=offload),
         n_steps=3,
@@ -130,6 +133,7 @@ def run_case(name: str, data_dir: str, out: Path, tiny: bool = False) -> dict:
         "offload": offload,
         "lora": bool(lora),
         "grad_ckpt": ckpting,
+        "master": master,
         "step_s": mean("time/step"),
         "generate_s": mean("time/generate"),
         "train_s": mean("time/train"),
@@ -176,13 +180,14 @@ def main() -> None:
         else:
             print(f"{name}: FAILED: {' | '.join(tail)}", flush=True)
     print(
-        "\n| case | params | strategy | CPU offload | LoRA | grad ckpt | step s | generate s | train s | engine copy s | peak GiB | ckpt s |"
+        "\n| case | params | strategy | float32 weights | CPU offload | LoRA | grad ckpt | step s | generate s | train s | engine copy s | peak GiB | ckpt s |"
     )
-    print("|---|---:|---|---|---|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---|---|---|---|---|---:|---:|---:|---:|---:|---:|")
     for r in results:
         ckpt = f"{r['ckpt_s']:.1f}" if r["ckpt_s"] is not None else "-"
         print(
-            f"| {r['case']} | {r['params_b']:.2f} B | {r['strategy']} | {'yes' if r['offload'] else 'no'} | "
+            f"| {r['case']} | {r['params_b']:.2f} B | {r['strategy']} | {'yes' if r['master'] else 'no'} | "
+            f"{'yes' if r['offload'] else 'no'} | "
             f"{'r16' if r['lora'] else 'no'} | {'yes' if r['grad_ckpt'] else 'no'} | {r['step_s']:.2f} | "
             f"{r['generate_s']:.2f} | {r['train_s']:.2f} | {r['engine_copy_s']:.2f} | {r['peak_gib']:.1f} | {ckpt} |"
         )

@@ -6,12 +6,16 @@ A diagnostic companion to ``bench_speed.py`` (which measures end to end): prints
    lengths (the step's fixed cost against its per-row cost);
 2. a ``torch.profiler`` table of the eager decode step (graphs hide kernels from the profiler);
 3. the compile time and step time of the training step through ``compile_backbone`` and a
-   ``torch.profiler`` table of one compiled step.
+   ``torch.profiler`` table of one compiled step;
+4. (``--only trainer``) ``rlvr train`` with the suggested configuration (``bench_speed``'s section f):
+   each phase's time in a steady step, then the train phase against ``policy_gradient_update`` called
+   again on that step's own batch, model, optimizer and compiled backbone, with how much of each the
+   GPU was busy and the profiler's tables of the trainer's update (kernels, then host-side ops).
 
 ``--family NAME`` (one of ``bench_speed.FAMILY_MODELS``) runs the decode part on that model's exact shape
 (random weights) instead of OLMo-2-1B's.
 
-Usage: ``PYTHONPATH=src python benchmarks/profile_step.py --data-dir DIR [--tiny] [--only decode] [--family NAME]``.
+Usage: ``PYTHONPATH=src python benchmarks/profile_step.py --data-dir DIR [--tiny] [--only PART] [--family NAME]``.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import argparse
 import time
 
 import torch
-from bench_speed import FAMILY_MODELS, TINY_FAMILY_SHAPE, Bench
+from bench_speed import FAMILY_MODELS, TINY_FAMILY_SHAPE, Bench, parse_args
 from torch.profiler import ProfilerActivity, profile
 
 from rlvr.engines.base import SamplingParams
@@ -196,6 +200,87 @@ def training(bench: Bench):
     bench.free()
 
 
+def gpu_busy_s(prof) -> float:
+    """Seconds in which at least one kernel ran (the union of the kernels' intervals)."""
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    busy, end = 0.0, float("-inf")
+    for lo, hi in spans:
+        if hi > end:
+            busy += hi - max(lo, end)
+            end = hi
+    return busy / 1e6
+
+
+def trainer(bench: Bench, steps: int = 4):
+    """The train phase inside ``rlvr train`` against the same update called on its own (module docstring)."""
+    import rlvr.trainer as trainer_module
+    from rlvr.logging_utils import read_metrics
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    update, original_update = {}, trainer_module.policy_gradient_update
+    phase = {}
+
+    def capture(*args, **kwargs):  # keeps the last call's inputs: the profiled (last) step's batch
+        update["args"], update["kwargs"] = args, kwargs
+        return original_update(*args, **kwargs)
+
+    original_phase = trainer_module._update
+
+    def profiled(config, step, run, batch, state, log):
+        if step != config.n_steps:
+            return original_phase(config, step, run, batch, state, log)
+        bench.sync()
+        t0 = time.perf_counter()
+        with profile(activities=acts) as prof:
+            original_phase(config, step, run, batch, state, log)
+            bench.sync()
+        phase.update(prof=prof, wall=time.perf_counter() - t0)
+
+    trainer_module.policy_gradient_update, trainer_module._update = capture, profiled
+    bench.args.trainer_steps = steps
+    try:
+        bench.trainer_step()
+    finally:
+        trainer_module.policy_gradient_update, trainer_module._update = original_update, original_phase
+    rows = bench.log["trainer_rows"]
+    steady = rows[-2]  # the last step before the profiled one
+    print(f"\n## rlvr train, step {steady['step']} of {steps} (steady, not profiled): seconds per phase", flush=True)
+    timed = {k: v for k, v in steady.items() if k.startswith("time/") and isinstance(v, float)}
+    for key, value in sorted(timed.items(), key=lambda kv: -kv[1]):
+        print(f"{key}: {value:.3f}")
+    parts = sum(v for k, v in timed.items() if k != "time/step")
+    print(f"step less its timed parts: {timed['time/step'] - parts:.3f}", flush=True)
+    model = update["args"][0]
+    model.train()
+    times = []
+    for _ in range(3):
+        _, t = bench.timed(lambda: original_update(*update["args"], **update["kwargs"]))
+        times.append(t)
+    with profile(activities=acts) as alone:
+        original_update(*update["args"], **update["kwargs"])
+        bench.sync()
+    model.eval()
+    ids = update["args"][2]
+    print(
+        f"\n## train phase of step {steps} against the same update alone ({ids.shape[0]} rows, "
+        f"{int(update['args'][4].sum())} response tokens, width {ids.shape[1]})",
+        flush=True,
+    )
+    print("what | wall s | GPU busy s")
+    print(f"trainer's train phase (profiled) | {phase['wall']:.3f} | {gpu_busy_s(phase['prof']):.3f}")
+    print(f"trainer's train phase (step {steady['step']}, not profiled) | {steady['time/train']:.3f} | -")
+    print(f"policy_gradient_update alone, 3 calls | {', '.join(f'{t:.3f}' for t in times)} | {gpu_busy_s(alone):.3f}")
+    print(f"\n## kernels of the trainer's train phase (step {steps})", flush=True)
+    print(kernel_table(phase["prof"], 30), flush=True)
+    print(f"\n## host-side ops of the trainer's train phase (step {steps})", flush=True)
+    print(phase["prof"].key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70))
+    bench.free()
+
+
 def use_family_model(bench: Bench, name: str) -> None:
     """Swap the bench's model for one of ``FAMILY_MODELS`` at its exact shape (random weights)."""
     from transformers import AutoConfig
@@ -224,7 +309,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data-dir", required=True)
     ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--only", choices=("decode", "attention", "training"), default=None)
+    ap.add_argument("--only", choices=("decode", "attention", "training", "trainer"), default=None)
     ap.add_argument(
         "--family",
         choices=tuple(FAMILY_MODELS),
@@ -232,8 +317,9 @@ def main():
         help="profile the decode step on this model's shape instead of OLMo-2-1B's",
     )
     args = ap.parse_args()
-    args.seed, args.all_variants, args.skip_baselines = 0, False, True
-    bench = Bench(args)
+    # The bench's own settings (its defaults), so that the two scripts cannot drift apart.
+    bench_args = parse_args(["--data-dir", args.data_dir, "--skip-baselines"] + (["--tiny"] if args.tiny else []))
+    bench = Bench(bench_args)
     bench.setup()
     bench.ceilings()
     if args.family:
@@ -244,6 +330,8 @@ def main():
         attention(bench)
     if args.only in (None, "training"):
         training(bench)
+    if args.only in (None, "trainer"):
+        trainer(bench)
 
 
 if __name__ == "__main__":

@@ -167,10 +167,11 @@ def _precision_worker(world, out_path):
             "activation_checkpointing": True,
         },
         "ddp-checkpointing": {"checkpointing": True},
+        "bf16-storage": {"param_dtype": torch.bfloat16, "storage": torch.bfloat16},
     }
     for name, kwargs in variants.items():
         kwargs = dict(kwargs)
-        model = tiny_causal_lm(seed=0)
+        model = tiny_causal_lm(seed=0).to(kwargs.pop("storage", torch.float32))
         if kwargs.pop("checkpointing", False):
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model = wrap_model(model, "ddp" if name.startswith("ddp") else "fsdp", **kwargs)
@@ -209,6 +210,9 @@ def test_fsdp_bf16_compute_float32_master_weights_and_offload(tmp_path):
     run_ranks(_precision_worker, str(out))
     report = json.loads(out.read_text())
     exact = report["float32"]
+    bf16_storage = report.pop("bf16-storage")  # optim.master_weights off: sharded weights and AdamW state in bf16
+    assert bf16_storage["param_dtypes"] == ["torch.bfloat16"] and bf16_storage["state_dtypes"] == ["torch.bfloat16"]
+    assert bf16_storage["copy_matches"] and bf16_storage["grad_norm"] == pytest.approx(report["bf16"]["grad_norm"], rel=5e-2)
     for name, r in report.items():
         assert r["param_dtypes"] == ["torch.float32"] and r["state_dtypes"] == ["torch.float32"], name
         assert r["copy_matches"] and r["n_copied"] == len(tiny_causal_lm().state_dict()), name

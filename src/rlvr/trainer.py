@@ -1152,8 +1152,9 @@ def _setup(
     device = world.device if world.backend is not None else torch.device(config.policy_device)
     strategy = config.data_parallel_strategy(world.world_size)
     dtype = _dtype(config.model.dtype, device)
-    # FSDP2 keeps float32 parameters (and so float32 AdamW) and computes in the model dtype.
-    load_dtype = torch.float32 if strategy == "fsdp" else dtype
+    # FSDP2 keeps float32 sharded parameters (and so float32 AdamW state) and computes in the model dtype;
+    # with optim.master_weights off they stay in the model dtype (half the memory, low-precision updates).
+    load_dtype = torch.float32 if strategy == "fsdp" and config.optim.master_weights else dtype
     lora = config.model.lora
     if model is None:
         if own_engine:
