@@ -24,12 +24,24 @@ from rlvr.engines.decode_attention import default_splits, prompt_runs, reference
 TESTS = Path(__file__).resolve().parent
 
 
-def random_case(seed: int, groups=3, n=4, heads=2, head_dim=8, prompt_slots=21, response_slots=19, dtype=torch.float32):
-    """A chunk of ``groups`` prompts x ``n`` samples, some rows retired (compacted away), ragged prompts."""
+def random_case(
+    seed: int,
+    groups=3,
+    n=4,
+    heads=2,
+    head_dim=8,
+    prompt_slots=21,
+    response_slots=19,
+    dtype=torch.float32,
+    kv_heads=None,
+):
+    """A chunk of ``groups`` prompts x ``n`` samples, some rows retired (compacted away), ragged prompts.
+    ``kv_heads`` (default ``heads``): key/value heads of the caches (grouped-query attention)."""
+    kv_heads = kv_heads or heads
     g = torch.Generator().manual_seed(seed)
     r = lambda *shape: torch.randn(*shape, generator=g).to(dtype)  # noqa: E731
-    pk, pv = r(groups, heads, prompt_slots, head_dim), r(groups, heads, prompt_slots, head_dim)
-    rk, rv = r(groups * n, heads, response_slots, head_dim), r(groups * n, heads, response_slots, head_dim)
+    pk, pv = r(groups, kv_heads, prompt_slots, head_dim), r(groups, kv_heads, prompt_slots, head_dim)
+    rk, rv = r(groups * n, kv_heads, response_slots, head_dim), r(groups * n, kv_heads, response_slots, head_dim)
     alive = torch.tensor([i for i in range(groups * n) if i % 5 != 3])  # rows 3, 8, ... finished
     grp = alive // n
     plen = torch.tensor([prompt_slots - 3])
@@ -41,15 +53,17 @@ def random_case(seed: int, groups=3, n=4, heads=2, head_dim=8, prompt_slots=21, 
 
 
 def per_row_softmax(q, pk, pv, rk, rv, grp, start, plen, rlen):
-    """Row by row, head by head: softmax(q . k / sqrt(d)) over the listed slots, in float64."""
+    """Row by row, head by head: softmax(q . k / sqrt(d)) over the listed slots, in float64; query head h
+    reads key/value head h // (heads / kv_heads)."""
     out = torch.empty(q.shape, dtype=torch.float64)
+    group = q.shape[1] // pk.shape[1]
     for b in range(q.shape[0]):
         g, s0 = int(grp[b]), int(start[b])
         keys = torch.cat([pk[g, :, s0 : int(plen)], rk[b, :, : int(rlen)]], dim=1).double()
         vals = torch.cat([pv[g, :, s0 : int(plen)], rv[b, :, : int(rlen)]], dim=1).double()
         for h in range(q.shape[1]):
-            w = torch.softmax(keys[h] @ q[b, h, 0].double() / math.sqrt(q.shape[-1]), dim=0)
-            out[b, h, 0] = w @ vals[h]
+            w = torch.softmax(keys[h // group] @ q[b, h, 0].double() / math.sqrt(q.shape[-1]), dim=0)
+            out[b, h, 0] = w @ vals[h // group]
     return out
 
 
@@ -88,6 +102,24 @@ def test_reference_equals_per_row_softmax(seed, rlen):
     )
     expected = per_row_softmax(**c, rlen=rlen)
     assert torch.allclose(out.double(), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 3])
+def test_reference_with_grouped_query_heads_equals_per_row_softmax(kv_heads):
+    """Six query heads over 1, 2 or 3 key/value heads: query head h reads key/value head h // (6 / kv)."""
+    c = random_case(4, heads=6, kv_heads=kv_heads)
+    out = reference_decode_attention(
+        **c, rlen=torch.tensor([7]), prompt_slots=c["pk"].shape[2], response_slots=c["rk"].shape[2]
+    )
+    assert out.shape == c["q"].shape
+    assert torch.allclose(out.double(), per_row_softmax(**c, rlen=7), atol=1e-5)
+    # The mapping matters: pairing query heads with the wrong key/value heads changes the result.
+    if kv_heads > 1:
+        swapped = dict(c, pk=c["pk"].flip(1), pv=c["pv"].flip(1), rk=c["rk"].flip(1), rv=c["rv"].flip(1))
+        wrong = reference_decode_attention(
+            **swapped, rlen=torch.tensor([7]), prompt_slots=c["pk"].shape[2], response_slots=c["rk"].shape[2]
+        )
+        assert not torch.allclose(wrong, out, atol=1e-3)
 
 
 def test_reading_fewer_slots_changes_nothing():

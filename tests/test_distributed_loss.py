@@ -212,7 +212,9 @@ def test_fsdp_bf16_compute_float32_master_weights_and_offload(tmp_path):
     exact = report["float32"]
     bf16_storage = report.pop("bf16-storage")  # optim.master_weights off: sharded weights and AdamW state in bf16
     assert bf16_storage["param_dtypes"] == ["torch.bfloat16"] and bf16_storage["state_dtypes"] == ["torch.bfloat16"]
-    assert bf16_storage["copy_matches"] and bf16_storage["grad_norm"] == pytest.approx(report["bf16"]["grad_norm"], rel=5e-2)
+    assert bf16_storage["copy_matches"] and bf16_storage["grad_norm"] == pytest.approx(
+        report["bf16"]["grad_norm"], rel=5e-2
+    )
     for name, r in report.items():
         assert r["param_dtypes"] == ["torch.float32"] and r["state_dtypes"] == ["torch.float32"], name
         assert r["copy_matches"] and r["n_copied"] == len(tiny_causal_lm().state_dict()), name

@@ -97,6 +97,7 @@ from rlvr.engines.rollouts import RolloutBatch, RolloutRequest, Rollouts, SyncRo
 from rlvr.errors import EngineError, GraderError, NonFiniteError, TrainingError, UserError
 from rlvr.grpo import (
     REWEIGHTINGS,
+    attention_without_cudnn,
     compile_backbone,
     compute_group_normalized_rewards,
     compute_log_probs_batched,
@@ -1340,6 +1341,7 @@ def _train(
     # The reward, engine, rollouts, logger and progress bar: closed on every way out, in reverse order.
     with contextlib.ExitStack() as resources:
         resources.callback(run.val_reward.close)
+        resources.enter_context(attention_without_cudnn())
         try:
             record.summary("running")
             run.rollouts = _start_rollouts(config, run, engine, resources)

@@ -30,13 +30,15 @@ def case(
     group: int = 8,
     prompt_slots: int = 150,
     response_slots: int = 260,
+    kv_heads: int | None = None,
 ):
+    kv = kv_heads or heads
     g = torch.Generator(device="cuda").manual_seed(seed)
     r = lambda *s: torch.randn(*s, generator=g, device="cuda").to(torch.bfloat16)  # noqa: E731
     groups = max(1, -(-rows // group))
-    pk, pv = r(groups, heads, prompt_slots, head_dim), r(groups, heads, prompt_slots, head_dim)
+    pk, pv = r(groups, kv, prompt_slots, head_dim), r(groups, kv, prompt_slots, head_dim)
     spare = rows + 5  # the cache holds more rows than the batch; batch row i reads cache row where[i]
-    rk, rv = r(spare, heads, response_slots, head_dim), r(spare, heads, response_slots, head_dim)
+    rk, rv = r(spare, kv, response_slots, head_dim), r(spare, kv, response_slots, head_dim)
     where = torch.randperm(spare, generator=g, device="cuda")[:rows]
     grp = torch.arange(rows, device="cuda") // group
     plen = torch.tensor([prompt_slots - 7], device="cuda")
@@ -50,11 +52,29 @@ def case(
 @pytest.mark.parametrize("head_dim", [48, 64, 80, 96, 128])
 @pytest.mark.parametrize("rows", [1, 7, 64, 256])
 def test_kernel_equals_reference(head_dim, rows):
+    check_kernel(head_dim, rows, heads=4, kv_heads=4)
+
+
+@pytest.mark.parametrize(
+    "head_dim,heads,kv_heads",
+    [(64, 32, 8), (128, 12, 2), (128, 16, 8), (80, 8, 2)],
+    ids=["llama-3.2-1b", "qwen2.5-1.5b", "qwen3-1.7b", "odd-head-dim"],
+)
+@pytest.mark.parametrize("rows", [1, 64, 256])
+def test_grouped_query_kernel_equals_reference(head_dim, heads, kv_heads, rows):
+    """Grouped-query attention at the supported families' head layouts: one program per (row, key/value
+    head) for all of its query heads."""
+    check_kernel(head_dim, rows, heads=heads, kv_heads=kv_heads)
+
+
+def check_kernel(head_dim: int, rows: int, heads: int, kv_heads: int) -> None:
+    group = heads // kv_heads
     for seed, rlen in enumerate((1, 37, 200)):
-        c, live, where = case(head_dim, rows, seed)
+        c, live, where = case(head_dim, rows, seed, heads=heads, kv_heads=kv_heads)
         g = torch.Generator(device="cuda").manual_seed(100 + seed)
-        k_new = torch.randn(c["q"].shape, generator=g, device="cuda").to(torch.bfloat16)
-        v_new = torch.randn(c["q"].shape, generator=g, device="cuda").to(torch.bfloat16)
+        kv_shape = (rows, kv_heads, 1, head_dim)
+        k_new = torch.randn(kv_shape, generator=g, device="cuda").to(torch.bfloat16)
+        v_new = torch.randn(kv_shape, generator=g, device="cuda").to(torch.bfloat16)
         slot = rlen - 1
         rk, rv = c["rk"].clone(), c["rv"].clone()
         rk[where, :, slot], rv[where, :, slot] = k_new[:, :, 0], v_new[:, :, 0]
@@ -70,12 +90,12 @@ def test_kernel_equals_reference(head_dim, rows):
         )
         runs = None
         if rows >= 16:
-            first, count = prompt_runs(c["grp"].tolist(), [bool(x) for x in live.tolist()], 16)
+            first, count = prompt_runs(c["grp"].tolist(), [bool(x) for x in live.tolist()], max(1, 16 // group))
             runs = (
                 torch.tensor(first, dtype=torch.int32, device="cuda"),
                 torch.tensor(count, dtype=torch.int32, device="cuda"),
             )
-        for splits in sorted({1, default_splits(rows, c["q"].shape[1])}):
+        for splits in sorted({1, default_splits(rows, kv_heads)}):
             for use_runs in {None, runs} if runs is not None else {None}:
                 kase = dict(c, rk=c["rk"].clone(), rv=c["rv"].clone())
                 out = triton_decode_attention(

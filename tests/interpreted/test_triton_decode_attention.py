@@ -118,6 +118,72 @@ def test_any_head_dim_equals_reference(head_dim, cascade):
         assert torch.equal(case["rk"], rk) and torch.equal(case["rv"], rv)
 
 
+@pytest.mark.parametrize("cascade", [False, True])
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (6, 2), (4, 1), (8, 4)])
+def test_grouped_query_heads_equal_reference(heads, kv_heads, splits, cascade):
+    """Grouped-query attention: one program per (row, key/value head) takes all of that head's query heads
+    (2, 3, 4 per key/value head). With the new token written once per key/value head, finished rows,
+    split slots, cascade runs (several rows' query heads per program) and responses read through a
+    cache-row index, the output equals the reference and exactly the new slot of the named cache rows
+    changes."""
+    c = random_case(12, heads=heads, kv_heads=kv_heads, head_dim=12)
+    rows = c["q"].shape[0]
+    g = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    kv_shape = (rows, kv_heads, 1, 12)
+    k_new, v_new = torch.randn(kv_shape, generator=g), torch.randn(kv_shape, generator=g)
+    live = torch.tensor([i % 4 != 2 for i in range(rows)], dtype=torch.int32)
+    where = torch.randperm(rows + 2, generator=g)[:rows]
+    rlen = 6
+    slot = torch.tensor([rlen - 1])
+    rk, rv = c["rk"].clone(), c["rv"].clone()
+    rk.index_copy_(2, slot, k_new)
+    rv.index_copy_(2, slot, v_new)
+    ref = reference_decode_attention(
+        **dict(c, rk=rk, rv=rv),
+        rlen=torch.tensor([rlen]),
+        live=live,
+        prompt_slots=c["pk"].shape[2],
+        response_slots=c["rk"].shape[2],
+    )
+    want = per_row_softmax(**dict(c, rk=rk, rv=rv), rlen=rlen) * live[:, None, None, None]
+    assert torch.allclose(ref.double(), want, atol=1e-5)
+    runs = None
+    if cascade:  # two rows per run: up to 2 x 4 query heads per program
+        first, count = prompt_runs(c["grp"].tolist(), [bool(x) for x in live], 2)
+        runs = (torch.tensor(first, dtype=torch.int32), torch.tensor(count, dtype=torch.int32))
+    cache_k = torch.randn((rows + 2,) + c["rk"].shape[1:], generator=g)
+    cache_v = torch.randn_like(cache_k)
+    cache_k[where], cache_v[where] = c["rk"], c["rv"]
+    before_k = cache_k.clone()
+    out = triton_decode_attention(
+        **dict(c, rk=cache_k, rv=cache_v),
+        rlen=torch.tensor([rlen]),
+        k_new=k_new,
+        v_new=v_new,
+        live=live,
+        splits=splits,
+        runs=runs,
+        run_rows=16,
+        run_block=4,
+        cache_rows=where,
+    )
+    assert out.shape == c["q"].shape
+    assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
+    assert torch.equal(cache_k[where], rk) and torch.equal(cache_v[where], rv)
+    others = torch.ones(rows + 2, dtype=torch.bool)
+    others[where] = False
+    assert torch.equal(cache_k[others], before_k[others])
+
+
+def test_grouped_query_heads_check_their_shapes():
+    c = random_case(1, heads=4, kv_heads=2)
+    with pytest.raises(ValueError, match="k_new and v_new"):
+        triton_decode_attention(**c, rlen=torch.tensor([3]), k_new=c["q"], v_new=c["q"])
+    with pytest.raises(ValueError, match="divisor"):
+        triton_decode_attention(**random_case(1, heads=4, kv_heads=3), rlen=torch.tensor([3]))
+
+
 @pytest.mark.parametrize("splits", [1, 4])
 def test_finished_rows_read_nothing_and_return_zero(splits):
     """Rows whose ``live`` flag is 0 return 0; the others are untouched by their neighbours' flags."""
@@ -321,8 +387,8 @@ def test_engine_with_odd_head_dim_equals_model_generate(tiny_tokenizer):
 
 
 def test_engine_with_grouped_query_attention_equals_reference(tiny_tokenizer):
-    """Grouped-query attention through the kernel (a Llama model with 3 query heads per key/value head;
-    each key/value head's query heads enter as rows side by side): greedy tokens equal
+    """Grouped-query attention through the kernel (a Llama model with 3 query heads per key/value head,
+    taken together by one program per row and key/value head): greedy tokens equal
     ``model.generate``; with cascade attention in every bucket while rows finish, the sampled tokens and
     log-probs equal the SDPA path's."""
     model = family_model("llama", tiny_tokenizer)

@@ -17,6 +17,11 @@ run of rows with one prompt loads each prompt block once for all of them, then e
 its own response and merges the two partial softmaxes; without, each row reads its prompt itself
 (mostly from the GPU's L2 cache).
 
+With grouped-query attention the caches hold the key/value heads only, and query head h reads key/value
+head h // (heads / kv_heads); the Triton path then runs one program per (row, key/value head) that
+takes all of that head's query heads together (q.k and p.v as small matrix products), so each block
+of the cache is read once per step for all of them.
+
 Two implementations compute the same thing:
 
 * ``reference_decode_attention``: gathers each row's prompt K/V, concatenates them with its response
@@ -60,6 +65,8 @@ def reference_decode_attention(
     cache_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query per row, q (b, heads, 1, head_dim), over the row's prompt and response slots.
+    With grouped-query attention the caches hold fewer (key/value) heads: query head h reads key/value
+    head h // (heads / kv_heads).
 
     ``prompt_slots`` / ``response_slots`` are how many leading slots of each cache to read (at least
     ``plen`` / ``rlen``; masked beyond them). ``live`` (optional, (b,)): rows where it is 0 are finished;
@@ -67,7 +74,16 @@ def reference_decode_attention(
     ``rk``/``rv`` that holds batch row i's response is ``cache_rows[i]`` (default: i). Returns
     (b, heads, 1, head_dim) in q's dtype.
     """
-    b = q.shape[0]
+    b, heads = q.shape[:2]
+    kv_heads = pk.shape[1]
+    if heads != kv_heads:  # grouped-query attention: each key/value head's query heads as its queries
+        if heads % kv_heads or q.shape[2] != 1:
+            raise ValueError(f"{heads} query heads over {kv_heads} key/value heads need one query per row")
+        grouped = q.reshape(b, kv_heads, heads // kv_heads, q.shape[-1])
+        out = reference_decode_attention(
+            grouped, pk, pv, rk, rv, grp, start, plen, rlen, prompt_slots, response_slots, live, cache_rows
+        )
+        return out.reshape(q.shape)
     crow = cache_rows[:b] if cache_rows is not None else slice(0, b)
     keys = torch.cat([pk[grp[:b], :, :prompt_slots], rk[crow, :, :response_slots]], dim=2)
     values = torch.cat([pv[grp[:b], :, :prompt_slots], rv[crow, :, :response_slots]], dim=2)
@@ -269,6 +285,207 @@ if triton is not None:
             tl.store(base + D + 1, total)
 
     @triton.jit
+    def _grouped_accumulate(  # type: ignore[no-untyped-def]  # Triton reads a kernel's annotations; only constexpr ones here
+        kbase,
+        vbase,
+        lo,
+        hi,
+        stride_s,
+        q,
+        d,
+        dok,
+        m,
+        l,
+        acc,
+        scale,
+        BLOCK: tl.constexpr,
+        STAGES: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        """Online softmax over slots [lo, hi) of one key/value head for the query heads it serves (the rows
+        of q, GP x DP): each block of keys and values is loaded once for all of them, and q.k and p.v are
+        small matrix products."""
+        for s in tl.range((lo // BLOCK) * BLOCK, hi, BLOCK, num_stages=STAGES):
+            offs = s + tl.arange(0, BLOCK)
+            ok = (offs >= lo) & (offs < hi)
+            k = tl.load(kbase + offs[:, None] * stride_s + d[None, :], mask=ok[:, None] & dok[None, :], other=0.0)
+            if IEEE:
+                x = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                x = tl.dot(q, tl.trans(k))
+            x = tl.where(ok[None, :], x * scale, -float("inf"))
+            m_new = tl.maximum(m, tl.max(x, axis=1))
+            alpha = tl.exp(m - m_new)
+            p = tl.exp(x - m_new[:, None])
+            v = tl.load(vbase + offs[:, None] * stride_s + d[None, :], mask=ok[:, None] & dok[None, :], other=0.0)
+            if IEEE:
+                pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                pv = tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + pv
+            l = l * alpha + tl.sum(p, axis=1)
+            m = m_new
+        return m, l, acc
+
+    @triton.jit
+    def _grouped_decode_attention_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: annotations are Triton's
+        Q,
+        KN,
+        VN,
+        PK,
+        PV,
+        RK,
+        RV,
+        GRP,
+        START,
+        PLEN,
+        RLEN,
+        LIVE,
+        CROW,
+        OUT,
+        PART,
+        PPART,
+        sq_b,
+        sq_h,
+        skn_b,
+        skn_h,
+        svn_b,
+        svn_h,
+        sp_g,
+        sp_h,
+        sp_s,
+        sr_b,
+        sr_h,
+        sr_s,
+        so_b,
+        so_h,
+        scale,
+        D: tl.constexpr,
+        DP: tl.constexpr,
+        GROUP: tl.constexpr,
+        GP: tl.constexpr,
+        BLOCK: tl.constexpr,
+        STAGES: tl.constexpr,
+        SPLITS: tl.constexpr,
+        HAS_NEW: tl.constexpr,
+        HAS_LIVE: tl.constexpr,
+        CASCADE: tl.constexpr,
+        HAS_CROW: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        """``_decode_attention_kernel`` for grouped-query attention: program (row, key/value head, z) reduces
+        the GROUP query heads that share the key/value head together (GP: GROUP rounded up to the matrix
+        units' 16 rows), so the row's cache is read once per key/value head, not once per query head.
+        The slots, splits, new token, finished rows, cascade and cache rows work as there; partial
+        results and outputs are per (row, query head)."""
+        row = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1).to(tl.int64)
+        z = tl.program_id(2)
+        heads_q = tl.num_programs(1) * GROUP
+        d = tl.arange(0, DP)
+        dok = d < D
+        g = tl.arange(0, GP)
+        gok = g < GROUP
+        qh = head * GROUP + g  # the query heads this key/value head serves
+        q = tl.load(Q + row * sq_b + qh[:, None] * sq_h + d[None, :], mask=gok[:, None] & dok[None, :], other=0.0)
+        grp = tl.load(GRP + row).to(tl.int64)
+        first = tl.load(START + row).to(tl.int32)
+        plen = tl.load(PLEN).to(tl.int32)
+        rlen = tl.load(RLEN).to(tl.int32)
+        live = rlen >= 0
+        if HAS_LIVE:
+            live = tl.load(LIVE + row) != 0
+        crow = row
+        if HAS_CROW:
+            crow = tl.load(CROW + row).to(tl.int64)
+        roff = crow * sr_b + head * sr_h
+        cached = rlen
+        if HAS_NEW:
+            cached = rlen - 1
+            kn = tl.load(KN + row * skn_b + head * skn_h + d, mask=dok, other=0.0)
+            vn = tl.load(VN + row * svn_b + head * svn_h + d, mask=dok, other=0.0)
+            if z == 0:
+                tl.store(RK + roff + cached * sr_s + d, kn, mask=dok)
+                tl.store(RV + roff + cached * sr_s + d, vn, mask=dok)
+        n_p = tl.where(live, plen - first, 0)
+        if CASCADE:
+            n_p = 0
+        n = n_p + tl.where(live, cached, 0)
+        per = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK) * BLOCK
+        lo = tl.minimum(z * per, n)
+        hi = tl.minimum(lo + per, n)
+        top = tl.full([GP], -1e30, tl.float32)
+        total = tl.zeros([GP], tl.float32)
+        o = tl.zeros([GP, DP], tl.float32)
+        poff = grp * sp_g + head * sp_h
+        top, total, o = _grouped_accumulate(
+            PK + poff,
+            PV + poff,
+            first + tl.minimum(lo, n_p),
+            first + tl.minimum(hi, n_p),
+            sp_s,
+            q,
+            d,
+            dok,
+            top,
+            total,
+            o,
+            scale,
+            BLOCK,
+            STAGES,
+            IEEE,
+        )
+        top, total, o = _grouped_accumulate(
+            RK + roff,
+            RV + roff,
+            tl.maximum(lo - n_p, 0),
+            tl.maximum(hi - n_p, 0),
+            sr_s,
+            q,
+            d,
+            dok,
+            top,
+            total,
+            o,
+            scale,
+            BLOCK,
+            STAGES,
+            IEEE,
+        )
+        if HAS_NEW:
+            x = tl.sum(q.to(tl.float32) * kn.to(tl.float32)[None, :], axis=1) * scale
+            x = tl.where(live & (z == SPLITS - 1), x, -float("inf"))
+            new_top = tl.maximum(top, x)
+            alpha = tl.exp(top - new_top)
+            p = tl.exp(x - new_top)
+            o = o * alpha[:, None] + p[:, None] * vn.to(tl.float32)[None, :]
+            total = total * alpha + p
+            top = new_top
+        if CASCADE:
+            last = live & (z == SPLITS - 1)
+            pbase = PPART + (row * heads_q + qh) * (D + 2)
+            po = tl.load(pbase[:, None] + d[None, :], mask=last & gok[:, None] & dok[None, :], other=0.0)
+            ptop = tl.load(pbase + D, mask=last & gok, other=-1e30)
+            ptotal = tl.load(pbase + D + 1, mask=last & gok, other=0.0)
+            new_top = tl.maximum(top, ptop)
+            alpha, beta = tl.exp(top - new_top), tl.exp(ptop - new_top)
+            o = o * alpha[:, None] + po * beta[:, None]
+            total = total * alpha + ptotal * beta
+            top = new_top
+        if SPLITS == 1:
+            out = o / tl.where(total > 0, total, 1.0)[:, None]
+            tl.store(
+                OUT + row * so_b + qh[:, None] * so_h + d[None, :],
+                out.to(OUT.dtype.element_ty),
+                mask=gok[:, None] & dok[None, :],
+            )
+        else:
+            base = PART + ((row * heads_q + qh) * SPLITS + z) * (D + 2)
+            tl.store(base[:, None] + d[None, :], o, mask=gok[:, None] & dok[None, :])
+            tl.store(base + D, top, mask=gok)
+            tl.store(base + D + 1, total, mask=gok)
+
+    @triton.jit
     def _prompt_attention_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: annotations are Triton's
         Q,
         PK,
@@ -288,30 +505,33 @@ if triton is not None:
         scale,
         D: tl.constexpr,
         DP: tl.constexpr,
+        GROUP: tl.constexpr,
         ROWS: tl.constexpr,
         BLOCK: tl.constexpr,
         STAGES: tl.constexpr,
         HAS_LIVE: tl.constexpr,
         IEEE: tl.constexpr,
     ):
-        """Program (run, head): the rows [FIRST[run], FIRST[run] + COUNT[run]) share one prompt; their
-        queries (ROWS at most) go through its slots together, so each prompt block is loaded once for
-        all of them, and q.k and p.v are small matrix products. Writes each live row's partial softmax
-        (weighted values, max, sum) to PPART for ``_decode_attention_kernel`` to merge."""
+        """Program (run, key/value head): the rows [FIRST[run], FIRST[run] + COUNT[run]) share one prompt;
+        their queries (the GROUP query heads of each row that this key/value head serves; ROWS at most)
+        go through its slots together, so each prompt block is loaded once for all of them, and q.k and
+        p.v are small matrix products. Writes each live query's partial softmax (weighted values, max,
+        sum) to PPART, per (row, query head), for the decode kernel to merge."""
         run = tl.program_id(0)
         head = tl.program_id(1).to(tl.int64)
         count = tl.load(COUNT + run)
         if count > 0:
             first = tl.load(FIRST + run).to(tl.int64)
-            r = tl.arange(0, ROWS)
-            rows = first + r
-            live = r < count
+            i = tl.arange(0, ROWS)
+            rows = first + i // GROUP
+            qh = head * GROUP + i % GROUP
+            live = i < count * GROUP
             if HAS_LIVE:
                 live = live & (tl.load(LIVE + rows, mask=live, other=0) != 0)
             d = tl.arange(0, DP)
             dok = d < D
             q = tl.load(
-                Q + rows[:, None] * sq_b + head * sq_h + d[None, :], mask=live[:, None] & dok[None, :], other=0.0
+                Q + rows[:, None] * sq_b + qh[:, None] * sq_h + d[None, :], mask=live[:, None] & dok[None, :], other=0.0
             )
             grp = tl.load(GRP + first).to(tl.int64)
             lo = tl.load(START + first).to(tl.int32)
@@ -340,7 +560,7 @@ if triton is not None:
                 acc = acc * alpha[:, None] + pv
                 l = l * alpha + tl.sum(p, axis=1)
                 m = m_new
-            out = PPART + (rows * tl.num_programs(1) + head) * (D + 2)
+            out = PPART + (rows * (tl.num_programs(1) * GROUP) + qh) * (D + 2)
             tl.store(out[:, None] + d[None, :], acc, mask=live[:, None] & dok[None, :])
             tl.store(out + D, m, mask=live)
             tl.store(out + D + 1, l, mask=live)
@@ -419,7 +639,13 @@ def triton_decode_attention(
 ) -> torch.Tensor:
     """``reference_decode_attention`` as one Triton kernel (CUDA, or the Triton interpreter on CPU).
 
-    ``k_new``, ``v_new`` (b, heads, 1, head_dim), optional: the current token's K/V; the kernel writes
+    Grouped-query attention: q has ``heads`` query heads, the caches ``kv_heads`` (a divisor), and query
+    head h reads key/value head h // (heads / kv_heads). Then one program per (row, key/value head)
+    takes all of that head's query heads, so each cache block is read once for them (``run_block``
+    slots per iteration, ``run_warps`` warps); with one query head per key/value head, one program per
+    (row, head) keeps a softmax per lane of its blocks (``block``, ``num_warps``).
+
+    ``k_new``, ``v_new`` (b, kv_heads, 1, head_dim), optional: the current token's K/V; the kernel writes
     them to response slot ``rlen - 1`` of ``rk``/``rv`` itself, which equals ``index_copy_`` there
     followed by the attention. ``live`` (b,), optional: rows where it is 0 read nothing and return 0.
     ``splits`` > 1 cuts each row's slots into that many runs reduced by separate programs and merged by
@@ -431,14 +657,21 @@ def triton_decode_attention(
     reduced together by one program per (run, head), which loads each prompt block once for the whole
     run instead of once per row (cascade attention: a group's samples share their prompt). Then every
     row whose ``live`` flag is set must lie in exactly one run; runs with count 0 do nothing; a run
-    holds at most ``run_rows`` rows (a power of two, at least 16 on a GPU). ``run_block`` slots are
-    loaded per iteration by ``run_warps`` warps. ``cache_rows`` (b,), optional: batch row i's response K/V
+    takes at most ``run_rows`` queries (rows x query heads per key/value head; a power of two, at least
+    16 on a GPU). ``run_block`` slots are loaded per iteration by ``run_warps`` warps. ``cache_rows`` (b,), optional: batch row i's response K/V
     are row ``cache_rows[i]`` of ``rk``/``rv`` (read and written there; default: row i)."""
     if triton is None:
         raise RuntimeError("triton is not installed; use reference_decode_attention")
     b, heads, one, head_dim = q.shape
     if one != 1:
         raise ValueError(f"decode attention takes one query per row, got {one}")
+    kv_heads = pk.shape[1]
+    if rk.shape[1] != kv_heads or heads % kv_heads:
+        raise ValueError(
+            f"{heads} query heads need key/value caches of a divisor of that many heads, got "
+            f"{kv_heads} (prompt) and {rk.shape[1]} (response)"
+        )
+    group = heads // kv_heads  # query heads per key/value head
     padded = triton.next_power_of_2(max(head_dim, 16))  # the kernels' lane count; lanes past head_dim are masked
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"splits must be a power of two >= 1, got {splits}")
@@ -453,8 +686,9 @@ def triton_decode_attention(
         q = q.contiguous()
     has_new = k_new is not None
     if has_new:
-        if k_new.shape != q.shape or v_new.shape != q.shape:
-            raise ValueError(f"k_new and v_new must have q's shape {tuple(q.shape)}")
+        kv_shape = (b, kv_heads, 1, head_dim)
+        if tuple(k_new.shape) != kv_shape or tuple(v_new.shape) != kv_shape:
+            raise ValueError(f"k_new and v_new must have the shape (rows, key/value heads, 1, head_dim) = {kv_shape}")
         k_new = k_new if k_new.stride(-1) == 1 else k_new.contiguous()
         v_new = v_new if v_new.stride(-1) == 1 else v_new.contiguous()
     kn, vn = (k_new, v_new) if has_new else (q, q)  # unread placeholders without HAS_NEW
@@ -467,8 +701,10 @@ def triton_decode_attention(
             raise ValueError("runs must be two 1-d tensors (first row, row count) of equal length")
         if run_rows < 1 or run_rows & (run_rows - 1) or run_block < 1 or run_block & (run_block - 1):
             raise ValueError(f"run_rows and run_block must be powers of two, got {run_rows} and {run_block}")
+        if run_rows < group:
+            raise ValueError(f"run_rows ({run_rows}) must hold at least one row's {group} query heads")
         ppart = torch.empty((b, heads, head_dim + 2), dtype=torch.float32, device=q.device)
-        _prompt_attention_kernel[(first.shape[0], heads)](
+        _prompt_attention_kernel[(first.shape[0], kv_heads)](
             q,
             pk,
             pv,
@@ -487,6 +723,7 @@ def triton_decode_attention(
             head_dim**-0.5,
             D=head_dim,
             DP=padded,
+            GROUP=group,
             ROWS=run_rows,
             BLOCK=run_block,
             STAGES=num_stages,
@@ -494,7 +731,15 @@ def triton_decode_attention(
             IEEE=q.dtype == torch.float32,
             num_warps=run_warps,
         )
-    _decode_attention_kernel[(b, heads, splits)](
+    grouped = group > 1
+    kernel = _grouped_decode_attention_kernel if grouped else _decode_attention_kernel
+    # The grouped kernel multiplies matrices, as the cascade's prompt kernel does, and shares its tiling.
+    tiling = (
+        dict(GROUP=group, GP=max(16, triton.next_power_of_2(group)), IEEE=q.dtype == torch.float32, num_warps=run_warps)
+        if grouped
+        else dict(num_warps=num_warps)
+    )
+    kernel[(b, kv_heads, splits)](
         q,
         kn,
         vn,
@@ -528,14 +773,14 @@ def triton_decode_attention(
         head_dim**-0.5,
         D=head_dim,
         DP=padded,
-        BLOCK=block,
+        BLOCK=run_block if grouped else block,
         STAGES=num_stages,
         SPLITS=splits,
         HAS_NEW=has_new,
         HAS_LIVE=live is not None,
         CASCADE=runs is not None,
         HAS_CROW=cache_rows is not None,
-        num_warps=num_warps,
+        **tiling,
     )
     if splits > 1:
         _combine_kernel[(b, heads)](

@@ -15,7 +15,12 @@ from rlvr.grpo.advantages import (
 )
 from rlvr.grpo.aggregate import AGGREGATIONS, aggregate_loss_across_microbatch, register_aggregation
 from rlvr.grpo.diagnostics import ADVANTAGE_MASS, advantage_mass, importance_statistics, register_advantage_mass
-from rlvr.grpo.logprobs import compile_backbone, compute_log_probs_batched, get_response_log_probs
+from rlvr.grpo.logprobs import (
+    attention_without_cudnn,
+    compile_backbone,
+    compute_log_probs_batched,
+    get_response_log_probs,
+)
 from rlvr.grpo.losses import REWEIGHTINGS, compute_policy_gradient_loss, register_reweighting
 from rlvr.grpo.presets import DEFAULT_CLIPRANGE, PRESETS, Preset, get_preset
 from rlvr.grpo.tokenize import tokenize_from_ids, tokenize_prompt_and_output
@@ -39,6 +44,7 @@ __all__ = [
     "register_normalizer",
     "register_reweighting",
     "aggregate_loss_across_microbatch",
+    "attention_without_cudnn",
     "compile_backbone",
     "compute_log_probs_batched",
     "get_response_log_probs",

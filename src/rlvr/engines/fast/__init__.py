@@ -28,7 +28,9 @@ distribution; it differs in how the work reaches the GPU:
   kernel that reads the lengths on the device (one graph per batch bucket), elsewhere a gather and
   SDPA over the filled slots rounded up to ``length_bucket``. With several samples per prompt and a
   large enough batch bucket (``cascade_min_rows``), the Triton path reads each shared prompt once
-  per step for all of its rows (cascade attention) and each row then reads only its response.
+  per step for all of its rows (cascade attention) and each row then reads only its response. With
+  grouped-query attention one program takes all the query heads of a key/value head, so each cache
+  block is read once for them.
 * **Prefill once per prompt.** The chunk's prompts are prefilled once (causal, padding-masked) into
   the prompt cache, through the same compiled pieces as the decode step; the ``n`` rows of a prompt's
   samples point at it.

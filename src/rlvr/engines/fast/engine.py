@@ -244,12 +244,10 @@ class FastHFEngine:
         cos: torch.Tensor,
         sin: torch.Tensor,
         attend: Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-        grouped_rows: bool = False,
     ) -> torch.Tensor:
         """Run every decoder layer on x (B, Q, hidden); ``attend(i, q, k, v)`` gets q (B, heads, Q, D), k and
-        v (B, kv_heads, Q, D) and returns (B, heads, Q, D), or with ``grouped_rows`` all three in
-        ``step.pre_attention``'s grouped layout. The compiled pieces when the step is compiled (always
-        the fused norms), else the same functions eagerly."""
+        v (B, kv_heads, Q, D) and returns (B, heads, Q, D). The compiled pieces when the step is compiled
+        (always the fused norms), else the same functions eagerly."""
         layout, family = self.layout, self.layout.family
         compiled = self._step_compiled()
         pre = S.compiled(S.pre_attention, family.name) if compiled else S.pre_attention
@@ -260,7 +258,6 @@ class FastHFEngine:
             pre_norm=family.norms == "pre",
             float32_scale=family.float32_scale,
             fused=fused,
-            grouped_rows=grouped_rows,
         )
         st = self._state
         stacked = st is not None and bool(st.wqkv)
@@ -370,33 +367,15 @@ class FastHFEngine:
 
         Only fixed-shape tensor ops on ``st``'s buffers: capturable as a CUDA graph.
         """
-        layout = self.layout
-        heads, kv, groups, hd = layout.heads, layout.kv_heads, layout.groups, layout.head_dim
         tok, pos = st.tok[:b], st.pos[:b]
         cos, sin = self._rope(pos[:, None, None])  # (b, 1, 1, D)
         rlen = st.slot + 1  # response slots filled once this step has written its own
         kind = self._attention_kind()
 
-        grouped = kind == "triton" and groups > 1
         if kind == "triton":
-            # With grouped-query attention the kernel sees b * groups attention rows over kv_heads heads
-            # (``step.pre_attention``'s grouped layout): row r * groups + g holds query head
-            # h * groups + g of batch row r for key/value head h, and the per-row indices repeat per
-            # group. Each key/value head's cache is stored once and read once per step for all of its
-            # query heads (the group's rows run side by side, mostly from the GPU's L2 cache).
-            rows = b * groups
-
-            def spread(
-                t: torch.Tensor,
-            ) -> torch.Tensor:  # (b,) -> (b * groups,): each batch row's entry repeated groups times
-                return t[:b, None].expand(b, groups).reshape(rows)
-
-            grp, start, live, crow = (
-                (spread(st.grp), spread(st.start), spread(st.live), spread(st.crow))
-                if grouped
-                else (st.grp, st.start, st.live, st.crow)
-            )
-            splits = self.attention_splits or default_splits(rows, kv)
+            # With grouped-query attention the kernel takes each key/value head's query heads together
+            # (one program per row and key/value head), so each cache is read once per step.
+            splits = self.attention_splits or default_splits(b, self.layout.kv_heads)
             nruns = self._runs_for(b)
             runs = (st.runs[0, :nruns], st.runs[1, :nruns]) if nruns else None
 
@@ -408,24 +387,23 @@ class FastHFEngine:
                     st.pv[i],
                     st.rk[i],
                     st.rv[i],
-                    grp,
-                    start,
+                    st.grp,
+                    st.start,
                     st.plen,
                     rlen,
                     k_new=k,
                     v_new=v,
-                    live=live,
+                    live=st.live,
                     splits=splits,
                     runs=runs,
                     run_rows=self._run_queries(),
-                    cache_rows=crow,
+                    cache_rows=st.crow,
                 )
             cache_rows = st.crow[:b]
             st.rk[i][cache_rows, :, st.slot] = k[:, :, 0]  # (b, kv_heads, head_dim) at (cache row, slot)
             st.rv[i][cache_rows, :, st.slot] = v[:, :, 0]
-            # The query heads of one key/value head go in as that head's ``groups`` queries.
-            out = reference_decode_attention(
-                q.reshape(b, kv, groups, hd),
+            return reference_decode_attention(
+                q,
                 st.pk[i],
                 st.pv[i],
                 st.rk[i],
@@ -439,10 +417,9 @@ class FastHFEngine:
                 live=st.live,
                 cache_rows=st.crow,
             )
-            return out.reshape(b, heads, 1, hd)
 
         x = self.model.model.embed_tokens(tok)[:, None]
-        h = self._layers(x, cos, sin, attend, grouped_rows=grouped)
+        h = self._layers(x, cos, sin, attend)
         logits = self.model.lm_head(h[:, 0])
         tokens, lp = self._sample(st, logits, b, mode, self._step_compiled())
         rid = st.row_id[:b]
@@ -498,12 +475,10 @@ class FastHFEngine:
 
     def _set_runs(self, st: State, groups: list[int], live: list[bool]) -> None:
         """Write the runs of batch rows sharing a prompt (``groups[i]``: batch row i's prompt) to the device,
-        in attention rows (``layout.groups`` per batch row)."""
+        (first batch row, row count) per run."""
         if not self._runs_for(self.max_batch_size):
             return
         first, count = prompt_runs(groups, live, self._run_rows())
-        g = self.layout.groups
-        first, count = [f * g for f in first], [c * g for c in count]
         pad = [0] * (st.runs.shape[1] - len(first))
         st.runs.copy_(self._host_to_device([first + pad, count + pad], torch.int32), non_blocking=True)
 

@@ -84,14 +84,8 @@ def pre_attention(
     qk_norm: str | None,
     float32_scale: bool,
     fused: bool,
-    grouped_rows: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q (B, heads, Q, D), k and v (B, kv_heads, Q, D) of one layer for hidden states x (B, Q, hidden).
-
-    ``grouped_rows`` (one query per row, Q = 1): q, k and v as (B * groups, kv_heads, 1, D), where row
-    r * groups + g holds query head h * groups + g of row r, and the key/value head h that serves it;
-    the layout in which the decode-attention kernel takes grouped-query attention (``groups`` = heads /
-    kv_heads query heads per key/value head)."""
+    """q (B, heads, Q, D), k and v (B, kv_heads, Q, D) of one layer for hidden states x (B, Q, hidden)."""
     norm = rms if fused else rms_unfused
     B, Q, _ = x.shape
     h = norm(x, norm1, eps, float32_scale) if pre_norm else x
@@ -105,27 +99,7 @@ def pre_attention(
     q, k = q.transpose(1, 2), k.transpose(1, 2)
     v = v.view(B, Q, kv_heads, head_dim).transpose(1, 2)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-    if grouped_rows:
-        return group_rows(q, k, v, kv_heads)
     return q, k, v
-
-
-def group_rows(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_heads: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q (B, heads, 1, D), k and v (B, kv_heads, 1, D) in ``pre_attention``'s ``grouped_rows`` layout."""
-    B, heads, _, D = q.shape
-    g = heads // kv_heads
-    q = q.reshape(B, kv_heads, g, D).transpose(1, 2).reshape(B * g, kv_heads, 1, D)
-    k = k[:, None].expand(B, g, kv_heads, 1, D).reshape(B * g, kv_heads, 1, D)
-    v = v[:, None].expand(B, g, kv_heads, 1, D).reshape(B * g, kv_heads, 1, D)
-    return q, k, v
-
-
-def ungroup_rows(o: torch.Tensor, batch: int) -> torch.Tensor:
-    """Attention output o (B * groups, kv_heads, 1, D) in the ``grouped_rows`` layout as (B, heads, 1, D)."""
-    _, kv_heads, _, D = o.shape
-    return o.reshape(batch, -1, kv_heads, D).transpose(1, 2).reshape(batch, -1, 1, D)
 
 
 def post_attention(
@@ -145,14 +119,10 @@ def post_attention(
     pre_norm: bool,
     float32_scale: bool,
     fused: bool,
-    grouped_rows: bool = False,
 ) -> torch.Tensor:
-    """The layer's output for input x (B, Q, hidden) and attention output o (B, heads, Q, D), or with
-    ``grouped_rows`` (B * groups, kv_heads, 1, D) in ``pre_attention``'s layout."""
+    """The layer's output for input x (B, Q, hidden) and attention output o (B, heads, Q, D)."""
     norm = rms if fused else rms_unfused
     B, Q, _ = x.shape
-    if grouped_rows:
-        o = ungroup_rows(o, B)
     attn = F.linear(o.transpose(1, 2).reshape(B, Q, -1), wo, bo)
     if pre_norm:
         x = x + attn
