@@ -42,17 +42,27 @@ def _worker(world, out):
         "fsdp-float32": {},
         "fsdp-bf16": {"param_dtype": torch.bfloat16},
         "fsdp-bf16-offload": {"param_dtype": torch.bfloat16, "cpu_offload": True},
+        # the combination that raised CheckpointError at OLMo-2-7B's shape before checkpoint_wrapper
+        "fsdp-bf16-offload-checkpointing": {
+            "param_dtype": torch.bfloat16,
+            "cpu_offload": True,
+            "activation_checkpointing": True,
+        },
+        # optim.master_weights off: bf16 sharded weights and AdamW state
+        "fsdp-bf16-storage": {"param_dtype": torch.bfloat16, "storage": torch.bfloat16},
     }.items():
-        model = tiny_causal_lm(seed=0)
+        kwargs = dict(kwargs)
+        storage = kwargs.pop("storage", torch.float32)
+        model = tiny_causal_lm(seed=0).to(storage)
         if not kwargs.get("cpu_offload"):
             model = model.to(world.device)
         model = wrap_model(model, "fsdp", world.device, **kwargs)
         sharded = [p for p in model.parameters()]
-        assert all(p.dtype == torch.float32 for p in sharded)  # master weights stay float32
+        assert all(p.dtype == storage for p in sharded)  # float32 master weights unless asked otherwise
         assert all(p.device.type == ("cpu" if kwargs.get("cpu_offload") else "cuda") for p in sharded)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
         loss, meta = _step(model, optimizer, world)
-        assert all(s["exp_avg"].dtype == torch.float32 for s in optimizer.state.values())
+        assert all(s["exp_avg"].dtype == storage for s in optimizer.state.values())
         weights = {n: t.detach().float().cpu() for n, t in iter_full_weights(model)}
         results[name] = {"loss": float(loss), "grad_norm": meta["grad_norm"], "weights": weights}
         if name == "fsdp-bf16":
@@ -78,15 +88,18 @@ def test_fsdp2_mixed_precision_offload_and_ddp_on_a_gpu(tmp_path):
     assert ddp["loss"] == pytest.approx(exact["loss"], rel=1e-4)
     for name in exact["weights"]:
         torch.testing.assert_close(ddp["weights"][name], exact["weights"][name], rtol=1e-4, atol=1e-6)
-    for variant in ("fsdp-bf16", "fsdp-bf16-offload"):
+    for variant in ("fsdp-bf16", "fsdp-bf16-offload", "fsdp-bf16-offload-checkpointing", "fsdp-bf16-storage"):
         # Loss and gradient norm, not weights: AdamW's first step is about lr · sign(gradient), and
         # bf16 rounding flips the sign of the smallest gradients.
         r = res[variant]
         assert r["loss"] == pytest.approx(exact["loss"], rel=5e-2, abs=5e-3), variant
         assert r["grad_norm"] == pytest.approx(exact["grad_norm"], rel=5e-2), variant
         assert any(not torch.equal(r["weights"][n], start[n]) for n in start), variant
-    # offloading moves memory, not arithmetic
+    # offloading moves memory, not arithmetic; recomputing activations changes no number either
     assert res["fsdp-bf16-offload"]["loss"] == pytest.approx(res["fsdp-bf16"]["loss"], rel=1e-5)
+    checkpointed = res["fsdp-bf16-offload-checkpointing"]
+    assert checkpointed["loss"] == pytest.approx(res["fsdp-bf16-offload"]["loss"], rel=1e-5)
+    assert checkpointed["grad_norm"] == pytest.approx(res["fsdp-bf16-offload"]["grad_norm"], rel=1e-4)
 
     model = tiny_causal_lm(seed=3)
     load_sharded(tmp_path / "dcp", model, torch.optim.AdamW(model.parameters(), lr=1e-3))
