@@ -540,26 +540,9 @@ if triton is not None:
             m = tl.full([ROWS], -1e30, tl.float32)
             l = tl.zeros([ROWS], tl.float32)
             acc = tl.zeros([ROWS, DP], tl.float32)
-            for s in tl.range((lo // BLOCK) * BLOCK, plen, BLOCK, num_stages=STAGES):
-                offs = s + tl.arange(0, BLOCK)
-                ok = (offs >= lo) & (offs < plen)
-                k = tl.load(PK + base + offs[:, None] * sp_s + d[None, :], mask=ok[:, None] & dok[None, :], other=0.0)
-                if IEEE:
-                    x = tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    x = tl.dot(q, tl.trans(k))
-                x = tl.where(ok[None, :], x * scale, -float("inf"))
-                m_new = tl.maximum(m, tl.max(x, axis=1))
-                alpha = tl.exp(m - m_new)
-                p = tl.exp(x - m_new[:, None])
-                v = tl.load(PV + base + offs[:, None] * sp_s + d[None, :], mask=ok[:, None] & dok[None, :], other=0.0)
-                if IEEE:
-                    pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
-                else:
-                    pv = tl.dot(p.to(v.dtype), v)
-                acc = acc * alpha[:, None] + pv
-                l = l * alpha + tl.sum(p, axis=1)
-                m = m_new
+            m, l, acc = _grouped_accumulate(
+                PK + base, PV + base, lo, plen, sp_s, q, d, dok, m, l, acc, scale, BLOCK, STAGES, IEEE
+            )
             out = PPART + (rows * (tl.num_programs(1) * GROUP) + qh) * (D + 2)
             tl.store(out[:, None] + d[None, :], acc, mask=live[:, None] & dok[None, :])
             tl.store(out + D, m, mask=live)
