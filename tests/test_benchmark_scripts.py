@@ -1,0 +1,42 @@
+"""The GPU diagnostics in ``benchmarks/`` run on the CPU at a tiny size (``--tiny``), so that a change
+that breaks them shows here and not first on a lent GPU. Their numbers mean nothing on the CPU; the
+tests check that each part runs to its table."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def _run(script: str, *args: str, gsm8k: str) -> str:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO / "benchmarks")]))
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), "--data-dir", gsm8k, "--tiny", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_profile_step_trainer_part_runs(gsm8k_path):
+    """The trainer against the same update alone: phases of a steady step, then the comparison table."""
+    out = _run("profile_step.py", "--only", "trainer", gsm8k=str(gsm8k_path))
+    assert "seconds per phase" in out and "time/train" in out
+    assert "policy_gradient_update alone, 3 calls" in out
+
+
+@pytest.mark.parametrize("family", ["qwen2.5-1.5b", "llama-3.2-1b"])
+def test_profile_step_family_decode_part_runs(gsm8k_path, family):
+    """The decode profile on a grouped-query family's layout (at a tiny size)."""
+    out = _run("profile_step.py", "--only", "decode", "--family", family, gsm8k=str(gsm8k_path))
+    assert f"# model: {family}" in out and "graph replay time" in out and "eager decode step" in out
