@@ -93,7 +93,9 @@ def run_case(name: str, data_dir: str, out: Path, tiny: bool = False) -> dict:
         prompt="r1_zero",
         rollout=RolloutConfig(n_prompts_per_rollout_batch=n_prompts, group_size=group, max_new_tokens=256),
         optim=OptimConfig(lr=1e-6, gradient_accumulation_steps=n_prompts * group // micro, master_weights=master),
-        engine=EngineConfig(name="hf" if tiny else "hf-fast", fast=FastEngineConfig(release_memory=shape_name == "7b" and not tiny)),
+        engine=EngineConfig(
+            name="hf" if tiny else "hf-fast", fast=FastEngineConfig(release_memory=shape_name == "7b" and not tiny)
+        ),
         log=LogConfig(progress=False, engine_logprob_check_every=0, val_samples=0),
         distributed=DistributedConfig(strategy=strategy, cpu_offload=offload),
         n_steps=3,

@@ -203,9 +203,7 @@ def training(bench: Bench):
 def gpu_busy_s(prof) -> float:
     """Seconds in which at least one kernel ran (the union of the kernels' intervals)."""
     spans = sorted(
-        (e.time_range.start, e.time_range.end)
-        for e in prof.events()
-        if e.device_type == torch.autograd.DeviceType.CUDA
+        (e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
     )
     busy, end = 0.0, float("-inf")
     for lo, hi in spans:
@@ -218,7 +216,6 @@ def gpu_busy_s(prof) -> float:
 def trainer(bench: Bench, steps: int = 4):
     """The train phase inside ``rlvr train`` against the same update called on its own (module docstring)."""
     import rlvr.trainer as trainer_module
-    from rlvr.logging_utils import read_metrics
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     update, original_update = {}, trainer_module.policy_gradient_update
