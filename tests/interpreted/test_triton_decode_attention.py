@@ -29,6 +29,23 @@ def _interpreter_scalars(monkeypatch):
     monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch)
 
 
+def copy_then_reference(c, k_new, v_new, rlen, live=None):
+    """What the kernel's new-token write must equal: the token's K/V copied into response slot rlen - 1
+    (``index_copy_``), then the reference. Returns (reference output, written K cache, written V cache)."""
+    slot = torch.tensor([rlen - 1])
+    rk, rv = c["rk"].clone(), c["rv"].clone()
+    rk.index_copy_(2, slot, k_new)
+    rv.index_copy_(2, slot, v_new)
+    ref = reference_decode_attention(
+        **dict(c, rk=rk, rv=rv),
+        rlen=torch.tensor([rlen]),
+        live=live,
+        prompt_slots=c["pk"].shape[2],
+        response_slots=c["rk"].shape[2],
+    )
+    return ref, rk, rv
+
+
 @pytest.mark.parametrize("block", [4, 8, 16])
 @pytest.mark.parametrize("rlen", [1, 8, 9, 19])
 def test_kernel_equals_reference(block, rlen):
@@ -55,16 +72,7 @@ def test_kernel_writing_the_new_token_equals_copy_then_reference(splits, rlen):
     g = torch.Generator().manual_seed(11)
     k_new = torch.randn(c["q"].shape, generator=g)
     v_new = torch.randn(c["q"].shape, generator=g)
-    slot = torch.tensor([rlen - 1])
-    rk, rv = c["rk"].clone(), c["rv"].clone()
-    rk.index_copy_(2, slot, k_new)
-    rv.index_copy_(2, slot, v_new)
-    ref = reference_decode_attention(
-        **dict(c, rk=rk, rv=rv),
-        rlen=torch.tensor([rlen]),
-        prompt_slots=c["pk"].shape[2],
-        response_slots=c["rk"].shape[2],
-    )
+    ref, rk, rv = copy_then_reference(c, k_new, v_new, rlen)
     out = triton_decode_attention(**c, rlen=torch.tensor([rlen]), k_new=k_new, v_new=v_new, splits=splits, block=4)
     assert torch.allclose(out, ref, atol=1e-5), (out - ref).abs().max()
     assert torch.equal(c["rk"], rk) and torch.equal(c["rv"], rv)  # the kernel wrote the new slot, nothing else
@@ -84,17 +92,7 @@ def test_any_head_dim_equals_reference(head_dim, cascade):
     k_new, v_new = torch.randn(c["q"].shape, generator=g), torch.randn(c["q"].shape, generator=g)
     live = torch.tensor([i != 1 for i in range(rows)], dtype=torch.int32)
     rlen = 5
-    slot = torch.tensor([rlen - 1])
-    rk, rv = c["rk"].clone(), c["rv"].clone()
-    rk.index_copy_(2, slot, k_new)
-    rv.index_copy_(2, slot, v_new)
-    ref = reference_decode_attention(
-        **dict(c, rk=rk, rv=rv),
-        rlen=torch.tensor([rlen]),
-        live=live,
-        prompt_slots=c["pk"].shape[2],
-        response_slots=c["rk"].shape[2],
-    )
+    ref, rk, rv = copy_then_reference(c, k_new, v_new, rlen, live)
     runs = None
     if cascade:
         first, count = prompt_runs(c["grp"].tolist(), [bool(x) for x in live], 16)
@@ -135,17 +133,7 @@ def test_grouped_query_heads_equal_reference(heads, kv_heads, splits, cascade):
     live = torch.tensor([i % 4 != 2 for i in range(rows)], dtype=torch.int32)
     where = torch.randperm(rows + 2, generator=g)[:rows]
     rlen = 6
-    slot = torch.tensor([rlen - 1])
-    rk, rv = c["rk"].clone(), c["rv"].clone()
-    rk.index_copy_(2, slot, k_new)
-    rv.index_copy_(2, slot, v_new)
-    ref = reference_decode_attention(
-        **dict(c, rk=rk, rv=rv),
-        rlen=torch.tensor([rlen]),
-        live=live,
-        prompt_slots=c["pk"].shape[2],
-        response_slots=c["rk"].shape[2],
-    )
+    ref, rk, rv = copy_then_reference(c, k_new, v_new, rlen, live)
     want = per_row_softmax(**dict(c, rk=rk, rv=rv), rlen=rlen) * live[:, None, None, None]
     assert torch.allclose(ref.double(), want, atol=1e-5)
     runs = None
@@ -225,17 +213,7 @@ def test_cascade_over_shared_prompts_equals_reference(splits, most):
     g = torch.Generator().manual_seed(11)
     k_new, v_new = torch.randn(c["q"].shape, generator=g), torch.randn(c["q"].shape, generator=g)
     for rlen in (1, 9):
-        slot = torch.tensor([rlen - 1])
-        rk, rv = c["rk"].clone(), c["rv"].clone()
-        rk.index_copy_(2, slot, k_new)
-        rv.index_copy_(2, slot, v_new)
-        ref = reference_decode_attention(
-            **dict(c, rk=rk, rv=rv),
-            rlen=torch.tensor([rlen]),
-            live=live,
-            prompt_slots=c["pk"].shape[2],
-            response_slots=c["rk"].shape[2],
-        )
+        ref, rk, rv = copy_then_reference(c, k_new, v_new, rlen, live)
         case = dict(c, rk=c["rk"].clone(), rv=c["rv"].clone())
         case["q"] = case["q"].clone()
         case["q"][live == 0] = float("nan")  # a finished row's query is never read
