@@ -281,11 +281,10 @@ def test_compiled_step_equals_eager_step(tiny_model, tiny_tokenizer):
         for ga, gb in zip(a, b):
             for ca, cb in zip(ga, gb):
                 torch.testing.assert_close(torch.tensor(cb.logprobs), torch.tensor(ca.logprobs), atol=1e-5, rtol=0)
-    # The three layer pieces (before the first attention, between two, after the last) for decode steps
-    # (b > 1 and the one-row bucket: PyTorch specialises a size of 1) and the prefill's longer queries,
-    # and sampling (greedy, sample, top-p) for b > 1 and b = 1: 3 x 3 + 3 x 2. A graph per bucket would
-    # be many more.
-    assert counters["stats"]["unique_graphs"] <= 15, counters["stats"]["unique_graphs"]
+    # pre-attention and post-attention (decode steps, and the prefill's longer queries) and sampling
+    # (greedy, sample, top-p), each for b > 1 and for the one-row bucket (PyTorch specialises a size of
+    # 1), some twice where two sizes happen to be equal: a graph per bucket would be many more
+    assert counters["stats"]["unique_graphs"] <= 12, counters["stats"]["unique_graphs"]
     # The step reads stacked copies of the q/k/v and gate/up weights (fuse_projections, on by default);
     # they follow in-place updates of the model's weights between calls, as a trainer's optimizer makes.
     assert compiled._state.wqkv and compiled._state.wgate_up

@@ -250,43 +250,57 @@ class FastHFEngine:
         (always the fused norms), else the same functions eagerly."""
         layout, family = self.layout, self.layout.family
         compiled = self._step_compiled()
-        piece = (lambda fn: S.compiled(fn, family.name)) if compiled else (lambda fn: fn)
-        pre, between, last = piece(S.pre_attention), piece(S.post_then_pre), piece(S.post_then_norm)
+        pre = S.compiled(S.pre_attention, family.name) if compiled else S.pre_attention
+        post = S.compiled(S.post_attention, family.name) if compiled else S.post_attention
+        fused = compiled or self.fused_norms
         common: dict[str, Any] = dict(
             eps=layout.eps,
             pre_norm=family.norms == "pre",
             float32_scale=family.float32_scale,
-            fused=compiled or self.fused_norms,
-        )
-        shape: dict[str, Any] = dict(
-            heads=layout.heads, kv_heads=layout.kv_heads, head_dim=layout.head_dim, qk_norm=family.qk_norm
+            fused=fused,
         )
         st = self._state
         stacked = st is not None and bool(st.wqkv)
-
-        def pre_weights(i: int) -> tuple:
-            w = self._weights[i]
-            wqkv, bqkv = (st.wqkv[i], st.bqkv[i]) if stacked else ((w.wq, w.wk, w.wv), (w.bq, w.bk, w.bv))
-            return (w.norm1, wqkv, bqkv, w.q_norm, w.k_norm, cos, sin)
-
-        def post_weights(i: int) -> tuple:
-            w = self._weights[i]
-            wgate_up, bgate_up = (
-                (st.wgate_up[i], st.bgate_up[i]) if stacked else ((w.w_gate, w.w_up), (w.b_gate, w.b_up))
+        for i, w in enumerate(self._weights):
+            if stacked:
+                wqkv, bqkv, wgate_up, bgate_up = st.wqkv[i], st.bqkv[i], st.wgate_up[i], st.bgate_up[i]
+            else:
+                wqkv, bqkv = (w.wq, w.wk, w.wv), (w.bq, w.bk, w.bv)
+                wgate_up, bgate_up = (w.w_gate, w.w_up), (w.b_gate, w.b_up)
+            q, k, v = pre(
+                x,
+                w.norm1,
+                wqkv,
+                bqkv,
+                w.q_norm,
+                w.k_norm,
+                cos,
+                sin,
+                heads=layout.heads,
+                kv_heads=layout.kv_heads,
+                head_dim=layout.head_dim,
+                qk_norm=family.qk_norm,
+                **common,
             )
+            o = attend(i, q, k, v)
             # The compiled step takes F.silu itself: each layer's activation module is its own object, and
             # a compiled function guards on the identity of the callables it is handed.
-            act = F.silu if compiled else w.act
-            return (w.wo, w.bo, w.norm1, w.norm2, wgate_up, bgate_up, w.w_down, w.b_down, act)
-
-        # One piece before the first attention, then one between each two (a layer's MLP and the next
-        # layer's projections), then one after the last (with the final norm).
-        q, k, v = pre(x, *pre_weights(0), **shape, **common)
-        for i in range(len(self._weights) - 1):
-            o = attend(i, q, k, v)
-            x, q, k, v = between(x, o, post_weights(i), pre_weights(i + 1), **shape, **common)
-        o = attend(len(self._weights) - 1, q, k, v)
-        return last(x, o, post_weights(len(self._weights) - 1), self.model.model.norm.weight, **common)
+            x = post(
+                x,
+                o,
+                w.wo,
+                w.bo,
+                w.norm1,
+                w.norm2,
+                wgate_up,
+                bgate_up,
+                w.w_down,
+                w.b_down,
+                F.silu if compiled else w.act,
+                **common,
+            )
+        norm = S.rms if fused else S.rms_unfused
+        return norm(x, self.model.model.norm.weight, layout.eps, family.float32_scale)
 
     def _prefill(self, st: State, group0: int, input_ids: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
         """Prefill left-padded prompts (P, L); write their K/V to prompt-cache entries [group0, group0 + P),

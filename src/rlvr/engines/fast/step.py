@@ -2,9 +2,7 @@
 
 A layer's step is: norm (pre-norm families), q/k/v projections, q/k norms and the rotary embedding
 (``pre_attention``); the cache write and attention, left to the caller (in-place writes into the
-static cache); then the output projection, norms, residuals and MLP (``post_attention``). A step runs
-them as one piece per attention gap: ``pre_attention`` of the first layer, ``post_then_pre`` between
-two layers, ``post_then_norm`` after the last. The family
+static cache); then the output projection, norms, residuals and MLP (``post_attention``). The family
 and the sizes enter as plain Python values, so the branches below are settled when the step is traced
 and each family's compiled step holds only its own work. Written over plain tensors, one compiled
 graph serves all layers (the weights are its inputs) and inductor fuses each piece's elementwise work
@@ -133,49 +131,6 @@ def post_attention(
     x = x + norm(attn, norm1, eps, float32_scale)
     gate, up = project(x, wgate_up, bgate_up, (wdown.shape[1], wdown.shape[1]))
     return x + norm(F.linear(act(gate) * up, wdown, bdown), norm2, eps, float32_scale)
-
-
-def post_then_pre(
-    x: torch.Tensor,
-    o: torch.Tensor,
-    post_weights: tuple,
-    pre_weights: tuple,
-    *,
-    heads: int,
-    kv_heads: int,
-    head_dim: int,
-    eps: float,
-    pre_norm: bool,
-    qk_norm: str | None,
-    float32_scale: bool,
-    fused: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``post_attention`` of one layer (``post_weights``: its arguments after x and o) and then
-    ``pre_attention`` of the next (``pre_weights``: its arguments after x), as one piece: compiled, the
-    residual add that ends a layer fuses with the norm that starts the next, and a step launches one
-    piece per layer instead of two. Returns the next layer's input x and its q, k, v."""
-    common = dict(eps=eps, pre_norm=pre_norm, float32_scale=float32_scale, fused=fused)
-    x = post_attention(x, o, *post_weights, **common)
-    q, k, v = pre_attention(
-        x, *pre_weights, heads=heads, kv_heads=kv_heads, head_dim=head_dim, qk_norm=qk_norm, **common
-    )
-    return x, q, k, v
-
-
-def post_then_norm(
-    x: torch.Tensor,
-    o: torch.Tensor,
-    post_weights: tuple,
-    norm: torch.Tensor,
-    *,
-    eps: float,
-    pre_norm: bool,
-    float32_scale: bool,
-    fused: bool,
-) -> torch.Tensor:
-    """``post_attention`` of the last layer and then the model's final RMS norm, as one piece."""
-    x = post_attention(x, o, *post_weights, eps=eps, pre_norm=pre_norm, float32_scale=float32_scale, fused=fused)
-    return (rms if fused else rms_unfused)(x, norm, eps, float32_scale)
 
 
 def sample_math(
