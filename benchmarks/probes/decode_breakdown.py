@@ -2,11 +2,15 @@
 
 For OLMo-2-1B's shape and each of ``bench_speed.FAMILY_MODELS`` (random bf16 weights): the forced batch
 (256 prompts of 128 tokens, 512 new tokens, EOS ignored) end to end, and the captured step's replay time
-at 256 / 32 / 1 rows with 256 response slots, for two ways of cutting a step into compiled pieces:
+at 256 / 32 / 1 rows with 256 response slots, for two ways of compiling the step's pieces:
 
-- ``one piece per gap`` (the engine): a layer's MLP and the next layer's projections run as one
-  compiled piece, so a step has one piece per attention call;
-- ``two pieces per layer`` (the engine before it): ``pre_attention`` and ``post_attention`` apart.
+- ``engine``: sizes start as constants and those that change (batch, query length) turn symbolic, so the
+  head count, head_dim and widths stay constants in inductor's kernels (``step.compiled``);
+- ``all symbolic``: ``torch.compile(dynamic=True)``, every size and integer argument symbolic (the engine
+  before it).
+
+(At commit ``d2b2b64`` the same probe set one compiled piece per attention gap against two pieces per
+layer; docs/benchmarks.md has that run.)
 
 Then the profiler's kernels of five un-captured steps at 256 rows x 256 response slots, summed by kind
 (matmuls, the Triton attention kernels, inductor's fused elementwise kernels, the rest), set against
@@ -20,14 +24,13 @@ Usage: ``PYTHONPATH=src:benchmarks python benchmarks/probes/decode_breakdown.py 
 from __future__ import annotations
 
 import argparse
+import functools
 import re
 import time
 import types
 from collections import defaultdict
-from typing import Any
 
 import torch
-import torch.nn.functional as F
 from bench_speed import FAMILY_MODELS, Bench, param_counts, parse_args
 from profile_step import use_family_model
 from torch.profiler import ProfilerActivity, profile
@@ -36,6 +39,8 @@ from rlvr.engines.base import SamplingParams
 from rlvr.engines.fast import FastHFEngine
 from rlvr.engines.fast import step as S
 
+engine_compiled = S.compiled
+
 KINDS = (
     ("attention", re.compile(r"decode_attention|prompt_attention|_combine")),
     ("matmul", re.compile(r"gemm|gemv|cutlass|nvjet|sm90|sm80|xmma|cublas", re.I)),
@@ -43,37 +48,17 @@ KINDS = (
 )
 
 
-def two_pieces_per_layer(self: FastHFEngine, x, cos, sin, attend):
-    """The engine's ``_layers`` as it was before one piece per gap: ``pre_attention`` and
-    ``post_attention`` compiled apart, the final norm on its own."""
-    layout, family = self.layout, self.layout.family
-    compiled = self._step_compiled()
-    pre = S.compiled(S.pre_attention, family.name) if compiled else S.pre_attention
-    post = S.compiled(S.post_attention, family.name) if compiled else S.post_attention
-    common: dict[str, Any] = dict(
-        eps=layout.eps, pre_norm=family.norms == "pre", float32_scale=family.float32_scale, fused=True
-    )
-    st = self._state
-    for i, w in enumerate(self._weights):
-        qkv = (st.wqkv[i], st.bqkv[i]) if st.wqkv else ((w.wq, w.wk, w.wv), (w.bq, w.bk, w.bv))
-        gate_up = (st.wgate_up[i], st.bgate_up[i]) if st.wgate_up else ((w.w_gate, w.w_up), (w.b_gate, w.b_up))
-        q, k, v = pre(
-            x,
-            w.norm1,
-            *qkv,
-            w.q_norm,
-            w.k_norm,
-            cos,
-            sin,
-            heads=layout.heads,
-            kv_heads=layout.kv_heads,
-            head_dim=layout.head_dim,
-            qk_norm=family.qk_norm,
-            **common,
-        )
-        o = attend(i, q, k, v)
-        x = post(x, o, w.wo, w.bo, w.norm1, w.norm2, *gate_up, w.w_down, w.b_down, F.silu, **common)
-    return S.rms(x, self.model.model.norm.weight, layout.eps, family.float32_scale)
+def all_symbolic(fn, key=None):
+    """``step.compiled`` as it was: ``torch.compile(dynamic=True)``, in a cache of its own."""
+    return _all_symbolic(fn, f"{key}_symbolic")
+
+
+@functools.cache
+def _all_symbolic(fn, key):
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{key}")
+    copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return torch.compile(functools.wraps(fn)(copy), dynamic=True)
 
 
 def replay_ms(bench: Bench, engine: FastHFEngine, b: int, slots: int, reps: int = 20) -> float:
@@ -116,59 +101,6 @@ def kernel_kinds(bench: Bench, engine: FastHFEngine, b: int, slots: int, steps: 
     return dict(out)
 
 
-def grouped_kernel_sweep(bench: Bench, model, rows: int, prompt: int, slots: int) -> str:
-    """One layer's grouped-query attention (us per call, 50 calls) over ``rows`` rows with their own prompt
-    and ``slots`` response slots, for (slots per iteration, warps, pipeline stages, splits) settings; the
-    first is the engine's default at this size."""
-    from rlvr.engines.decode_attention import default_splits, triton_available, triton_decode_attention
-
-    cfg = model.config
-    heads = cfg.num_attention_heads
-    kv = getattr(cfg, "num_key_value_heads", None) or heads
-    dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    if kv == heads or not triton_available() or bench.device.type != "cuda":
-        return ""
-    mk = lambda *s: torch.randn(*s, device=bench.device, dtype=bench.dtype)  # noqa: E731
-    q = mk(rows, heads, 1, dim)
-    pk, pv = mk(rows, kv, prompt, dim), mk(rows, kv, prompt, dim)
-    rk, rv = mk(rows, kv, slots + 8, dim), mk(rows, kv, slots + 8, dim)
-    grp = torch.arange(rows, device=bench.device)
-    start = torch.zeros(rows, dtype=torch.long, device=bench.device)
-    plen = torch.tensor([prompt], device=bench.device)
-    rlen = torch.tensor([slots], device=bench.device)
-    split0 = default_splits(rows, kv)
-    cells = []
-    for block, warps, stages, splits in (
-        (32, 4, 3, split0),
-        (64, 4, 3, split0),
-        (64, 8, 3, split0),
-        (32, 4, 4, split0),
-        (16, 4, 3, split0),
-        (32, 4, 3, max(1, split0 // 2)),
-        (32, 4, 3, split0 * 2),
-    ):
-        fn = lambda: triton_decode_attention(  # noqa: E731
-            q,
-            pk,
-            pv,
-            rk,
-            rv,
-            grp,
-            start,
-            plen,
-            rlen,
-            splits=splits,
-            run_block=block,
-            run_warps=warps,
-            num_stages=stages,
-        )
-        fn()
-        _, t = bench.timed(lambda: [fn() for _ in range(50)])
-        cells.append(f"{block}/{warps}/{stages}/{splits}: {1e6 * t / 50:.1f}")
-    kv_us = 1e6 * 2 * rows * kv * dim * 2 * (prompt + slots) / bench.bw
-    return f"{rows} rows x ({prompt} + {slots}) slots, K/V floor {kv_us:.1f} us: " + "; ".join(cells)
-
-
 def part_floors_ms(bench: Bench, model, b: int, prompt: int, slots: int) -> dict[str, float]:
     cfg = model.config
     heads = cfg.num_attention_heads
@@ -199,8 +131,9 @@ def main():
     P, T = len(prompts), bench.new_tokens
     params = SamplingParams(temperature=1.0, max_new_tokens=T, seed=0, ignore_eos=True)
     mid = 32 if bench.tiny else 256  # response slots of the replay and profile: the forced batch's mean
-    table, kinds_table, sweeps = [], [], []
+    table, kinds_table = [], []
     row_labels: list[int] = []
+    variants = ("engine", "all symbolic")
     t0 = time.perf_counter()
     for name in args.models.split(","):
         if time.perf_counter() - t0 > args.deadline_s:
@@ -209,64 +142,58 @@ def main():
         if name != "olmo2-1b":
             use_family_model(bench, name)
         times = {}
-        for variant in ("one piece per gap", "two pieces per layer"):
+        for variant in variants:
+            S.compiled = all_symbolic if variant == "all symbolic" else engine_compiled
             engine = FastHFEngine(bench.model, bench.tok, max_batch_size=P)
-            if variant == "two pieces per layer":
-                engine._layers = types.MethodType(two_pieces_per_layer, engine)  # type: ignore[method-assign]
             engine.generate(prompts, params)  # compiles, captures, allocates the state
             _, forced = bench.timed(lambda: engine.generate(prompts, params))
             rows = [b for b in (256, 32, 1) if b <= engine._state.rows_cap]
             reps = {b: replay_ms(bench, engine, b, mid) for b in rows}
             times[variant] = (forced, reps)
             row_labels = rows
-            if variant == "one piece per gap":
-                b = rows[0]
-                kinds = kernel_kinds(bench, engine, b, mid)
-                fl = part_floors_ms(bench, bench.model, b, bench.prompt_len, mid)
-                total = sum(v[0] for v in kinds.values())
-                kinds_table.append(
-                    f"| {name} | {reps[b]:.2f} | {total:.2f} | "
-                    + " | ".join(
-                        f"{kinds.get(k, [0, 0])[0]:.2f} ({kinds.get(k, [0, 0])[1]:.0f})"
-                        for k in ("matmul", "attention", "fused elementwise (inductor)", "other")
-                    )
-                    + f" | {fl['matmul']:.2f} | {fl['kv']:.2f} | {fl['weights']:.2f} | "
-                    f"{max(fl['matmul'], fl['kv'] + fl['weights']):.2f} | {fl['matmul'] + fl['kv']:.2f} |"
+            b = rows[0]
+            kinds = kernel_kinds(bench, engine, b, mid)
+            fl = part_floors_ms(bench, bench.model, b, bench.prompt_len, mid)
+            total = sum(v[0] for v in kinds.values())
+            kinds_table.append(
+                f"| {name} | {variant} | {reps[b]:.2f} | {total:.2f} | "
+                + " | ".join(
+                    f"{kinds.get(k, [0, 0])[0]:.2f} ({kinds.get(k, [0, 0])[1]:.0f})"
+                    for k in ("matmul", "attention", "fused elementwise (inductor)", "other")
                 )
+                + f" | {fl['matmul']:.2f} | {fl['kv']:.2f} | {fl['weights']:.2f} | "
+                f"{max(fl['matmul'], fl['kv'] + fl['weights']):.2f} | {fl['matmul'] + fl['kv']:.2f} |"
+            )
+            print(kinds_table[-1], flush=True)
             engine.close()
             del engine
             bench.free()
-        sweep = grouped_kernel_sweep(bench, bench.model, 256, bench.prompt_len, mid)
-        if sweep:
-            sweeps.append(f"- {name}: {sweep}")
-            print(sweeps[-1], flush=True)
-        new, old = times["one piece per gap"], times["two pieces per layer"]
+        S.compiled = engine_compiled
+        new, old = (times[v] for v in variants)
         table.append(
             f"| {name} | {new[0]:.2f} / {old[0]:.2f} | "
             + " | ".join(f"{new[1][b]:.2f} / {old[1][b]:.2f}" for b in new[1])
             + " |"
         )
         print(table[-1], flush=True)
-        print(kinds_table[-1], flush=True)
     print(f"\n## ceilings: copy {bench.bw / 1e12:.2f} TB/s, bf16 matmul {bench.mm / 1e12:.0f} TFLOP/s")
     print(
         f"\n## forced {P}x{bench.prompt_len}+{T} (s, one warm call) and replay of one step at {mid} response "
-        "slots (ms), by rows: one piece per gap / two pieces per layer"
+        "slots (ms), by rows: engine / all symbolic"
     )
     print("| model | forced | " + " | ".join(f"{b} rows" for b in row_labels) + " |")
     print("|---|---:|" + "---:|" * len(row_labels))
     print("\n".join(table))
     print(
-        f"\n## one un-captured step at 256 rows x {mid} response slots: GPU ms (kernels) by kind, against each part's floor"
+        f"\n## one un-captured step at {row_labels[0] if row_labels else 0} rows x {mid} response slots: GPU ms "
+        "(kernels) by kind, against each part's floor"
     )
     print(
-        "| model | replay ms | kernels ms | matmul | attention | fused elementwise | other | matmul FLOPs floor | "
-        "K/V bytes floor | weight bytes | bench floor (larger) | matmul + K/V floors |"
+        "| model | compiled | replay ms | kernels ms | matmul | attention | fused elementwise | other | matmul FLOPs "
+        "floor | K/V bytes floor | weight bytes | bench floor (larger) | matmul + K/V floors |"
     )
-    print("|---|" + "---:|" * 11)
+    print("|---|---|" + "---:|" * 11)
     print("\n".join(kinds_table))
-    print("\n## grouped-query attention kernel, one layer, us per call: slots per iteration / warps / stages / splits")
-    print("\n".join(sweeps))
 
 
 if __name__ == "__main__":

@@ -164,12 +164,15 @@ def sample_math(
 
 @functools.cache
 def compiled(fn: Callable[..., Any], key: str | None = None) -> Callable[..., Any]:
-    """``torch.compile(fn, dynamic=True)``, once per process and ``key`` (batch size and length stay
-    symbolic). Each key compiles its own copy of ``fn``'s code: dynamo counts recompilations per code
-    object and runs a function eagerly past 8 of them, so one family's shapes must not use up another's."""
+    """``torch.compile(fn)``, once per process and ``key``. Sizes start as constants and a size that changes
+    between calls (the batch, the query length) becomes symbolic on the next compile, so one graph serves
+    every batch bucket while the head count, head_dim and widths stay constants that inductor's kernels
+    specialise on (``dynamic=True`` made them symbolic too). Each key compiles its own copy of ``fn``'s
+    code: dynamo counts recompilations per code object and runs a function eagerly past 8 of them, so one
+    family's shapes must not use up another's."""
     if key is not None:
         code = fn.__code__.replace(co_name=f"{fn.__name__}_{key}")
         copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
         copy.__kwdefaults__ = fn.__kwdefaults__
         fn = functools.wraps(fn)(copy)
-    return torch.compile(fn, dynamic=True)
+    return torch.compile(fn, dynamic=None)
