@@ -254,6 +254,45 @@ def test_row_limits_cut_greedy_rows_where_asked(tiny_model, tiny_tokenizer):
 # --- compile_step: the decode step's pieces through torch.compile --------------------------------------
 
 
+def test_compiled_pieces_serve_every_batch_size_with_head_sizes_constant():
+    """A compiled piece serves every batch size from one graph, while head counts and head_dim stay
+    constants of the graph that inductor's kernels specialise on: another head_dim compiles again (with
+    every size symbolic, ``dynamic=True``, the same graph would take it). The values equal the eager piece."""
+    pytest.importorskip("torch._inductor")
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from rlvr.engines.fast import step as S
+
+    torch._dynamo.reset()
+    counters.clear()
+    pre = S.compiled(S.pre_attention, "constant_head_sizes_test")
+    hidden, heads, kv_heads = 32, 4, 2
+    norm1 = torch.nn.Parameter(torch.rand(hidden) + 0.5)
+
+    def call(rows: int, head_dim: int) -> None:
+        g = torch.Generator().manual_seed(rows * 100 + head_dim)
+        x = torch.randn(rows, 1, hidden, generator=g)
+        w = torch.randn((heads + 2 * kv_heads) * head_dim, hidden, generator=g)
+        b = torch.randn(w.shape[0], generator=g)
+        cos, sin = S.rope_tables(torch.arange(rows)[:, None, None], torch.rand(head_dim // 2), 1.0, x.dtype, True)
+        args = (x, norm1, (w,), (b,), None, None, cos, sin)
+        kw = dict(heads=heads, kv_heads=kv_heads, head_dim=head_dim, eps=1e-6, pre_norm=True, qk_norm=None)
+        kw |= dict(float32_scale=False, fused=True)
+        for got, want in zip(pre(*args, **kw), S.pre_attention(*args, **kw)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+    call(4, 8)
+    call(3, 8)  # the batch size changed: it becomes symbolic
+    graphs = counters["stats"]["unique_graphs"]
+    call(5, 8)
+    call(7, 8)
+    assert counters["stats"]["unique_graphs"] == graphs
+    call(5, 16)
+    assert counters["stats"]["unique_graphs"] == graphs + 1
+    torch._dynamo.reset()
+
+
 def test_compiled_step_equals_eager_step(tiny_model, tiny_tokenizer):
     """``compile_step=True`` (inductor on the CPU here) computes what the eager step computes: the same
     greedy tokens as ``model.generate``, the same sampled tokens for a seed (plain, temperature + top-p),
