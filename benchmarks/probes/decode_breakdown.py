@@ -2,12 +2,15 @@
 
 For OLMo-2-1B's shape and each of ``bench_speed.FAMILY_MODELS`` (random bf16 weights): the forced batch
 (256 prompts of 128 tokens, 512 new tokens, EOS ignored) end to end, and the captured step's replay time
-at 256 / 32 / 1 rows with 256 response slots, for two ways of compiling the step's pieces:
+at 256 / 32 / 1 rows with 256 response slots, for two ways of compiling the step's pieces (``--against``):
 
 - ``engine``: sizes start as constants and those that change (batch, query length) turn symbolic, so the
   head count, head_dim and widths stay constants in inductor's kernels (``step.compiled``);
+- ``max-autotune`` (default): the same, with inductor's ``max_autotune`` (each matmul timed as cuBLAS and
+  as inductor's Triton GEMM templates, whose epilogues can take the bias, residual and activation; the
+  fastest kept) and ``coordinate_descent_tuning`` (the fused kernels' block sizes tuned);
 - ``all symbolic``: ``torch.compile(dynamic=True)``, every size and integer argument symbolic (the engine
-  before it).
+  before ``4b31e8d``).
 
 (At commit ``d2b2b64`` the same probe set one compiled piece per attention gap against two pieces per
 layer; docs/benchmarks.md has that run.)
@@ -43,22 +46,31 @@ engine_compiled = S.compiled
 
 KINDS = (
     ("attention", re.compile(r"decode_attention|prompt_attention|_combine")),
-    ("matmul", re.compile(r"gemm|gemv|cutlass|nvjet|sm90|sm80|xmma|cublas", re.I)),
+    ("matmul", re.compile(r"gemm|gemv|cutlass|nvjet|sm90|sm80|xmma|cublas|^triton_tem", re.I)),
     ("fused elementwise (inductor)", re.compile(r"^triton_")),
 )
 
 
 def all_symbolic(fn, key=None):
     """``step.compiled`` as it was: ``torch.compile(dynamic=True)``, in a cache of its own."""
-    return _all_symbolic(fn, f"{key}_symbolic")
+    return _compiled_copy(fn, f"{key}_symbolic", dynamic=True)
+
+
+def max_autotune(fn, key=None):
+    """``step.compiled`` with inductor's autotuned GEMMs and block sizes, in a cache of its own."""
+    options = {"max_autotune": True, "coordinate_descent_tuning": True}
+    return _compiled_copy(fn, f"{key}_autotune", dynamic=None, options=tuple(options.items()))
 
 
 @functools.cache
-def _all_symbolic(fn, key):
+def _compiled_copy(fn, key, dynamic, options=None):
     code = fn.__code__.replace(co_name=f"{fn.__name__}_{key}")
     copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
     copy.__kwdefaults__ = fn.__kwdefaults__
-    return torch.compile(functools.wraps(fn)(copy), dynamic=True)
+    return torch.compile(functools.wraps(fn)(copy), dynamic=dynamic, options=dict(options) if options else None)
+
+
+AGAINST = {"max-autotune": max_autotune, "all symbolic": all_symbolic}
 
 
 def replay_ms(bench: Bench, engine: FastHFEngine, b: int, slots: int, reps: int = 20) -> float:
@@ -122,6 +134,9 @@ def main():
     ap.add_argument("--data-dir", required=True)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--models", default="olmo2-1b," + ",".join(FAMILY_MODELS))
+    ap.add_argument(
+        "--against", choices=sorted(AGAINST), default="max-autotune", help="the variant set against the engine"
+    )
     ap.add_argument("--deadline-s", type=float, default=float("inf"), help="start no model past this many seconds")
     args = ap.parse_args()
     bench = Bench(parse_args(["--data-dir", args.data_dir, "--skip-baselines"] + (["--tiny"] if args.tiny else [])))
@@ -133,7 +148,7 @@ def main():
     mid = 32 if bench.tiny else 256  # response slots of the replay and profile: the forced batch's mean
     table, kinds_table = [], []
     row_labels: list[int] = []
-    variants = ("engine", "all symbolic")
+    variants = ("engine", args.against)
     t0 = time.perf_counter()
     for name in args.models.split(","):
         if time.perf_counter() - t0 > args.deadline_s:
@@ -143,9 +158,11 @@ def main():
             use_family_model(bench, name)
         times = {}
         for variant in variants:
-            S.compiled = all_symbolic if variant == "all symbolic" else engine_compiled
+            S.compiled = AGAINST.get(variant, engine_compiled)
             engine = FastHFEngine(bench.model, bench.tok, max_batch_size=P)
+            c0 = time.perf_counter()
             engine.generate(prompts, params)  # compiles, captures, allocates the state
+            print(f"# {name} {variant}: first call {time.perf_counter() - c0:.1f} s", flush=True)
             _, forced = bench.timed(lambda: engine.generate(prompts, params))
             rows = [b for b in (256, 32, 1) if b <= engine._state.rows_cap]
             reps = {b: replay_ms(bench, engine, b, mid) for b in rows}
@@ -179,7 +196,7 @@ def main():
     print(f"\n## ceilings: copy {bench.bw / 1e12:.2f} TB/s, bf16 matmul {bench.mm / 1e12:.0f} TFLOP/s")
     print(
         f"\n## forced {P}x{bench.prompt_len}+{T} (s, one warm call) and replay of one step at {mid} response "
-        "slots (ms), by rows: engine / all symbolic"
+        f"slots (ms), by rows: engine / {args.against}"
     )
     print("| model | forced | " + " | ".join(f"{b} rows" for b in row_labels) + " |")
     print("|---|---:|" + "---:|" * len(row_labels))
