@@ -69,3 +69,39 @@ def test_save_and_load_round_trip(arith_tokenizer, tmp_path):
     ids = torch.tensor([arith_tokenizer(text, add_special_tokens=False)["input_ids"]])
     with torch.no_grad():
         assert torch.equal(model(ids).logits, loaded.eval()(ids).logits)
+
+
+def test_attention_leaves_out_cudnn_on_a_gpu_and_restores_it(monkeypatch):
+    """On a GPU, SDPA runs without the cuDNN backend (a host-side plan per new shape) and the backends
+    come back afterwards; without a GPU nothing changes."""
+    from rlvr.modeling import attention_without_cudnn
+
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with attention_without_cudnn():
+        assert torch.backends.cuda.cudnn_sdp_enabled() == before
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with attention_without_cudnn():
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
+
+
+def test_every_rlvr_command_runs_sdpa_without_cudnn_on_a_gpu(monkeypatch):
+    """``rlvr eval``, ``sft``, ``dpo`` and the rest run inside ``attention_without_cudnn`` (the trainer also
+    enters it itself, for ``train()`` called from Python)."""
+    import sys
+    import types
+
+    from rlvr import cli
+
+    seen = []
+    command = types.ModuleType("rlvr_fake_command")
+    command.main = lambda argv: seen.append(torch.backends.cuda.cudnn_sdp_enabled()) or 0  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "rlvr_fake_command", command)
+    monkeypatch.setitem(cli.COMMANDS, "fake", ("rlvr_fake_command", "a command that records the SDPA backends"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    assert cli.main(["fake"]) == 0
+    assert seen == [False]
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before

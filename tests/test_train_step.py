@@ -465,19 +465,3 @@ def test_compile_backbone_refuses_models_without_a_plain_head():
 
     with pytest.raises(ValueError, match="model.compile"):
         compile_backbone(Wrapped())
-
-
-def test_training_attention_leaves_out_cudnn_on_a_gpu_and_restores_it(monkeypatch):
-    """On a GPU the trainer runs SDPA without the cuDNN backend (a host-side plan per new shape) and puts
-    the backends back afterwards; without a GPU it changes nothing."""
-    from rlvr.grpo import attention_without_cudnn
-
-    before = torch.backends.cuda.cudnn_sdp_enabled()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with attention_without_cudnn():
-        assert torch.backends.cuda.cudnn_sdp_enabled() == before
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    with attention_without_cudnn():
-        assert not torch.backends.cuda.cudnn_sdp_enabled()
-        assert torch.backends.cuda.flash_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
-    assert torch.backends.cuda.cudnn_sdp_enabled() == before

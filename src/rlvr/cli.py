@@ -75,9 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from rlvr.errors import UserError
     from rlvr.interrupts import exit_code, sigterm_as_interrupt
+    from rlvr.modeling import attention_without_cudnn
 
     try:
-        with sigterm_as_interrupt(), _plain_warnings(name):
+        with sigterm_as_interrupt(), _plain_warnings(name), attention_without_cudnn():
             module = importlib.import_module(COMMANDS[name][0])
             return int(module.main(rest) or 0)
     except UserError as e:

@@ -7,6 +7,7 @@ tokenizer with ``tokenizers`` on task text.
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -261,3 +262,16 @@ def load_model_and_tokenizer(
         # A peft model: it forwards attribute lookups to the PreTrainedModel it wraps.
         return apply_lora(model, lora), tokenizer  # type: ignore[return-value]
     return model, tokenizer
+
+
+def attention_without_cudnn() -> contextlib.AbstractContextManager:
+    """SDPA's backends less cuDNN's, on a GPU (elsewhere nothing changes); every ``rlvr`` command runs
+    in it. cuDNN's attention builds an execution plan on the host for each new shape (milliseconds per
+    layer call), and training microbatches, DPO pairs and the engines' prefill chunks change shape
+    every batch; the flash and memory-efficient kernels have no such cost (the trainer profile in
+    docs/benchmarks.md)."""
+    if not torch.cuda.is_available():
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])

@@ -97,7 +97,6 @@ from rlvr.engines.rollouts import RolloutBatch, RolloutRequest, Rollouts, SyncRo
 from rlvr.errors import EngineError, GraderError, NonFiniteError, TrainingError, UserError
 from rlvr.grpo import (
     REWEIGHTINGS,
-    attention_without_cudnn,
     compile_backbone,
     compute_group_normalized_rewards,
     compute_log_probs_batched,
@@ -108,6 +107,7 @@ from rlvr.grpo.diagnostics import update_record
 from rlvr.grpo.variance import gradient_variance, variance_metrics
 from rlvr.interrupts import DeferInterrupts, Terminated, exit_code, sigterm_as_interrupt
 from rlvr.logging_utils import MetricsLogger, truncate_metrics, write_jsonl
+from rlvr.modeling import attention_without_cudnn
 from rlvr.optim import lr_factor, make_adamw
 from rlvr.rundir import RunDirLock, atomic_write_json
 

@@ -16,7 +16,6 @@ from rlvr.grpo.advantages import (
 from rlvr.grpo.aggregate import AGGREGATIONS, aggregate_loss_across_microbatch, register_aggregation
 from rlvr.grpo.diagnostics import ADVANTAGE_MASS, advantage_mass, importance_statistics, register_advantage_mass
 from rlvr.grpo.logprobs import (
-    attention_without_cudnn,
     compile_backbone,
     compute_log_probs_batched,
     get_response_log_probs,
@@ -44,7 +43,6 @@ __all__ = [
     "register_normalizer",
     "register_reweighting",
     "aggregate_loss_across_microbatch",
-    "attention_without_cudnn",
     "compile_backbone",
     "compute_log_probs_batched",
     "get_response_log_probs",

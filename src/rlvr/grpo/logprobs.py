@@ -11,7 +11,6 @@ a 32-sequence × 1024-token microbatch.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import types
 from collections.abc import Callable
@@ -248,18 +247,6 @@ class LayerwiseCompiledBackbone:
         finally:
             for layer in self.layers:
                 del layer.forward
-
-
-def attention_without_cudnn() -> contextlib.AbstractContextManager:
-    """SDPA's backends less cuDNN's, for a training run on a GPU (elsewhere nothing changes). cuDNN's
-    attention builds an execution plan on the host for each new shape (milliseconds per layer call),
-    and a run's microbatches change shape every step; the flash and memory-efficient kernels have no
-    such cost (the trainer profile in docs/benchmarks.md)."""
-    if not torch.cuda.is_available():
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 def compile_backbone(model: torch.nn.Module, dynamic: bool = True) -> Any:
