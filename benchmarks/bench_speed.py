@@ -1112,15 +1112,17 @@ def main(argv=None):
     bench = Bench(args)
     t_start = bench.t_start
     bench.setup()
+    # The trainer first: it then runs as ``rlvr train`` does, in a process that has compiled and
+    # allocated nothing else (the families last: they swap the model).
     sections = (
         bench.ceilings,
+        bench.trainer_step,
+        bench.trainer_step_lean,
         bench.checks,
         bench.forced_length,
         bench.realistic,
         bench.training,
         bench.compiled,
-        bench.trainer_step,
-        bench.trainer_step_lean,
         bench.trl,
         bench.families,
     )

@@ -27,10 +27,8 @@ Usage: ``PYTHONPATH=src:benchmarks python benchmarks/probes/decode_breakdown.py 
 from __future__ import annotations
 
 import argparse
-import functools
 import re
 import time
-import types
 from collections import defaultdict
 
 import torch
@@ -53,21 +51,12 @@ KINDS = (
 
 def all_symbolic(fn, key=None):
     """``step.compiled`` as it was: ``torch.compile(dynamic=True)``, in a cache of its own."""
-    return _compiled_copy(fn, f"{key}_symbolic", dynamic=True)
+    return engine_compiled(fn, f"{key}_symbolic", dynamic=True)
 
 
 def max_autotune(fn, key=None):
     """``step.compiled`` with inductor's autotuned GEMMs and block sizes, in a cache of its own."""
-    options = {"max_autotune": True, "coordinate_descent_tuning": True}
-    return _compiled_copy(fn, f"{key}_autotune", dynamic=None, options=tuple(options.items()))
-
-
-@functools.cache
-def _compiled_copy(fn, key, dynamic, options=None):
-    code = fn.__code__.replace(co_name=f"{fn.__name__}_{key}")
-    copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
-    copy.__kwdefaults__ = fn.__kwdefaults__
-    return torch.compile(functools.wraps(fn)(copy), dynamic=dynamic, options=dict(options) if options else None)
+    return engine_compiled(fn, f"{key}_autotune", options=(("max_autotune", True), ("coordinate_descent_tuning", True)))
 
 
 AGAINST = {"max-autotune": max_autotune, "all symbolic": all_symbolic}

@@ -163,16 +163,19 @@ def sample_math(
 
 
 @functools.cache
-def compiled(fn: Callable[..., Any], key: str | None = None) -> Callable[..., Any]:
+def compiled(
+    fn: Callable[..., Any], key: str | None = None, dynamic: bool | None = None, options: tuple = ()
+) -> Callable[..., Any]:
     """``torch.compile(fn)``, once per process and ``key``. Sizes start as constants and a size that changes
     between calls (the batch, the query length) becomes symbolic on the next compile, so one graph serves
     every batch bucket while the head count, head_dim and widths stay constants that inductor's kernels
     specialise on (``dynamic=True`` made them symbolic too). Each key compiles its own copy of ``fn``'s
     code: dynamo counts recompilations per code object and runs a function eagerly past 8 of them, so one
-    family's shapes must not use up another's."""
+    family's shapes must not use up another's. ``dynamic`` and ``options`` (inductor settings as
+    (name, value) pairs) are ``torch.compile``'s, for the probes that set other settings against these."""
     if key is not None:
         code = fn.__code__.replace(co_name=f"{fn.__name__}_{key}")
         copy = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
         copy.__kwdefaults__ = fn.__kwdefaults__
         fn = functools.wraps(fn)(copy)
-    return torch.compile(fn, dynamic=None)
+    return torch.compile(fn, dynamic=dynamic, options=dict(options) or None)
