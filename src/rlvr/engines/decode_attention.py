@@ -132,6 +132,49 @@ if triton is not None:
         return m, l, acc
 
     @triton.jit
+    def _row_span(  # type: ignore[no-untyped-def]  # Triton reads a kernel's annotations; only constexpr ones here
+        GRP,
+        START,
+        PLEN,
+        RLEN,
+        LIVE,
+        CROW,
+        row,
+        z,
+        BLOCK: tl.constexpr,
+        SPLITS: tl.constexpr,
+        HAS_NEW: tl.constexpr,
+        HAS_LIVE: tl.constexpr,
+        CASCADE: tl.constexpr,
+        HAS_CROW: tl.constexpr,
+    ):
+        """What both decode kernels know of a row before reading its cache: its prompt-cache entry, first
+        prompt slot, whether it is live (a finished row reads nothing), its cache row, its response slots
+        already in the cache (less the current token's when HAS_NEW), the prompt slots it reads (none
+        under CASCADE: the group's program read them), and program z's run [lo, hi) of its slots."""
+        grp = tl.load(GRP + row).to(tl.int64)
+        first = tl.load(START + row).to(tl.int32)
+        plen = tl.load(PLEN).to(tl.int32)
+        rlen = tl.load(RLEN).to(tl.int32)
+        live = rlen >= 0  # every row, unless LIVE says otherwise
+        if HAS_LIVE:
+            live = tl.load(LIVE + row) != 0
+        crow = row
+        if HAS_CROW:
+            crow = tl.load(CROW + row).to(tl.int64)
+        cached = rlen
+        if HAS_NEW:
+            cached = rlen - 1
+        n_p = tl.where(live, plen - first, 0)
+        if CASCADE:
+            n_p = 0
+        n = n_p + tl.where(live, cached, 0)
+        per = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK) * BLOCK
+        lo = tl.minimum(z * per, n)
+        hi = tl.minimum(lo + per, n)
+        return grp, first, live, crow, cached, n_p, lo, hi
+
+    @triton.jit
     def _decode_attention_kernel(  # type: ignore[no-untyped-def]  # Triton kernel: annotations are Triton's
         Q,
         KN,
@@ -189,32 +232,16 @@ if triton is not None:
         d = tl.arange(0, DP)
         dok = d < D  # DP: head_dim rounded up to a power of two (Triton's block shapes); lanes past D are masked
         q = tl.load(Q + row * sq_b + head * sq_h + d, mask=dok, other=0.0).to(tl.float32) * scale
-        grp = tl.load(GRP + row).to(tl.int64)
-        first = tl.load(START + row).to(tl.int32)
-        plen = tl.load(PLEN).to(tl.int32)
-        rlen = tl.load(RLEN).to(tl.int32)
-        live = rlen >= 0  # every row, unless LIVE says otherwise
-        if HAS_LIVE:
-            live = tl.load(LIVE + row) != 0
-        crow = row
-        if HAS_CROW:
-            crow = tl.load(CROW + row).to(tl.int64)
+        grp, first, live, crow, cached, n_p, lo, hi = _row_span(
+            GRP, START, PLEN, RLEN, LIVE, CROW, row, z, BLOCK, SPLITS, HAS_NEW, HAS_LIVE, CASCADE, HAS_CROW
+        )
         roff = crow * sr_b + head * sr_h
-        cached = rlen
         if HAS_NEW:
-            cached = rlen - 1
             kn = tl.load(KN + row * skn_b + head * skn_h + d, mask=dok, other=0.0)
             vn = tl.load(VN + row * svn_b + head * svn_h + d, mask=dok, other=0.0)
             if z == 0:
                 tl.store(RK + roff + cached * sr_s + d, kn, mask=dok)
                 tl.store(RV + roff + cached * sr_s + d, vn, mask=dok)
-        n_p = tl.where(live, plen - first, 0)  # a finished row reads nothing
-        if CASCADE:
-            n_p = 0  # the group's program read the prompt
-        n = n_p + tl.where(live, cached, 0)
-        per = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK) * BLOCK
-        lo = tl.minimum(z * per, n)
-        hi = tl.minimum(lo + per, n)
         # A finite floor for the running max: a lane that has seen no slot yet rescales by exp(0) = 1
         # and contributes exp(-1e30 - max) = 0 at the merge.
         m = tl.full([BLOCK], -1e30, tl.float32)
@@ -388,32 +415,16 @@ if triton is not None:
         gok = g < GROUP
         qh = head * GROUP + g  # the query heads this key/value head serves
         q = tl.load(Q + row * sq_b + qh[:, None] * sq_h + d[None, :], mask=gok[:, None] & dok[None, :], other=0.0)
-        grp = tl.load(GRP + row).to(tl.int64)
-        first = tl.load(START + row).to(tl.int32)
-        plen = tl.load(PLEN).to(tl.int32)
-        rlen = tl.load(RLEN).to(tl.int32)
-        live = rlen >= 0
-        if HAS_LIVE:
-            live = tl.load(LIVE + row) != 0
-        crow = row
-        if HAS_CROW:
-            crow = tl.load(CROW + row).to(tl.int64)
+        grp, first, live, crow, cached, n_p, lo, hi = _row_span(
+            GRP, START, PLEN, RLEN, LIVE, CROW, row, z, BLOCK, SPLITS, HAS_NEW, HAS_LIVE, CASCADE, HAS_CROW
+        )
         roff = crow * sr_b + head * sr_h
-        cached = rlen
         if HAS_NEW:
-            cached = rlen - 1
             kn = tl.load(KN + row * skn_b + head * skn_h + d, mask=dok, other=0.0)
             vn = tl.load(VN + row * svn_b + head * svn_h + d, mask=dok, other=0.0)
             if z == 0:
                 tl.store(RK + roff + cached * sr_s + d, kn, mask=dok)
                 tl.store(RV + roff + cached * sr_s + d, vn, mask=dok)
-        n_p = tl.where(live, plen - first, 0)
-        if CASCADE:
-            n_p = 0
-        n = n_p + tl.where(live, cached, 0)
-        per = tl.cdiv(tl.cdiv(n, SPLITS), BLOCK) * BLOCK
-        lo = tl.minimum(z * per, n)
-        hi = tl.minimum(lo + per, n)
         top = tl.full([GP], -1e30, tl.float32)
         total = tl.zeros([GP], tl.float32)
         o = tl.zeros([GP, DP], tl.float32)
