@@ -350,11 +350,8 @@ class Bench:
         grouped-query attention), or to do 2 x matmul params FLOPs per token, whichever is larger (prefill
         ignored: it is compute at full rate). ``model``: default the OLMo-2 model of the other sections."""
         model = model or self.model
-        cfg = model.config
-        kv_width = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        kv_width *= getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         size = 2 if self.dtype == torch.bfloat16 else 4
-        kv_per_token = 2 * cfg.num_hidden_layers * kv_width * size
+        kv_per_token = kv_bytes_per_token(model.config, size)
         n_params, n_matmul = param_counts(model)
         weight_bytes = n_params * size
         steps = max(new_lens)
@@ -1096,6 +1093,14 @@ class Bench:
         for r in self.rows:
             lines.append(f"| {r['what']} | {r['measured']} | {r['floor']} | {r['ratio']} | {r['note']} |")
         return "\n".join(lines)
+
+
+def kv_bytes_per_token(cfg, size: int) -> int:
+    """Bytes of K and V one token leaves in the cache over all layers (the key/value heads' under
+    grouped-query attention), at ``size`` bytes a value."""
+    kv_width = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    kv_width *= getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return 2 * cfg.num_hidden_layers * kv_width * size
 
 
 def param_counts(model) -> tuple[int, int]:

@@ -32,7 +32,7 @@ import time
 from collections import defaultdict
 
 import torch
-from bench_speed import FAMILY_MODELS, Bench, param_counts, parse_args
+from bench_speed import FAMILY_MODELS, Bench, kv_bytes_per_token, param_counts, parse_args
 from profile_step import use_family_model
 from torch.profiler import ProfilerActivity, profile
 
@@ -103,13 +103,8 @@ def kernel_kinds(bench: Bench, engine: FastHFEngine, b: int, slots: int, steps: 
 
 
 def part_floors_ms(bench: Bench, model, b: int, prompt: int, slots: int) -> dict[str, float]:
-    cfg = model.config
-    heads = cfg.num_attention_heads
-    kv_width = (getattr(cfg, "num_key_value_heads", None) or heads) * (
-        getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    )
     n_params, n_matmul = param_counts(model)
-    kv_bytes = 2 * cfg.num_hidden_layers * kv_width * 2 * b * (prompt + slots)
+    kv_bytes = kv_bytes_per_token(model.config, 2) * b * (prompt + slots)
     return dict(
         weights=1e3 * n_params * 2 / bench.bw,
         kv=1e3 * kv_bytes / bench.bw,
