@@ -327,20 +327,7 @@ class Bench:
         if self.device.type != "cuda":
             self.bw, self.mm = 50e9, 1e12  # nominal CPU figures, only so that the smoke test prints floors
             return
-        x = torch.empty(2**30 // 2, dtype=torch.bfloat16, device="cuda").normal_()
-        y = torch.empty_like(x)
-        for _ in range(3):
-            y.copy_(x)
-        _, t = self.timed(lambda: [y.copy_(x) for _ in range(20)])
-        self.bw = 2 * x.numel() * 2 * 20 / t
-        a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-        b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-        for _ in range(3):
-            a @ b
-        _, t = self.timed(lambda: [a @ b for _ in range(10)])
-        self.mm = 2 * 8192**3 * 10 / t
-        del x, y, a, b
-        torch.cuda.empty_cache()
+        self.bw, self.mm = measure_ceilings(self.timed)
         self.row("copy bandwidth (D2D, read+write)", f"{self.bw / 1e12:.2f} TB/s", "", "", "measured ceiling")
         self.row("bf16 matmul 8192^3", f"{self.mm / 1e12:.0f} TFLOP/s", "", "", "measured ceiling")
 
@@ -1093,6 +1080,26 @@ class Bench:
         for r in self.rows:
             lines.append(f"| {r['what']} | {r['measured']} | {r['floor']} | {r['ratio']} | {r['note']} |")
         return "\n".join(lines)
+
+
+def measure_ceilings(timed) -> tuple[float, float]:
+    """(copy bytes/s, read and write counted; bf16 matmul FLOP/s) on the GPU. ``timed(fn)`` returns
+    ``(fn(), seconds)`` with the device synchronised around the call (``Bench.timed``)."""
+    x = torch.empty(2**30 // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    _, t = timed(lambda: [y.copy_(x) for _ in range(20)])
+    bw = 2 * x.numel() * 2 * 20 / t
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    for _ in range(3):
+        a @ b
+    _, t = timed(lambda: [a @ b for _ in range(10)])
+    mm = 2 * 8192**3 * 10 / t
+    del x, y, a, b
+    torch.cuda.empty_cache()
+    return bw, mm
 
 
 def kv_bytes_per_token(cfg, size: int) -> int:

@@ -21,7 +21,9 @@ Usage: ``PYTHONPATH=src python benchmarks/profile_step.py --data-dir DIR [--tiny
 from __future__ import annotations
 
 import argparse
+import re
 import time
+from collections import defaultdict
 
 import torch
 from bench_speed import FAMILY_MODELS, TINY_FAMILY_SHAPE, Bench, parse_args
@@ -200,6 +202,32 @@ def training(bench: Bench):
     bench.free()
 
 
+# Kernel kinds of a training step, first match wins (attention first: some of its kernels are CUTLASS's).
+TRAIN_KINDS = (
+    ("attention (SDPA)", re.compile(r"flash|fmha|attention|efficient", re.I)),
+    ("matmul", re.compile(r"gemm|gemv|cutlass|nvjet|sm90|sm80|xmma|cublas|^triton_tem", re.I)),
+    ("fused elementwise (inductor)", re.compile(r"^triton_")),
+    ("optimizer and norm (multi-tensor)", re.compile(r"multi_tensor|foreach|adam", re.I)),
+    ("indexing", re.compile(r"index|gather|scatter", re.I)),
+    ("copies and casts", re.compile(r"copy|memcpy|memset|cast|fill", re.I)),
+    ("eager elementwise and reductions", re.compile(r"elementwise|reduce", re.I)),
+)
+
+
+def kernels_by_kind(prof) -> str:
+    """The profiled kernels' GPU seconds and counts summed by ``TRAIN_KINDS``, as a markdown table."""
+    sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kind = next((k for k, rx in TRAIN_KINDS if rx.search(e.name)), "other")
+            sums[kind][0] += e.device_time_total / 1e6
+            sums[kind][1] += 1
+    lines = ["kind | GPU s | kernels", "---|---:|---:"]
+    for kind, (sec, n) in sorted(sums.items(), key=lambda kv: -kv[1][0]):
+        lines.append(f"{kind} | {sec:.3f} | {n}")
+    return "\n".join(lines)
+
+
 def gpu_busy_s(prof) -> float:
     """Seconds in which at least one kernel ran (the union of the kernels' intervals)."""
     spans = sorted(
@@ -271,6 +299,10 @@ def trainer(bench: Bench, steps: int = 4):
     print(f"trainer's train phase (profiled) | {phase['wall']:.3f} | {gpu_busy_s(phase['prof']):.3f}")
     print(f"trainer's train phase (step {steady['step']}, not profiled) | {steady['time/train']:.3f} | -")
     print(f"policy_gradient_update alone, 3 calls | {', '.join(f'{t:.3f}' for t in times)} | {gpu_busy_s(alone):.3f}")
+    print(f"\n## kernels by kind: the trainer's train phase (step {steps})", flush=True)
+    print(kernels_by_kind(phase["prof"]))
+    print("\n## kernels by kind: the same update alone", flush=True)
+    print(kernels_by_kind(alone))
     print(f"\n## kernels of the trainer's train phase (step {steps})", flush=True)
     print(kernel_table(phase["prof"], 30), flush=True)
     print(f"\n## host-side ops of the trainer's train phase (step {steps})", flush=True)

@@ -14,10 +14,11 @@ from conftest import REPO
 pytestmark = pytest.mark.slow
 
 
-def _run(script: str, *args: str, gsm8k: str) -> str:
+def _run(script: str, *args: str, gsm8k: str | None) -> str:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO / "benchmarks")]))
+    data = ["--data-dir", gsm8k] if gsm8k is not None else []
     proc = subprocess.run(
-        [sys.executable, str(REPO / "benchmarks" / script), "--data-dir", gsm8k, "--tiny", *args],
+        [sys.executable, str(REPO / "benchmarks" / script), *data, "--tiny", *args],
         capture_output=True,
         text=True,
         env=env,
@@ -33,6 +34,15 @@ def test_profile_step_trainer_part_runs(gsm8k_path):
     out = _run("profile_step.py", "--only", "trainer", gsm8k=str(gsm8k_path))
     assert "seconds per phase" in out and "time/train" in out
     assert "policy_gradient_update alone, 3 calls" in out
+    assert "kernels by kind: the trainer's train phase" in out and "kernels by kind: the same update alone" in out
+
+
+def test_decode_gemms_probe_runs():
+    """The decode matmuls per family, BLAS library and row count (no data needed)."""
+    out = _run("probes/decode_gemms.py", gsm8k=None)
+    for model in ("olmo2-1b", "qwen2.5-1.5b", "llama-3.2-1b", "qwen3-1.7b"):
+        assert sum(line.startswith(f"| {model} |") for line in out.splitlines()) == 2 * 3  # as printed and in the table
+    assert "FLOP floor" in out
 
 
 @pytest.mark.parametrize("family", ["qwen2.5-1.5b", "llama-3.2-1b"])

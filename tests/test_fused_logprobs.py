@@ -251,3 +251,44 @@ def test_get_response_log_probs_fallback_still_matches(tiny_model, tiny_tokenize
     ref_lp, ref_ent = _model_reference(tiny_model, ids, labels)
     torch.testing.assert_close(out["log_probs"], ref_lp, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out["token_entropy"], ref_ent, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("chunk_tokens", [3, 2048])
+def test_positions_send_only_those_tokens_through_the_head(
+    tiny_model, tiny_tokenizer, monkeypatch, fused, chunk_tokens
+):
+    """With ``positions`` (the response mask) the head sees only those tokens; their log-probs, entropies
+    and gradients are the full pass's, every other position holds 0, and its label is never read."""
+    tok = tokenize_prompt_and_output(["What is 2+3?", "Say hi"], [" It is 5.", " hi hi hi"], tiny_tokenizer)
+    ids, labels, mask = tok["input_ids"], tok["labels"], tok["response_mask"]
+    assert 0 < mask.sum() < mask.numel()
+    if not fused:
+        tiny_model.config.final_logit_softcapping = 30.0  # Olmo2 ignores it; rlvr takes the model's own logits
+    seen = []
+    real = logprobs_mod.linear_log_probs
+    monkeypatch.setattr(
+        logprobs_mod, "linear_log_probs", lambda h, *a, **k: seen.append(h.shape[0]) or real(h, *a, **k)
+    )
+    w = torch.randn(labels.shape)
+
+    full = get_response_log_probs(tiny_model, ids, labels, True, chunk_tokens=chunk_tokens)
+    (full["log_probs"] * w * mask).sum().backward()
+    want = {n: p.grad.clone() for n, p in tiny_model.named_parameters()}
+    tiny_model.zero_grad(set_to_none=True)
+
+    unreadable = labels.masked_fill(~mask, 10**6)  # out of the vocabulary: gathering it would raise
+    seen.clear()
+    out = get_response_log_probs(tiny_model, ids, unreadable, True, chunk_tokens=chunk_tokens, positions=mask)
+    (out["log_probs"] * w).sum().backward()
+    assert seen == ([int(mask.sum())] if fused else [])
+    torch.testing.assert_close(out["log_probs"], torch.where(mask, full["log_probs"], 0.0).detach())
+    torch.testing.assert_close(out["token_entropy"], torch.where(mask, full["token_entropy"], 0.0))
+    for n, p in tiny_model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+def test_positions_of_another_shape_are_refused(tiny_model, tiny_tokenizer):
+    tok = tokenize_prompt_and_output(["What is 2+3?"], [" It is 5."], tiny_tokenizer)
+    with pytest.raises(ValueError, match="positions has shape"):
+        get_response_log_probs(tiny_model, tok["input_ids"], tok["labels"], positions=tok["response_mask"][:, 1:])

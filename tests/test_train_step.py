@@ -209,6 +209,31 @@ def test_accumulated_gradient_equals_full_batch(
         assert "clip_fraction" in meta
 
 
+@pytest.mark.parametrize("method,eps", [("noclip", None), ("ppo_clip", 0.2), ("gspo", 0.05), ("cispo", 0.2)])
+def test_old_log_probs_outside_the_response_are_ignored(tiny_model, tiny_tokenizer, gsm8k_path, method, eps):
+    """The update computes log-probs only at response tokens (0 elsewhere): old log-probs of any size
+    at prompt and padding positions, even ones whose ratio would overflow, change nothing."""
+    prompts, responses, truths = _rollouts(gsm8k_path)
+    rewards, _ = compute_rollout_rewards(_reward_fn, responses, truths)
+    adv, _ = compute_group_normalized_rewards(rewards, 4)
+    tok = tokenize_prompt_and_output(prompts, responses, tiny_tokenizer)
+    old = _old_log_probs(tiny_model, tiny_tokenizer, prompts, responses)[:, :-3]
+    extreme = old.masked_fill(~tok["response_mask"], -1e4)
+    results = []
+    for o in (old, extreme):
+        opt = RecordingSGD(tiny_model.parameters())
+        loss, meta = policy_gradient_update(
+            tiny_model, opt, tok["input_ids"], tok["labels"], tok["response_mask"], adv, 3, 1e9, method, o, eps
+        )
+        results.append((loss, opt.recorded, meta))
+    (l1, g1, m1), (l2, g2, m2) = results
+    assert torch.isfinite(l2) and not m2["skipped_nonfinite"]
+    torch.testing.assert_close(l1, l2)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b)
+    assert m1["importance"] == m2["importance"]
+
+
 @pytest.mark.parametrize("loss_norm", ["sequence", "constant"])
 def test_pruned_equals_unpruned(tiny_model, tiny_tokenizer, gsm8k_path, loss_norm):
     prompts, responses, truths = _rollouts(gsm8k_path)
@@ -236,8 +261,8 @@ def test_pruned_equals_unpruned(tiny_model, tiny_tokenizer, gsm8k_path, loss_nor
     (l1, g1, m1), (l2, g2, m2) = results
     assert m1["n_sequences"] < m2["n_sequences"] == 12
     torch.testing.assert_close(l1, l2)
-    for a, b in zip(g1, g2):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
+    for a, b in zip(g1, g2):  # float32 sums in another order (other microbatches, other head chunks)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
 
 
 def test_rft_drops_every_incorrect_rollout(tiny_model, tiny_tokenizer, gsm8k_path):

@@ -629,7 +629,9 @@ def _old_log_probs(
     if old_log_probs is None and (uses_old_log_probs or check):
         was_training = model.training
         model.eval()
-        old_log_probs = compute_log_probs_batched(model, batch.input_ids, batch.labels, config.optim.logprob_batch_size)
+        old_log_probs = compute_log_probs_batched(
+            model, batch.input_ids, batch.labels, config.optim.logprob_batch_size, positions=batch.response_mask
+        )
         model.train(was_training)
     if check:
         output_ids = tokenizer(batch.responses, add_special_tokens=False)["input_ids"]

@@ -183,7 +183,11 @@ def _rollout(
         model.eval()
         try:
             old = (
-                compute_log_probs_batched(model, batch["input_ids"], batch["labels"], logprob_batch_size).float().cpu()
+                compute_log_probs_batched(
+                    model, batch["input_ids"], batch["labels"], logprob_batch_size, positions=batch["response_mask"]
+                )
+                .float()
+                .cpu()
             )
         finally:
             model.train(was_training)
@@ -507,9 +511,10 @@ class HFWorkerEngine:
         Returns ``request_id`` and ``version`` (the worker's weight version, None when untagged),
         ``completions`` (per prompt, ``params.n`` each), the trainer's tokenisation of the flattened
         prompt/response pairs (``input_ids``, ``labels``, ``response_mask``, as
-        ``rlvr.grpo.tokenize_prompt_and_output``), ``old_log_probs`` (B, T) float32 on CPU, and the
-        worker's ``time/generate`` and ``time/old_logprobs``. ``score=False`` skips the log-probs
-        (``old_log_probs`` is None): on-policy training without reweighting does not need them.
+        ``rlvr.grpo.tokenize_prompt_and_output``), ``old_log_probs`` (B, T) float32 on CPU (0 outside
+        the response mask), and the worker's ``time/generate`` and ``time/old_logprobs``.
+        ``score=False`` skips the log-probs (``old_log_probs`` is None): on-policy training without
+        reweighting does not need them.
         """
         return self._call(
             "rollout",

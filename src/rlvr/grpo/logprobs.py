@@ -7,6 +7,11 @@ backward recomputes each chunk's logits from the saved hidden states; models wit
 logits fall back to their own logits, reduced chunk by chunk under activation checkpointing. At
 OLMo-2-1B's vocabulary (100,352) one chunk of 2,048 tokens is 0.8 GB in float32, against 13 GB for
 a 32-sequence × 1024-token microbatch.
+
+``positions`` (the response mask, for the policy-gradient update) restricts the vocabulary projection
+to the tokens whose log-probs are used: prompt and padding tokens still pass through the backbone
+(later tokens attend to them) but not through the head, which at a small model's size is one of its
+largest matmuls, done four times per token in a training step.
 """
 
 from __future__ import annotations
@@ -102,8 +107,11 @@ def _fused_log_probs(
     chunk_tokens: int,
     return_token_entropy: bool,
     backbone: Callable[..., Any] | None = None,
+    keep: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Log-probs through the backbone and the chunked fused head (``linear_log_probs``)."""
+    """Log-probs through the backbone and the chunked fused head (``linear_log_probs``); with ``keep``
+    (indices into the flattened (B*T) positions, on the device) the head sees only those positions,
+    and every other position gets 0."""
     rows = input_ids.shape[0]
     if backbone is not None:
         # A compiled backbone guards on its inputs' layout (a view of a larger tensor and a fresh one
@@ -115,20 +123,41 @@ def _fused_log_probs(
     hidden = (model.base_model if backbone is None else backbone)(  # type: ignore[operator]  # transformers' backbone
         input_ids=input_ids, use_cache=False, **kwargs
     ).last_hidden_state[:rows]
-    flat_h = hidden.reshape(-1, hidden.shape[-1])
+    flat_h, flat_y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    if keep is not None:
+        flat_h, flat_y = flat_h.index_select(0, keep), flat_y.index_select(0, keep)
     lp, ent = linear_log_probs(
         flat_h,
         head.weight,
         head.bias,
-        labels.reshape(-1),
+        flat_y,
         chunk_tokens,
         return_token_entropy,
         compiled=backbone is not None,
     )
+    if keep is not None:
+        lp = _scatter(lp, keep, labels.numel())
+        if return_token_entropy:
+            ent = _scatter(ent, keep, labels.numel())
     out = {"log_probs": lp.view_as(labels)}
     if return_token_entropy:
         out["token_entropy"] = ent.view_as(labels)
     return out
+
+
+def _scatter(values: torch.Tensor, keep: torch.Tensor, n: int) -> torch.Tensor:
+    """``values`` of the kept positions placed in a zero vector of all ``n`` positions (differentiable)."""
+    return values.new_zeros(n).index_copy(0, keep, values)
+
+
+def _kept_positions(positions: torch.Tensor, shape: torch.Size, device: torch.device) -> torch.Tensor:
+    """Indices of the True entries of ``positions`` in the flattened (B*T) layout, on ``device``. Found
+    on the host when the mask is there, so no device sync is needed for the result's size."""
+    if positions.shape != shape:
+        raise ValueError(
+            f"positions has shape {tuple(positions.shape)} but labels have {tuple(shape)}; they must match"
+        )
+    return positions.reshape(-1).nonzero().squeeze(1).to(device, non_blocking=True)
 
 
 FUSED_METHOD = "rlvr_fused_log_probs"
@@ -141,6 +170,7 @@ def _fused_forward(
     kwargs: dict,
     chunk_tokens: int,
     return_token_entropy: bool,
+    keep: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """The fused log-prob pass as a method of the model (peft wrapper or not) that a data-parallel
     wrapper runs in place of ``forward``: the wrapper's hooks then see it as the model's forward."""
@@ -153,6 +183,7 @@ def _fused_forward(
         kwargs,
         chunk_tokens,
         return_token_entropy,
+        keep=keep,
     )
     # FSDP2 hooks the backward through the returned tensors; fresh ones (not views) keep an in-place
     # change by a caller from detaching that hook.
@@ -187,13 +218,18 @@ def _wrapped_fused_call(model: torch.nn.Module) -> Callable[..., dict[str, torch
     inner = model.module
 
     def call(
-        input_ids: torch.Tensor, labels: torch.Tensor, kwargs: dict, chunk_tokens: int, return_token_entropy: bool
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        kwargs: dict,
+        chunk_tokens: int,
+        return_token_entropy: bool,
+        keep: torch.Tensor | None = None,
     ) -> dict[str, torch.Tensor]:
         had_own = "forward" in inner.__dict__
         own = inner.__dict__.get("forward")
         inner.forward = types.MethodType(_fused_forward, inner)
         try:
-            return model(input_ids, labels, kwargs, chunk_tokens, return_token_entropy)
+            return model(input_ids, labels, kwargs, chunk_tokens, return_token_entropy, keep)
         finally:
             if had_own:
                 inner.forward = own
@@ -277,30 +313,40 @@ def get_response_log_probs(
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     position_ids: torch.Tensor | None = None,
     backbone: Callable[..., Any] | None = None,
+    positions: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """``log_probs`` (B, T): log p(labels[b, t] | input_ids[b, :t+1]); with the flag, ``token_entropy``
     (B, T): entropy of the next-token distribution at t (detached: it is a diagnostic).
 
     Numerically stable (logsumexp in float32). Gradients flow into ``log_probs`` when grad is enabled.
     ``backbone``: a stand-in for ``model.base_model`` with the same parameters (``compile_backbone``).
+    ``positions`` (B, T) bool, best on the host: only these positions' log-probs and entropies are
+    computed (the response mask: the vocabulary projection skips prompt and padding tokens); every
+    other position holds 0 in both outputs, and its label is never read.
     """
     model = _without_peft(model)
     device = model_device(model)
-    input_ids = input_ids.to(device)
-    labels = labels.to(device)
+    # Not waiting for the device: the host prepares the next microbatch while the last one runs.
+    input_ids = input_ids.to(device, non_blocking=True)
+    labels = labels.to(device, non_blocking=True)
     kwargs = {}
     if attention_mask is not None:
         kwargs["attention_mask"] = attention_mask.to(device)
     if position_ids is not None:
         kwargs["position_ids"] = position_ids.to(device)
+    keep = None if positions is None else _kept_positions(positions, labels.shape, device)
     wrapped = _wrapped_fused_call(model)
     if wrapped is not None and backbone is None:
-        return wrapped(input_ids, labels, kwargs, chunk_tokens, return_token_entropy)
+        return wrapped(input_ids, labels, kwargs, chunk_tokens, return_token_entropy, keep)
     head = _lm_head(model)
     if head is not None:
-        return _fused_log_probs(model, head, input_ids, labels, kwargs, chunk_tokens, return_token_entropy, backbone)
+        return _fused_log_probs(
+            model, head, input_ids, labels, kwargs, chunk_tokens, return_token_entropy, backbone, keep
+        )
     logits = model(input_ids=input_ids, use_cache=False, **kwargs).logits
     flat_z, flat_y = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+    if keep is not None:
+        flat_z, flat_y = flat_z.index_select(0, keep), flat_y.index_select(0, keep)
     use_ckpt = torch.is_grad_enabled() and flat_z.requires_grad
     log_probs, entropies = [], []
     for start in range(0, flat_y.numel(), chunk_tokens):
@@ -311,9 +357,13 @@ def get_response_log_probs(
             lp, ent = _stats_from_logits(z, y, return_token_entropy)
         log_probs.append(lp)
         entropies.append(ent)
-    out = {"log_probs": torch.cat(log_probs).view_as(labels)}
-    if return_token_entropy:
-        out["token_entropy"] = torch.cat(entropies).view_as(labels)
+    lp_all, ent_all = torch.cat(log_probs), torch.cat(entropies) if return_token_entropy else None
+    if keep is not None:
+        lp_all = _scatter(lp_all, keep, labels.numel())
+        ent_all = _scatter(ent_all, keep, labels.numel()) if ent_all is not None else None
+    out = {"log_probs": lp_all.view_as(labels)}
+    if ent_all is not None:
+        out["token_entropy"] = ent_all.view_as(labels)
     return out
 
 
@@ -324,13 +374,20 @@ def compute_log_probs_batched(
     labels: torch.Tensor,
     batch_size: int,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``log_probs`` for a large batch in slices of ``batch_size`` rows (no grad), on the model's device.
 
-    Used for old log-probs (the sampling policy's) in off-policy training.
+    Used for old log-probs (the sampling policy's) in off-policy training; ``positions`` as in
+    ``get_response_log_probs`` (0 elsewhere).
     """
     outs = []
     for start in range(0, input_ids.shape[0], batch_size):
         sl = slice(start, start + batch_size)
-        outs.append(get_response_log_probs(model, input_ids[sl], labels[sl], chunk_tokens=chunk_tokens)["log_probs"])
+        part = None if positions is None else positions[sl]
+        outs.append(
+            get_response_log_probs(model, input_ids[sl], labels[sl], chunk_tokens=chunk_tokens, positions=part)[
+                "log_probs"
+            ]
+        )
     return torch.cat(outs)

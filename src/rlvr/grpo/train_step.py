@@ -169,7 +169,7 @@ def policy_gradient_update(
             width = max(lengths[i] for i in rows)
             host_mask = response_mask[idx, :width]
             n_tokens += int(host_mask.sum())  # counted on the host: no device sync between microbatches
-            mb_mask = host_mask.to(device)
+            mb_mask = host_mask.to(device, non_blocking=True)
             out = get_response_log_probs(
                 model,
                 input_ids[idx, :width],
@@ -177,9 +177,14 @@ def policy_gradient_update(
                 return_token_entropy=True,
                 chunk_tokens=chunk_tokens,
                 backbone=backbone,
+                positions=host_mask,
             )
-            old = old_log_probs[idx, :width].to(device) if old_log_probs is not None else None
-            mb_adv = advantages[idx].to(device)
+            old = None
+            if old_log_probs is not None:
+                # Outside the mask the new log-probs are 0 (not computed): so are the old ones here, or
+                # a ratio exp(0 - old) could overflow there and turn the masked sums into NaN.
+                old = old_log_probs[idx, :width].to(device, non_blocking=True).masked_fill(~mb_mask.bool(), 0.0)
+            mb_adv = advantages[idx].to(device, non_blocking=True)
             per_token, meta = compute_policy_gradient_loss(
                 mb_adv,
                 out["log_probs"],
