@@ -54,6 +54,37 @@ def test_compiled_backbone_matches_eager(tiny_tokenizer):
     torch._dynamo.reset()
 
 
+def test_fused_head_weight_gradient_accumulates_in_float32_inside_the_matmul():
+    """On CUDA the head's weight gradient is summed over chunks by a bf16 x bf16 -> float32 matmul.
+    By hand as in tests/test_fused_logprobs.py: zero weights, every label 0, hidden 1; one token adds
+    1.0 and 256 add 1/512 each to d/dW[0]: 1.5, which a bf16 running sum would leave at 1.0. Then random
+    bf16 inputs over many chunks against the float64 gradient."""
+    from rlvr.grpo.fused_logprobs import _addmm_into_float32, linear_log_probs
+
+    assert _addmm_into_float32("cuda")
+    n = 257
+    hidden = torch.ones(n, 1, dtype=torch.bfloat16, device="cuda")
+    weight = torch.zeros(2, 1, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    upstream = torch.full((n,), 1 / 256, device="cuda")
+    upstream[0] = 2.0
+    lp, _ = linear_log_probs(hidden, weight, None, torch.zeros(n, dtype=torch.long, device="cuda"), chunk_tokens=1)
+    (grad_w,) = torch.autograd.grad((lp * upstream).sum(), (weight,))
+    assert grad_w[:, 0].tolist() == [1.5, -1.5]
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    n, h, v = 1000, 64, 512
+    hidden = torch.randn(n, h, device="cuda", generator=gen).bfloat16()
+    weight = (0.1 * torch.randn(v, h, device="cuda", generator=gen)).bfloat16().requires_grad_()
+    labels = torch.randint(0, v, (n,), device="cuda", generator=gen)
+    upstream = torch.randn(n, device="cuda", generator=gen)
+    lp, _ = linear_log_probs(hidden, weight, None, labels, chunk_tokens=64, compiled=True)
+    (grad_w,) = torch.autograd.grad((lp * upstream).sum(), (weight,))
+    w64 = weight.detach().double().requires_grad_()
+    ref = torch.log_softmax(hidden.double() @ w64.t(), -1).gather(-1, labels[:, None]).squeeze(-1)
+    (want,) = torch.autograd.grad((ref * upstream.double()).sum(), (w64,))
+    torch.testing.assert_close(grad_w.double(), want, rtol=2e-2, atol=2e-2)
+
+
 @pytest.fixture()
 def tiny_model_dir(tmp_path, tiny_tokenizer):
     path = tmp_path / "model"

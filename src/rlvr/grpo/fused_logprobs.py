@@ -13,7 +13,9 @@ Memory: at OLMo-2-1B's vocabulary (100,352) one chunk of 2,048 tokens is 0.8 GB 
 backward matmuls per chunk, and no activation-checkpointing machinery (no second pass of autograd
 bookkeeping, no saved-tensor hooks). With ``compiled=True`` the float32 elementwise passes (logits to
 log-prob/logsumexp/entropy; logits to the logits' gradient) are ``torch.compile``d so each fuses into
-one or two kernels; the matmuls stay outside the compiled functions.
+one or two kernels; the matmuls stay outside the compiled functions. Where the device multiplies
+bf16 matrices into a float32 result (CUDA), the weight gradient accumulates over chunks inside that
+matmul; elsewhere each chunk's low-precision product is added to the float32 sum.
 """
 
 from __future__ import annotations
@@ -62,10 +64,21 @@ def _grad_logits(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, 
     return g.to(logits.dtype)
 
 
-def _on_fresh_tensors(fn: Callable) -> Callable:
-    """``fn`` called with copies of view arguments: dynamo guards on a view's base (whose size changes
-    with the microbatch, not the chunk) and would recompile; the copies are (rows,) vectors."""
-    return lambda *ts: fn(*(t.clone() if t._is_view() else t for t in ts))
+def _rows_dynamic(fn: Callable) -> Callable:
+    """``fn`` compiled for any number of rows and the vocabulary size it first sees: only the row count
+    is symbolic, so the kernels index the vocabulary with a constant (a symbolic width makes every
+    element's row and column a runtime division). View arguments are passed as copies: dynamo guards on
+    a view's base (whose size changes with the microbatch, not the chunk); the copies are (rows,)
+    vectors."""
+    compiled = torch.compile(fn, dynamic=None)
+
+    def call(*ts: torch.Tensor) -> Any:
+        ts = tuple(t.clone() if t._is_view() else t for t in ts)
+        for t in ts:
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        return compiled(*ts)
+
+    return call
 
 
 _PASSES = (_forward_stats, _forward_stats_entropy, _grad_logits)
@@ -73,9 +86,23 @@ _PASSES = (_forward_stats, _forward_stats_entropy, _grad_logits)
 
 @functools.cache
 def _compiled_passes() -> tuple[Callable, Callable, Callable]:
-    """The three passes through ``torch.compile(dynamic=True)``, compiled once per process."""
-    stats, stats_entropy, grad_logits = (_on_fresh_tensors(torch.compile(fn, dynamic=True)) for fn in _PASSES)
+    """The three passes through ``torch.compile``, compiled once per process (``_rows_dynamic``)."""
+    stats, stats_entropy, grad_logits = (_rows_dynamic(fn) for fn in _PASSES)
     return stats, stats_entropy, grad_logits
+
+
+@functools.cache
+def _addmm_into_float32(device_type: str) -> bool:
+    """Whether this torch multiplies low-precision matrices straight into a float32 result on this kind
+    of device (``torch.addmm(..., out_dtype=torch.float32)``, CUDA): the head's weight gradient then
+    accumulates inside the matmul, not through a low-precision product added to it afterwards."""
+    try:
+        acc = torch.zeros(2, 2, device=device_type)
+        m = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
+        torch.addmm(acc, m, m, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return bool((acc == 2).all())
 
 
 def _passes(compiled: bool) -> tuple[Callable, Callable, Callable]:
@@ -160,6 +187,8 @@ class _LinearLogProbs(torch.autograd.Function):
             if need_w:
                 if acc_dtype == weight.dtype:
                     grad_w.addmm_(g.t(), h)
+                elif _addmm_into_float32(grad_w.device.type) and acc_dtype == torch.float32:
+                    torch.addmm(grad_w, g.t(), h, out_dtype=acc_dtype, out=grad_w)
                 else:
                     grad_w.add_(g.t() @ h)
             if need_b:
