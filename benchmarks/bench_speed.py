@@ -565,6 +565,12 @@ class Bench:
 
     # ------------------------------------------------------------ 4. realistic batch
     def realistic(self):
+        prompts, params, lens = self.realistic_batch()
+        for variant in self.variants:
+            self.realistic_one(prompts, params, lens, variant)
+
+    def realistic_batch(self) -> tuple[list[str], SamplingParams, list[list[int]]]:
+        """Section (d)'s prompts, sampling settings and per-row response lengths."""
         rng = random.Random(self.args.seed + 1)
         exs = rng.sample(self.examples, self.rl_prompts)
         prompts = [render("r1_zero", ex.question) for ex in exs]
@@ -578,8 +584,7 @@ class Bench:
             seed=2,
             ignore_eos=True,
         )
-        for variant in self.variants:
-            self.realistic_one(prompts, params, lens, variant)
+        return prompts, params, lens
 
     def realistic_one(self, prompts, params, lens, variant):
         fast = FastHFEngine(self.model, self.tok, max_batch_size=self.rl_prompts * self.group, **variant)

@@ -50,3 +50,10 @@ def test_profile_step_family_decode_part_runs(gsm8k_path, family):
     """The decode profile on a grouped-query family's layout (at a tiny size)."""
     out = _run("profile_step.py", "--only", "decode", "--family", family, gsm8k=str(gsm8k_path))
     assert f"# model: {family}" in out and "graph replay time" in out and "eager decode step" in out
+
+
+def test_generate_overhead_probe_runs(gsm8k_path):
+    """The forced and realistic calls against their fixed part, replays and GPU busy time."""
+    out = _run("probes/generate_overhead.py", gsm8k=str(gsm8k_path))
+    assert "forced: one new token" in out and "replays of the captured step" in out
+    assert "realistic: one call profiled: wall / GPU busy" in out
