@@ -217,19 +217,12 @@ def _wrapped_fused_call(model: torch.nn.Module) -> Callable[..., dict[str, torch
         return None
     inner = model.module
 
-    def call(
-        input_ids: torch.Tensor,
-        labels: torch.Tensor,
-        kwargs: dict,
-        chunk_tokens: int,
-        return_token_entropy: bool,
-        keep: torch.Tensor | None = None,
-    ) -> dict[str, torch.Tensor]:
+    def call(*args: Any) -> dict[str, torch.Tensor]:  # ``_fused_forward``'s arguments after ``self``
         had_own = "forward" in inner.__dict__
         own = inner.__dict__.get("forward")
         inner.forward = types.MethodType(_fused_forward, inner)
         try:
-            return model(input_ids, labels, kwargs, chunk_tokens, return_token_entropy, keep)
+            return model(*args)
         finally:
             if had_own:
                 inner.forward = own
