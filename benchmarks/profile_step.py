@@ -10,7 +10,8 @@ A diagnostic companion to ``bench_speed.py`` (which measures end to end): prints
 4. (``--only trainer``) ``rlvr train`` with the suggested configuration (``bench_speed``'s section f):
    each phase's time in a steady step, then the train phase against ``policy_gradient_update`` called
    again on that step's own batch, model, optimizer and compiled backbone, with how much of each the
-   GPU was busy and the profiler's tables of the trainer's update (kernels, then host-side ops).
+   GPU was busy, the GPU time of both summed by kind of kernel (``TRAIN_KINDS``) and the
+   profiler's tables of the trainer's update (kernels, then host-side ops).
 
 ``--family NAME`` (one of ``bench_speed.FAMILY_MODELS``) runs the decode part on that model's exact shape
 (random weights) instead of OLMo-2-1B's.
