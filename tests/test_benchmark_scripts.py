@@ -52,6 +52,14 @@ def test_profile_step_family_decode_part_runs(gsm8k_path, family):
     assert f"# model: {family}" in out and "graph replay time" in out and "eager decode step" in out
 
 
+def test_sampling_probe_runs():
+    """Sampling alone per vocabulary size and row count (the kernel's column is empty off a GPU)."""
+    out = _run("probes/sampling.py", gsm8k=None)
+    for name in ("olmo2", "llama-3.2", "qwen2.5/qwen3"):
+        assert sum(line.startswith(f"| {name} (") for line in out.splitlines()) == 2 * 3  # as printed and in the table
+    assert "logits + noise read once" in out
+
+
 def test_generate_overhead_probe_runs(gsm8k_path):
     """The forced and realistic calls against their fixed part, replays and GPU busy time."""
     out = _run("probes/generate_overhead.py", gsm8k=str(gsm8k_path))

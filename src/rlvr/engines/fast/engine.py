@@ -25,6 +25,7 @@ from rlvr.engines.fast.graphs import StepGraphs
 from rlvr.engines.fast.state import State, allocate, refresh_stacked
 from rlvr.engines.fast.stops import RowChecks
 from rlvr.engines.hf import eos_token_ids, generate_in_chunks
+from rlvr.engines.sampling_kernel import triton_sample
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -44,12 +45,13 @@ class FastHFEngine:
     batch sizes graphs are captured for; ``length_bucket`` rounds the attended cache length;
     ``sync_every`` is how many steps run between host checks of EOS / stop strings (4 was faster than 8
     on an H200: finished rows are flagged and retired sooner). ``attention``
-    is ``"triton"`` (one kernel over the shared prompt and response caches; CUDA, or the Triton
-    interpreter), ``"sdpa"`` (gather each row's prompt K/V and call SDPA; any device) or ``"auto"``
+    is ``"triton"`` (one kernel over the shared prompt and response caches, and greedy or temperature
+    sampling in one pass over the logits; CUDA, or the Triton interpreter), ``"sdpa"`` (gather each
+    row's prompt K/V and call SDPA, sample with ``sample_math``; any device) or ``"auto"``
     (default: ``"triton"`` on CUDA when Triton is installed, else ``"sdpa"``); ``fused_norms``
     computes each RMS norm with one ``F.rms_norm`` on the same float32 values (fewer kernels per step)
     instead of transformers' elementwise operations. Both defaults were the fastest on an H200
-    (docs/benchmarks.md). ``compile_step`` runs the decode step's per-layer pieces and its sampling
+    (docs/benchmarks.md). ``compile_step`` runs the decode step's per-layer pieces and ``sample_math``
     through ``torch.compile`` (fewer, fused kernels per step; compiled once, on the first call);
     ``None`` means on for CUDA with CUDA graphs, off elsewhere. It applies to SiLU MLPs (every
     supported family's); other settings run eagerly.
@@ -333,7 +335,10 @@ class FastHFEngine:
     def _sample(
         self, st: State, logits: torch.Tensor, b: int, mode: str, compiled: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens and their temperature-1 log-probs for logits (b, vocab); ``noise[:b]`` must hold Exp(1) draws."""
+        """Tokens and their temperature-1 log-probs for logits (b, vocab); ``noise[:b]`` must hold Exp(1) draws.
+        The Triton path reads the logits and noise once (``triton_sample``); top-p sorts, in ``sample_math``."""
+        if mode != "top_p" and self._attention_kind() == "triton":
+            return triton_sample(logits, st.vocab_bias, st.temperature, None if mode == "greedy" else st.noise[:b])
         fn = S.compiled(S.sample_math) if compiled else S.sample_math
         return fn(logits, st.vocab_bias, st.temperature, st.top_p, st.noise[:b], mode)
 
