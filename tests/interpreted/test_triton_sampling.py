@@ -67,9 +67,9 @@ def test_bad_inputs_are_refused():
 
 
 def test_slices_by_hand():
-    """Enough programs (rows x slices, 512 aimed for) at few rows, no slice but the last under 8 blocks
-    of 1,024 entries."""
-    assert sampling_slices(256, 100_352) == 2
-    assert sampling_slices(32, 100_352) == 13  # 16 wanted, 13 slices of >= 8 blocks fit
-    assert sampling_slices(32, 151_936) == 16
+    """Enough programs (rows x slices, 2,048 aimed for) at few rows, no slice but the last under 2
+    blocks of 1,024 entries."""
+    assert sampling_slices(256, 100_352) == 8
+    assert sampling_slices(32, 100_352) == 49  # 64 wanted, 49 slices of >= 2 blocks fit
+    assert sampling_slices(32, 151_936) == 64
     assert sampling_slices(1, 1_000) == 1

@@ -21,9 +21,12 @@ try:  # Triton ships with CUDA builds of PyTorch; the engine samples with sample
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-BLOCK = 1024  # vocabulary entries per lane step: eight per thread of four warps
-PROGRAMS = 512  # programs a call aims for (rows x slices): a few per multiprocessor
-MIN_SLICE_BLOCKS = 8  # a slice is at least this many blocks long: fewer partial results to merge
+# The fastest of a sweep on an H200 (docs/benchmarks.md, "Sampling in one pass"): many short slices keep
+# enough loads in flight, since each program's loop is one chain of dependent steps.
+BLOCK = 1024  # vocabulary entries per lane step
+WARPS = 8
+PROGRAMS = 2048  # programs a call aims for (rows x slices)
+MIN_SLICE_BLOCKS = 2  # a slice is at least this many blocks long: fewer partial results to merge
 
 
 if triton is not None:
@@ -174,7 +177,7 @@ def triton_sample(
         SLICES=slices,
         BLOCK=block,
         GREEDY=greedy,
-        num_warps=4,
+        num_warps=WARPS,
     )
     _merge_slices[(b,)](
         logits,
