@@ -10,11 +10,11 @@ Usage: ``PYTHONPATH=src:benchmarks python benchmarks/probes/sampling.py [--tiny]
 from __future__ import annotations
 
 import argparse
-import time
 from collections.abc import Callable
 
 import torch
 from bench_speed import measure_ceilings
+from decode_gemms import timed
 
 from rlvr.engines.decode_attention import triton_available
 from rlvr.engines.fast import step as S
@@ -51,14 +51,6 @@ def eager_us(fn: Callable[[], object], device: torch.device, reps: int = 200) ->
     end.record()
     torch.cuda.synchronize()
     return 1e3 * start.elapsed_time(end) / reps
-
-
-def timed(fn: Callable[[], object]) -> tuple[object, float]:
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    out = fn()
-    torch.cuda.synchronize()
-    return out, time.perf_counter() - t0
 
 
 def main() -> None:
