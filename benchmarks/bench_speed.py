@@ -203,6 +203,11 @@ def parse_args(argv=None):
         default=None,
         help="token budget of the memory-lean trainer run (default: 10,240 at full size, 1,024 with --tiny)",
     )
+    ap.add_argument(
+        "--padded",
+        action="store_true",
+        help="train the trainer sections' microbatches padded (optim.shared_prefix false) instead of packed",
+    )
     ap.add_argument("--no-trl", action="store_true", help="skip the TRL GRPOTrainer side-by-side")
     ap.add_argument(
         "--sections",
@@ -816,7 +821,11 @@ class Bench:
             prompt="r1_zero",
             rollout=RolloutConfig(n_prompts_per_rollout_batch=n_prompts, group_size=group, max_new_tokens=new),
             optim=OptimConfig(
-                lr=1e-5, gradient_accumulation_steps=1, max_tokens_per_microbatch=budget, master_weights=not lean
+                lr=1e-5,
+                gradient_accumulation_steps=1,
+                max_tokens_per_microbatch=budget,
+                master_weights=not lean,
+                shared_prefix=not self.args.padded,
             ),
             model=ModelConfig(compile=True),
             engine=EngineConfig(
@@ -853,6 +862,7 @@ class Bench:
             reward=mean("time/reward"),
             peak_gb=peak,
             response_length=mean("train/response_length"),
+            backbone_tokens=mean("train/backbone_tokens"),
         )
         setattr(self, "trainer_lean" if lean else "trainer", result)
         self.log["trainer_lean_rows" if lean else "trainer_rows"] = rows
@@ -872,7 +882,8 @@ class Bench:
             f"goal <= 10 s; generate {result['generate']:.2f} s, train {result['train']:.2f} s, tokenize "
             f"{result['tokenize']:.2f} s, sync "
             f"{result['sync']:.2f} s, reward {result['reward']:.2f} s; mean response "
-            f"{result['response_length']:.0f} tokens; model.compile; mean of steps {first_steady + 1}-{len(rows)}"
+            f"{result['response_length']:.0f} tokens; {result['backbone_tokens']:,.0f} tokens through the model a "
+            f"step ({'padded' if self.args.padded else 'packed, shared prompts'}); model.compile; mean of steps {first_steady + 1}-{len(rows)}"
             f" (all steps: {steps_s} s)",
         )
         self.model.eval()

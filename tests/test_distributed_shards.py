@@ -145,6 +145,11 @@ def test_data_parallel_settings_that_cannot_work_are_clear_errors():
         config(engine={"name": "hf-worker"}).check_world(2)
     with pytest.raises(ConfigError, match="set model.compile false"):
         config(model={"compile": True}, distributed={"strategy": "fsdp"}).check_world(1)
+    with pytest.raises(ConfigError, match="set optim.shared_prefix false"):
+        config(optim={"shared_prefix": True}, distributed={"strategy": "ddp"}).validate()
+    config(optim={"shared_prefix": True}).check_world(1)
+    with pytest.raises(ConfigError, match="shared_prefix packs microbatches in one process; set it false"):
+        config(optim={"shared_prefix": True}).check_world(2)
 
 
 def test_global_metrics_combines_equal_rank_shares_by_hand():

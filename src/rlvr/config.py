@@ -204,6 +204,8 @@ class OptimConfig:
     """Rows per forward when computing old log-probs (default: the microbatch size)."""
     max_tokens_per_microbatch: int | None = None
     """Also cap every microbatch at this many tokens (rows x longest row, rows sorted by length): with gradient_accumulation_steps 1 the token budget alone cuts the batch, so short rollouts share big microbatches and long ones get small ones. The gradient is the same either way."""
+    shared_prefix: bool = False
+    """Pass each prompt through the model once per microbatch for all of its responses: a microbatch is one packed sequence (each prompt, then its responses, with an attention mask that keeps responses apart), max_tokens_per_microbatch counts its packed tokens. The gradient is the same; the saving grows with prompt length and group size. One process only (distributed.strategy none); FlexAttention on CUDA."""
 
 
 @dataclass(frozen=True)
@@ -600,6 +602,11 @@ class TrainConfig:
             f"distributed.cpu_offload needs distributed.strategy fsdp (got {d.strategy!r}); set the strategy to fsdp",
         )
         need(
+            not (self.optim.shared_prefix and d.strategy in ("ddp", "fsdp")),
+            f"optim.shared_prefix packs microbatches in one process; with distributed.strategy {d.strategy} "
+            "set optim.shared_prefix false",
+        )
+        need(
             self.engine.worker.dtype in DTYPES,
             f"unknown engine.worker.dtype {self.engine.worker.dtype!r}: choose one of {DTYPES}",
         )
@@ -709,6 +716,8 @@ class TrainConfig:
             )
         if self.log.gradient_variance_every:
             problems.append("log.gradient_variance_every is a one-process diagnostic; set it to 0 under ddp or fsdp")
+        if self.optim.shared_prefix:
+            problems.append("optim.shared_prefix packs microbatches in one process; set it false under ddp or fsdp")
         if problems:
             raise ConfigError("; ".join(problems))
 

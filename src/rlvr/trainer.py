@@ -259,6 +259,7 @@ class UpdateSpec:
     normalization_constant: float | None
     skip_zero_advantage: bool
     max_tokens_per_microbatch: int | None
+    shared_prefix: bool
     train_batch_size: int
     """Rollouts per optimizer step."""
     epochs: int
@@ -281,6 +282,7 @@ class UpdateSpec:
             normalization_constant=a.normalization_constant,
             skip_zero_advantage=a.skip_zero_advantage,
             max_tokens_per_microbatch=o.max_tokens_per_microbatch,
+            shared_prefix=o.shared_prefix,
             train_batch_size=config.train_batch_size,
             epochs=o.epochs_per_rollout_batch,
             shuffle=config.off_policy,
@@ -721,6 +723,7 @@ def _optimizer_step(
         max_tokens_per_microbatch=spec.max_tokens_per_microbatch,
         backbone=run.backbone,
         global_batch=global_batch,
+        shared_prefix=spec.shared_prefix,
     )
 
 
@@ -732,7 +735,7 @@ def _update(config: TrainConfig, step: int, run: RunParts, batch: TrainBatch, st
     state.in_update = True
     run.model.train()
     losses, grad_norms, entropies, clips, updates = [], [], [], [], []
-    n_updates = 0
+    n_updates = backbone_tokens = 0
     lr_used = run.scheduler.get_last_lr()[0]
     n_global_rows = config.rollout_batch_size
     for epoch in range(spec.epochs):
@@ -750,6 +753,7 @@ def _update(config: TrainConfig, step: int, run: RunParts, batch: TrainBatch, st
                 warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
                 run.scheduler.step()
             n_updates += 1
+            backbone_tokens += meta.get("backbone_tokens", 0)
             updates.append({"update": n_updates, **update_record(float(loss), meta)})
             if meta.get("skipped_nonfinite"):
                 state.nonfinite_total += 1
@@ -777,6 +781,7 @@ def _update(config: TrainConfig, step: int, run: RunParts, batch: TrainBatch, st
             "train/grad_norm_max": max(grad_norms) if grad_norms else 0.0,
             "train/entropy": mean(entropies) if entropies else None,  # nothing went through the model
             "train/n_updates": n_updates,
+            "train/backbone_tokens": backbone_tokens,  # tokens through the model, padding included
             "train/skipped_nonfinite": state.nonfinite_total,
             "lr": lr_used,
         }

@@ -123,17 +123,28 @@ def _fused_log_probs(
     hidden = (model.base_model if backbone is None else backbone)(  # type: ignore[operator]  # transformers' backbone
         input_ids=input_ids, use_cache=False, **kwargs
     ).last_hidden_state[:rows]
-    flat_h, flat_y = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+    flat_h = hidden.reshape(-1, hidden.shape[-1])
     if keep is not None:
-        flat_h, flat_y = flat_h.index_select(0, keep), flat_y.index_select(0, keep)
+        flat_h = flat_h.index_select(0, keep)
+    return head_log_probs(head, flat_h, labels, keep, chunk_tokens, return_token_entropy, backbone is not None)
+
+
+def head_log_probs(
+    head: torch.nn.Linear,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    keep: torch.Tensor | None,
+    chunk_tokens: int,
+    return_token_entropy: bool,
+    compiled: bool,
+) -> dict[str, torch.Tensor]:
+    """The fused head over ``hidden``: one row per position of ``labels`` (B, T), or, with ``keep``
+    (indices into the flattened positions), one row per kept position, every other position 0."""
+    flat_y = labels.reshape(-1)
+    if keep is not None:
+        flat_y = flat_y.index_select(0, keep)
     lp, ent = linear_log_probs(
-        flat_h,
-        head.weight,
-        head.bias,
-        flat_y,
-        chunk_tokens,
-        return_token_entropy,
-        compiled=backbone is not None,
+        hidden, head.weight, head.bias, flat_y, chunk_tokens, return_token_entropy, compiled=compiled
     )
     if keep is not None:
         lp = _scatter(lp, keep, labels.numel())

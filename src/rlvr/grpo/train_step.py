@@ -43,6 +43,7 @@ from rlvr.grpo.aggregate import aggregate_loss_across_microbatch, get_aggregatio
 from rlvr.grpo.diagnostics import importance_statistics
 from rlvr.grpo.logprobs import DEFAULT_CHUNK_TOKENS, get_response_log_probs, model_device
 from rlvr.grpo.losses import compute_policy_gradient_loss, validate_reweighting
+from rlvr.grpo.packing import can_pack, packed_response_log_probs, shared_prefix_plan
 from rlvr.grpo.tokenize import tokenize_prompt_and_output
 
 if TYPE_CHECKING:
@@ -104,6 +105,7 @@ def policy_gradient_update(
     step: bool = True,
     backbone: Callable[..., Any] | None = None,
     global_batch: GlobalBatch | None = None,
+    shared_prefix: bool = False,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """Accumulate the policy-gradient of a tokenised batch, clip, step once, clear grads.
 
@@ -122,6 +124,13 @@ def policy_gradient_update(
     data-parallel ranks, and ``model`` is wrapped by DDP or FSDP2 (see the module docstring). Its
     microbatches hold at most ``global sequences / gradient_accumulation_steps`` rows, as in one
     process, so each rank runs about ``gradient_accumulation_steps / world size`` of them.
+
+    ``shared_prefix``: rows with the same prompt tokens share one pass of the prompt
+    (``rlvr.grpo.packing``): each microbatch is one packed sequence of at most
+    ``max_tokens_per_microbatch`` tokens, whole groups kept together where they fit. The gradient is
+    the same. One process only; a model whose logits are not a plain ``Linear`` of its backbone, or a
+    batch whose response positions are not one run per row, is trained padded instead.
+    ``metadata["backbone_tokens"]`` counts the tokens the backbone ran on (padding included).
     """
     batch = input_ids.shape[0]
     if global_batch is None:
@@ -145,7 +154,15 @@ def policy_gradient_update(
     lengths = (response_mask.long().cumsum(1).argmax(1) + 1).tolist()  # last response position + 1
     lengths = [max(1, n) for n in lengths]
     keep = (advantages != 0).tolist() if skip_zero_advantage else [True] * batch
-    plan = microbatch_plan(lengths, keep, rows_per_microbatch, max_tokens_per_microbatch)
+    plan = None
+    if shared_prefix:
+        if global_batch is not None:
+            raise ValueError("shared-prefix packing runs in one process; set optim.shared_prefix false for ddp or fsdp")
+        if can_pack(model):
+            plan = shared_prefix_plan(input_ids, response_mask, keep, rows_per_microbatch, max_tokens_per_microbatch)
+    packed = plan is not None
+    if plan is None:
+        plan = microbatch_plan(lengths, keep, rows_per_microbatch, max_tokens_per_microbatch)
     n_runs = len(plan)
     if global_batch is not None:
         from rlvr.distributed.world import reduce_values
@@ -158,6 +175,7 @@ def policy_gradient_update(
     clip_total = torch.zeros((), device=device)
     log_ratios = []  # (log-ratio, mask, advantages) per microbatch, read once after the loop (no syncs inside it)
     n_tokens = 0
+    backbone_tokens = 0
     for run in range(n_runs):
         # DDP decides at the forward whether the backward reduces, so the whole microbatch sits inside.
         with _gradient_sync(model, last=run == n_runs - 1) if global_batch is not None else contextlib.nullcontext():
@@ -170,15 +188,22 @@ def policy_gradient_update(
             host_mask = response_mask[idx, :width]
             n_tokens += int(host_mask.sum())  # counted on the host: no device sync between microbatches
             mb_mask = host_mask.to(device, non_blocking=True)
-            out = get_response_log_probs(
-                model,
-                input_ids[idx, :width],
-                labels[idx, :width],
-                return_token_entropy=True,
-                chunk_tokens=chunk_tokens,
-                backbone=backbone,
-                positions=host_mask,
-            )
+            if packed:
+                out = packed_response_log_probs(
+                    model, input_ids, labels, response_mask, rows, width, chunk_tokens, True, backbone
+                )
+                backbone_tokens += out.pop("backbone_tokens")
+            else:
+                out = get_response_log_probs(
+                    model,
+                    input_ids[idx, :width],
+                    labels[idx, :width],
+                    return_token_entropy=True,
+                    chunk_tokens=chunk_tokens,
+                    backbone=backbone,
+                    positions=host_mask,
+                )
+                backbone_tokens += len(rows) * width
             old = None
             if old_log_probs is not None:
                 # Outside the mask the new log-probs are 0 (not computed): so are the old ones here, or
@@ -250,6 +275,7 @@ def policy_gradient_update(
         "n_sequences": n_sequences,
         "n_tokens": n_tokens,
         "n_microbatches": len(plan),
+        "backbone_tokens": backbone_tokens,
         "skipped_nonfinite": nonfinite,
     }
     if method.needs_cliprange and importance_reweighting_method != "none":

@@ -1,0 +1,243 @@
+"""Shared-prompt packing (``rlvr.grpo.packing``): the layout by hand, the planner by hand, and packed
+= padded (log-probs, entropies, gradients, whole updates) for every family the fast engine runs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import family_model
+
+from rlvr.grpo import get_response_log_probs, policy_gradient_update, tokenize_prompt_and_output
+from rlvr.grpo.packing import attention_mask, pack_rows, packed_response_log_probs, shared_prefix_plan
+
+FAMILIES = ["olmo2", "llama", "qwen2", "qwen3"]
+
+
+def _hand_batch():
+    """Three rows, the first two with the same prompt [5, 6, 7]: full sequences [5, 6, 7, 8, 9],
+    [5, 6, 7, 10] and [5, 6, 11, 12, 13] (prompt [5, 6]), as ``tokenize_prompt_and_output`` lays them out
+    (inputs = sequence[:-1], labels = sequence[1:], right padding with 0)."""
+    input_ids = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 0], [5, 6, 11, 12]])
+    labels = torch.tensor([[6, 7, 8, 9], [6, 7, 10, 0], [6, 11, 12, 13]])
+    mask = torch.tensor([[0, 0, 1, 1], [0, 0, 1, 0], [0, 1, 1, 1]], dtype=torch.bool)
+    return input_ids, labels, mask
+
+
+def test_pack_layout_by_hand():
+    input_ids, _, mask = _hand_batch()
+    pack = pack_rows(input_ids, mask, [0, 1, 2], 4, align=5)
+    # prompt [5, 6, 7] once, row 0's inputs after it [8] (9 is only a label), row 1 has none ([10] is
+    # only a label), then prompt [5, 6] and row 2's inputs [11, 12]; two padding tokens to a multiple of 5
+    assert pack.input_ids.tolist() == [[5, 6, 7, 8, 5, 6, 11, 12, 0, 0]]
+    assert pack.n_tokens == 8
+    assert pack.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 0, 1]]
+    # segments: prompt A 0, row 0's response 1, (row 1's empty response 2), prompt B 3, row 2's 4, padding 5
+    assert pack.segment.tolist() == [0, 0, 0, 1, 3, 3, 4, 4, 5, 5]
+    assert pack.prompt.tolist() == [0, 0, 0, 0, 3, 3, 3, 3, 5, 5]
+    # labels 8, 9 of row 0 come from packed 2 (prompt A's end) and 3; label 10 of row 1 from 2; labels
+    # 11, 12, 13 of row 2 from 5 (prompt B's end), 6 and 7
+    assert pack.hidden_index.tolist() == [2, 3, 2, 5, 6, 7]
+    # their places in the (3 rows, width 4) layout: row 0 columns 2, 3; row 1 column 2; row 2 columns 1-3
+    assert pack.keep.tolist() == [2, 3, 6, 9, 10, 11]
+
+
+def test_mask_by_hand():
+    input_ids, _, mask = _hand_batch()
+    pack = pack_rows(input_ids, mask, [0, 1, 2], 4, align=5)
+    m = attention_mask(pack, torch.device("cpu"))[0, 0]
+    assert m.shape == (10, 10)
+    seen = {q: [k for k in range(10) if m[q, k]] for q in range(10)}
+    assert seen[0] == [0] and seen[2] == [0, 1, 2]  # the prompt is causal
+    assert seen[3] == [0, 1, 2, 3]  # row 0's response: its prompt and itself
+    assert seen[4] == [4] and seen[5] == [4, 5]  # prompt B does not see prompt A or row 0
+    assert seen[6] == [4, 5, 6] and seen[7] == [4, 5, 6, 7]
+    assert seen[8] == [8] and seen[9] == [8, 9]  # padding sees only padding
+
+
+def test_two_responses_of_one_prompt_do_not_see_each_other():
+    input_ids = torch.tensor([[1, 2, 3, 4], [1, 2, 5, 6]])
+    mask = torch.tensor([[0, 1, 1, 1], [0, 1, 1, 1]], dtype=torch.bool)
+    pack = pack_rows(input_ids, mask, [0, 1], 4)
+    assert pack.input_ids.tolist() == [[1, 2, 3, 4, 5, 6]]
+    assert pack.position_ids.tolist() == [[0, 1, 2, 3, 2, 3]]
+    m = attention_mask(pack, torch.device("cpu"))[0, 0]
+    assert [k for k in range(6) if m[4, k]] == [0, 1, 4]  # row 1's first input: the prompt, not row 0's
+    assert [k for k in range(6) if m[5, k]] == [0, 1, 4, 5]
+
+
+def test_plan_by_hand():
+    """Groups stay together; a prompt counts once per microbatch and again in the next one when a group
+    is cut; the row cap also cuts; rows left out (zero advantage) are not planned."""
+    prompt_a, prompt_b = [1, 2, 3, 4], [7, 8]
+    rows = [prompt_a + [9] * 5, prompt_b + [9] * 3, prompt_a + [9] * 2, prompt_b + [9] * 7, prompt_a + [9] * 3]
+    width = max(map(len, rows)) - 1
+    input_ids = torch.zeros((5, width), dtype=torch.long)
+    mask = torch.zeros((5, width), dtype=torch.bool)
+    for i, seq in enumerate(rows):
+        p = len(prompt_a) if seq[:4] == prompt_a else len(prompt_b)
+        input_ids[i, : len(seq) - 1] = torch.tensor(seq[:-1])
+        mask[i, p - 1 : len(seq) - 1] = True
+    # packed inputs: a row's response minus its last token (4, 2, 1, 6, 2), each prompt once (4 and 2)
+    keep = [True] * 5
+    assert shared_prefix_plan(input_ids, mask, keep, 8) == [[0, 2, 4, 1, 3]]
+    # a budget of 12: A (4) + 4 + 1 = 9, row 4 would make 11, then B's prompt and row 1 would make 15
+    assert shared_prefix_plan(input_ids, mask, keep, 8, 12) == [[0, 2, 4], [1, 3]]
+    # a budget of 10: row 4 (2) would make 11, so it starts the next microbatch with A's prompt again
+    assert shared_prefix_plan(input_ids, mask, keep, 8, 10) == [[0, 2], [4, 1], [3]]
+    assert shared_prefix_plan(input_ids, mask, keep, 2) == [[0, 2], [4, 1], [3]]
+    assert shared_prefix_plan(input_ids, mask, [True, False, True, True, False], 8) == [[0, 2, 3]]
+
+
+def test_a_batch_with_a_gap_in_a_response_is_not_packed():
+    input_ids = torch.tensor([[1, 2, 3, 4]])
+    mask = torch.tensor([[0, 1, 0, 1]], dtype=torch.bool)
+    assert shared_prefix_plan(input_ids, mask, [True], 4) is None
+    with pytest.raises(ValueError, match="contiguous"):
+        pack_rows(input_ids, mask, [0], 4)
+
+
+def _group_batch(tokenizer):
+    """Two prompts with three responses each (one a single token, whose only label is predicted from
+    the prompt's end) and a third with two."""
+    prompts = ["What is 2+3? Think first.", "Tell me about a cat that likes apples."]
+    responses = [" It is 5.", " 5", " The answer is five 5 </answer>", " Once upon a time", " A cat.", " x x"]
+    prompts = [p for p in prompts for _ in range(3)] + ["A third prompt?"] * 2
+    responses = responses + [" yes", " no, not really"]
+    return tokenize_prompt_and_output(prompts, responses, tokenizer)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_log_probs_equal_padded(family, tiny_tokenizer):
+    model = family_model(family, tiny_tokenizer)
+    tok = _group_batch(tiny_tokenizer)
+    mask = tok["response_mask"].bool()
+    width = tok["input_ids"].shape[1]
+    rows = list(range(mask.shape[0]))
+    weights = torch.randn(mask.shape)
+    results = []
+    for packed in (False, True):
+        if packed:
+            out = packed_response_log_probs(
+                model, tok["input_ids"], tok["labels"], mask, rows, width, chunk_tokens=5, return_token_entropy=True
+            )
+            assert out["backbone_tokens"] < mask.numel()
+        else:
+            out = get_response_log_probs(model, tok["input_ids"], tok["labels"], True, positions=mask)
+        out["log_probs"].mul(weights).sum().backward()
+        results.append((out, [p.grad.clone() for p in model.parameters()]))
+        model.zero_grad(set_to_none=True)
+    (padded, g_padded), (packed, g_packed) = results
+    assert packed["log_probs"].shape == padded["log_probs"].shape
+    assert bool((packed["log_probs"][~mask] == 0).all())
+    torch.testing.assert_close(packed["log_probs"], padded["log_probs"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed["token_entropy"], padded["token_entropy"], rtol=1e-5, atol=1e-5)
+    for a, b in zip(g_packed, g_padded, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def _old_log_probs(model, tok):
+    noisy = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in noisy.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+        return get_response_log_probs(noisy, tok["input_ids"], tok["labels"])["log_probs"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    "method,eps,loss_norm,budget",
+    [("none", None, "sequence", None), ("grpo", 0.2, "sequence", 40), ("cispo", 0.2, "constant", 48)],
+)
+def test_packed_update_equals_padded(family, method, eps, loss_norm, budget, tiny_tokenizer):
+    """A whole ``policy_gradient_update``: loss, gradient norm, entropy, clip fraction, importance
+    statistics and the parameters after the step, with a zero advantage skipped, groups cut by the
+    token budget and the row cap (two microbatches at least)."""
+    model = family_model(family, tiny_tokenizer)
+    tok = _group_batch(tiny_tokenizer)
+    advantages = torch.tensor([1.0, -0.5, 0.0, 2.0, -1.0, 0.5, -2.0, 1.5])
+    old = _old_log_probs(model, tok) if method != "none" else None
+    results = []
+    for shared in (False, True):
+        m = copy.deepcopy(model)
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        loss, meta = policy_gradient_update(
+            m,
+            opt,
+            tok["input_ids"],
+            tok["labels"],
+            tok["response_mask"],
+            advantages,
+            gradient_accumulation_steps=1 if budget else 2,
+            max_grad_norm=1e6,
+            importance_reweighting_method=method,
+            old_log_probs=old,
+            cliprange=eps,
+            loss_normalization=loss_norm,
+            normalization_constant=16.0 if loss_norm == "constant" else None,
+            max_tokens_per_microbatch=budget,
+            shared_prefix=shared,
+        )
+        results.append((loss, meta, [p.detach().clone() for p in m.parameters()]))
+    (loss0, meta0, p0), (loss1, meta1, p1) = results
+    assert meta1["n_microbatches"] >= 2 and meta1["n_sequences"] == meta0["n_sequences"] == 7
+    assert meta1["backbone_tokens"] < meta0["backbone_tokens"]
+    torch.testing.assert_close(loss1, loss0, rtol=1e-5, atol=1e-6)
+    for key in ("grad_norm", "entropy", "clip_fraction"):
+        if key in meta0:
+            assert meta1[key] == pytest.approx(meta0[key], rel=1e-4, abs=1e-6), key
+    if "importance" in meta0:
+        for key, value in meta0["importance"].items():
+            assert meta1["importance"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    for a, b in zip(p1, p0, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_packed_update_falls_back_to_padded_where_it_cannot_pack(tiny_model, tiny_tokenizer):
+    """A response with a gap is trained padded (the same gradient either way); ranks of a data-parallel
+    run get a clear error."""
+    tok = _group_batch(tiny_tokenizer)
+    mask = tok["response_mask"].clone()
+    mask[0, mask[0].nonzero()[1]] = False
+    opt = torch.optim.SGD(tiny_model.parameters(), lr=0.0)
+    args = (tok["input_ids"], tok["labels"], mask, torch.ones(8), 1, None)
+    _, meta = policy_gradient_update(tiny_model, opt, *args, shared_prefix=True)
+    assert meta["backbone_tokens"] == mask.numel()  # one padded microbatch of every row
+    from rlvr.distributed import GlobalBatch
+
+    with pytest.raises(ValueError, match="optim.shared_prefix false"):
+        policy_gradient_update(tiny_model, opt, *args, shared_prefix=True, global_batch=GlobalBatch(8, 1))
+
+
+def test_packed_compiled_backbone_equals_eager(tiny_tokenizer):
+    """``model.compile``'s layer-wise compiled backbone (inductor on the CPU) runs the packed sequence:
+    the same log-probs and gradients as eager, for two packs of different lengths, compiled once."""
+    pytest.importorskip("torch._inductor")
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from rlvr.grpo import compile_backbone
+
+    model = family_model("qwen2", tiny_tokenizer)
+    torch._dynamo.reset()
+    counters.clear()
+    backbone = compile_backbone(model)
+    tok = _group_batch(tiny_tokenizer)
+    mask = tok["response_mask"].bool()
+    width = tok["input_ids"].shape[1]
+    for k, rows in enumerate([[0, 1, 2, 6, 7], [3, 4, 5]]):
+        results = []
+        for bb in (None, backbone):
+            out = packed_response_log_probs(model, tok["input_ids"], tok["labels"], mask, rows, width, 64, True, bb)
+            out["log_probs"].sum().backward()
+            results.append((out, [p.grad.clone() for p in model.parameters()]))
+            model.zero_grad(set_to_none=True)
+        (eager, g_eager), (comp, g_comp) = results
+        torch.testing.assert_close(comp["log_probs"], eager["log_probs"], rtol=1e-4, atol=1e-5)
+        for a, b in zip(g_comp, g_eager, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-5)
+        if k == 0:
+            graphs = counters["stats"]["unique_graphs"]
+        assert counters["stats"]["unique_graphs"] == graphs, "recompiled for a second pack length"
+    torch._dynamo.reset()
