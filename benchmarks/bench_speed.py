@@ -204,9 +204,9 @@ def parse_args(argv=None):
         help="token budget of the memory-lean trainer run (default: 10,240 at full size, 1,024 with --tiny)",
     )
     ap.add_argument(
-        "--padded",
+        "--shared-prefix",
         action="store_true",
-        help="train the trainer sections' microbatches padded (optim.shared_prefix false) instead of packed",
+        help="train the trainer sections' microbatches packed, each prompt once (optim.shared_prefix true)",
     )
     ap.add_argument("--no-trl", action="store_true", help="skip the TRL GRPOTrainer side-by-side")
     ap.add_argument(
@@ -825,7 +825,7 @@ class Bench:
                 gradient_accumulation_steps=1,
                 max_tokens_per_microbatch=budget,
                 master_weights=not lean,
-                shared_prefix=not self.args.padded,
+                shared_prefix=self.args.shared_prefix,
             ),
             model=ModelConfig(compile=True),
             engine=EngineConfig(
@@ -883,7 +883,7 @@ class Bench:
             f"{result['tokenize']:.2f} s, sync "
             f"{result['sync']:.2f} s, reward {result['reward']:.2f} s; mean response "
             f"{result['response_length']:.0f} tokens; {result['backbone_tokens']:,.0f} tokens through the model a "
-            f"step ({'padded' if self.args.padded else 'packed, shared prompts'}); model.compile; mean of steps {first_steady + 1}-{len(rows)}"
+            f"step ({'packed, shared prompts' if self.args.shared_prefix else 'padded'}); model.compile; mean of steps {first_steady + 1}-{len(rows)}"
             f" (all steps: {steps_s} s)",
         )
         self.model.eval()

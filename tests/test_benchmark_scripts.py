@@ -37,6 +37,27 @@ def test_profile_step_trainer_part_runs(gsm8k_path):
     assert "kernels by kind: the trainer's train phase" in out and "kernels by kind: the same update alone" in out
 
 
+def test_bench_trainer_step_runs_packed_and_padded(gsm8k_path):
+    """The whole-step rows with and without ``--shared-prefix``: the packed run puts fewer tokens
+    through the model for the same rollouts (same seed, same prompts)."""
+    tokens = {}
+    for flag in ((), ("--shared-prefix",)):
+        out = _run(
+            "bench_speed.py",
+            "--sections",
+            "trainer_step",
+            "--no-trl",
+            *flag,
+            "--trainer-steps",
+            "2",
+            gsm8k=str(gsm8k_path),
+        )
+        row = next(line for line in out.splitlines() if line.startswith("| (f) rlvr trainer"))
+        assert ("packed, shared prompts" in row) == bool(flag), row
+        tokens[bool(flag)] = int(row.split(" tokens through the model")[0].rsplit(" ", 1)[1].replace(",", ""))
+    assert 0 < tokens[True] < tokens[False], tokens
+
+
 def test_decode_gemms_probe_runs():
     """The decode matmuls per family, BLAS library and row count (no data needed)."""
     out = _run("probes/decode_gemms.py", gsm8k=None)
