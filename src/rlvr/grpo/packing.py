@@ -332,7 +332,7 @@ def packed_response_log_probs(
     chunk_tokens: int,
     return_token_entropy: bool = False,
     backbone: Callable[..., Any] | None = None,
-) -> dict[str, torch.Tensor]:
+) -> dict[str, Any]:
     """``get_response_log_probs`` of ``rows`` (each cut to ``width``), with the response mask as
     ``positions``, computed over one packed sequence: the same (len(rows), width) outputs, 0 outside
     the response mask, and ``backbone_tokens``, the packed length. ``model`` must pass ``can_pack``;

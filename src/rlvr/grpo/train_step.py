@@ -192,7 +192,7 @@ def policy_gradient_update(
                 out = packed_response_log_probs(
                     model, input_ids, labels, response_mask, rows, width, chunk_tokens, True, backbone
                 )
-                backbone_tokens += out.pop("backbone_tokens")
+                backbone_tokens += int(out.pop("backbone_tokens"))
             else:
                 out = get_response_log_probs(
                     model,
