@@ -15,7 +15,7 @@ and gradients equal the padded computation's up to rounding, from fewer tokens a
 On CUDA the mask is a FlexAttention ``BlockMask`` (blocks that no query of a block can see are
 skipped); elsewhere, where FlexAttention has no backward, it is a dense boolean mask for SDPA, built
 from the same rule (``visible``). FlexAttention runs compiled for each pack length, with the length a
-constant: compiled for symbolic lengths its kernels took about 1.6 times as long (docs/benchmarks.md).
+constant: compiled for symbolic lengths its kernels were markedly slower (docs/benchmarks.md).
 Packs are therefore padded to a multiple of ``FLEX_ALIGN`` tokens, so that a run compiles a handful of
 lengths, and the call sits outside a compiled backbone's graphs (``torch.compiler.disable``).
 """
