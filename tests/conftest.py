@@ -153,3 +153,25 @@ def greedy_generate_reference(model, tok, prompts, max_new_tokens):
 # before the kernels are defined: test_decode_attention.py runs that folder in a child pytest with
 # TRITON_INTERPRET=1 set; a plain run leaves it out.
 collect_ignore_glob = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["interpreted/*"]
+
+
+def padded_and_packed(model, tok, weights, chunk_tokens):
+    """Log-probs of a tokenised batch at its response positions, padded and then packed
+    (``rlvr.grpo.packing``), each with the parameters' gradients of ``sum(weights * log_probs)``."""
+    from rlvr.grpo import get_response_log_probs
+    from rlvr.grpo.packing import packed_response_log_probs
+
+    mask = tok["response_mask"].bool()
+    rows = list(range(mask.shape[0]))
+    results = []
+    for packed in (False, True):
+        if packed:
+            out = packed_response_log_probs(
+                model, tok["input_ids"], tok["labels"], mask, rows, mask.shape[1], chunk_tokens, True
+            )
+        else:
+            out = get_response_log_probs(model, tok["input_ids"], tok["labels"], True, positions=mask)
+        out["log_probs"].mul(weights).sum().backward()
+        results.append((out, [p.grad.clone() for p in model.parameters()]))
+        model.zero_grad(set_to_none=True)
+    return results

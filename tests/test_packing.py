@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from conftest import family_model
+from conftest import family_model, padded_and_packed
 
 from rlvr.grpo import get_response_log_probs, policy_gradient_update, tokenize_prompt_and_output
 from rlvr.grpo.packing import attention_mask, pack_rows, packed_response_log_probs, shared_prefix_plan
@@ -113,22 +113,8 @@ def test_packed_log_probs_equal_padded(family, tiny_tokenizer):
     model = family_model(family, tiny_tokenizer)
     tok = _group_batch(tiny_tokenizer)
     mask = tok["response_mask"].bool()
-    width = tok["input_ids"].shape[1]
-    rows = list(range(mask.shape[0]))
-    weights = torch.randn(mask.shape)
-    results = []
-    for packed in (False, True):
-        if packed:
-            out = packed_response_log_probs(
-                model, tok["input_ids"], tok["labels"], mask, rows, width, chunk_tokens=5, return_token_entropy=True
-            )
-            assert out["backbone_tokens"] < mask.numel()
-        else:
-            out = get_response_log_probs(model, tok["input_ids"], tok["labels"], True, positions=mask)
-        out["log_probs"].mul(weights).sum().backward()
-        results.append((out, [p.grad.clone() for p in model.parameters()]))
-        model.zero_grad(set_to_none=True)
-    (padded, g_padded), (packed, g_packed) = results
+    (padded, g_padded), (packed, g_packed) = padded_and_packed(model, tok, torch.randn(mask.shape), chunk_tokens=5)
+    assert packed["backbone_tokens"] < mask.numel()
     assert packed["log_probs"].shape == padded["log_probs"].shape
     assert bool((packed["log_probs"][~mask] == 0).all())
     torch.testing.assert_close(packed["log_probs"], padded["log_probs"], rtol=1e-5, atol=1e-5)

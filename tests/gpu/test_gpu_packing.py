@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import family_model
+from conftest import family_model, padded_and_packed
 
 from rlvr.grpo import compile_backbone, get_response_log_probs, tokenize_prompt_and_output
 from rlvr.grpo.packing import FLEX_ALIGN, attention_mask, pack_rows, packed_attention, packed_response_log_probs
@@ -63,21 +63,8 @@ FLEX_SHAPES = {
 def test_packed_equals_padded_on_the_gpu(family, tiny_tokenizer):
     model = family_model(family.removesuffix("-dense"), tiny_tokenizer, **FLEX_SHAPES[family]).cuda()
     tok = _batch(tiny_tokenizer, n_prompts=3, group=4, seed=1)
-    mask = tok["response_mask"].bool()
-    weights = torch.randn(mask.shape, device="cuda")
-    results = []
-    for packed in (False, True):
-        if packed:
-            rows = list(range(mask.shape[0]))
-            out = packed_response_log_probs(
-                model, tok["input_ids"], tok["labels"], mask, rows, mask.shape[1], 256, True
-            )
-        else:
-            out = get_response_log_probs(model, tok["input_ids"], tok["labels"], True, positions=mask)
-        out["log_probs"].mul(weights).sum().backward()
-        results.append((out, [p.grad.clone() for p in model.parameters()]))
-        model.zero_grad(set_to_none=True)
-    (padded, g_padded), (packed, g_packed) = results
+    weights = torch.randn(tok["response_mask"].shape, device="cuda")
+    (padded, g_padded), (packed, g_packed) = padded_and_packed(model, tok, weights, chunk_tokens=256)
     torch.testing.assert_close(packed["log_probs"], padded["log_probs"], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(packed["token_entropy"], padded["token_entropy"], rtol=1e-4, atol=1e-4)
     for a, b in zip(g_packed, g_padded, strict=True):
