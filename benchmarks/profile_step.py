@@ -346,9 +346,15 @@ def main():
         default=None,
         help="profile the decode step on this model's shape instead of OLMo-2-1B's",
     )
+    ap.add_argument(
+        "--shared-prefix",
+        action="store_true",
+        help="profile the trainer with its microbatches packed, each prompt once (optim.shared_prefix true)",
+    )
     args = ap.parse_args()
     # The bench's own settings (its defaults), so that the two scripts cannot drift apart.
-    bench_args = parse_args(["--data-dir", args.data_dir, "--skip-baselines"] + (["--tiny"] if args.tiny else []))
+    flags = (["--tiny"] if args.tiny else []) + (["--shared-prefix"] if args.shared_prefix else [])
+    bench_args = parse_args(["--data-dir", args.data_dir, "--skip-baselines", *flags])
     bench = Bench(bench_args)
     bench.setup()
     bench.ceilings()
