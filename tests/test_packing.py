@@ -10,7 +10,7 @@ import torch
 from conftest import family_model, padded_and_packed
 
 from rlvr.grpo import get_response_log_probs, policy_gradient_update, tokenize_prompt_and_output
-from rlvr.grpo.packing import attention_mask, pack_rows, packed_response_log_probs, shared_prefix_plan
+from rlvr.grpo.packing import attention_mask, pack_length, pack_rows, packed_response_log_probs, shared_prefix_plan
 
 FAMILIES = ["olmo2", "llama", "qwen2", "qwen3"]
 
@@ -54,6 +54,28 @@ def test_mask_by_hand():
     assert seen[4] == [4] and seen[5] == [4, 5]  # prompt B does not see prompt A or row 0
     assert seen[6] == [4, 5, 6] and seen[7] == [4, 5, 6, 7]
     assert seen[8] == [8] and seen[9] == [8, 9]  # padding sees only padding
+
+
+def test_pack_length_by_hand():
+    # no budget: the next multiple of the alignment, at least one
+    assert [pack_length(n, 128) for n in (0, 1, 128, 129, 1000)] == [128, 128, 128, 256, 1024]
+    assert pack_length(7) == 7 and pack_length(0) == 1
+    # a budget of 1,024: a pack within a sixteenth of it (over 960 tokens) is padded to it exactly
+    assert [pack_length(n, 128, 1024) for n in (960, 961, 1000, 1024)] == [1024, 1024, 1024, 1024]
+    assert [pack_length(n, 1, 1024) for n in (960, 961)] == [960, 1024]
+    # a smaller pack, or one over the budget (a single long row), is aligned as without one
+    assert [pack_length(n, 128, 1024) for n in (500, 1025)] == [512, 1152]
+
+
+def test_a_nearly_full_pack_is_padded_to_the_budget():
+    # one prompt of 4 tokens and three responses of 10: 4 + 3 * 9 = 31 packed tokens
+    input_ids = torch.tensor([[1, 2, 3, 4] + list(range(10, 19))] * 3)
+    mask = torch.tensor([[0, 0, 0] + [1] * 10] * 3, dtype=torch.bool)
+    pack = pack_rows(input_ids, mask, [0, 1, 2], 13, align=1, full_length=32)  # 31 > 32 - 32 // 16
+    assert pack.n_tokens == 31 and pack.input_ids.shape == (1, 32)
+    assert pack.input_ids[0, -1] == 0 and pack.position_ids[0, -1] == 0
+    assert pack.segment.tolist()[-2:] == [3, 4] and pack.prompt.tolist()[-2:] == [0, 4]  # padding: its own
+    assert pack_rows(input_ids, mask, [0, 1, 2], 13, align=1, full_length=34).input_ids.shape == (1, 31)
 
 
 def test_two_responses_of_one_prompt_do_not_see_each_other():
@@ -117,6 +139,22 @@ def test_packed_log_probs_equal_padded(family, tiny_tokenizer):
     assert packed["backbone_tokens"] < mask.numel()
     assert packed["log_probs"].shape == padded["log_probs"].shape
     assert bool((packed["log_probs"][~mask] == 0).all())
+    torch.testing.assert_close(packed["log_probs"], padded["log_probs"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed["token_entropy"], padded["token_entropy"], rtol=1e-5, atol=1e-5)
+    for a, b in zip(g_packed, g_padded, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_packed_with_padding_to_the_budget_equals_padded(tiny_tokenizer):
+    """A pack that nearly fills the token budget is padded up to it: the padding changes nothing."""
+    model = family_model("qwen2", tiny_tokenizer)
+    tok = _group_batch(tiny_tokenizer)
+    mask = tok["response_mask"].bool()
+    n_tokens = pack_rows(tok["input_ids"], mask, list(range(mask.shape[0])), mask.shape[1]).n_tokens
+    budget = n_tokens + 1  # within a sixteenth of the budget once there are 31 tokens or more
+    assert n_tokens >= 31
+    (padded, g_padded), (packed, g_packed) = padded_and_packed(model, tok, torch.randn(mask.shape), 5, budget)
+    assert packed["backbone_tokens"] == budget
     torch.testing.assert_close(packed["log_probs"], padded["log_probs"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(packed["token_entropy"], padded["token_entropy"], rtol=1e-5, atol=1e-5)
     for a, b in zip(g_packed, g_padded, strict=True):

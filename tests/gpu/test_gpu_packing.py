@@ -1,7 +1,7 @@
 """Shared-prompt packing on a GPU, where its mask is a FlexAttention ``BlockMask``: FlexAttention
 against SDPA with the same mask written out densely, packed against padded log-probs and gradients for
-every family (float32), and ``model.compile``'s backbone over packs of several lengths without a
-recompile (bfloat16)."""
+every family (float32), with packs padded to the token budget and not, and ``model.compile``'s
+backbone over packs of many lengths without a recompile (bfloat16)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,23 @@ import pytest
 import torch
 from conftest import family_model, padded_and_packed
 
+import rlvr.grpo.packing as packing
 from rlvr.grpo import compile_backbone, get_response_log_probs, tokenize_prompt_and_output
-from rlvr.grpo.packing import FLEX_ALIGN, attention_mask, pack_rows, packed_attention, packed_response_log_probs
+from rlvr.grpo.packing import (
+    FLEX_BLOCK,
+    attention_mask,
+    pack_rows,
+    packed_attention,
+    packed_response_log_probs,
+    shared_prefix_plan,
+)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-def _batch(tokenizer, n_prompts: int, group: int, seed: int = 0):
-    """``n_prompts`` prompts of different lengths with ``group`` responses of different lengths each."""
+def _batch(tokenizer, n_prompts: int, group: int, seed: int = 0, max_words: int = 90):
+    """``n_prompts`` prompts of different lengths with ``group`` responses of different lengths each
+    (up to ``max_words`` words)."""
     g = torch.Generator().manual_seed(seed)
     words = ["apples", "pears", "seven", "the", "answer", "is", "cat", "runs", "and", "12", "+", "="]
     pick = lambda n: " ".join(words[int(i)] for i in torch.randint(len(words), (n,), generator=g))  # noqa: E731
@@ -25,7 +34,7 @@ def _batch(tokenizer, n_prompts: int, group: int, seed: int = 0):
         prompt = "Question: " + pick(int(torch.randint(5, 60, (1,), generator=g)))
         for _ in range(group):
             prompts.append(prompt)
-            responses.append(" " + pick(int(torch.randint(1, 90, (1,), generator=g))))
+            responses.append(" " + pick(int(torch.randint(1, max_words, (1,), generator=g))))
     return tokenize_prompt_and_output(prompts, responses, tokenizer)
 
 
@@ -34,9 +43,9 @@ def _batch(tokenizer, n_prompts: int, group: int, seed: int = 0):
 def test_flex_block_mask_equals_dense_mask(dtype, heads, kv_heads, tiny_tokenizer):
     tok = _batch(tiny_tokenizer, n_prompts=5, group=4)
     mask = tok["response_mask"].bool()
-    pack = pack_rows(tok["input_ids"], mask, list(range(mask.shape[0])), mask.shape[1], FLEX_ALIGN)
+    pack = pack_rows(tok["input_ids"], mask, list(range(mask.shape[0])), mask.shape[1], FLEX_BLOCK)
     n = pack.input_ids.shape[1]
-    assert n % FLEX_ALIGN == 0 and pack.n_tokens > FLEX_ALIGN // 2
+    assert n % FLEX_BLOCK == 0 and pack.n_tokens > FLEX_BLOCK
     device = torch.device("cuda")
     block = attention_mask(pack, device)
     dense = attention_mask(pack, torch.device("cpu")).to(device)
@@ -59,12 +68,19 @@ FLEX_SHAPES = {
 }
 
 
+@pytest.mark.parametrize("full", [False, True], ids=["any-length", "budget-length"])
 @pytest.mark.parametrize("family", list(FLEX_SHAPES))
-def test_packed_equals_padded_on_the_gpu(family, tiny_tokenizer):
+def test_packed_equals_padded_on_the_gpu(family, full, tiny_tokenizer):
+    """``full``: the token budget is the pack's size, so the pack is padded to it and runs the
+    FlexAttention compiled for that length."""
     model = family_model(family.removesuffix("-dense"), tiny_tokenizer, **FLEX_SHAPES[family]).cuda()
     tok = _batch(tiny_tokenizer, n_prompts=3, group=4, seed=1)
-    weights = torch.randn(tok["response_mask"].shape, device="cuda")
-    (padded, g_padded), (packed, g_packed) = padded_and_packed(model, tok, weights, chunk_tokens=256)
+    mask = tok["response_mask"].bool()
+    budget = pack_rows(tok["input_ids"], mask, list(range(mask.shape[0])), mask.shape[1]).n_tokens if full else None
+    weights = torch.randn(mask.shape, device="cuda")
+    (padded, g_padded), (packed, g_packed) = padded_and_packed(model, tok, weights, 256, budget)
+    if full:
+        assert packed["backbone_tokens"] == -(-budget // FLEX_BLOCK) * FLEX_BLOCK
     torch.testing.assert_close(packed["log_probs"], padded["log_probs"], rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(packed["token_entropy"], padded["token_entropy"], rtol=1e-4, atol=1e-4)
     for a, b in zip(g_packed, g_padded, strict=True):
@@ -72,33 +88,41 @@ def test_packed_equals_padded_on_the_gpu(family, tiny_tokenizer):
 
 
 def test_compiled_backbone_runs_packs_of_any_length_without_recompiling(tiny_tokenizer):
-    """bfloat16, ``model.compile``'s layer-wise backbone: a pack of a length seen before (lengths are
-    padded to a multiple of ``FLEX_ALIGN``) compiles nothing, the decoder layers never compile again,
+    """bfloat16, ``model.compile``'s layer-wise backbone over the planner's packs of six batches under
+    one token budget: once a full pack and two others have run, packs of new lengths compile nothing
+    (FlexAttention at the budget's length and at symbolic lengths, the block mask, the decoder layers),
     and the log-probs match the eager padded ones within bfloat16 rounding."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
     model = family_model("qwen2", tiny_tokenizer, num_layers=3, hidden_size=64).to("cuda", torch.bfloat16)
     torch._dynamo.reset()
+    packing._compiled_flex.clear()
     counters.clear()
     backbone = compile_backbone(model)
-    seen: dict[int, int] = {}
-    for k, (n_prompts, group, seed) in enumerate([(2, 8, 1), (3, 4, 0), (1, 3, 3), (4, 8, 0), (2, 8, 1)]):
-        tok = _batch(tiny_tokenizer, n_prompts, group, seed=seed)
+    budget = 1024
+    full, other, late_lengths = 0, 0, set()
+    for seed in range(6):
+        tok = _batch(tiny_tokenizer, n_prompts=4 + 3 * seed, group=4, seed=seed, max_words=12)
         mask = tok["response_mask"].bool()
-        rows = list(range(mask.shape[0]))
-        length = pack_rows(tok["input_ids"], mask, rows, mask.shape[1], FLEX_ALIGN).input_ids.shape[1]
-        graphs = counters["stats"]["unique_graphs"]
-        out = packed_response_log_probs(
-            model, tok["input_ids"], tok["labels"], mask, rows, mask.shape[1], 512, True, backbone
-        )
-        out["log_probs"].sum().backward()
-        model.zero_grad(set_to_none=True)
-        if length in seen:
-            assert counters["stats"]["unique_graphs"] == graphs, f"pack {k} of a known length {length} compiled again"
-        seen[length] = k
-        with torch.no_grad():
-            want = get_response_log_probs(model, tok["input_ids"], tok["labels"], positions=mask)["log_probs"]
-        torch.testing.assert_close(out["log_probs"].detach(), want, rtol=0, atol=0.1)
-    assert len(seen) < 5, "no two packs had the same length: the test checked nothing"
+        width = mask.shape[1]
+        for rows in shared_prefix_plan(tok["input_ids"], mask, [True] * mask.shape[0], 10**6, budget):
+            length = pack_rows(tok["input_ids"], mask, rows, width, FLEX_BLOCK, budget).input_ids.shape[1]
+            warm = full >= 1 and other >= 2
+            graphs = counters["stats"]["unique_graphs"]
+            out = packed_response_log_probs(
+                model, tok["input_ids"], tok["labels"], mask, rows, width, 512, True, backbone, budget
+            )
+            out["log_probs"].sum().backward()
+            model.zero_grad(set_to_none=True)
+            if warm:
+                assert counters["stats"]["unique_graphs"] == graphs, f"a pack of length {length} compiled"
+                late_lengths.add(length)
+            full, other = full + (length == budget), other + (length != budget)
+            with torch.no_grad():
+                want = get_response_log_probs(model, tok["input_ids"][rows], tok["labels"][rows], positions=mask[rows])[
+                    "log_probs"
+                ]
+            torch.testing.assert_close(out["log_probs"].detach(), want, rtol=0, atol=0.1)
+    assert full >= 2 and len(late_lengths - {budget}) >= 2, f"too few lengths to check: {full} full, {late_lengths}"
     torch._dynamo.reset()

@@ -14,15 +14,18 @@ and gradients equal the padded computation's up to rounding, from fewer tokens a
 
 On CUDA the mask is a FlexAttention ``BlockMask`` (blocks that no query of a block can see are
 skipped); elsewhere, where FlexAttention has no backward, it is a dense boolean mask for SDPA, built
-from the same rule (``visible``). FlexAttention runs compiled for each pack length, with the length a
-constant: compiled for symbolic lengths its kernels were markedly slower (docs/benchmarks.md).
-Packs are therefore padded to a multiple of ``FLEX_ALIGN`` tokens, so that a run compiles a handful of
-lengths, and the call sits outside a compiled backbone's graphs (``torch.compiler.disable``).
+from the same rule (``visible``). FlexAttention runs compiled, outside a compiled backbone's graphs
+(``torch.compiler.disable``). Compiled for a symbolic length its kernels were markedly slower than
+with the length a constant, but a constant length compiles again for every new length, slowly
+(docs/benchmarks.md). So a pack that nearly fills the token budget is padded to exactly the budget
+and runs the constant-length kernel (one compile for the run); the rest (a step's last pack, runs
+without a budget) run the symbolic-length kernel.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,14 +33,16 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rlvr.grpo.logprobs import _lm_head, _without_peft, head_log_probs, model_device
+from rlvr.grpo.logprobs import _lm_head, _without_peft, head_log_probs, model_device, to_device
 
 PACKED_ATTENTION = "rlvr_packed"
 """The attention implementation a packed forward runs under (registered with transformers)."""
 
-FLEX_ALIGN = 1024
-"""Packs run through FlexAttention are padded to a multiple of this many tokens (a multiple of its
-block size, so every block is whole): each length compiles once."""
+PACKED_ATTENTION_FULL = "rlvr_packed_full"
+"""The same for a pack of exactly the token budget: FlexAttention compiled for that length."""
+
+FLEX_BLOCK = 128
+"""FlexAttention's block size: packs run through it are padded to a multiple, so every block is whole."""
 
 FLEX_LENGTHS = 64
 """How many pack lengths FlexAttention may compile for (beyond the compiler's default limit)."""
@@ -143,62 +148,91 @@ class Pack:
     """Packed tokens before padding."""
 
 
+def pack_length(n_tokens: int, align: int = 1, full_length: int | None = None) -> int:
+    """The padded length of a pack of ``n_tokens``: ``full_length`` when the pack nearly fills it (within
+    a sixteenth), else the next multiple of ``align`` (at least one token)."""
+    if full_length is not None and full_length - full_length // 16 < n_tokens <= full_length:
+        return full_length
+    return max(align, -(-n_tokens // align) * align)
+
+
 def pack_rows(
-    input_ids: torch.Tensor, response_mask: torch.Tensor, rows: Sequence[int], width: int, align: int = 1
+    input_ids: torch.Tensor,
+    response_mask: torch.Tensor,
+    rows: Sequence[int],
+    width: int,
+    align: int = 1,
+    full_length: int | None = None,
 ) -> Pack:
     """Pack ``rows`` of a tokenised batch (host tensors): each distinct prompt once, then the inputs of
     each of its responses (all response tokens but the last, which no label is predicted from), then
-    padding to a multiple of ``align`` (at least one token). Labels keep the padded layout,
-    ``(len(rows), width)``, through ``keep``."""
-    layouts = row_layouts(response_mask[list(rows), :width])
+    padding to ``pack_length``. Labels keep the padded layout, ``(len(rows), width)``, through ``keep``."""
+    index = torch.as_tensor(list(rows), dtype=torch.long)
+    layouts = row_layouts(response_mask[index, :width])
     if layouts is None:
         raise ValueError("pack_rows needs each row's response positions to be one contiguous run")
-    ids: list[int] = []
-    positions: list[int] = []
-    segment: list[int] = []
-    prompt: list[int] = []
-    hidden_index: list[int] = []
-    keep: list[int] = []
+    prompt_width = max((layout.prompt_len for layout in layouts if layout is not None), default=0)
+    heads = input_ids[index, :prompt_width].tolist()  # one conversion for every row's prompt
+    # Pieces in packed order, each a run of one row's input tokens: (row, start, length, segment, the
+    # segment of its group's prompt). A prompt is one piece the first time it is seen.
+    pieces: list[tuple[int, int, int, int, int]] = []
+    responses = []  # per kept row: (its place j in rows, its layout, its prompt's last packed index, its packed start)
     prompt_ends: dict[tuple[int, ...], tuple[int, int]] = {}  # prompt -> (its last packed index, its segment)
-    n_segments = 0
+    n_tokens = 0
     for j, (row, layout) in enumerate(zip(rows, layouts, strict=True)):
         if layout is None:
             continue
-        key = _prompt_key(input_ids, row, layout)
+        p, n = layout.prompt_len, layout.n_response
+        key = tuple(heads[j][:p])
         if key not in prompt_ends:
-            start, p = len(ids), layout.prompt_len
-            ids.extend(key)
-            positions.extend(range(p))
-            segment.extend([n_segments] * p)
-            prompt.extend([n_segments] * p)
-            prompt_ends[key] = (start + p - 1, n_segments)
-            n_segments += 1
+            prompt_ends[key] = (n_tokens + p - 1, len(pieces))
+            pieces.append((row, 0, p, len(pieces), len(pieces)))
+            n_tokens += p
         prompt_end, prompt_segment = prompt_ends[key]
-        start, p, n = len(ids), layout.prompt_len, layout.n_response
-        ids.extend(input_ids[row, p : layout.first + n].tolist())
-        positions.extend(range(p, p + n - 1))
-        segment.extend([n_segments] * (n - 1))
-        prompt.extend([prompt_segment] * (n - 1))
-        n_segments += 1
-        hidden_index.append(prompt_end)
-        hidden_index.extend(range(start, start + n - 1))
-        keep.extend(range(j * width + layout.first, j * width + layout.first + n))
-    n_tokens = len(ids)
-    pad = -n_tokens % align or (align if n_tokens == 0 else 0)
-    ids.extend([0] * pad)
-    positions.extend(range(pad))
-    segment.extend([n_segments] * pad)
-    prompt.extend([n_segments] * pad)
-    as_long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
+        responses.append((j, layout, prompt_end, n_tokens))
+        pieces.append((row, p, n - 1, len(pieces), prompt_segment))
+        n_tokens += n - 1
+    length = pack_length(n_tokens, align, full_length)
+    # The padding is one more piece: its own segment and group, positions from 0, token id 0.
+    pieces.append((0, 0, length - n_tokens, len(pieces), len(pieces)))
+    piece_row, piece_start, piece_len, piece_segment, piece_prompt = map(list, zip(*pieces, strict=True))
+    long = lambda values: torch.tensor(values, dtype=torch.long)  # noqa: E731
+    lengths = long(piece_len)
+    of_token = torch.repeat_interleave(torch.arange(len(piece_len)), lengths)
+    offset = torch.arange(length) - torch.repeat_interleave(lengths.cumsum(0) - lengths, lengths)
+    real = of_token < len(pieces) - 1
+    starts = long(piece_start)[of_token]
+    ids = torch.zeros(length, dtype=torch.long)
+    ids[real] = input_ids[long(piece_row)[of_token[real]], (starts + offset)[real]]
+    # Response labels: the first is predicted from its prompt's last token, the others from the packed
+    # response input before them; ``keep`` places them in the (rows, width) layout.
+    n_labels = long([layout.n_response for _, layout, _, _ in responses])
+    label_of = torch.repeat_interleave(torch.arange(len(responses)), n_labels)
+    step = torch.arange(int(n_labels.sum())) - torch.repeat_interleave(n_labels.cumsum(0) - n_labels, n_labels)
+    response_start = long([start for *_, start in responses])[label_of]
+    hidden_index = torch.where(
+        step == 0, long([end for _, _, end, _ in responses])[label_of], response_start + step - 1
+    )
+    column = long([j * width + layout.first for j, layout, _, _ in responses])[label_of]
     return Pack(
-        input_ids=as_long(ids).unsqueeze(0),
-        position_ids=as_long(positions).unsqueeze(0),
-        segment=as_long(segment),
-        prompt=as_long(prompt),
-        hidden_index=as_long(hidden_index),
-        keep=as_long(keep),
+        input_ids=ids.unsqueeze(0),
+        position_ids=(starts + offset).unsqueeze(0),
+        segment=long(piece_segment)[of_token],
+        prompt=long(piece_prompt)[of_token],
+        hidden_index=hidden_index,
+        keep=column + step,
         n_tokens=n_tokens,
     )
+
+
+def _to_device(pack: Pack, labels: torch.Tensor, device: torch.device) -> tuple[Pack, torch.Tensor]:
+    """The pack's tensors and ``labels`` on ``device`` in one copy, from pinned memory on CUDA (so the
+    host queues the copy and goes on building the next microbatch)."""
+    parts = [pack.input_ids, pack.position_ids, pack.segment, pack.prompt, pack.hidden_index, pack.keep, labels]
+    flat = to_device(torch.cat([part.reshape(-1) for part in parts]), device)
+    ids, positions, segment, prompt, hidden_index, keep, flat_labels = flat.split([part.numel() for part in parts])
+    on_device = Pack(ids.view(1, -1), positions.view(1, -1), segment, prompt, hidden_index, keep, pack.n_tokens)
+    return on_device, flat_labels.view_as(labels)
 
 
 def visible(prompt: torch.Tensor, segment: torch.Tensor) -> Callable[..., torch.Tensor]:
@@ -218,8 +252,7 @@ _compiled_block_mask: Callable[..., Any] | None = None
 
 def attention_mask(pack: Pack, device: torch.device) -> Any:
     """A FlexAttention ``BlockMask`` for the pack on CUDA, else a dense (1, 1, L, L) boolean mask."""
-    prompt = pack.prompt.to(device, non_blocking=True)
-    segment = pack.segment.to(device, non_blocking=True)
+    prompt, segment = to_device(pack.prompt, device), to_device(pack.segment, device)
     rule = visible(prompt, segment)
     n = prompt.numel()
     if device.type == "cuda":
@@ -242,24 +275,42 @@ def _flex_lengths() -> Any:
     return config.patch(**{name: max(FLEX_LENGTHS, getattr(config, name))})
 
 
-_static_flex: Callable[..., torch.Tensor] | None = None
+def _flex_full(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any, scale: float | None
+) -> torch.Tensor:
+    """FlexAttention, to be compiled with the pack length a constant (its own code object, so its
+    compiled entries are not shared with ``_flex_any``'s)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    gqa = query.shape[1] != key.shape[1]
+    return flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)  # type: ignore[return-value]
+
+
+def _flex_any(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any, scale: float | None
+) -> torch.Tensor:
+    """FlexAttention, to be compiled with the pack length symbolic."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    gqa = query.shape[1] != key.shape[1]
+    return flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)  # type: ignore[return-value]
+
+
+_compiled_flex: dict[bool, Callable[..., torch.Tensor]] = {}
 
 
 @torch.compiler.disable
 def _flex_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any, scale: float | None
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any, scale: float | None, full: bool
 ) -> torch.Tensor:
-    """FlexAttention compiled for this pack length as a constant, called from outside any compiled
-    graph (uncompiled it would materialise the scores)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    global _static_flex
-    if _static_flex is None:
-        _static_flex = torch.compile(flex_attention, dynamic=False)
-    with _flex_lengths():
-        return _static_flex(
-            query, key, value, block_mask=block_mask, scale=scale, enable_gqa=query.shape[1] != key.shape[1]
+    """FlexAttention compiled (uncompiled it would materialise the scores), called from outside any
+    compiled graph: for a full pack with its length a constant, else with the length symbolic."""
+    if full not in _compiled_flex:
+        _compiled_flex[full] = (
+            torch.compile(_flex_full, dynamic=False) if full else torch.compile(_flex_any, dynamic=True)
         )
+    with _flex_lengths():
+        return _compiled_flex[full](query, key, value, block_mask, scale)
 
 
 def packed_attention(
@@ -270,11 +321,12 @@ def packed_attention(
     attention_mask: Any,
     dropout: float = 0.0,
     scaling: float | None = None,
+    full: bool = False,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature over a packed sequence: (B, H, L, D) inputs, the
     mask from ``attention_mask`` (a ``BlockMask`` for FlexAttention or a dense boolean mask for SDPA),
-    (B, L, H, D) output."""
+    (B, L, H, D) output. ``full``: the pack is exactly the token budget long."""
     if dropout:
         raise ValueError("packed training does not support attention dropout; set optim.shared_prefix false")
     if not isinstance(attention_mask, torch.Tensor) and query.shape[-1] < FLEX_MIN_HEAD_DIM:
@@ -286,7 +338,7 @@ def packed_attention(
             key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
     else:
-        out = _flex_attention(query, key, value, attention_mask, scaling)
+        out = _flex_attention(query, key, value, attention_mask, scaling, full)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -294,6 +346,7 @@ def _register() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(PACKED_ATTENTION, packed_attention)
+    AttentionInterface.register(PACKED_ATTENTION_FULL, functools.partial(packed_attention, full=True))
 
 
 _register()
@@ -332,27 +385,30 @@ def packed_response_log_probs(
     chunk_tokens: int,
     return_token_entropy: bool = False,
     backbone: Callable[..., Any] | None = None,
+    max_tokens: int | None = None,
 ) -> dict[str, Any]:
     """``get_response_log_probs`` of ``rows`` (each cut to ``width``), with the response mask as
     ``positions``, computed over one packed sequence: the same (len(rows), width) outputs, 0 outside
     the response mask, and ``backbone_tokens``, the packed length. ``model`` must pass ``can_pack``;
-    ``backbone`` as in ``get_response_log_probs``."""
+    ``backbone`` as in ``get_response_log_probs``; ``max_tokens``, the planner's token budget (a pack
+    that nearly fills it is padded to it, see the module docstring)."""
     plain = _without_peft(model)
     head = _lm_head(plain)
     if head is None or not can_pack(model):
         raise ValueError(f"{type(model).__name__} cannot be trained packed (see can_pack)")
     device = model_device(plain)
-    pack = pack_rows(input_ids, response_mask, rows, width, FLEX_ALIGN if device.type == "cuda" else 1)
-    ids = pack.input_ids.to(device, non_blocking=True)
-    positions = pack.position_ids.to(device, non_blocking=True)
+    align = FLEX_BLOCK if device.type == "cuda" else 1
+    full_length = None if max_tokens is None else -(-max_tokens // align) * align
+    host = pack_rows(input_ids, response_mask, rows, width, align, full_length)
+    pack, mb_labels = _to_device(host, labels[torch.as_tensor(list(rows)), :width], device)
+    full = pack.input_ids.shape[1] == full_length
     mask = attention_mask(pack, device)
-    with _attention_implementation(plain, PACKED_ATTENTION):
+    with _attention_implementation(plain, PACKED_ATTENTION_FULL if full else PACKED_ATTENTION):
         hidden = (plain.base_model if backbone is None else backbone)(  # type: ignore[operator]
-            input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=False
+            input_ids=pack.input_ids, position_ids=pack.position_ids, attention_mask=mask, use_cache=False
         ).last_hidden_state[0]
-    hidden = hidden.index_select(0, pack.hidden_index.to(device, non_blocking=True))
-    mb_labels = labels[torch.as_tensor(list(rows)), :width].to(device, non_blocking=True)
-    keep = pack.keep.to(device, non_blocking=True)
+    hidden = hidden.index_select(0, pack.hidden_index)
+    keep = pack.keep
     out: dict[str, Any] = head_log_probs(
         head, hidden, mb_labels, keep, chunk_tokens, return_token_entropy, backbone is not None
     )
