@@ -81,14 +81,6 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return torch.device(mesh.device_type)
 
 
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``tensor`` on ``device`` without waiting: a host tensor bound for a GPU is copied from pinned
-    memory, which the host only queues."""
-    if device.type == "cuda" and tensor.device.type == "cpu":
-        tensor = tensor.pin_memory()
-    return tensor.to(device, non_blocking=True)
-
-
 def _peft_base(model: torch.nn.Module) -> torch.nn.Module:
     """The transformers model inside a peft wrapper, whose own layers hold the adapters, so its
     backbone and head compute what the wrapper does; any other model as it is."""
@@ -176,7 +168,7 @@ def _kept_positions(positions: torch.Tensor, shape: torch.Size, device: torch.de
         raise ValueError(
             f"positions has shape {tuple(positions.shape)} but labels have {tuple(shape)}; they must match"
         )
-    return to_device(positions.reshape(-1).nonzero().squeeze(1), device)
+    return positions.reshape(-1).nonzero().squeeze(1).to(device, non_blocking=True)
 
 
 FUSED_METHOD = "rlvr_fused_log_probs"
@@ -339,8 +331,8 @@ def get_response_log_probs(
     model = _without_peft(model)
     device = model_device(model)
     # Not waiting for the device: the host prepares the next microbatch while the last one runs.
-    input_ids = to_device(input_ids, device)
-    labels = to_device(labels, device)
+    input_ids = input_ids.to(device, non_blocking=True)
+    labels = labels.to(device, non_blocking=True)
     kwargs = {}
     if attention_mask is not None:
         kwargs["attention_mask"] = attention_mask.to(device)

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rlvr.grpo.logprobs import _lm_head, _without_peft, head_log_probs, model_device, to_device
+from rlvr.grpo.logprobs import _lm_head, _without_peft, head_log_probs, model_device
 
 PACKED_ATTENTION = "rlvr_packed"
 """The attention implementation a packed forward runs under (registered with transformers)."""
@@ -223,6 +223,14 @@ def pack_rows(
         keep=column + step,
         n_tokens=n_tokens,
     )
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device`` without waiting: a host tensor bound for a GPU is copied from pinned
+    memory, which the host only queues."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=True)
 
 
 def _to_device(pack: Pack, labels: torch.Tensor, device: torch.device) -> tuple[Pack, torch.Tensor]:

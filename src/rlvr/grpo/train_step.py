@@ -41,7 +41,7 @@ import torch
 from rlvr.grpo.advantages import compute_group_normalized_rewards, compute_rollout_rewards
 from rlvr.grpo.aggregate import aggregate_loss_across_microbatch, get_aggregation
 from rlvr.grpo.diagnostics import importance_statistics
-from rlvr.grpo.logprobs import DEFAULT_CHUNK_TOKENS, get_response_log_probs, model_device, to_device
+from rlvr.grpo.logprobs import DEFAULT_CHUNK_TOKENS, get_response_log_probs, model_device
 from rlvr.grpo.losses import compute_policy_gradient_loss, validate_reweighting
 from rlvr.grpo.packing import can_pack, packed_response_log_probs, shared_prefix_plan
 from rlvr.grpo.tokenize import tokenize_prompt_and_output
@@ -187,7 +187,7 @@ def policy_gradient_update(
             width = max(lengths[i] for i in rows)
             host_mask = response_mask[idx, :width]
             n_tokens += int(host_mask.sum())  # counted on the host: no device sync between microbatches
-            mb_mask = to_device(host_mask, device)
+            mb_mask = host_mask.to(device, non_blocking=True)
             if packed:
                 out = packed_response_log_probs(
                     model,
@@ -217,8 +217,8 @@ def policy_gradient_update(
             if old_log_probs is not None:
                 # Outside the mask the new log-probs are 0 (not computed): so are the old ones here, or
                 # a ratio exp(0 - old) could overflow there and turn the masked sums into NaN.
-                old = to_device(old_log_probs[idx, :width], device).masked_fill(~mb_mask.bool(), 0.0)
-            mb_adv = to_device(advantages[idx], device)
+                old = old_log_probs[idx, :width].to(device, non_blocking=True).masked_fill(~mb_mask.bool(), 0.0)
+            mb_adv = advantages[idx].to(device, non_blocking=True)
             per_token, meta = compute_policy_gradient_loss(
                 mb_adv,
                 out["log_probs"],
