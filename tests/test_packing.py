@@ -236,7 +236,8 @@ def test_packed_update_falls_back_to_padded_where_it_cannot_pack(tiny_model, tin
 
 def test_packed_compiled_backbone_equals_eager(tiny_tokenizer):
     """``model.compile``'s layer-wise compiled backbone (inductor on the CPU) runs the packed sequence:
-    the same log-probs and gradients as eager, for two packs of different lengths, compiled once."""
+    the same log-probs and gradients as eager, for two packs of different lengths, compiled once, though
+    the first fills the token budget (FlexAttention's fixed-length kind on CUDA) and the second does not."""
     pytest.importorskip("torch._inductor")
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -250,10 +251,14 @@ def test_packed_compiled_backbone_equals_eager(tiny_tokenizer):
     tok = _group_batch(tiny_tokenizer)
     mask = tok["response_mask"].bool()
     width = tok["input_ids"].shape[1]
+    budget = pack_rows(tok["input_ids"], mask, [0, 1, 2, 6, 7], width).n_tokens
     for k, rows in enumerate([[0, 1, 2, 6, 7], [3, 4, 5]]):
         results = []
         for bb in (None, backbone):
-            out = packed_response_log_probs(model, tok["input_ids"], tok["labels"], mask, rows, width, 64, True, bb)
+            out = packed_response_log_probs(
+                model, tok["input_ids"], tok["labels"], mask, rows, width, 64, True, bb, budget
+            )
+            assert (out["backbone_tokens"] == budget) == (k == 0)
             out["log_probs"].sum().backward()
             results.append((out, [p.grad.clone() for p in model.parameters()]))
             model.zero_grad(set_to_none=True)

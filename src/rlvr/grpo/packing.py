@@ -25,7 +25,7 @@ without a budget) run the symbolic-length kernel.
 from __future__ import annotations
 
 import contextlib
-import functools
+import contextvars
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,8 +38,9 @@ from rlvr.grpo.logprobs import _lm_head, _without_peft, head_log_probs, model_de
 PACKED_ATTENTION = "rlvr_packed"
 """The attention implementation a packed forward runs under (registered with transformers)."""
 
-PACKED_ATTENTION_FULL = "rlvr_packed_full"
-"""The same for a pack of exactly the token budget: FlexAttention compiled for that length."""
+_full_pack: contextvars.ContextVar[bool] = contextvars.ContextVar("rlvr_full_pack", default=False)
+"""Whether the pack running now is exactly the token budget long (FlexAttention compiled for that
+length). Read outside the compiled layers, so that they need not compile once per kind of pack."""
 
 FLEX_BLOCK = 128
 """FlexAttention's block size: packs run through it are padded to a multiple, so every block is whole."""
@@ -309,10 +310,11 @@ _compiled_flex: dict[bool, Callable[..., torch.Tensor]] = {}
 
 @torch.compiler.disable
 def _flex_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any, scale: float | None, full: bool
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any, scale: float | None
 ) -> torch.Tensor:
     """FlexAttention compiled (uncompiled it would materialise the scores), called from outside any
     compiled graph: for a full pack with its length a constant, else with the length symbolic."""
+    full = _full_pack.get()
     if full not in _compiled_flex:
         _compiled_flex[full] = (
             torch.compile(_flex_full, dynamic=False) if full else torch.compile(_flex_any, dynamic=True)
@@ -329,12 +331,11 @@ def packed_attention(
     attention_mask: Any,
     dropout: float = 0.0,
     scaling: float | None = None,
-    full: bool = False,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature over a packed sequence: (B, H, L, D) inputs, the
     mask from ``attention_mask`` (a ``BlockMask`` for FlexAttention or a dense boolean mask for SDPA),
-    (B, L, H, D) output. ``full``: the pack is exactly the token budget long."""
+    (B, L, H, D) output."""
     if dropout:
         raise ValueError("packed training does not support attention dropout; set optim.shared_prefix false")
     if not isinstance(attention_mask, torch.Tensor) and query.shape[-1] < FLEX_MIN_HEAD_DIM:
@@ -346,7 +347,7 @@ def packed_attention(
             key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
         out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
     else:
-        out = _flex_attention(query, key, value, attention_mask, scaling, full)
+        out = _flex_attention(query, key, value, attention_mask, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -354,7 +355,6 @@ def _register() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(PACKED_ATTENTION, packed_attention)
-    AttentionInterface.register(PACKED_ATTENTION_FULL, functools.partial(packed_attention, full=True))
 
 
 _register()
@@ -409,12 +409,15 @@ def packed_response_log_probs(
     full_length = None if max_tokens is None else -(-max_tokens // align) * align
     host = pack_rows(input_ids, response_mask, rows, width, align, full_length)
     pack, mb_labels = _to_device(host, labels[torch.as_tensor(list(rows)), :width], device)
-    full = pack.input_ids.shape[1] == full_length
     mask = attention_mask(pack, device)
-    with _attention_implementation(plain, PACKED_ATTENTION_FULL if full else PACKED_ATTENTION):
-        hidden = (plain.base_model if backbone is None else backbone)(  # type: ignore[operator]
-            input_ids=pack.input_ids, position_ids=pack.position_ids, attention_mask=mask, use_cache=False
-        ).last_hidden_state[0]
+    token = _full_pack.set(pack.input_ids.shape[1] == full_length)
+    try:
+        with _attention_implementation(plain, PACKED_ATTENTION):
+            hidden = (plain.base_model if backbone is None else backbone)(  # type: ignore[operator]
+                input_ids=pack.input_ids, position_ids=pack.position_ids, attention_mask=mask, use_cache=False
+            ).last_hidden_state[0]
+    finally:
+        _full_pack.reset(token)
     hidden = hidden.index_select(0, pack.hidden_index)
     keep = pack.keep
     out: dict[str, Any] = head_log_probs(
