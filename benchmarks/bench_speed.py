@@ -237,6 +237,22 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
+def probe_parser(description: str) -> argparse.ArgumentParser:
+    """The arguments every probe in ``benchmarks/probes`` takes, ``--data-dir`` and ``--tiny``; a probe
+    adds its own."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--data-dir", required=True)
+    ap.add_argument("--tiny", action="store_true")
+    return ap
+
+
+def probe_bench(args: argparse.Namespace) -> Bench:
+    """The bench, set up with its own defaults, for a probe's ``--data-dir`` and ``--tiny``."""
+    bench = Bench(parse_args(["--data-dir", args.data_dir, "--skip-baselines"] + (["--tiny"] if args.tiny else [])))
+    bench.setup()
+    return bench
+
+
 class Bench:
     def __init__(self, args):
         self.args = args

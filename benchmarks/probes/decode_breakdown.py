@@ -26,13 +26,12 @@ Usage: ``PYTHONPATH=src:benchmarks python benchmarks/probes/decode_breakdown.py 
 
 from __future__ import annotations
 
-import argparse
 import re
 import time
 from collections import defaultdict
 
 import torch
-from bench_speed import FAMILY_MODELS, Bench, kv_bytes_per_token, param_counts, parse_args
+from bench_speed import FAMILY_MODELS, Bench, kv_bytes_per_token, param_counts, probe_bench, probe_parser
 from profile_step import use_family_model
 from torch.profiler import ProfilerActivity, profile
 
@@ -114,17 +113,14 @@ def part_floors_ms(bench: Bench, model, b: int, prompt: int, slots: int) -> dict
 
 @torch.inference_mode()
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data-dir", required=True)
-    ap.add_argument("--tiny", action="store_true")
+    ap = probe_parser(__doc__.splitlines()[0])
     ap.add_argument("--models", default="olmo2-1b," + ",".join(FAMILY_MODELS))
     ap.add_argument(
         "--against", choices=sorted(AGAINST), default="max-autotune", help="the variant set against the engine"
     )
     ap.add_argument("--deadline-s", type=float, default=float("inf"), help="start no model past this many seconds")
     args = ap.parse_args()
-    bench = Bench(parse_args(["--data-dir", args.data_dir, "--skip-baselines"] + (["--tiny"] if args.tiny else [])))
-    bench.setup()
+    bench = probe_bench(args)
     bench.ceilings()
     prompts = bench.fixed_length_prompts()
     P, T = len(prompts), bench.new_tokens

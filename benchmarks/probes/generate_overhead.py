@@ -14,11 +14,10 @@ Usage: ``PYTHONPATH=src:benchmarks python benchmarks/probes/generate_overhead.py
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
 import torch
-from bench_speed import Bench, parse_args
+from bench_speed import Bench, probe_bench, probe_parser
 from decode_breakdown import replay_ms
 from profile_step import gpu_busy_s
 from torch.profiler import ProfilerActivity, profile
@@ -38,12 +37,9 @@ def busy_and_wall(bench: Bench, fn) -> tuple[float, float]:
 
 @torch.inference_mode()
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data-dir", required=True)
-    ap.add_argument("--tiny", action="store_true")
+    ap = probe_parser(__doc__.splitlines()[0])
     args = ap.parse_args()
-    bench = Bench(parse_args(["--data-dir", args.data_dir, "--skip-baselines"] + (["--tiny"] if args.tiny else [])))
-    bench.setup()
+    bench = probe_bench(args)
     bench.ceilings()
     rows = []
 

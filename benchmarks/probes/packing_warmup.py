@@ -18,10 +18,8 @@ Usage: ``PYTHONPATH=src:benchmarks python benchmarks/probes/packing_warmup.py --
 
 from __future__ import annotations
 
-import argparse
-
 import torch
-from bench_speed import Bench, parse_args
+from bench_speed import Bench, probe_bench, probe_parser
 
 from rlvr.grpo import compile_backbone, get_response_log_probs, packing
 from rlvr.grpo.packing import (
@@ -81,12 +79,9 @@ def first_and_warm(bench: Bench, fn) -> tuple[float, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data-dir", required=True)
-    ap.add_argument("--tiny", action="store_true")
+    ap = probe_parser(__doc__.splitlines()[0])
     args = ap.parse_args()
-    bench = Bench(parse_args(["--data-dir", args.data_dir, "--skip-baselines"] + (["--tiny"] if args.tiny else [])))
-    bench.setup()
+    bench = probe_bench(args)
     model, device = bench.model, bench.device
     cuda = device.type == "cuda"
     budget = 256 if bench.tiny else 16_384
