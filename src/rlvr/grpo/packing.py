@@ -226,7 +226,7 @@ def pack_rows(
     )
 
 
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``tensor`` on ``device`` without waiting: a host tensor bound for a GPU is copied from pinned
     memory, which the host only queues."""
     if device.type == "cuda" and tensor.device.type == "cpu":
@@ -234,11 +234,11 @@ def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=True)
 
 
-def _to_device(pack: Pack, labels: torch.Tensor, device: torch.device) -> tuple[Pack, torch.Tensor]:
+def _pack_to(pack: Pack, labels: torch.Tensor, device: torch.device) -> tuple[Pack, torch.Tensor]:
     """The pack's tensors and ``labels`` on ``device`` in one copy, from pinned memory on CUDA (so the
     host queues the copy and goes on building the next microbatch)."""
     parts = [pack.input_ids, pack.position_ids, pack.segment, pack.prompt, pack.hidden_index, pack.keep, labels]
-    flat = to_device(torch.cat([part.reshape(-1) for part in parts]), device)
+    flat = _copy_to(torch.cat([part.reshape(-1) for part in parts]), device)
     ids, positions, segment, prompt, hidden_index, keep, flat_labels = flat.split([part.numel() for part in parts])
     on_device = Pack(ids.view(1, -1), positions.view(1, -1), segment, prompt, hidden_index, keep, pack.n_tokens)
     return on_device, flat_labels.view_as(labels)
@@ -261,7 +261,7 @@ _compiled_block_mask: Callable[..., Any] | None = None
 
 def attention_mask(pack: Pack, device: torch.device) -> Any:
     """A FlexAttention ``BlockMask`` for the pack on CUDA, else a dense (1, 1, L, L) boolean mask."""
-    prompt, segment = to_device(pack.prompt, device), to_device(pack.segment, device)
+    prompt, segment = _copy_to(pack.prompt, device), _copy_to(pack.segment, device)
     rule = visible(prompt, segment)
     n = prompt.numel()
     if device.type == "cuda":
@@ -408,7 +408,7 @@ def packed_response_log_probs(
     align = FLEX_BLOCK if device.type == "cuda" else 1
     full_length = None if max_tokens is None else -(-max_tokens // align) * align
     host = pack_rows(input_ids, response_mask, rows, width, align, full_length)
-    pack, mb_labels = _to_device(host, labels[torch.as_tensor(list(rows)), :width], device)
+    pack, mb_labels = _pack_to(host, labels[torch.as_tensor(list(rows)), :width], device)
     mask = attention_mask(pack, device)
     token = _full_pack.set(pack.input_ids.shape[1] == full_length)
     try:
