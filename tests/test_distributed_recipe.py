@@ -34,8 +34,14 @@ def test_torchrun_two_ranks_train_like_one_process(tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = torch.load(tmp_path / "weights.pt")
+    # The ranks ran single-threaded; the reference must sum in the same order. Restored after, so the
+    # rest of the suite keeps its threads.
+    threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    references = {False: distributed_recipe.train(None), True: distributed_recipe.train("reference-lora")}
+    try:
+        references = {False: distributed_recipe.train(None), True: distributed_recipe.train("reference-lora")}
+    finally:
+        torch.set_num_threads(threads)
     start = distributed_recipe.tiny_causal_lm(seed=0).state_dict()
     for variant, weights in got.items():
         reference = references[variant.endswith("lora")]
