@@ -95,14 +95,19 @@ def main() -> None:
     packs = [pack_rows(input_ids, mask, rows, width, align, budget) for rows in plan]
     lengths = [p.input_ids.shape[1] for p in packs]
     print(f"{len(plan)} packs of {lengths} tokens (budget {budget:,}; {sum(p.n_tokens for p in packs):,} real)")
-    rows: list[tuple[str, float, float]] = []
+    # Each row is printed as soon as it is measured: a run cut short by a time limit still reports
+    # the pieces it finished.
+    print("\n| piece | first call s | warm call s |\n|---|---:|---:|", flush=True)
+
+    def report(what: str, first: float, warm: float) -> None:
+        print(f"| {what} | {first:.2f} | {warm:.3f} |", flush=True)
 
     # the block mask at three lengths: the first compiles, the second compiles for symbolic lengths
     torch._dynamo.reset()
     by_length = {p.input_ids.shape[1]: p for p in packs}
     for n, pack in list(by_length.items())[:3]:
         first, warm = first_and_warm(bench, lambda pack=pack: block_mask(pack, device))
-        rows.append((f"block mask, {n:,} tokens", first, warm))
+        report(f"block mask, {n:,} tokens", first, warm)
 
     # one layer's attention: FlexAttention for the budget's length, then for symbolic lengths
     config = model.config
@@ -128,7 +133,7 @@ def main() -> None:
                 out.sum().backward()
 
         first, warm = first_and_warm(bench, attend)
-        rows.append((f"FlexAttention {'fixed' if full else 'symbolic'} length, {n:,} tokens", first, warm))
+        report(f"FlexAttention {'fixed' if full else 'symbolic'} length, {n:,} tokens", first, warm)
 
     # the whole packed microbatch, then the same batch padded, through model.compile's backbone
     torch._dynamo.reset()
@@ -144,7 +149,7 @@ def main() -> None:
             out["log_probs"].sum().backward()
 
         first, warm = first_and_warm(bench, packed)
-        rows.append((f"packed microbatch {i + 1}, {n:,} tokens", first, warm))
+        report(f"packed microbatch {i + 1}, {n:,} tokens", first, warm)
     model.zero_grad(set_to_none=True)
     lengths_padded = [max(1, int(r.nonzero().max()) + 1) if r.any() else 1 for r in mask]
     for i, rows_of_mb in enumerate(microbatch_plan(lengths_padded, keep, input_ids.shape[0], budget)[:3]):
@@ -164,7 +169,7 @@ def main() -> None:
             out["log_probs"].sum().backward()
 
         first, warm = first_and_warm(bench, padded)
-        rows.append((f"padded microbatch {i + 1}, {len(rows_of_mb)} x {mb_width}", first, warm))
+        report(f"padded microbatch {i + 1}, {len(rows_of_mb)} x {mb_width}", first, warm)
     model.zero_grad(set_to_none=True)
     model.eval()
 
@@ -177,9 +182,6 @@ def main() -> None:
     for name, seconds in sorted(compilation_time_metrics.items(), key=lambda kv: -sum(kv[1])):
         if sum(seconds) >= 0.5:
             print(f"{name}: {sum(seconds):.1f} s in {len(seconds)} calls")
-    print("\n| piece | first call s | warm call s |\n|---|---:|---:|")
-    for what, first, warm in rows:
-        print(f"| {what} | {first:.2f} | {warm:.3f} |")
 
 
 if __name__ == "__main__":
