@@ -155,10 +155,9 @@ def greedy_generate_reference(model, tok, prompts, max_new_tokens):
 collect_ignore_glob = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["interpreted/*"]
 
 
-def padded_and_packed(model, tok, weights, chunk_tokens, max_tokens=None):
+def padded_and_packed(model, tok, weights, chunk_tokens):
     """Log-probs of a tokenised batch at its response positions, padded and then packed
-    (``rlvr.grpo.packing``, with ``max_tokens`` as the token budget), each with the parameters'
-    gradients of ``sum(weights * log_probs)``."""
+    (``rlvr.grpo.packing``), each with the parameters' gradients of ``sum(weights * log_probs)``."""
     from rlvr.grpo import get_response_log_probs
     from rlvr.grpo.packing import packed_response_log_probs
 
@@ -168,7 +167,7 @@ def padded_and_packed(model, tok, weights, chunk_tokens, max_tokens=None):
     for packed in (False, True):
         if packed:
             out = packed_response_log_probs(
-                model, tok["input_ids"], tok["labels"], mask, rows, mask.shape[1], chunk_tokens, True, None, max_tokens
+                model, tok["input_ids"], tok["labels"], mask, rows, mask.shape[1], chunk_tokens, True
             )
         else:
             out = get_response_log_probs(model, tok["input_ids"], tok["labels"], True, positions=mask)

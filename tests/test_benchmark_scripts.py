@@ -86,12 +86,3 @@ def test_generate_overhead_probe_runs(gsm8k_path):
     out = _run("probes/generate_overhead.py", gsm8k=str(gsm8k_path))
     assert "forced: one new token" in out and "replays of the captured step" in out
     assert "realistic: one call profiled: wall / GPU busy" in out
-
-
-def test_packing_warmup_probe_runs(gsm8k_path):
-    """The packed microbatch's pieces, first call against a warm one, and the padded microbatches."""
-    out = _run("probes/packing_warmup.py", gsm8k=str(gsm8k_path))
-    for piece in ("| block mask,", "| FlexAttention fixed length,", "| FlexAttention symbolic length,"):
-        assert piece in out, piece
-    assert "| packed microbatch 1," in out and "| padded microbatch 1," in out
-    assert "compile time by stage" in out

@@ -4,13 +4,22 @@
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import family_model, padded_and_packed
 
 from rlvr.grpo import get_response_log_probs, policy_gradient_update, tokenize_prompt_and_output
-from rlvr.grpo.packing import attention_mask, pack_length, pack_rows, packed_response_log_probs, shared_prefix_plan
+from rlvr.grpo.packing import (
+    _pack_to,
+    attend_packed,
+    attention_mask,
+    pack_rows,
+    packed_response_log_probs,
+    shared_prefix_plan,
+)
 
 FAMILIES = ["olmo2", "llama", "qwen2", "qwen3"]
 
@@ -27,55 +36,39 @@ def _hand_batch():
 
 def test_pack_layout_by_hand():
     input_ids, _, mask = _hand_batch()
-    pack = pack_rows(input_ids, mask, [0, 1, 2], 4, align=5)
-    # prompt [5, 6, 7] once, row 0's inputs after it [8] (9 is only a label), row 1 has none ([10] is
-    # only a label), then prompt [5, 6] and row 2's inputs [11, 12]; two padding tokens to a multiple of 5
-    assert pack.input_ids.tolist() == [[5, 6, 7, 8, 5, 6, 11, 12, 0, 0]]
+    pack = pack_rows(input_ids, mask, [0, 1, 2], 4)
+    # the prompts first, each once: A [5, 6, 7] (rows 0 and 1), B [5, 6] (row 2); then the responses'
+    # inputs group by group: row 0's [8] (9 is only a label), row 1's none ([10] is only a label), row 2's
+    # [11, 12]
+    assert pack.input_ids.tolist() == [[5, 6, 7, 5, 6, 8, 11, 12]]
     assert pack.n_tokens == 8
-    assert pack.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 0, 1]]
-    # segments: prompt A 0, row 0's response 1, (row 1's empty response 2), prompt B 3, row 2's 4, padding 5
-    assert pack.segment.tolist() == [0, 0, 0, 1, 3, 3, 4, 4, 5, 5]
-    assert pack.prompt.tolist() == [0, 0, 0, 0, 3, 3, 3, 3, 5, 5]
-    # labels 8, 9 of row 0 come from packed 2 (prompt A's end) and 3; label 10 of row 1 from 2; labels
-    # 11, 12, 13 of row 2 from 5 (prompt B's end), 6 and 7
-    assert pack.hidden_index.tolist() == [2, 3, 2, 5, 6, 7]
+    assert pack.position_ids.tolist() == [[0, 1, 2, 0, 1, 3, 2, 3]]
+    # segments: prompt A 0, prompt B 1, row 0's response 2, (row 1's empty response 3), row 2's 4
+    assert pack.segment.tolist() == [0, 0, 0, 1, 1, 2, 4, 4]
+    assert pack.prompt.tolist() == [0, 0, 0, 1, 1, 0, 1, 1]
+    assert (pack.prompt_lengths, pack.response_lengths, pack.group_lengths) == ((3, 2), (1, 0, 2), (1, 2))
+    # labels 8, 9 of row 0 come from packed 2 (prompt A's end) and 5; label 10 of row 1 from 2; labels
+    # 11, 12, 13 of row 2 from 4 (prompt B's end), 6 and 7
+    assert pack.hidden_index.tolist() == [2, 5, 2, 4, 6, 7]
     # their places in the (3 rows, width 4) layout: row 0 columns 2, 3; row 1 column 2; row 2 columns 1-3
     assert pack.keep.tolist() == [2, 3, 6, 9, 10, 11]
 
 
 def test_mask_by_hand():
     input_ids, _, mask = _hand_batch()
-    pack = pack_rows(input_ids, mask, [0, 1, 2], 4, align=5)
-    m = attention_mask(pack, torch.device("cpu"))[0, 0]
-    assert m.shape == (10, 10)
-    seen = {q: [k for k in range(10) if m[q, k]] for q in range(10)}
+    m = attention_mask(pack_rows(input_ids, mask, [0, 1, 2], 4))
+    assert m.shape == (8, 8)
+    seen = {q: [k for k in range(8) if m[q, k]] for q in range(8)}
     assert seen[0] == [0] and seen[2] == [0, 1, 2]  # the prompt is causal
-    assert seen[3] == [0, 1, 2, 3]  # row 0's response: its prompt and itself
-    assert seen[4] == [4] and seen[5] == [4, 5]  # prompt B does not see prompt A or row 0
-    assert seen[6] == [4, 5, 6] and seen[7] == [4, 5, 6, 7]
-    assert seen[8] == [8] and seen[9] == [8, 9]  # padding sees only padding
+    assert seen[3] == [3] and seen[4] == [3, 4]  # prompt B does not see prompt A
+    assert seen[5] == [0, 1, 2, 5]  # row 0's response: its prompt and itself
+    assert seen[6] == [3, 4, 6] and seen[7] == [3, 4, 6, 7]  # row 2's: prompt B, not row 0
 
 
-def test_pack_length_by_hand():
-    # no budget: the next multiple of the alignment, at least one
-    assert [pack_length(n, 128) for n in (0, 1, 128, 129, 1000)] == [128, 128, 128, 256, 1024]
-    assert pack_length(7) == 7 and pack_length(0) == 1
-    # a budget of 1,024: a pack within a sixteenth of it (over 960 tokens) is padded to it exactly
-    assert [pack_length(n, 128, 1024) for n in (960, 961, 1000, 1024)] == [1024, 1024, 1024, 1024]
-    assert [pack_length(n, 1, 1024) for n in (960, 961)] == [960, 1024]
-    # a smaller pack, or one over the budget (a single long row), is aligned as without one
-    assert [pack_length(n, 128, 1024) for n in (500, 1025)] == [512, 1152]
-
-
-def test_a_nearly_full_pack_is_padded_to_the_budget():
-    # one prompt of 4 tokens and three responses of 10: 4 + 3 * 9 = 31 packed tokens
-    input_ids = torch.tensor([[1, 2, 3, 4] + list(range(10, 19))] * 3)
-    mask = torch.tensor([[0, 0, 0] + [1] * 10] * 3, dtype=torch.bool)
-    pack = pack_rows(input_ids, mask, [0, 1, 2], 13, align=1, full_length=32)  # 31 > 32 - 32 // 16
-    assert pack.n_tokens == 31 and pack.input_ids.shape == (1, 32)
-    assert pack.input_ids[0, -1] == 0 and pack.position_ids[0, -1] == 0
-    assert pack.segment.tolist()[-2:] == [3, 4] and pack.prompt.tolist()[-2:] == [0, 4]  # padding: its own
-    assert pack_rows(input_ids, mask, [0, 1, 2], 13, align=1, full_length=34).input_ids.shape == (1, 31)
+def test_an_empty_pack_is_one_padding_token():
+    pack = pack_rows(torch.tensor([[1, 2, 3]]), torch.zeros((1, 3), dtype=torch.bool), [0], 3)
+    assert pack.input_ids.tolist() == [[0]] and pack.n_tokens == 0
+    assert (pack.prompt_lengths, pack.response_lengths, pack.group_lengths) == ((), (), ())
 
 
 def test_two_responses_of_one_prompt_do_not_see_each_other():
@@ -84,9 +77,67 @@ def test_two_responses_of_one_prompt_do_not_see_each_other():
     pack = pack_rows(input_ids, mask, [0, 1], 4)
     assert pack.input_ids.tolist() == [[1, 2, 3, 4, 5, 6]]
     assert pack.position_ids.tolist() == [[0, 1, 2, 3, 2, 3]]
-    m = attention_mask(pack, torch.device("cpu"))[0, 0]
+    m = attention_mask(pack)
     assert [k for k in range(6) if m[4, k]] == [0, 1, 4]  # row 1's first input: the prompt, not row 0's
     assert [k for k in range(6) if m[5, k]] == [0, 1, 4, 5]
+
+
+def _layout(pack):
+    return _pack_to(pack, torch.zeros(1, dtype=torch.long), torch.device("cpu"))[1]
+
+
+def test_three_part_attention_by_hand():
+    """One prompt token and one response token, one head of size 1, scale 1: the response's query 1
+    sees key 0 (the prompt, score 0) and key 2 (itself, score 2), so the softmax weights are 1 / (1 + e^2)
+    and e^2 / (1 + e^2) on values 3 and 5; the merged parts give the whole softmax and its gradients."""
+    input_ids = torch.tensor([[7, 8]])
+    mask = torch.tensor([[1, 1]], dtype=torch.bool)  # prompt [7]; labels at both positions, one response input
+    pack = pack_rows(input_ids, mask, [0], 2)
+    assert pack.input_ids.tolist() == [[7, 8]] and (pack.prompt_lengths, pack.response_lengths) == ((1,), (1,))
+    q = torch.tensor([[[0.0]], [[1.0]]], dtype=torch.float64, requires_grad=True)
+    k = torch.tensor([[[0.0]], [[2.0]]], dtype=torch.float64, requires_grad=True)
+    v = torch.tensor([[[3.0]], [[5.0]]], dtype=torch.float64, requires_grad=True)
+    out = attend_packed(q, k, v, _layout(pack), 1.0, flash=False)
+    e2 = math.exp(2.0)
+    w_prompt, w_own = 1 / (1 + e2), e2 / (1 + e2)
+    assert out[0, 0, 0].item() == pytest.approx(3.0)  # the prompt sees only itself
+    assert out[1, 0, 0].item() == pytest.approx(3 * w_prompt + 5 * w_own, rel=1e-6)
+    dq, dk, dv = torch.autograd.grad(out[1, 0, 0], (q, k, v))
+    # d out / d v = the weights; d out / d q1 = sum_j w_j k_j (v_j - out); d out / d k_j = w_j q1 (v_j - out)
+    o = 3 * w_prompt + 5 * w_own
+    assert dv[:, 0, 0].tolist() == pytest.approx([w_prompt, w_own], rel=1e-6)
+    assert dq[1, 0, 0].item() == pytest.approx(w_own * 2 * (5 - o), rel=1e-6)
+    assert dk[:, 0, 0].tolist() == pytest.approx([w_prompt * (3 - o), w_own * (5 - o)], rel=1e-6)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2)])
+def test_three_part_attention_equals_masked_sdpa(heads, kv_heads):
+    """Prompts over themselves, responses over themselves and over their group's prompt, merged by their
+    log-sum-exps: the dense packed mask through SDPA, output and gradients (float64), with an empty
+    response and a group whose only response is empty."""
+    rows = [[5, 6, 7, 8, 3], [5, 6, 7, 0, 0], [5, 6, 11, 12, 0], [5, 6, 7, 9, 9], [4, 4, 4, 1, 0]]
+    input_ids = torch.tensor(rows)
+    mask = torch.tensor(
+        [[0, 0, 1, 1, 1], [0, 0, 1, 0, 0], [0, 1, 1, 1, 0], [0, 0, 1, 1, 1], [0, 0, 0, 1, 0]], dtype=torch.bool
+    )
+    pack = pack_rows(input_ids, mask, range(5), 5)
+    assert 0 in pack.response_lengths and 0 in pack.group_lengths
+    n = pack.input_ids.shape[1]
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(n, heads, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(n, kv_heads, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    out = attend_packed(q, k, v, _layout(pack), 0.3, flash=False)
+    reps = heads // kv_heads
+    dense = F.scaled_dot_product_attention(
+        *(t.transpose(0, 1) for t in (q, k.repeat_interleave(reps, 1), v.repeat_interleave(reps, 1))),
+        attn_mask=attention_mask(pack),
+        scale=0.3,
+    ).transpose(0, 1)
+    grad = torch.randn(out.shape, generator=g, dtype=torch.float64)
+    got, want = torch.autograd.grad(out, (q, k, v), grad), torch.autograd.grad(dense, (q, k, v), grad)
+    torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-6)  # the arithmetic path computes in float32
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 def test_plan_by_hand():
@@ -142,22 +193,6 @@ def test_packed_log_probs_equal_padded(family, tiny_tokenizer):
     torch.testing.assert_close(packed["log_probs"], padded["log_probs"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(packed["token_entropy"], padded["token_entropy"], rtol=1e-5, atol=1e-5)
     for a, b in zip(g_packed, g_padded, strict=True):  # near-zero entries differ by rounding (seen: 2.4e-6)
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
-
-
-def test_packed_with_padding_to_the_budget_equals_padded(tiny_tokenizer):
-    """A pack that nearly fills the token budget is padded up to it: the padding changes nothing."""
-    model = family_model("qwen2", tiny_tokenizer)
-    tok = _group_batch(tiny_tokenizer)
-    mask = tok["response_mask"].bool()
-    n_tokens = pack_rows(tok["input_ids"], mask, list(range(mask.shape[0])), mask.shape[1]).n_tokens
-    budget = n_tokens + 1  # within a sixteenth of the budget once there are 31 tokens or more
-    assert n_tokens >= 31
-    (padded, g_padded), (packed, g_packed) = padded_and_packed(model, tok, torch.randn(mask.shape), 5, budget)
-    assert packed["backbone_tokens"] == budget
-    torch.testing.assert_close(packed["log_probs"], padded["log_probs"], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(packed["token_entropy"], padded["token_entropy"], rtol=1e-5, atol=1e-5)
-    for a, b in zip(g_packed, g_padded, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
 
@@ -236,8 +271,7 @@ def test_packed_update_falls_back_to_padded_where_it_cannot_pack(tiny_model, tin
 
 def test_packed_compiled_backbone_equals_eager(tiny_tokenizer):
     """``model.compile``'s layer-wise compiled backbone (inductor on the CPU) runs the packed sequence:
-    the same log-probs and gradients as eager, for two packs of different lengths, compiled once, though
-    the first fills the token budget (FlexAttention's fixed-length kind on CUDA) and the second does not."""
+    the same log-probs and gradients as eager, for two packs of different lengths, compiled once."""
     pytest.importorskip("torch._inductor")
     import torch._dynamo
     from torch._dynamo.utils import counters
@@ -251,14 +285,10 @@ def test_packed_compiled_backbone_equals_eager(tiny_tokenizer):
     tok = _group_batch(tiny_tokenizer)
     mask = tok["response_mask"].bool()
     width = tok["input_ids"].shape[1]
-    budget = pack_rows(tok["input_ids"], mask, [0, 1, 2, 6, 7], width).n_tokens
     for k, rows in enumerate([[0, 1, 2, 6, 7], [3, 4, 5]]):
         results = []
         for bb in (None, backbone):
-            out = packed_response_log_probs(
-                model, tok["input_ids"], tok["labels"], mask, rows, width, 64, True, bb, budget
-            )
-            assert (out["backbone_tokens"] == budget) == (k == 0)
+            out = packed_response_log_probs(model, tok["input_ids"], tok["labels"], mask, rows, width, 64, True, bb)
             out["log_probs"].sum().backward()
             results.append((out, [p.grad.clone() for p in model.parameters()]))
             model.zero_grad(set_to_none=True)
@@ -270,3 +300,20 @@ def test_packed_compiled_backbone_equals_eager(tiny_tokenizer):
             graphs = counters["stats"]["unique_graphs"]
         assert counters["stats"]["unique_graphs"] == graphs, "recompiled for a second pack length"
     torch._dynamo.reset()
+
+
+def test_packing_with_gradient_checkpointing_is_a_clear_error():
+    """A checkpointed layer recomputes its forward during the backward, after the pack's layout is gone."""
+    from rlvr.config import ConfigError, TrainConfig
+
+    config = TrainConfig.from_dict({"optim": {"shared_prefix": True}, "model": {"gradient_checkpointing": True}})
+    with pytest.raises(ConfigError, match="optim.shared_prefix cannot recompute a packed forward"):
+        config.resolve().validate()
+
+
+def test_packed_attention_outside_a_packed_forward_says_what_to_do():
+    from rlvr.grpo.packing import packed_attention
+
+    q = torch.zeros(1, 2, 3, 8)
+    with pytest.raises(RuntimeError, match="set optim.shared_prefix false"):
+        packed_attention(None, q, q, q, None)

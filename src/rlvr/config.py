@@ -205,7 +205,7 @@ class OptimConfig:
     max_tokens_per_microbatch: int | None = None
     """Also cap every microbatch at this many tokens (rows x longest row, rows sorted by length): with gradient_accumulation_steps 1 the token budget alone cuts the batch, so short rollouts share big microbatches and long ones get small ones. The gradient is the same either way."""
     shared_prefix: bool = False
-    """Pass each prompt through the model once per microbatch for all of its responses: a microbatch is one packed sequence (each prompt, then its responses, with an attention mask that keeps responses apart), max_tokens_per_microbatch counts its packed tokens. The gradient is the same; the saving grows with prompt length and group size. One process only (distributed.strategy none); FlexAttention on CUDA, whose compiling made the first step take minutes at a 1B model (docs/benchmarks.md)."""
+    """Pass each prompt through the model once per microbatch for all of its responses: a microbatch is one packed sequence (each prompt once, then its responses, each seeing only its prompt and itself), max_tokens_per_microbatch counts its packed tokens. The gradient is the same; the saving grows with prompt length and group size. One process only (distributed.strategy none), without model.gradient_checkpointing; FlashAttention's variable-length kernels on CUDA in bf16/fp16 (docs/benchmarks.md)."""
 
 
 @dataclass(frozen=True)
@@ -605,6 +605,11 @@ class TrainConfig:
             not (self.optim.shared_prefix and d.strategy in ("ddp", "fsdp")),
             f"optim.shared_prefix packs microbatches in one process; with distributed.strategy {d.strategy} "
             "set optim.shared_prefix false",
+        )
+        need(
+            not (self.optim.shared_prefix and self.model.gradient_checkpointing),
+            "optim.shared_prefix cannot recompute a packed forward under model.gradient_checkpointing; "
+            "set one of them false",
         )
         need(
             self.engine.worker.dtype in DTYPES,

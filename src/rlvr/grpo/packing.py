@@ -2,24 +2,24 @@
 model once, however many of its responses the microbatch holds.
 
 GRPO samples a group of responses per prompt, and padded rows repeat the prompt in every row of its
-group. A packed microbatch is one sequence instead: each prompt once, followed by each of its
-responses; a response's positions continue from its prompt's end, and the attention mask lets a token
-see only its own prompt and the earlier tokens of its own response. The hidden state at a prompt's
-last token predicts the first token of every one of its responses.
+group. A packed microbatch is one sequence instead: every distinct prompt once, then the responses,
+group by group; a response's positions continue from its prompt's end, and a token sees only its own
+prompt and the earlier tokens of its own response. The hidden state at a prompt's last token predicts
+the first token of every one of its responses.
 
 Why the result is the padded one: attention is causal, so a prompt's activations do not depend on
 what follows it and are the same as in each padded row; the gradient that reaches them is the sum of
 what each row's copy received, which is what the weights' gradient sums anyway. Log-probs, entropies
 and gradients equal the padded computation's up to rounding, from fewer tokens and without padding.
 
-On CUDA the mask is a FlexAttention ``BlockMask`` (blocks that no query of a block can see are
-skipped); elsewhere, where FlexAttention has no backward, it is a dense boolean mask for SDPA, built
-from the same rule (``visible``). FlexAttention runs compiled, outside a compiled backbone's graphs
-(``torch.compiler.disable``). Compiled for a symbolic length its kernels were markedly slower than
-with the length a constant, but a constant length compiles again for every new length, slowly
-(docs/benchmarks.md). So a pack that nearly fills the token budget is padded to exactly the budget
-and runs the constant-length kernel (one compile for the run); the rest (a step's last pack, runs
-without a budget) run the symbolic-length kernel.
+Attention over a pack is three variable-length attentions with no mask to build: each prompt over
+itself (causal), each response over itself (causal), and each group's responses over their prompt
+(every prompt token visible). The last two share their queries and are merged by their log-sum-exps
+into one softmax over prompt and response keys; the backward of each part, given the merged output
+and log-sum-exp, is that part's share of the whole softmax's gradient (the identity ring and
+split-key attention rest on). The parts run as FlashAttention's variable-length kernels where the
+device takes them (CUDA, 16-bit, head sizes up to 256), else as the same arithmetic written out in
+PyTorch (``_math_attention``), which is also what the GPU tests hold the flash kernels to.
 """
 
 from __future__ import annotations
@@ -31,25 +31,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from rlvr.grpo.logprobs import _lm_head, _without_peft, head_log_probs, model_device
 
 PACKED_ATTENTION = "rlvr_packed"
 """The attention implementation a packed forward runs under (registered with transformers)."""
 
-_full_pack: contextvars.ContextVar[bool] = contextvars.ContextVar("rlvr_full_pack", default=False)
-"""Whether the pack running now is exactly the token budget long (FlexAttention compiled for that
-length). Read outside the compiled layers, so that they need not compile once per kind of pack."""
-
-FLEX_BLOCK = 128
-"""FlexAttention's block size: packs run through it are padded to a multiple, so every block is whole."""
-
-FLEX_LENGTHS = 64
-"""How many pack lengths FlexAttention may compile for (beyond the compiler's default limit)."""
-
-FLEX_MIN_HEAD_DIM = 16
-"""FlexAttention's smallest head size; smaller heads (test models) take the dense mask instead."""
+FLASH_DTYPES = (torch.bfloat16, torch.float16)
+FLASH_MAX_HEAD_DIM = 256
 
 
 @dataclass(frozen=True)
@@ -131,7 +120,8 @@ def shared_prefix_plan(
 
 @dataclass(frozen=True)
 class Pack:
-    """One packed microbatch, on the host."""
+    """One packed microbatch, on the host: the prompts (one per group), then the responses' inputs
+    group by group, then padding (only when nothing else is packed)."""
 
     input_ids: torch.Tensor
     """(1, L) the packed tokens, then the padding."""
@@ -147,53 +137,47 @@ class Pack:
     """(kept,) each response label's index in the microbatch's flattened (rows, width) layout."""
     n_tokens: int
     """Packed tokens before padding."""
+    prompt_lengths: tuple[int, ...]
+    """Each group's prompt length, in packed order (the prompts fill positions 0 .. sum - 1)."""
+    response_lengths: tuple[int, ...]
+    """Each response's packed input length, in packed order (after the prompts)."""
+    group_lengths: tuple[int, ...]
+    """Each group's responses' packed length together, in the prompts' order."""
 
 
-def pack_length(n_tokens: int, align: int = 1, full_length: int | None = None) -> int:
-    """The padded length of a pack of ``n_tokens``: ``full_length`` when the pack nearly fills it (within
-    a sixteenth), else the next multiple of ``align`` (at least one token)."""
-    if full_length is not None and full_length - full_length // 16 < n_tokens <= full_length:
-        return full_length
-    return max(align, -(-n_tokens // align) * align)
-
-
-def pack_rows(
-    input_ids: torch.Tensor,
-    response_mask: torch.Tensor,
-    rows: Sequence[int],
-    width: int,
-    align: int = 1,
-    full_length: int | None = None,
-) -> Pack:
+def pack_rows(input_ids: torch.Tensor, response_mask: torch.Tensor, rows: Sequence[int], width: int) -> Pack:
     """Pack ``rows`` of a tokenised batch (host tensors): each distinct prompt once, then the inputs of
-    each of its responses (all response tokens but the last, which no label is predicted from), then
-    padding to ``pack_length``. Labels keep the padded layout, ``(len(rows), width)``, through ``keep``."""
+    each of its responses (all response tokens but the last, which no label is predicted from). Labels
+    keep the padded layout, ``(len(rows), width)``, through ``keep``."""
     index = torch.as_tensor(list(rows), dtype=torch.long)
     layouts = row_layouts(response_mask[index, :width])
     if layouts is None:
         raise ValueError("pack_rows needs each row's response positions to be one contiguous run")
     prompt_width = max((layout.prompt_len for layout in layouts if layout is not None), default=0)
     heads = input_ids[index, :prompt_width].tolist()  # one conversion for every row's prompt
-    # Pieces in packed order, each a run of one row's input tokens: (row, start, length, segment, the
-    # segment of its group's prompt). A prompt is one piece the first time it is seen.
-    pieces: list[tuple[int, int, int, int, int]] = []
-    responses = []  # per kept row: (its place j in rows, its layout, its prompt's last packed index, its packed start)
-    prompt_ends: dict[tuple[int, ...], tuple[int, int]] = {}  # prompt -> (its last packed index, its segment)
-    n_tokens = 0
+    groups: dict[tuple[int, ...], list[tuple[int, int, RowLayout]]] = {}  # prompt -> its (j, row, layout)
     for j, (row, layout) in enumerate(zip(rows, layouts, strict=True)):
-        if layout is None:
-            continue
-        p, n = layout.prompt_len, layout.n_response
-        key = tuple(heads[j][:p])
-        if key not in prompt_ends:
-            prompt_ends[key] = (n_tokens + p - 1, len(pieces))
-            pieces.append((row, 0, p, len(pieces), len(pieces)))
-            n_tokens += p
-        prompt_end, prompt_segment = prompt_ends[key]
-        responses.append((j, layout, prompt_end, n_tokens))
-        pieces.append((row, p, n - 1, len(pieces), prompt_segment))
-        n_tokens += n - 1
-    length = pack_length(n_tokens, align, full_length)
+        if layout is not None:
+            groups.setdefault(tuple(heads[j][: layout.prompt_len]), []).append((j, row, layout))
+    # Pieces in packed order, each a run of one row's input tokens: (row, start, length, segment, the
+    # segment of its group's prompt). The prompts first, then the responses in the prompts' order.
+    pieces: list[tuple[int, int, int, int, int]] = []
+    prompt_ends = []  # each group's prompt's last packed index
+    for members in groups.values():
+        _, row, layout = members[0]
+        pieces.append((row, 0, layout.prompt_len, len(pieces), len(pieces)))
+        prompt_ends.append(sum(piece[2] for piece in pieces) - 1)
+    n_tokens = prompt_ends[-1] + 1 if prompt_ends else 0
+    responses = []  # per kept row: (its place j in rows, its layout, its prompt's last packed index, its packed start)
+    group_lengths = []
+    for g, members in enumerate(groups.values()):
+        start = n_tokens
+        for j, row, layout in members:
+            responses.append((j, layout, prompt_ends[g], n_tokens))
+            pieces.append((row, layout.prompt_len, layout.n_response - 1, len(pieces), g))
+            n_tokens += layout.n_response - 1
+        group_lengths.append(n_tokens - start)
+    length = max(1, n_tokens)
     # The padding is one more piece: its own segment and group, positions from 0, token id 0.
     pieces.append((0, 0, length - n_tokens, len(pieces), len(pieces)))
     piece_row, piece_start, piece_len, piece_segment, piece_prompt = map(list, zip(*pieces, strict=True))
@@ -215,6 +199,7 @@ def pack_rows(
         step == 0, long([end for _, _, end, _ in responses])[label_of], response_start + step - 1
     )
     column = long([j * width + layout.first for j, layout, _, _ in responses])[label_of]
+    n_groups = len(groups)
     return Pack(
         input_ids=ids.unsqueeze(0),
         position_ids=(starts + offset).unsqueeze(0),
@@ -223,6 +208,9 @@ def pack_rows(
         hidden_index=hidden_index,
         keep=column + step,
         n_tokens=n_tokens,
+        prompt_lengths=tuple(piece_len[:n_groups]),
+        response_lengths=tuple(piece_len[n_groups:-1]),
+        group_lengths=tuple(group_lengths),
     )
 
 
@@ -234,93 +222,338 @@ def _copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return tensor.to(device, non_blocking=True)
 
 
-def _pack_to(pack: Pack, labels: torch.Tensor, device: torch.device) -> tuple[Pack, torch.Tensor]:
-    """The pack's tensors and ``labels`` on ``device`` in one copy, from pinned memory on CUDA (so the
-    host queues the copy and goes on building the next microbatch)."""
-    parts = [pack.input_ids, pack.position_ids, pack.segment, pack.prompt, pack.hidden_index, pack.keep, labels]
+def _bounds(lengths: Sequence[int]) -> list[int]:
+    """Cumulative boundaries ``[0, l0, l0 + l1, ...]`` of consecutive runs of ``lengths``."""
+    out = [0]
+    for n in lengths:
+        out.append(out[-1] + n)
+    return out
+
+
+@dataclass(frozen=True)
+class PackedLayout:
+    """Where a pack's prompts, responses and groups lie, for the three attentions over it: boundaries
+    on the host (Python lists, for the arithmetic path and the kernels' sizes) and on the device (int32,
+    for the flash kernels). Response and group boundaries count from the first response token."""
+
+    prompts: list[int]
+    responses: list[int]
+    groups: list[int]
+    prompts_on_device: torch.Tensor
+    responses_on_device: torch.Tensor
+    groups_on_device: torch.Tensor
+
+    @property
+    def n_prompt(self) -> int:
+        return self.prompts[-1]
+
+    @property
+    def n_response(self) -> int:
+        return self.responses[-1]
+
+
+def _longest(bounds: Sequence[int]) -> int:
+    return max((b - a for a, b in zip(bounds, bounds[1:], strict=False)), default=0)
+
+
+def _pack_to(pack: Pack, labels: torch.Tensor, device: torch.device) -> tuple[Pack, PackedLayout, torch.Tensor]:
+    """The pack's tensors, its layout's boundaries and ``labels`` on ``device`` in one copy, from pinned
+    memory on CUDA (so the host queues the copy and goes on building the next microbatch)."""
+    prompts, responses, groups = (
+        _bounds(pack.prompt_lengths),
+        _bounds(pack.response_lengths),
+        _bounds(pack.group_lengths),
+    )
+    parts = [pack.input_ids, pack.position_ids, pack.hidden_index, pack.keep, labels]
+    parts += [torch.tensor(b, dtype=torch.long) for b in (prompts, responses, groups)]
     flat = _copy_to(torch.cat([part.reshape(-1) for part in parts]), device)
-    ids, positions, segment, prompt, hidden_index, keep, flat_labels = flat.split([part.numel() for part in parts])
-    on_device = Pack(ids.view(1, -1), positions.view(1, -1), segment, prompt, hidden_index, keep, pack.n_tokens)
-    return on_device, flat_labels.view_as(labels)
+    ids, positions, hidden_index, keep, flat_labels, *bounds = flat.split([part.numel() for part in parts])
+    on_device = Pack(
+        ids.view(1, -1),
+        positions.view(1, -1),
+        pack.segment,
+        pack.prompt,
+        hidden_index,
+        keep,
+        pack.n_tokens,
+        pack.prompt_lengths,
+        pack.response_lengths,
+        pack.group_lengths,
+    )
+    layout = PackedLayout(prompts, responses, groups, *(b.to(torch.int32) for b in bounds))
+    return on_device, layout, flat_labels.view_as(labels)
 
 
-def visible(prompt: torch.Tensor, segment: torch.Tensor) -> Callable[..., torch.Tensor]:
-    """The packed mask as a FlexAttention ``mask_mod``: query ``q`` sees key ``k`` when ``k`` is not
-    later, in the same group, and either the group's prompt or in ``q``'s own segment."""
-
-    def mask_mod(batch: Any, head: Any, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        same_group = prompt[q] == prompt[k]
-        own_or_prompt = (segment[k] == segment[q]) | (segment[k] == prompt[k])
-        return (k <= q) & same_group & own_or_prompt
-
-    return mask_mod
-
-
-_compiled_block_mask: Callable[..., Any] | None = None
+def attention_mask(pack: Pack) -> torch.Tensor:
+    """The packed attention written out as a dense (L, L) boolean mask (the reference the three-part
+    attention is tested against): query ``q`` sees key ``k`` when ``k`` is not later, in the same group,
+    and either the group's prompt or in ``q``'s own segment."""
+    prompt, segment = pack.prompt, pack.segment
+    q, k = torch.arange(prompt.numel())[:, None], torch.arange(prompt.numel())[None, :]
+    same_group = prompt[q] == prompt[k]
+    own_or_prompt = (segment[k] == segment[q]) | (segment[k] == prompt[k])
+    return (k <= q) & same_group & own_or_prompt
 
 
-def attention_mask(pack: Pack, device: torch.device) -> Any:
-    """A FlexAttention ``BlockMask`` for the pack on CUDA, else a dense (1, 1, L, L) boolean mask."""
-    prompt, segment = _copy_to(pack.prompt, device), _copy_to(pack.segment, device)
-    rule = visible(prompt, segment)
-    n = prompt.numel()
-    if device.type == "cuda":
-        global _compiled_block_mask
-        if _compiled_block_mask is None:  # eager, it evaluates the rule for every (query, key) pair at once
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            _compiled_block_mask = torch.compile(create_block_mask)
-        with _flex_lengths():
-            return _compiled_block_mask(rule, None, None, n, n, device=device)
-    index = torch.arange(n, device=device)
-    return rule(None, None, index[:, None], index[None, :])[None, None]
+# --- the three attentions and their merge ---------------------------------------------------------
 
 
-def _flex_lengths() -> Any:
-    """Room for ``FLEX_LENGTHS`` compiled pack lengths, for the duration."""
-    import torch._dynamo.config as config
-
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    return config.patch(**{name: max(FLEX_LENGTHS, getattr(config, name))})
+def _flash_takes(query: torch.Tensor) -> bool:
+    head_dim = query.shape[-1]
+    return query.is_cuda and query.dtype in FLASH_DTYPES and head_dim % 8 == 0 and head_dim <= FLASH_MAX_HEAD_DIM
 
 
-def _flex_full(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any, scale: float | None
+def _accumulation_dtype(tensor: torch.Tensor) -> torch.dtype:
+    """float32 for 16-bit and float32 inputs, float64 for float64 ones."""
+    return torch.promote_types(tensor.dtype, torch.float32)
+
+
+def _math_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_bounds: Sequence[int],
+    k_bounds: Sequence[int],
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Variable-length attention written out: sequence ``i``'s queries ``q[q_bounds[i]:q_bounds[i+1]]``
+    over its keys ``k[k_bounds[i]:k_bounds[i+1]]`` ((T, H, D) and (S, H_kv, D)); returns the output (T, H,
+    D) and the log-sum-exp of the scaled scores (H, T), at least float32 (-inf for a query with no key)."""
+    groups = q.shape[1] // k.shape[1]
+    acc = _accumulation_dtype(q)
+    out = torch.zeros_like(q)
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc, device=q.device)
+    for (q0, q1), (k0, k1) in zip(zip(q_bounds, q_bounds[1:]), zip(k_bounds, k_bounds[1:]), strict=True):
+        if q1 == q0 or k1 == k0:
+            continue
+        qi = q[q0:q1].transpose(0, 1).to(acc)  # (H, t, D)
+        ki = k[k0:k1].transpose(0, 1).to(acc).repeat_interleave(groups, 0)
+        vi = v[k0:k1].transpose(0, 1).to(acc).repeat_interleave(groups, 0)
+        scores = qi @ ki.transpose(1, 2) * scale
+        if causal:
+            scores = scores.masked_fill(torch.ones_like(scores[0], dtype=torch.bool).triu(1), float("-inf"))
+        lse_i = torch.logsumexp(scores, -1)
+        out[q0:q1] = (torch.exp(scores - lse_i[..., None]) @ vi).transpose(0, 1).to(q.dtype)
+        lse[:, q0:q1] = lse_i
+    return out, lse
+
+
+def _math_attention_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q_bounds: Sequence[int],
+    k_bounds: Sequence[int],
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of ``_math_attention``'s inputs, given ``out`` and ``lse`` of the softmax the
+    scores belong to (perhaps one over more keys than these: then these are this part's share)."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    groups = heads // kv_heads
+    acc = _accumulation_dtype(q)
+    dq, dk, dv = (torch.zeros_like(t, dtype=acc) for t in (q, k, v))
+    for (q0, q1), (k0, k1) in zip(zip(q_bounds, q_bounds[1:]), zip(k_bounds, k_bounds[1:]), strict=True):
+        if q1 == q0 or k1 == k0:
+            continue
+        qi = q[q0:q1].transpose(0, 1).to(acc)
+        ki = k[k0:k1].transpose(0, 1).to(acc).repeat_interleave(groups, 0)
+        vi = v[k0:k1].transpose(0, 1).to(acc).repeat_interleave(groups, 0)
+        gi, oi = grad[q0:q1].transpose(0, 1).to(acc), out[q0:q1].transpose(0, 1).to(acc)
+        scores = qi @ ki.transpose(1, 2) * scale
+        if causal:
+            scores = scores.masked_fill(torch.ones_like(scores[0], dtype=torch.bool).triu(1), float("-inf"))
+        p = torch.exp(scores - lse[:, q0:q1, None].to(acc))
+        dp = gi @ vi.transpose(1, 2)
+        ds = p * (dp - (gi * oi).sum(-1, keepdim=True)) * scale
+        dq[q0:q1] = (ds @ ki).transpose(0, 1)
+        t = k1 - k0
+        dk[k0:k1] = (ds.transpose(1, 2) @ qi).view(kv_heads, groups, t, -1).sum(1).transpose(0, 1)
+        dv[k0:k1] = (p.transpose(1, 2) @ gi).view(kv_heads, groups, t, -1).sum(1).transpose(0, 1)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_bounds: torch.Tensor,
+    k_bounds: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FlashAttention's variable-length forward: output (T, H, D) and log-sum-exp (H, T)."""
+    out, lse, *_ = torch.ops.aten._flash_attention_forward(
+        q, k, v, q_bounds, k_bounds, max_q, max_k, 0.0, causal, False, scale=scale
+    )
+    if lse.shape != (q.shape[1], q.shape[0]):
+        raise RuntimeError(f"unexpected flash log-sum-exp shape {tuple(lse.shape)} for queries {tuple(q.shape)}")
+    return out, lse
+
+
+def _flash_attention_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    q_bounds: torch.Tensor,
+    k_bounds: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    no_dropout = torch.zeros(2, dtype=torch.uint64, device=q.device)  # the philox state dropout 0 ignores
+    dq, dk, dv = torch.ops.aten._flash_attention_backward(
+        grad, q, k, v, out, lse, q_bounds, k_bounds, max_q, max_k, 0.0, causal, no_dropout,
+        torch.empty(0, device=q.device), scale=scale,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+def _on(layout: PackedLayout, name: str, flash: bool) -> tuple[Any, int]:
+    """A boundary list of ``layout`` as the kernel takes it (device tensor for flash, host list else) and
+    its longest run."""
+    host = getattr(layout, name)
+    return (getattr(layout, f"{name}_on_device") if flash else host), _longest(host)
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout, q_name: str, k_name: str,
+    causal: bool, scale: float, flash: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    (q_bounds, max_q), (k_bounds, max_k) = _on(layout, q_name, flash), _on(layout, k_name, flash)
+    if flash:
+        return _flash_attention(q, k, v, q_bounds, k_bounds, max_q, max_k, causal, scale)
+    return _math_attention(q, k, v, q_bounds, k_bounds, causal, scale)
+
+
+def _attend_backward(
+    grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    layout: PackedLayout, q_name: str, k_name: str, causal: bool, scale: float, flash: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    (q_bounds, max_q), (k_bounds, max_k) = _on(layout, q_name, flash), _on(layout, k_name, flash)
+    if flash:
+        return _flash_attention_backward(grad, q, k, v, out, lse, q_bounds, k_bounds, max_q, max_k, causal, scale)
+    return _math_attention_backward(grad, q, k, v, out, lse, q_bounds, k_bounds, causal, scale)
+
+
+def packed_attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout, scale: float, flash: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Attention over a pack ((L, H, D) queries, (L, H_kv, D) keys and values): the output (L, H, D),
+    zero past the responses, and the log-sum-exps (H, n) of the prompt and response queries."""
+    n_p, n_r = layout.n_prompt, layout.n_response
+    out = torch.zeros_like(q)
+    lse_prompt = lse_response = None
+    if n_p:
+        out[:n_p], lse_prompt = _attend(q[:n_p], k[:n_p], v[:n_p], layout, "prompts", "prompts", True, scale, flash)
+    if n_r:
+        response = slice(n_p, n_p + n_r)
+        own, lse_own = _attend(
+            q[response], k[response], v[response], layout, "responses", "responses", True, scale, flash
+        )
+        seen, lse_seen = _attend(q[response], k[:n_p], v[:n_p], layout, "groups", "prompts", False, scale, flash)
+        lse_response = torch.logaddexp(lse_own, lse_seen)
+        weight_own = torch.exp(lse_own - lse_response).t().unsqueeze(-1)
+        weight_seen = torch.exp(lse_seen - lse_response).t().unsqueeze(-1)
+        acc = _accumulation_dtype(q)
+        out[response] = (own.to(acc) * weight_own + seen.to(acc) * weight_seen).to(q.dtype)
+    return out, lse_prompt, lse_response
+
+
+def packed_attention_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse_prompt: torch.Tensor | None,
+    lse_response: torch.Tensor | None,
+    layout: PackedLayout,
+    scale: float,
+    flash: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of ``packed_attention_forward``'s q, k and v: each part's backward with the merged
+    output and log-sum-exp, the parts' shares summed."""
+    n_p, n_r = layout.n_prompt, layout.n_response
+    dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
+    prompt, response = slice(0, n_p), slice(n_p, n_p + n_r)
+    if n_p:
+        assert lse_prompt is not None
+        dq[prompt], dk[prompt], dv[prompt] = _attend_backward(
+            grad[prompt], q[prompt], k[prompt], v[prompt], out[prompt], lse_prompt, layout, "prompts", "prompts",
+            True, scale, flash,
+        )  # fmt: skip
+    if n_r:
+        assert lse_response is not None
+        g, o = grad[response], out[response]
+        dq_own, dk[response], dv[response] = _attend_backward(
+            g, q[response], k[response], v[response], o, lse_response, layout, "responses", "responses", True,
+            scale, flash,
+        )  # fmt: skip
+        dq_seen, dk_seen, dv_seen = _attend_backward(
+            g, q[response], k[prompt], v[prompt], o, lse_response, layout, "groups", "prompts", False, scale, flash
+        )
+        acc = _accumulation_dtype(q)
+        dq[response] = (dq_own.to(acc) + dq_seen.to(acc)).to(q.dtype)
+        dk[prompt] = (dk[prompt].to(acc) + dk_seen.to(acc)).to(k.dtype)
+        dv[prompt] = (dv[prompt].to(acc) + dv_seen.to(acc)).to(v.dtype)
+    return dq, dk, dv
+
+
+class _PackedAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout, scale: float, flash: bool
+    ) -> torch.Tensor:
+        out, lse_prompt, lse_response = packed_attention_forward(q, k, v, layout, scale, flash)
+        ctx.save_for_backward(q, k, v, out, lse_prompt, lse_response)
+        ctx.layout, ctx.scale, ctx.flash = layout, scale, flash
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, out, lse_prompt, lse_response = ctx.saved_tensors
+        grads = packed_attention_backward(
+            grad.contiguous(), q, k, v, out, lse_prompt, lse_response, ctx.layout, ctx.scale, ctx.flash
+        )
+        return (*grads, None, None, None)
+
+
+def attend_packed(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout, scale: float, flash: bool | None = None
 ) -> torch.Tensor:
-    """FlexAttention, to be compiled with the pack length a constant (its own code object, so its
-    compiled entries are not shared with ``_flex_any``'s)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    gqa = query.shape[1] != key.shape[1]
-    return flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)  # type: ignore[return-value]
+    """Differentiable attention over a pack ((L, H, D) queries, (L, H_kv, D) keys and values, as
+    ``packed_attention_forward``); ``flash`` None picks the flash kernels where they run (``_flash_takes``)."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    return _PackedAttention.apply(q, k, v, layout, scale, _flash_takes(q) if flash is None else flash)  # type: ignore[no-any-return]
 
 
-def _flex_any(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any, scale: float | None
-) -> torch.Tensor:
-    """FlexAttention, to be compiled with the pack length symbolic."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    gqa = query.shape[1] != key.shape[1]
-    return flex_attention(query, key, value, block_mask=block_mask, scale=scale, enable_gqa=gqa)  # type: ignore[return-value]
-
-
-_compiled_flex: dict[bool, Callable[..., torch.Tensor]] = {}
+_layout: contextvars.ContextVar[PackedLayout | None] = contextvars.ContextVar("rlvr_packed_layout", default=None)
+"""The layout of the pack whose forward runs now (the attention layers read it; transformers passes no
+mask to an attention implementation it has no mask function for)."""
 
 
 @torch.compiler.disable
-def _flex_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, block_mask: Any, scale: float | None
-) -> torch.Tensor:
-    """FlexAttention compiled (uncompiled it would materialise the scores), called from outside any
-    compiled graph: for a full pack with its length a constant, else with the length symbolic."""
-    full = _full_pack.get()
-    if full not in _compiled_flex:
-        _compiled_flex[full] = (
-            torch.compile(_flex_full, dynamic=False) if full else torch.compile(_flex_any, dynamic=True)
+def _attend_current_pack(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:
+    """``attend_packed`` over the running pack, outside any compiled graph (its kernels are not
+    traceable, and its layout's lists change with every pack)."""
+    layout = _layout.get()
+    if layout is None:
+        raise RuntimeError(
+            "packed attention ran outside a packed forward (a recomputed forward under gradient checkpointing?); "
+            "set optim.shared_prefix false or model.gradient_checkpointing false"
         )
-    with _flex_lengths():
-        return _compiled_flex[full](query, key, value, block_mask, scale)
+    return attend_packed(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), layout, scale)
 
 
 def packed_attention(
@@ -333,22 +566,12 @@ def packed_attention(
     scaling: float | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature over a packed sequence: (B, H, L, D) inputs, the
-    mask from ``attention_mask`` (a ``BlockMask`` for FlexAttention or a dense boolean mask for SDPA),
-    (B, L, H, D) output."""
+    """transformers' attention-function signature over a packed sequence: (1, H, L, D) inputs, the
+    pack's layout from ``packed_response_log_probs``, (1, L, H, D) output."""
     if dropout:
         raise ValueError("packed training does not support attention dropout; set optim.shared_prefix false")
-    if not isinstance(attention_mask, torch.Tensor) and query.shape[-1] < FLEX_MIN_HEAD_DIM:
-        index = torch.arange(query.shape[2], device=query.device)
-        attention_mask = attention_mask.mask_mod(None, None, index[:, None], index[None, :])[None, None]
-    if isinstance(attention_mask, torch.Tensor):
-        groups = query.shape[1] // key.shape[1]
-        if groups > 1:
-            key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-        out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
-    else:
-        out = _flex_attention(query, key, value, attention_mask, scaling)
-    return out.transpose(1, 2).contiguous(), None
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return _attend_current_pack(query, key, value, scale).unsqueeze(0), None
 
 
 def _register() -> None:
@@ -393,35 +616,29 @@ def packed_response_log_probs(
     chunk_tokens: int,
     return_token_entropy: bool = False,
     backbone: Callable[..., Any] | None = None,
-    max_tokens: int | None = None,
 ) -> dict[str, Any]:
     """``get_response_log_probs`` of ``rows`` (each cut to ``width``), with the response mask as
     ``positions``, computed over one packed sequence: the same (len(rows), width) outputs, 0 outside
     the response mask, and ``backbone_tokens``, the packed length. ``model`` must pass ``can_pack``;
-    ``backbone`` as in ``get_response_log_probs``; ``max_tokens``, the planner's token budget (a pack
-    that nearly fills it is padded to it, see the module docstring)."""
+    ``backbone`` as in ``get_response_log_probs``."""
     plain = _without_peft(model)
     head = _lm_head(plain)
     if head is None or not can_pack(model):
         raise ValueError(f"{type(model).__name__} cannot be trained packed (see can_pack)")
     device = model_device(plain)
-    align = FLEX_BLOCK if device.type == "cuda" else 1
-    full_length = None if max_tokens is None else -(-max_tokens // align) * align
-    host = pack_rows(input_ids, response_mask, rows, width, align, full_length)
-    pack, mb_labels = _pack_to(host, labels[torch.as_tensor(list(rows)), :width], device)
-    mask = attention_mask(pack, device)
-    token = _full_pack.set(pack.input_ids.shape[1] == full_length)
+    host = pack_rows(input_ids, response_mask, rows, width)
+    pack, layout, mb_labels = _pack_to(host, labels[torch.as_tensor(list(rows)), :width], device)
+    token = _layout.set(layout)
     try:
         with _attention_implementation(plain, PACKED_ATTENTION):
             hidden = (plain.base_model if backbone is None else backbone)(  # type: ignore[operator]
-                input_ids=pack.input_ids, position_ids=pack.position_ids, attention_mask=mask, use_cache=False
+                input_ids=pack.input_ids, position_ids=pack.position_ids, use_cache=False
             ).last_hidden_state[0]
     finally:
-        _full_pack.reset(token)
+        _layout.reset(token)
     hidden = hidden.index_select(0, pack.hidden_index)
-    keep = pack.keep
     out: dict[str, Any] = head_log_probs(
-        head, hidden, mb_labels, keep, chunk_tokens, return_token_entropy, backbone is not None
+        head, hidden, mb_labels, pack.keep, chunk_tokens, return_token_entropy, backbone is not None
     )
     out["backbone_tokens"] = pack.input_ids.shape[1]
     return out

@@ -199,7 +199,6 @@ def policy_gradient_update(
                     chunk_tokens,
                     True,
                     backbone,
-                    max_tokens_per_microbatch,
                 )
                 backbone_tokens += int(out.pop("backbone_tokens"))
             else:
