@@ -446,28 +446,53 @@ def _attend_backward(
     return _math_attention_backward(grad, q, k, v, out, lse, q_bounds, k_bounds, causal, scale)
 
 
+def _merge(
+    own: torch.Tensor, seen: torch.Tensor, lse_own: torch.Tensor, lse_seen: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two attentions of the same queries over disjoint keys ((T, H, D) outputs, (H, T) log-sum-exps)
+    as one softmax over both: each output weighted by its share of the total, and the total's
+    log-sum-exp."""
+    lse = torch.logaddexp(lse_own, lse_seen)
+    acc = _accumulation_dtype(own)
+    weight_own = torch.exp(lse_own - lse).t().unsqueeze(-1)
+    weight_seen = torch.exp(lse_seen - lse).t().unsqueeze(-1)
+    return (own.to(acc) * weight_own + seen.to(acc) * weight_seen).to(own.dtype), lse
+
+
+_compiled_merge: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+
+
+def _merge_on_device(
+    own: torch.Tensor, seen: torch.Tensor, lse_own: torch.Tensor, lse_seen: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_merge`` as one fused kernel (compiled once, sizes symbolic) where the flash kernels run."""
+    global _compiled_merge
+    if _compiled_merge is None:
+        _compiled_merge = torch.compile(_merge, dynamic=True)
+    return _compiled_merge(own, seen, lse_own, lse_seen)
+
+
 def packed_attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: PackedLayout, scale: float, flash: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Attention over a pack ((L, H, D) queries, (L, H_kv, D) keys and values): the output (L, H, D),
     zero past the responses, and the log-sum-exps (H, n) of the prompt and response queries."""
     n_p, n_r = layout.n_prompt, layout.n_response
-    out = torch.zeros_like(q)
-    lse_prompt = lse_response = None
+    parts, lse_prompt, lse_response = [], None, None
     if n_p:
-        out[:n_p], lse_prompt = _attend(q[:n_p], k[:n_p], v[:n_p], layout, "prompts", "prompts", True, scale, flash)
+        out_prompt, lse_prompt = _attend(q[:n_p], k[:n_p], v[:n_p], layout, "prompts", "prompts", True, scale, flash)
+        parts.append(out_prompt)
     if n_r:
         response = slice(n_p, n_p + n_r)
         own, lse_own = _attend(
             q[response], k[response], v[response], layout, "responses", "responses", True, scale, flash
         )
         seen, lse_seen = _attend(q[response], k[:n_p], v[:n_p], layout, "groups", "prompts", False, scale, flash)
-        lse_response = torch.logaddexp(lse_own, lse_seen)
-        weight_own = torch.exp(lse_own - lse_response).t().unsqueeze(-1)
-        weight_seen = torch.exp(lse_seen - lse_response).t().unsqueeze(-1)
-        acc = _accumulation_dtype(q)
-        out[response] = (own.to(acc) * weight_own + seen.to(acc) * weight_seen).to(q.dtype)
-    return out, lse_prompt, lse_response
+        out_response, lse_response = (_merge_on_device if flash else _merge)(own, seen, lse_own, lse_seen)
+        parts.append(out_response)
+    if n_p + n_r < q.shape[0]:
+        parts.append(q.new_zeros((q.shape[0] - n_p - n_r, *q.shape[1:])))
+    return torch.cat(parts), lse_prompt, lse_response
 
 
 def packed_attention_backward(
@@ -483,31 +508,35 @@ def packed_attention_backward(
     flash: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of ``packed_attention_forward``'s q, k and v: each part's backward with the merged
-    output and log-sum-exp, the parts' shares summed."""
+    output and log-sum-exp, the parts' shares summed (a sum of 16-bit tensors is taken in float32 and
+    rounded once)."""
     n_p, n_r = layout.n_prompt, layout.n_response
-    dq, dk, dv = (torch.zeros_like(t) for t in (q, k, v))
+    if not n_p:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    assert lse_prompt is not None
     prompt, response = slice(0, n_p), slice(n_p, n_p + n_r)
-    if n_p:
-        assert lse_prompt is not None
-        dq[prompt], dk[prompt], dv[prompt] = _attend_backward(
-            grad[prompt], q[prompt], k[prompt], v[prompt], out[prompt], lse_prompt, layout, "prompts", "prompts",
-            True, scale, flash,
-        )  # fmt: skip
+    dq_p, dk_p, dv_p = _attend_backward(
+        grad[prompt], q[prompt], k[prompt], v[prompt], out[prompt], lse_prompt, layout, "prompts", "prompts",
+        True, scale, flash,
+    )  # fmt: skip
+    dq, dk, dv = [dq_p], [dk_p], [dv_p]
     if n_r:
         assert lse_response is not None
         g, o = grad[response], out[response]
-        dq_own, dk[response], dv[response] = _attend_backward(
+        dq_own, dk_own, dv_own = _attend_backward(
             g, q[response], k[response], v[response], o, lse_response, layout, "responses", "responses", True,
             scale, flash,
         )  # fmt: skip
         dq_seen, dk_seen, dv_seen = _attend_backward(
             g, q[response], k[prompt], v[prompt], o, lse_response, layout, "groups", "prompts", False, scale, flash
         )
-        acc = _accumulation_dtype(q)
-        dq[response] = (dq_own.to(acc) + dq_seen.to(acc)).to(q.dtype)
-        dk[prompt] = (dk[prompt].to(acc) + dk_seen.to(acc)).to(k.dtype)
-        dv[prompt] = (dv[prompt].to(acc) + dv_seen.to(acc)).to(v.dtype)
-    return dq, dk, dv
+        dq, dk, dv = [dq_p, dq_own + dq_seen], [dk_p + dk_seen, dk_own], [dv_p + dv_seen, dv_own]
+    rest = q.shape[0] - n_p - n_r
+    if rest:
+        dq.append(q.new_zeros((rest, *q.shape[1:])))
+        dk.append(k.new_zeros((rest, *k.shape[1:])))
+        dv.append(v.new_zeros((rest, *v.shape[1:])))
+    return torch.cat(dq), torch.cat(dk), torch.cat(dv)
 
 
 class _PackedAttention(torch.autograd.Function):
@@ -523,8 +552,9 @@ class _PackedAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         q, k, v, out, lse_prompt, lse_response = ctx.saved_tensors
+        grad = grad if ctx.flash and grad.stride(-1) == 1 else grad.contiguous()
         grads = packed_attention_backward(
-            grad.contiguous(), q, k, v, out, lse_prompt, lse_response, ctx.layout, ctx.scale, ctx.flash
+            grad, q, k, v, out, lse_prompt, lse_response, ctx.layout, ctx.scale, ctx.flash
         )
         return (*grads, None, None, None)
 
@@ -534,8 +564,9 @@ def attend_packed(
 ) -> torch.Tensor:
     """Differentiable attention over a pack ((L, H, D) queries, (L, H_kv, D) keys and values, as
     ``packed_attention_forward``); ``flash`` None picks the flash kernels where they run (``_flash_takes``)."""
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    return _PackedAttention.apply(q, k, v, layout, scale, _flash_takes(q) if flash is None else flash)  # type: ignore[no-any-return]
+    flash = _flash_takes(q) if flash is None else flash
+    q, k, v = (t if flash and t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))  # flash takes any row stride
+    return _PackedAttention.apply(q, k, v, layout, scale, flash)  # type: ignore[no-any-return]
 
 
 _layout: contextvars.ContextVar[PackedLayout | None] = contextvars.ContextVar("rlvr_packed_layout", default=None)
