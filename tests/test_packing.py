@@ -317,3 +317,19 @@ def test_packed_attention_outside_a_packed_forward_says_what_to_do():
     q = torch.zeros(1, 2, 3, 8)
     with pytest.raises(RuntimeError, match="set optim.shared_prefix false"):
         packed_attention(None, q, q, q, None)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_merge_by_hand(fused):
+    """Shares e^0 / (e^0 + e^ln3) = 1/4 and 3/4: outputs 1 and 3 merge to 2.5 (head 0); log-sum-exp ln 4.
+    Head 1 with equal log-sum-exps: the plain mean. ``fused``: the compiled weighted sum (inductor)."""
+    pytest.importorskip("torch._inductor")
+    from rlvr.grpo.packing import _merge
+
+    own = torch.tensor([[[1.0, 10.0], [2.0, 4.0]]])  # (1 query, 2 heads, 2 dims)
+    seen = torch.tensor([[[3.0, 2.0], [6.0, 0.0]]])
+    lse_own = torch.tensor([[0.0], [5.0]])  # (2 heads, 1 query)
+    lse_seen = torch.tensor([[math.log(3.0)], [5.0]])
+    out, lse = _merge(own, seen, lse_own, lse_seen, fused=fused)
+    torch.testing.assert_close(out, torch.tensor([[[2.5, 4.0], [4.0, 2.0]]]))
+    torch.testing.assert_close(lse, torch.tensor([[math.log(4.0)], [5.0 + math.log(2.0)]]))

@@ -446,30 +446,32 @@ def _attend_backward(
     return _math_attention_backward(grad, q, k, v, out, lse, q_bounds, k_bounds, causal, scale)
 
 
+def _weighted_sum(
+    own: torch.Tensor, seen: torch.Tensor, weight_own: torch.Tensor, weight_seen: torch.Tensor
+) -> torch.Tensor:
+    """``own * weight_own + seen * weight_seen`` at the weights' precision, in the outputs' dtype."""
+    return (own.to(weight_own.dtype) * weight_own + seen.to(weight_seen.dtype) * weight_seen).to(own.dtype)
+
+
+_compiled_weighted_sum: Callable[..., torch.Tensor] | None = None
+
+
 def _merge(
-    own: torch.Tensor, seen: torch.Tensor, lse_own: torch.Tensor, lse_seen: torch.Tensor
+    own: torch.Tensor, seen: torch.Tensor, lse_own: torch.Tensor, lse_seen: torch.Tensor, fused: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Two attentions of the same queries over disjoint keys ((T, H, D) outputs, (H, T) log-sum-exps)
     as one softmax over both: each output weighted by its share of the total, and the total's
-    log-sum-exp."""
-    lse = torch.logaddexp(lse_own, lse_seen)
+    log-sum-exp. The shares are per (query, head), so they are found first and only their weighted sum
+    runs over the head dimension; ``fused`` runs that sum as one compiled kernel (sizes symbolic)."""
+    global _compiled_weighted_sum
     acc = _accumulation_dtype(own)
-    weight_own = torch.exp(lse_own - lse).t().unsqueeze(-1)
-    weight_seen = torch.exp(lse_seen - lse).t().unsqueeze(-1)
-    return (own.to(acc) * weight_own + seen.to(acc) * weight_seen).to(own.dtype), lse
-
-
-_compiled_merge: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
-
-
-def _merge_on_device(
-    own: torch.Tensor, seen: torch.Tensor, lse_own: torch.Tensor, lse_seen: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``_merge`` as one fused kernel (compiled once, sizes symbolic) where the flash kernels run."""
-    global _compiled_merge
-    if _compiled_merge is None:
-        _compiled_merge = torch.compile(_merge, dynamic=True)
-    return _compiled_merge(own, seen, lse_own, lse_seen)
+    lse = torch.logaddexp(lse_own.to(acc), lse_seen.to(acc))
+    weight_own = torch.exp(lse_own - lse).t().unsqueeze(-1).contiguous()
+    weight_seen = torch.exp(lse_seen - lse).t().unsqueeze(-1).contiguous()
+    if fused and _compiled_weighted_sum is None:
+        _compiled_weighted_sum = torch.compile(_weighted_sum, dynamic=True)
+    weighted_sum = _compiled_weighted_sum if fused and _compiled_weighted_sum is not None else _weighted_sum
+    return weighted_sum(own, seen, weight_own, weight_seen), lse
 
 
 def packed_attention_forward(
@@ -488,7 +490,7 @@ def packed_attention_forward(
             q[response], k[response], v[response], layout, "responses", "responses", True, scale, flash
         )
         seen, lse_seen = _attend(q[response], k[:n_p], v[:n_p], layout, "groups", "prompts", False, scale, flash)
-        out_response, lse_response = (_merge_on_device if flash else _merge)(own, seen, lse_own, lse_seen)
+        out_response, lse_response = _merge(own, seen, lse_own, lse_seen, fused=flash)
         parts.append(out_response)
     if n_p + n_r < q.shape[0]:
         parts.append(q.new_zeros((q.shape[0] - n_p - n_r, *q.shape[1:])))
