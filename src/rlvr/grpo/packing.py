@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -243,6 +244,11 @@ class PackedLayout:
     responses_on_device: torch.Tensor
     groups_on_device: torch.Tensor
 
+    @functools.cached_property
+    def longest(self) -> dict[str, int]:
+        """The longest run of each boundary list (the flash kernels' sizes), found once per pack."""
+        return {name: _longest(getattr(self, name)) for name in ("prompts", "responses", "groups")}
+
     @property
     def n_prompt(self) -> int:
         return self.prompts[-1]
@@ -308,6 +314,32 @@ def _accumulation_dtype(tensor: torch.Tensor) -> torch.dtype:
     return torch.promote_types(tensor.dtype, torch.float32)
 
 
+def _segment_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_bounds: Sequence[int],
+    k_bounds: Sequence[int],
+    causal: bool,
+    scale: float,
+) -> Iterator[tuple[slice, slice, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """For each non-empty sequence of a variable-length attention: its query and key slices, its
+    queries, keys and values as (H, t, D) at the accumulation precision (keys and values repeated for
+    grouped-query heads) and its scaled scores (H, t_q, t_k), causally masked if asked."""
+    groups = q.shape[1] // k.shape[1]
+    acc = _accumulation_dtype(q)
+    for (q0, q1), (k0, k1) in zip(zip(q_bounds, q_bounds[1:]), zip(k_bounds, k_bounds[1:]), strict=True):
+        if q1 == q0 or k1 == k0:
+            continue
+        qi = q[q0:q1].transpose(0, 1).to(acc)
+        ki = k[k0:k1].transpose(0, 1).to(acc).repeat_interleave(groups, 0)
+        vi = v[k0:k1].transpose(0, 1).to(acc).repeat_interleave(groups, 0)
+        scores = qi @ ki.transpose(1, 2) * scale
+        if causal:
+            scores = scores.masked_fill(torch.ones_like(scores[0], dtype=torch.bool).triu(1), float("-inf"))
+        yield slice(q0, q1), slice(k0, k1), qi, ki, vi, scores
+
+
 def _math_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -320,22 +352,12 @@ def _math_attention(
     """Variable-length attention written out: sequence ``i``'s queries ``q[q_bounds[i]:q_bounds[i+1]]``
     over its keys ``k[k_bounds[i]:k_bounds[i+1]]`` ((T, H, D) and (S, H_kv, D)); returns the output (T, H,
     D) and the log-sum-exp of the scaled scores (H, T), at least float32 (-inf for a query with no key)."""
-    groups = q.shape[1] // k.shape[1]
-    acc = _accumulation_dtype(q)
     out = torch.zeros_like(q)
-    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=acc, device=q.device)
-    for (q0, q1), (k0, k1) in zip(zip(q_bounds, q_bounds[1:]), zip(k_bounds, k_bounds[1:]), strict=True):
-        if q1 == q0 or k1 == k0:
-            continue
-        qi = q[q0:q1].transpose(0, 1).to(acc)  # (H, t, D)
-        ki = k[k0:k1].transpose(0, 1).to(acc).repeat_interleave(groups, 0)
-        vi = v[k0:k1].transpose(0, 1).to(acc).repeat_interleave(groups, 0)
-        scores = qi @ ki.transpose(1, 2) * scale
-        if causal:
-            scores = scores.masked_fill(torch.ones_like(scores[0], dtype=torch.bool).triu(1), float("-inf"))
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=_accumulation_dtype(q), device=q.device)
+    for rows, _, _, _, vi, scores in _segment_scores(q, k, v, q_bounds, k_bounds, causal, scale):
         lse_i = torch.logsumexp(scores, -1)
-        out[q0:q1] = (torch.exp(scores - lse_i[..., None]) @ vi).transpose(0, 1).to(q.dtype)
-        lse[:, q0:q1] = lse_i
+        out[rows] = (torch.exp(scores - lse_i[..., None]) @ vi).transpose(0, 1).to(q.dtype)
+        lse[:, rows] = lse_i
     return out, lse
 
 
@@ -353,27 +375,17 @@ def _math_attention_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of ``_math_attention``'s inputs, given ``out`` and ``lse`` of the softmax the
     scores belong to (perhaps one over more keys than these: then these are this part's share)."""
-    heads, kv_heads = q.shape[1], k.shape[1]
-    groups = heads // kv_heads
+    kv_heads, groups = k.shape[1], q.shape[1] // k.shape[1]
     acc = _accumulation_dtype(q)
     dq, dk, dv = (torch.zeros_like(t, dtype=acc) for t in (q, k, v))
-    for (q0, q1), (k0, k1) in zip(zip(q_bounds, q_bounds[1:]), zip(k_bounds, k_bounds[1:]), strict=True):
-        if q1 == q0 or k1 == k0:
-            continue
-        qi = q[q0:q1].transpose(0, 1).to(acc)
-        ki = k[k0:k1].transpose(0, 1).to(acc).repeat_interleave(groups, 0)
-        vi = v[k0:k1].transpose(0, 1).to(acc).repeat_interleave(groups, 0)
-        gi, oi = grad[q0:q1].transpose(0, 1).to(acc), out[q0:q1].transpose(0, 1).to(acc)
-        scores = qi @ ki.transpose(1, 2) * scale
-        if causal:
-            scores = scores.masked_fill(torch.ones_like(scores[0], dtype=torch.bool).triu(1), float("-inf"))
-        p = torch.exp(scores - lse[:, q0:q1, None].to(acc))
-        dp = gi @ vi.transpose(1, 2)
-        ds = p * (dp - (gi * oi).sum(-1, keepdim=True)) * scale
-        dq[q0:q1] = (ds @ ki).transpose(0, 1)
-        t = k1 - k0
-        dk[k0:k1] = (ds.transpose(1, 2) @ qi).view(kv_heads, groups, t, -1).sum(1).transpose(0, 1)
-        dv[k0:k1] = (p.transpose(1, 2) @ gi).view(kv_heads, groups, t, -1).sum(1).transpose(0, 1)
+    for rows, keys, qi, ki, vi, scores in _segment_scores(q, k, v, q_bounds, k_bounds, causal, scale):
+        gi, oi = grad[rows].transpose(0, 1).to(acc), out[rows].transpose(0, 1).to(acc)
+        p = torch.exp(scores - lse[:, rows, None].to(acc))
+        ds = p * (gi @ vi.transpose(1, 2) - (gi * oi).sum(-1, keepdim=True)) * scale
+        dq[rows] = (ds @ ki).transpose(0, 1)
+        per_kv_head = (kv_heads, groups, keys.stop - keys.start, -1)  # query heads summed onto their key/value head
+        dk[keys] = (ds.transpose(1, 2) @ qi).view(per_kv_head).sum(1).transpose(0, 1)
+        dv[keys] = (p.transpose(1, 2) @ gi).view(per_kv_head).sum(1).transpose(0, 1)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -422,8 +434,7 @@ def _flash_attention_backward(
 def _on(layout: PackedLayout, name: str, flash: bool) -> tuple[Any, int]:
     """A boundary list of ``layout`` as the kernel takes it (device tensor for flash, host list else) and
     its longest run."""
-    host = getattr(layout, name)
-    return (getattr(layout, f"{name}_on_device") if flash else host), _longest(host)
+    return getattr(layout, f"{name}_on_device" if flash else name), layout.longest[name]
 
 
 def _attend(
