@@ -208,6 +208,11 @@ def parse_args(argv=None):
         action="store_true",
         help="train the trainer sections' microbatches packed, each prompt once (optim.shared_prefix true)",
     )
+    ap.add_argument(
+        "--keep-head-logits",
+        action="store_true",
+        help="the trainer sections keep the head's logits for the backward (optim.keep_head_logits true)",
+    )
     ap.add_argument("--no-trl", action="store_true", help="skip the TRL GRPOTrainer side-by-side")
     ap.add_argument(
         "--sections",
@@ -842,6 +847,7 @@ class Bench:
                 max_tokens_per_microbatch=budget,
                 master_weights=not lean,
                 shared_prefix=self.args.shared_prefix,
+                keep_head_logits=self.args.keep_head_logits,
             ),
             model=ModelConfig(compile=True),
             engine=EngineConfig(
@@ -899,7 +905,8 @@ class Bench:
             f"{result['tokenize']:.2f} s, sync "
             f"{result['sync']:.2f} s, reward {result['reward']:.2f} s; mean response "
             f"{result['response_length']:.0f} tokens; {result['backbone_tokens']:,.0f} tokens through the model a "
-            f"step ({'packed, shared prompts' if self.args.shared_prefix else 'padded'}); model.compile; mean of steps {first_steady + 1}-{len(rows)}"
+            f"step ({'packed, shared prompts' if self.args.shared_prefix else 'padded'}"
+            f"{', head logits kept' if self.args.keep_head_logits else ''}); model.compile; mean of steps {first_steady + 1}-{len(rows)}"
             f" (all steps: {steps_s} s)",
         )
         self.model.eval()

@@ -351,9 +351,15 @@ def main():
         action="store_true",
         help="profile the trainer with its microbatches packed, each prompt once (optim.shared_prefix true)",
     )
+    ap.add_argument(
+        "--keep-head-logits",
+        action="store_true",
+        help="profile the trainer with the head's logits kept for the backward (optim.keep_head_logits true)",
+    )
     args = ap.parse_args()
     # The bench's own settings (its defaults), so that the two scripts cannot drift apart.
-    flags = (["--tiny"] if args.tiny else []) + (["--shared-prefix"] if args.shared_prefix else [])
+    flags = ["--tiny"] if args.tiny else []
+    flags += [f"--{name.replace('_', '-')}" for name in ("shared_prefix", "keep_head_logits") if getattr(args, name)]
     bench_args = parse_args(["--data-dir", args.data_dir, "--skip-baselines", *flags])
     bench = Bench(bench_args)
     bench.setup()

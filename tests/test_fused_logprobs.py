@@ -178,6 +178,34 @@ def test_saves_no_logits_for_backward():
     lp.sum().backward()  # and backward still runs from those
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bias", [True, False])
+def test_kept_logits_give_the_recomputed_gradients_exactly(dtype, bias):
+    """``keep_logits`` saves each chunk's logits (and only those besides the usual five) and its backward,
+    which skips the recompute, gives bit-for-bit the gradients of the recomputing one."""
+    n, h, v, chunk = 30, 8, 50, 7
+    hidden, weight, b, labels = _inputs(n, h, v, dtype, bias=bias, seed=3)
+    upstream = torch.randn(n, generator=torch.Generator().manual_seed(4))
+    params = [hidden, weight, b]
+    results = []
+    for keep in (False, True):
+        saved: list[tuple[int, ...]] = []
+
+        def pack(t, saved=saved):
+            saved.append(tuple(t.shape))
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            lp, ent = linear_log_probs(hidden, weight, b, labels, chunk, want_entropy=True, keep_logits=keep)
+        results.append((lp.detach(), ent, _grads(lp, upstream, params), saved))
+    (lp0, ent0, g0, saved0), (lp1, ent1, g1, saved1) = results
+    assert torch.equal(lp0, lp1) and torch.equal(ent0, ent1)
+    for a, c in zip(g0, g1):
+        assert torch.equal(a, c)
+    logit_chunks = [(s.stop - s.start, v) for s in _chunks(n, chunk)]
+    assert sorted(saved1) == sorted(saved0 + logit_chunks)
+
+
 def test_chunks_never_leave_a_lone_row():
     as_pairs = lambda n, c: [(s.start, s.stop) for s in _chunks(n, c)]  # noqa: E731
     assert as_pairs(7, 3) == [(0, 3), (3, 7)]

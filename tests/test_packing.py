@@ -253,6 +253,30 @@ def test_packed_update_equals_padded(family, method, eps, loss_norm, budget, tin
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_kept_head_logits_leave_the_update_unchanged(shared, tiny_tokenizer):
+    """``keep_head_logits`` (padded and packed, several microbatches and head chunks): the same loss and
+    the same parameters after the step, bit for bit."""
+    model = family_model("olmo2", tiny_tokenizer)
+    tok = _group_batch(tiny_tokenizer)
+    advantages = torch.tensor([1.0, -0.5, 0.0, 2.0, -1.0, 0.5, -2.0, 1.5])
+    results = []
+    for keep in (False, True):
+        m = copy.deepcopy(model)
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        loss, meta = policy_gradient_update(
+            m, opt, tok["input_ids"], tok["labels"], tok["response_mask"], advantages,
+            gradient_accumulation_steps=1, max_grad_norm=1.0, max_tokens_per_microbatch=40, chunk_tokens=5,
+            shared_prefix=shared, keep_head_logits=keep,
+        )  # fmt: skip
+        results.append((loss, meta, [p.detach().clone() for p in m.parameters()]))
+    (loss0, meta0, p0), (loss1, meta1, p1) = results
+    assert meta0["n_microbatches"] >= 2
+    assert torch.equal(loss0, loss1) and meta0["grad_norm"] == meta1["grad_norm"]
+    assert all(torch.equal(a, b) for a, b in zip(p0, p1, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(p0, model.parameters(), strict=True))  # the step moved them
+
+
 def test_packed_update_falls_back_to_padded_where_it_cannot_pack(tiny_model, tiny_tokenizer):
     """A response with a gap is trained padded (the same gradient either way); ranks of a data-parallel
     run get a clear error."""

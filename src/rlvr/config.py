@@ -206,6 +206,8 @@ class OptimConfig:
     """Also cap every microbatch at this many tokens (rows x longest row, rows sorted by length): with gradient_accumulation_steps 1 the token budget alone cuts the batch, so short rollouts share big microbatches and long ones get small ones. The gradient is the same either way."""
     shared_prefix: bool = False
     """Pass each prompt through the model once per microbatch for all of its responses: a microbatch is one packed sequence (each prompt once, then its responses, each seeing only its prompt and itself), max_tokens_per_microbatch counts its packed tokens. The gradient is the same; the saving grows with prompt length and group size. One process only (distributed.strategy none), without model.gradient_checkpointing; FlashAttention's variable-length kernels on CUDA in bf16/fp16 (docs/benchmarks.md)."""
+    keep_head_logits: bool = False
+    """Keep each microbatch's vocabulary logits from the forward for the backward instead of recomputing them: the same gradients, one of the head's four matmuls per token fewer, for response tokens x vocabulary x 2 bytes (bf16) while the microbatch runs (about 2.5 GB at 12,000 tokens and a 100,352-token vocabulary)."""
 
 
 @dataclass(frozen=True)

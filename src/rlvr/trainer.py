@@ -260,6 +260,7 @@ class UpdateSpec:
     skip_zero_advantage: bool
     max_tokens_per_microbatch: int | None
     shared_prefix: bool
+    keep_head_logits: bool
     train_batch_size: int
     """Rollouts per optimizer step."""
     epochs: int
@@ -283,6 +284,7 @@ class UpdateSpec:
             skip_zero_advantage=a.skip_zero_advantage,
             max_tokens_per_microbatch=o.max_tokens_per_microbatch,
             shared_prefix=o.shared_prefix,
+            keep_head_logits=o.keep_head_logits,
             train_batch_size=config.train_batch_size,
             epochs=o.epochs_per_rollout_batch,
             shuffle=config.off_policy,
@@ -724,6 +726,7 @@ def _optimizer_step(
         backbone=run.backbone,
         global_batch=global_batch,
         shared_prefix=spec.shared_prefix,
+        keep_head_logits=spec.keep_head_logits,
     )
 
 

@@ -108,10 +108,11 @@ def _fused_log_probs(
     return_token_entropy: bool,
     backbone: Callable[..., Any] | None = None,
     keep: torch.Tensor | None = None,
+    keep_logits: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Log-probs through the backbone and the chunked fused head (``linear_log_probs``); with ``keep``
     (indices into the flattened (B*T) positions, on the device) the head sees only those positions,
-    and every other position gets 0."""
+    and every other position gets 0. ``keep_logits`` as in ``linear_log_probs``."""
     rows = input_ids.shape[0]
     if backbone is not None:
         # A compiled backbone guards on its inputs' layout (a view of a larger tensor and a fresh one
@@ -126,7 +127,9 @@ def _fused_log_probs(
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     if keep is not None:
         flat_h = flat_h.index_select(0, keep)
-    return head_log_probs(head, flat_h, labels, keep, chunk_tokens, return_token_entropy, backbone is not None)
+    return head_log_probs(
+        head, flat_h, labels, keep, chunk_tokens, return_token_entropy, backbone is not None, keep_logits
+    )
 
 
 def head_log_probs(
@@ -137,14 +140,16 @@ def head_log_probs(
     chunk_tokens: int,
     return_token_entropy: bool,
     compiled: bool,
+    keep_logits: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The fused head over ``hidden``: one row per position of ``labels`` (B, T), or, with ``keep``
-    (indices into the flattened positions), one row per kept position, every other position 0."""
+    (indices into the flattened positions), one row per kept position, every other position 0.
+    ``keep_logits`` as in ``linear_log_probs``."""
     flat_y = labels.reshape(-1)
     if keep is not None:
         flat_y = flat_y.index_select(0, keep)
     lp, ent = linear_log_probs(
-        hidden, head.weight, head.bias, flat_y, chunk_tokens, return_token_entropy, compiled=compiled
+        hidden, head.weight, head.bias, flat_y, chunk_tokens, return_token_entropy, compiled, keep_logits
     )
     if keep is not None:
         lp = _scatter(lp, keep, labels.numel())
@@ -182,6 +187,7 @@ def _fused_forward(
     chunk_tokens: int,
     return_token_entropy: bool,
     keep: torch.Tensor | None = None,
+    keep_logits: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The fused log-prob pass as a method of the model (peft wrapper or not) that a data-parallel
     wrapper runs in place of ``forward``: the wrapper's hooks then see it as the model's forward."""
@@ -195,6 +201,7 @@ def _fused_forward(
         chunk_tokens,
         return_token_entropy,
         keep=keep,
+        keep_logits=keep_logits,
     )
     # FSDP2 hooks the backward through the returned tensors; fresh ones (not views) keep an in-place
     # change by a caller from detaching that hook.
@@ -318,6 +325,7 @@ def get_response_log_probs(
     position_ids: torch.Tensor | None = None,
     backbone: Callable[..., Any] | None = None,
     positions: torch.Tensor | None = None,
+    keep_logits: bool = False,
 ) -> dict[str, torch.Tensor]:
     """``log_probs`` (B, T): log p(labels[b, t] | input_ids[b, :t+1]); with the flag, ``token_entropy``
     (B, T): entropy of the next-token distribution at t (detached: it is a diagnostic).
@@ -326,7 +334,8 @@ def get_response_log_probs(
     ``backbone``: a stand-in for ``model.base_model`` with the same parameters (``compile_backbone``).
     ``positions`` (B, T) bool, best on the host: only these positions' log-probs and entropies are
     computed (the response mask: the vocabulary projection skips prompt and padding tokens); every
-    other position holds 0 in both outputs, and its label is never read.
+    other position holds 0 in both outputs, and its label is never read. ``keep_logits``: the fused
+    head keeps its logits for the backward instead of recomputing them (``linear_log_probs``).
     """
     model = _without_peft(model)
     device = model_device(model)
@@ -341,11 +350,11 @@ def get_response_log_probs(
     keep = None if positions is None else _kept_positions(positions, labels.shape, device)
     wrapped = _wrapped_fused_call(model)
     if wrapped is not None and backbone is None:
-        return wrapped(input_ids, labels, kwargs, chunk_tokens, return_token_entropy, keep)
+        return wrapped(input_ids, labels, kwargs, chunk_tokens, return_token_entropy, keep, keep_logits)
     head = _lm_head(model)
     if head is not None:
         return _fused_log_probs(
-            model, head, input_ids, labels, kwargs, chunk_tokens, return_token_entropy, backbone, keep
+            model, head, input_ids, labels, kwargs, chunk_tokens, return_token_entropy, backbone, keep, keep_logits
         )
     logits = model(input_ids=input_ids, use_cache=False, **kwargs).logits
     flat_z, flat_y = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)

@@ -660,11 +660,12 @@ def packed_response_log_probs(
     chunk_tokens: int,
     return_token_entropy: bool = False,
     backbone: Callable[..., Any] | None = None,
+    keep_logits: bool = False,
 ) -> dict[str, Any]:
     """``get_response_log_probs`` of ``rows`` (each cut to ``width``), with the response mask as
     ``positions``, computed over one packed sequence: the same (len(rows), width) outputs, 0 outside
     the response mask, and ``backbone_tokens``, the packed length. ``model`` must pass ``can_pack``;
-    ``backbone`` as in ``get_response_log_probs``."""
+    ``backbone`` and ``keep_logits`` as in ``get_response_log_probs``."""
     plain = _without_peft(model)
     head = _lm_head(plain)
     if head is None or not can_pack(model):
@@ -682,7 +683,7 @@ def packed_response_log_probs(
         _layout.reset(token)
     hidden = hidden.index_select(0, pack.hidden_index)
     out: dict[str, Any] = head_log_probs(
-        head, hidden, mb_labels, pack.keep, chunk_tokens, return_token_entropy, backbone is not None
+        head, hidden, mb_labels, pack.keep, chunk_tokens, return_token_entropy, backbone is not None, keep_logits
     )
     out["backbone_tokens"] = pack.input_ids.shape[1]
     return out

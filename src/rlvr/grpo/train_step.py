@@ -106,6 +106,7 @@ def policy_gradient_update(
     backbone: Callable[..., Any] | None = None,
     global_batch: GlobalBatch | None = None,
     shared_prefix: bool = False,
+    keep_head_logits: bool = False,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """Accumulate the policy-gradient of a tokenised batch, clip, step once, clear grads.
 
@@ -131,6 +132,10 @@ def policy_gradient_update(
     the same. One process only; a model whose logits are not a plain ``Linear`` of its backbone, or a
     batch whose response positions are not one run per row, is trained padded instead.
     ``metadata["backbone_tokens"]`` counts the tokens the backbone ran on (padding included).
+
+    ``keep_head_logits``: the fused head keeps each microbatch's logits from its forward for its
+    backward instead of recomputing them (``linear_log_probs``): the same gradients, one of the head's
+    matmuls fewer, for response tokens x vocabulary x 2 bytes (bf16) while the microbatch runs.
     """
     batch = input_ids.shape[0]
     if global_batch is None:
@@ -199,6 +204,7 @@ def policy_gradient_update(
                     chunk_tokens,
                     True,
                     backbone,
+                    keep_head_logits,
                 )
                 backbone_tokens += int(out.pop("backbone_tokens"))
             else:
@@ -210,6 +216,7 @@ def policy_gradient_update(
                     chunk_tokens=chunk_tokens,
                     backbone=backbone,
                     positions=host_mask,
+                    keep_logits=keep_head_logits,
                 )
                 backbone_tokens += len(rows) * width
             old = None
