@@ -1,8 +1,10 @@
-"""A decode step's sampling alone: ``sample_math`` compiled (as the SDPA path and top-p run it) against the
-one-pass Triton kernel (``triton_sample``, the Triton path's greedy and temperature sampling), at the
-supported families' vocabulary sizes and 256, 32 and 1 rows, each replayed inside a CUDA graph (no
-launch cost from the host), with the eager Exp(1) draw the engine makes before each sampled step, and
-set against reading the bf16 logits and float32 noise once at the measured copy rate.
+"""A decode step's sampling alone: ``sample_math`` compiled (as the SDPA path and top-p run it, over a
+float32 noise tensor) against the one-pass Triton kernel (``triton_sample``, the Triton path's greedy and
+temperature sampling, which makes its counter-based noise as it reads the logits), at the supported
+families' vocabulary sizes and 256, 32 and 1 rows, each replayed inside a CUDA graph (no launch cost
+from the host); beside them the two ways of writing the noise out (an eager ``exponential_`` from a
+generator, as off Triton; ``exponential_noise``, as the SDPA path and top-p on a GPU), and reading the
+bf16 logits once at the measured copy rate.
 
 Usage: ``PYTHONPATH=src:benchmarks python benchmarks/probes/sampling.py [--tiny]``.
 """
@@ -18,7 +20,7 @@ from decode_gemms import timed
 
 from rlvr.engines.decode_attention import triton_available
 from rlvr.engines.fast import step as S
-from rlvr.engines.sampling_kernel import triton_sample
+from rlvr.engines.sampling_kernel import CounterNoise, exponential_noise, triton_sample
 
 VOCABS = {"olmo2": 100_352, "llama-3.2": 128_256, "qwen2.5/qwen3": 151_936}
 
@@ -70,29 +72,39 @@ def main() -> None:
             bias = torch.zeros(vocab, device=device)
             temperature, top_p = torch.ones(1, device=device), torch.ones(1, device=device)
             noise = torch.empty(rows, vocab, device=device)
+            counter = CounterNoise(
+                torch.tensor([rows], device=device), torch.zeros(1, dtype=torch.long, device=device),
+                torch.arange(rows, device=device),
+            )  # fmt: skip
             draw = eager_us(lambda: noise.exponential_(generator=g), device)
+            written = (
+                graphed_us(lambda: exponential_noise(counter, vocab, out=noise), device) if kernel else float("nan")
+            )
             t = {
                 mode: graphed_us(lambda mode=mode: compiled(logits, bias, temperature, top_p, noise, mode), device)
                 for mode in ("greedy", "sample")
             }
             k = {
                 mode: graphed_us(
-                    lambda mode=mode: triton_sample(logits, bias, temperature, None if mode == "greedy" else noise),
+                    lambda mode=mode: triton_sample(logits, bias, temperature, None if mode == "greedy" else counter),
                     device,
                 )
                 if kernel
                 else float("nan")
                 for mode in ("greedy", "sample")
             }
-            floor = 1e6 * rows * vocab * (2 + 4) / copy if copy else float("nan")
+            floor = 1e6 * rows * vocab * 2 / copy if copy else float("nan")
             rows_out.append(
-                f"| {name} ({vocab:,}) | {rows} | {draw:.1f} | {t['greedy']:.1f} / {k['greedy']:.1f} | "
+                f"| {name} ({vocab:,}) | {rows} | {draw:.1f} | {written:.1f} | {t['greedy']:.1f} / {k['greedy']:.1f} | "
                 f"{t['sample']:.1f} / {k['sample']:.1f} | {floor:.1f} |"
             )
             print(rows_out[-1], flush=True)
     print(f"\ncopy {copy / 1e12:.2f} TB/s; microseconds per call, sample_math compiled / triton_sample")
-    print("| vocabulary | rows | Exp(1) draw, eager | greedy | sampled | logits + noise read once |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(
+        "| vocabulary | rows | Exp(1) draw, eager | counter noise written out | greedy | sampled "
+        "(the kernel: noise made inside) | logits read once |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
     print("\n".join(rows_out))
 
 

@@ -139,7 +139,9 @@ def chunk_generator(
 
 def encode_prompts(tokenizer: PreTrainedTokenizerBase, prompts: list[str]) -> list[list[int]]:
     """Token ids of each prompt (no special tokens); an empty prompt is an error."""
-    encoded = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    from rlvr.tokens import encode_texts
+
+    encoded = encode_texts(tokenizer, prompts)
     for i, ids in enumerate(encoded):
         if not ids:
             raise ValueError(f"prompt {i} tokenizes to nothing; every prompt needs at least one token")

@@ -110,6 +110,7 @@ class SyncRollouts:
     def next_batch(self, step: int, model: torch.nn.Module) -> RolloutBatch:
         from rlvr.grpo import tokenize_from_ids
         from rlvr.grpo.tokenize import pad_token_id
+        from rlvr.tokens import encode_texts
 
         t0 = time.perf_counter()
         try:
@@ -136,8 +137,8 @@ class SyncRollouts:
         # Tokenise from text (what every engine returns) so that training sees the same ids whatever the engine.
         t0 = time.perf_counter()
         responses = [c.text for g in groups for c in g]
-        output_ids = self.tokenizer(responses, add_special_tokens=False)["input_ids"]
-        prompt_ids = self.tokenizer(prompts, add_special_tokens=False)["input_ids"]
+        output_ids = encode_texts(self.tokenizer, responses)
+        prompt_ids = encode_texts(self.tokenizer, prompts)
         batch = tokenize_from_ids(
             [prompt_ids[i // params.n] for i in range(len(responses))], output_ids, pad_token_id(self.tokenizer)
         )

@@ -34,12 +34,15 @@ distribution; it differs in how the work reaches the GPU:
 * **Prefill once per prompt.** The chunk's prompts are prefilled once (causal, padding-masked) into
   the prompt cache, through the same compiled pieces as the decode step; the ``n`` rows of a prompt's
   samples point at it.
-* **Sampling inside the graph.** Exponential race: with E_i ~ Exp(1) drawn from the caller's seeded
-  generator, ``argmax_i p_i / E_i`` is distributed exactly as a draw from ``p`` (the same
-  distribution as ``torch.multinomial``, not the same draws as ``HFEngine``); it is computed as
-  ``argmax_i (score_i - log E_i)``, which needs no softmax pass over the vocabulary. The noise buffer is
-  filled outside the graph by one kernel per step, so the seeded generator needs no graph
-  registration and the same seed reproduces the batch. Temperature 0 is argmax; top-p keeps the
+* **Sampling inside the graph.** Exponential race: with E_i ~ Exp(1), ``argmax_i p_i / E_i`` is
+  distributed exactly as a draw from ``p`` (the same distribution as ``torch.multinomial``, not the
+  same draws as ``HFEngine``); it is computed as ``argmax_i (score_i - log E_i)``, which needs no
+  softmax pass over the vocabulary. Where Triton runs (CUDA) the draws are counter-based
+  (``sampling_kernel.CounterNoise``: Philox keyed by one seed per chunk from the caller's seeded
+  generator, counted by output row, step and token), made inside the sampling kernel as it reads the
+  logits, so a step writes and reads no noise tensor and a row's draws do not depend on where it sits
+  in the batch; elsewhere a noise buffer is filled from the generator outside the graph by one kernel
+  per step. Either way the same seed reproduces the batch. Temperature 0 is argmax; top-p keeps the
   smallest set of tokens whose mass reaches p (same rule as ``hf.sample_next``). The sampled
   token's log-probability under the temperature-1 full-vocabulary distribution comes from the
   same logits.

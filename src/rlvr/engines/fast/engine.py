@@ -25,7 +25,7 @@ from rlvr.engines.fast.graphs import StepGraphs
 from rlvr.engines.fast.state import State, allocate, refresh_stacked
 from rlvr.engines.fast.stops import RowChecks
 from rlvr.engines.hf import eos_token_ids, generate_in_chunks
-from rlvr.engines.sampling_kernel import triton_sample
+from rlvr.engines.sampling_kernel import CounterNoise, exponential_noise, triton_sample
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -335,12 +335,22 @@ class FastHFEngine:
     def _sample(
         self, st: State, logits: torch.Tensor, b: int, mode: str, compiled: bool = False
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tokens and their temperature-1 log-probs for logits (b, vocab); ``noise[:b]`` must hold Exp(1) draws.
-        The Triton path reads the logits and noise once (``triton_sample``); top-p sorts, in ``sample_math``."""
+        """Tokens and their temperature-1 log-probs for logits (b, vocab). With counter noise each row's
+        Exp(1) draws come from (the chunk's seed, its output row, the step); otherwise ``noise[:b]`` must
+        hold them. The Triton path reads the logits once and makes the noise as it goes
+        (``triton_sample``); top-p sorts, in ``sample_math``, over the noise written out."""
+        counter = CounterNoise(st.seed, st.step, st.row_id[:b]) if self._counter_noise() else None
         if mode != "top_p" and self._attention_kind() == "triton":
-            return triton_sample(logits, st.vocab_bias, st.temperature, None if mode == "greedy" else st.noise[:b])
+            return triton_sample(logits, st.vocab_bias, st.temperature, None if mode == "greedy" else counter)
+        if counter is not None and mode != "greedy":
+            exponential_noise(counter, logits.shape[1], out=st.noise[:b])
         fn = S.compiled(S.sample_math) if compiled else S.sample_math
         return fn(logits, st.vocab_bias, st.temperature, st.top_p, st.noise[:b], mode)
+
+    def _counter_noise(self) -> bool:
+        """Whether sampling noise is counter-based (Triton's Philox, where Triton runs: CUDA, or its
+        interpreter) rather than drawn step by step from the caller's generator into ``noise``."""
+        return triton_available() and (self.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
 
     def _step_compiled(self) -> bool:
         """Whether decode steps run the compiled pieces (``compile_step``, resolved for this model)."""
@@ -553,7 +563,10 @@ class FastHFEngine:
         st.step.zero_()
 
         # Step 0 samples from the prefill logits, eagerly; every later step is _decode_step.
-        if mode != "greedy":
+        counter_noise = mode != "greedy" and self._counter_noise()
+        if counter_noise:  # one seed a chunk; the steps' draws follow from it on the device
+            st.seed.copy_(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))
+        elif mode != "greedy":
             st.noise[:R].exponential_(generator=generator)
         first, first_lp = self._sample(st, logits, R, mode, self._step_compiled())
         st.out_tok[:R, 0] = first
@@ -599,7 +612,7 @@ class FastHFEngine:
                     flags = [finish[g] is None for g in batch_rows]
                     st.live[: len(flags)].copy_(self._host_to_device(flags, torch.int32), non_blocking=True)
                     self._set_runs(st, [g // n for g in batch_rows], flags)
-            if mode != "greedy":
+            if mode != "greedy" and not counter_noise:
                 st.noise[:b].exponential_(generator=generator)
             self._run_step(st, b, fixed_slots or self._slots_for(filled + 1, st.slots_cap), mode)
             filled += 1

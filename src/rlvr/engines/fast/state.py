@@ -31,7 +31,8 @@ class State:
     plen: torch.Tensor  # (1,) prompt slots in use (the chunk's padded prompt length)
     slot: torch.Tensor  # (1,) response slot the next step writes
     step: torch.Tensor  # (1,) output column the next step writes
-    noise: torch.Tensor  # (rows_cap, vocab) Exp(1) noise for the exponential race
+    noise: torch.Tensor  # (rows_cap, vocab) Exp(1) noise for the exponential race (unless the kernel makes it)
+    seed: torch.Tensor  # (1,) int64: the chunk's seed of counter-based noise
     temperature: torch.Tensor  # (1,) float32
     top_p: torch.Tensor  # (1,) float32
     vocab_bias: torch.Tensor  # (vocab,) 0, or -inf on ids the tokenizer cannot decode
@@ -130,6 +131,7 @@ def allocate(
         slot=torch.zeros(1, **long),
         step=torch.zeros(1, **long),
         noise=torch.ones((rows, vocab), dtype=torch.float32, device=device),
+        seed=torch.zeros(1, **long),
         temperature=torch.ones(1, dtype=torch.float32, device=device),
         top_p=torch.ones(1, dtype=torch.float32, device=device),
         vocab_bias=bias,

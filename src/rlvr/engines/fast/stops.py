@@ -15,6 +15,7 @@ import torch
 
 from rlvr.engines.base import Completion
 from rlvr.engines.hf import _stop_window_tokens, find_stop, truncate_at_stop
+from rlvr.tokens import decode_texts
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -106,16 +107,12 @@ class RowChecks:
         # One batched decode of each row's new span (with the window before it) finds the rows that may
         # hold a stop; only those are scanned token by token to find where it completed.
         window = self.window
-        texts = self.tok.batch_decode(
-            [self.generated[g][max(0, a - window + 1) : e] for g, a, e in spans], skip_special_tokens=True
-        )
+        texts = decode_texts(self.tok, [self.generated[g][max(0, a - window + 1) : e] for g, a, e in spans])
         for (g, a, e), text in zip(spans, texts):
             if find_stop(text, self.stops) is None:
                 continue
             seq = self.generated[g]
-            tails = self.tok.batch_decode(
-                [seq[max(0, s + 1 - window) : s + 1] for s in range(a, e)], skip_special_tokens=True
-            )
+            tails = decode_texts(self.tok, [seq[max(0, s + 1 - window) : s + 1] for s in range(a, e)])
             for s, tail in zip(range(a, e), tails):
                 if find_stop(tail, self.stops) is not None:
                     self.finish[g], self.stop_hit[g], self.end[g] = "stop", True, s + 1
@@ -126,9 +123,7 @@ class RowChecks:
         rows = len(self.finish)
         kept = [self.generated[g][: self.end[g]] for g in range(rows)]
         eos = self.eos_ids
-        texts = self.tok.batch_decode(
-            [ids[:-1] if ids and ids[-1] in eos else ids for ids in kept], skip_special_tokens=True
-        )
+        texts = decode_texts(self.tok, [ids[:-1] if ids and ids[-1] in eos else ids for ids in kept])
         out: list[list[Completion]] = [[] for _ in range(rows // n)]
         for g, (ids, text) in enumerate(zip(kept, texts)):
             if self.stop_hit[g]:

@@ -1,0 +1,49 @@
+"""Batched text <-> token ids through a fast tokenizer's Rust backend, equal to the tokenizer's own calls.
+
+transformers' ``batch_decode`` decodes a batch one sequence at a time from Python, and its ``__call__``
+wraps every row's encoding in Python objects; the backend (``tokenizers``) encodes and decodes a whole
+batch in parallel threads. A rollout batch (256 responses of 512 tokens) is decoded once by the engine
+and encoded once by the trainer, with the GPU idle meanwhile, so these two calls go to the backend
+directly when doing so gives the same ids and text: no truncation, padding or clean-up of
+tokenization spaces configured, special tokens encoded as the tokenizer would. Anything else (a slow
+tokenizer, those settings) takes the tokenizer's own path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+
+def _backend(tokenizer: PreTrainedTokenizerBase) -> Any | None:
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if backend is None or not hasattr(backend, "encode_batch") or not hasattr(backend, "decode_batch"):
+        return None
+    return backend
+
+
+def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> list[list[int]]:
+    """``tokenizer(list(texts), add_special_tokens=False)["input_ids"]``."""
+    backend = _backend(tokenizer)
+    plain = (
+        backend is not None
+        and backend.truncation is None
+        and backend.padding is None
+        and getattr(backend, "encode_special_tokens", None) == bool(getattr(tokenizer, "split_special_tokens", False))
+    )
+    if not plain:
+        return tokenizer(list(texts), add_special_tokens=False)["input_ids"]  # type: ignore[no-any-return]
+    return [e.ids for e in backend.encode_batch(list(texts), add_special_tokens=False)]  # type: ignore[union-attr]
+
+
+def decode_texts(
+    tokenizer: PreTrainedTokenizerBase, sequences: Sequence[Sequence[int]], skip_special_tokens: bool = True
+) -> list[str]:
+    """``tokenizer.batch_decode(sequences, skip_special_tokens=...)``."""
+    backend = _backend(tokenizer)
+    if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
+        return tokenizer.batch_decode([list(s) for s in sequences], skip_special_tokens=skip_special_tokens)
+    return backend.decode_batch([list(s) for s in sequences], skip_special_tokens=skip_special_tokens)  # type: ignore[no-any-return]
