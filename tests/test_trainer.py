@@ -224,7 +224,7 @@ def test_packed_run_equals_padded_run(gsm8k_path, tiny_tokenizer, tmp_path):
     # Adam divides each gradient entry by its own running scale, which magnifies rounding differences
     # of entries near zero: a small fraction of an lr-sized step is allowed.
     for a, b in zip(w_padded, w_packed, strict=True):
-        torch.testing.assert_close(b, a, rtol=1e-4, atol=3e-5)
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)  # lr 3e-3: a thirtieth of a step
 
 
 def test_existing_run_needs_resume(gsm8k_path, tiny_model, tiny_tokenizer, tmp_path):
