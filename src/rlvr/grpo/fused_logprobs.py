@@ -168,7 +168,7 @@ class _LinearLogProbs(torch.autograd.Function):
         kept: list[torch.Tensor] | None = [] if keep_logits else None
         lp, lse, entropy = _forward(hidden, weight, bias, labels, chunk_tokens, want_entropy, compiled, kept)
         ctx.save_for_backward(hidden, weight, bias, labels, lse, *(kept or ()))
-        ctx.chunk_tokens, ctx.compiled, ctx.keep_logits = chunk_tokens, compiled, keep_logits
+        ctx.chunk_tokens, ctx.compiled = chunk_tokens, compiled
         ctx.mark_non_differentiable(entropy)
         return lp, entropy
 
@@ -189,7 +189,7 @@ class _LinearLogProbs(torch.autograd.Function):
         grad_b = torch.zeros(bias.shape, dtype=acc_dtype, device=bias.device) if need_b else None
         for i, sl in enumerate(chunks):
             h = hidden[sl]
-            logits = kept[i] if ctx.keep_logits else F.linear(h, weight, bias)
+            logits = kept[i] if kept else F.linear(h, weight, bias)  # kept: one per chunk, or none
             g = grad_pass(logits, lse[sl], labels[sl], grad_lp[sl])
             if need_h:
                 torch.mm(g, weight, out=grad_h[sl])
