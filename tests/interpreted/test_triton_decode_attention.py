@@ -359,18 +359,17 @@ def test_engine_sampled_rows_keep_their_draws_when_the_batch_shrinks(tiny_model,
     finished rows move the live ones to the front of smaller buckets samples the same tokens and
     log-probs as a run that keeps every row in place (the SDPA path, which writes the same noise out
     where Triton runs, so that the interpreter runs only the noise kernel)."""
-    model = _eos_prone(tiny_model, tiny_tokenizer, boost=40.0)
     prompts = PROMPTS[:3] + ["Janet", "x"]
     kw = dict(attention="sdpa", max_batch_size=15)
-    for seed in range(3, 13):
-        params = SamplingParams(n=3, temperature=1.0, max_new_tokens=10, seed=seed)
-        shrinking = _fast(model, tiny_tokenizer, batch_buckets=(16, 8, 4, 1), **kw)
-        out = shrinking.generate(prompts, params)
-        if shrinking.stats["compactions"] > 0:
-            break
+    # Rows capped at chosen lengths finish early whatever the tokenizer (the fixture's depends on the data
+    # beside the repo), so that the shrinking run compacts for sure.
+    limits = [[2, 3, 10], [2, 2, 3], [3, 10, 2], [2, 3, 2], [10, 2, 3]]
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=10, seed=3)
+    shrinking = _fast(tiny_model, tiny_tokenizer, batch_buckets=(16, 8, 4, 1), **kw)
+    out = shrinking.generate(prompts, params, row_max_new_tokens=limits)
     assert shrinking.stats["compactions"] > 0
-    fixed = _fast(model, tiny_tokenizer, batch_buckets=(16,), **kw)
-    kept = fixed.generate(prompts, params)
+    fixed = _fast(tiny_model, tiny_tokenizer, batch_buckets=(16,), **kw)
+    kept = fixed.generate(prompts, params, row_max_new_tokens=limits)
     assert fixed.stats["compactions"] == 0
     assert _ids(out) == _ids(kept)
     for f, s in zip(out, kept):
