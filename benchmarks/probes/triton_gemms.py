@@ -196,7 +196,10 @@ def main() -> None:
                 scale = ref.abs().max().item() + 1e-6
                 best = (float("inf"), None)
                 for cfg in configs(rows, args.tiny):
-                    err = (triton_linear(x, ws[0], b, cfg).float() - ref).abs().max().item() / scale
+                    try:
+                        err = (triton_linear(x, ws[0], b, cfg).float() - ref).abs().max().item() / scale
+                    except triton.runtime.errors.OutOfResources:
+                        continue
                     if err > 2e-2:
                         print(f"{name} {mat} {rows} {cfg}: relative error {err:.3g}", flush=True)
                         continue
