@@ -377,6 +377,19 @@ def test_engine_sampled_rows_keep_their_draws_when_the_batch_shrinks(tiny_model,
             assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
 
 
+def test_engine_allocates_its_noise_buffer_only_for_top_p(tiny_model, tiny_tokenizer):
+    """Where the kernel makes its own noise the engine holds no rows x vocabulary noise buffer; top-p,
+    which sorts in ``sample_math`` over written-out noise, allocates it then, and samples what the SDPA
+    path samples."""
+    engine = _fast(tiny_model, tiny_tokenizer, attention="triton", attention_splits=1)
+    engine.generate(PROMPTS[:2], SamplingParams(n=2, temperature=1.0, max_new_tokens=4, seed=1))
+    assert engine._state.noise.shape[0] == 0
+    top_p = SamplingParams(n=2, temperature=1.0, top_p=0.9, max_new_tokens=4, seed=1)
+    out = engine.generate(PROMPTS[:2], top_p)
+    assert engine._state.noise.shape == (engine._state.rows_cap, tiny_model.lm_head.weight.shape[0])
+    assert _ids(out) == _ids(_fast(tiny_model, tiny_tokenizer, attention="sdpa").generate(PROMPTS[:2], top_p))
+
+
 def test_engine_with_odd_head_dim_equals_model_generate(tiny_tokenizer):
     """A model whose head_dim (12) is not a power of two decodes through the kernel, as the '20m' model's
     48 and Qwen-style 80 or 96 do on a GPU."""

@@ -22,7 +22,7 @@ from rlvr.engines.decode_attention import (
 from rlvr.engines.fast import step as S
 from rlvr.engines.fast.families import layer_weights, layout_of
 from rlvr.engines.fast.graphs import StepGraphs
-from rlvr.engines.fast.state import State, allocate, refresh_stacked
+from rlvr.engines.fast.state import State, allocate, ensure_noise, refresh_stacked
 from rlvr.engines.fast.stops import RowChecks
 from rlvr.engines.hf import eos_token_ids, generate_in_chunks
 from rlvr.engines.sampling_kernel import CounterNoise, exponential_noise, triton_sample
@@ -347,10 +347,20 @@ class FastHFEngine:
         fn = S.compiled(S.sample_math) if compiled else S.sample_math
         return fn(logits, st.vocab_bias, st.temperature, st.top_p, st.noise[:b], mode)
 
-    def _counter_noise(self) -> bool:
-        """Whether sampling noise is counter-based (Triton's Philox, where Triton runs: CUDA, or its
-        interpreter) rather than drawn step by step from the caller's generator into ``noise``."""
+    def _ensure_noise(self, st: State, mode: str) -> None:
+        """Give the state its noise buffer where ``_sample`` takes ``sample_math`` (top-p, the SDPA path),
+        which reads one; the Triton kernel makes its own noise and needs none."""
+        if mode == "top_p" or self._attention_kind() != "triton":
+            ensure_noise(st)
+
+    def _triton_runs(self) -> bool:
+        """Whether Triton kernels can run on this engine's device: CUDA, or Triton's interpreter."""
         return triton_available() and (self.device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+
+    def _counter_noise(self) -> bool:
+        """Whether sampling noise is counter-based (Triton's Philox, where Triton runs) rather than drawn
+        step by step from the caller's generator into ``noise``."""
+        return self._triton_runs()
 
     def _step_compiled(self) -> bool:
         """Whether decode steps run the compiled pieces (``compile_step``, resolved for this model)."""
@@ -369,7 +379,7 @@ class FastHFEngine:
         """``"triton"`` or ``"sdpa"``: ``attention`` resolved for this engine's device."""
         if self.attention == "auto":
             return "triton" if self.device.type == "cuda" and triton_available() else "sdpa"
-        if self.attention == "triton" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        if self.attention == "triton" and not self._triton_runs():
             raise ValueError(
                 f"attention='triton' runs on CUDA (or under TRITON_INTERPRET=1); the model is on "
                 f"{self.device}: use attention='sdpa'"
@@ -454,6 +464,7 @@ class FastHFEngine:
         return b, slots, mode, nruns, self._run_rows() if nruns else 0
 
     def _run_step(self, st: State, b: int, slots: int, mode: str) -> None:
+        self._ensure_noise(st, mode)  # before any capture: a graph keeps the buffer's address
         key = self._step_key(b, slots, mode)
         if key[3]:
             self.stats["cascade_steps"] += 1
@@ -563,6 +574,7 @@ class FastHFEngine:
         st.step.zero_()
 
         # Step 0 samples from the prefill logits, eagerly; every later step is _decode_step.
+        self._ensure_noise(st, mode)
         counter_noise = mode != "greedy" and self._counter_noise()
         if counter_noise:  # one seed a chunk; the steps' draws follow from it on the device
             st.seed.copy_(torch.randint(0, 2**62, (1,), generator=generator, device=generator.device))

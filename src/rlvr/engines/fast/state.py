@@ -31,7 +31,7 @@ class State:
     plen: torch.Tensor  # (1,) prompt slots in use (the chunk's padded prompt length)
     slot: torch.Tensor  # (1,) response slot the next step writes
     step: torch.Tensor  # (1,) output column the next step writes
-    noise: torch.Tensor  # (rows_cap, vocab) Exp(1) noise for the exponential race (unless the kernel makes it)
+    noise: torch.Tensor  # (rows_cap, vocab) Exp(1) noise for the exponential race; no rows until needed
     seed: torch.Tensor  # (1,) int64: the chunk's seed of counter-based noise
     temperature: torch.Tensor  # (1,) float32
     top_p: torch.Tensor  # (1,) float32
@@ -130,7 +130,7 @@ def allocate(
         plen=torch.zeros(1, **long),
         slot=torch.zeros(1, **long),
         step=torch.zeros(1, **long),
-        noise=torch.ones((rows, vocab), dtype=torch.float32, device=device),
+        noise=torch.ones((0, vocab), dtype=torch.float32, device=device),
         seed=torch.zeros(1, **long),
         temperature=torch.ones(1, dtype=torch.float32, device=device),
         top_p=torch.ones(1, dtype=torch.float32, device=device),
@@ -142,6 +142,15 @@ def allocate(
         wgate_up=wgate_up,
         bgate_up=bgate_up,
     )
+
+
+def ensure_noise(st: State) -> torch.Tensor:
+    """The noise buffer at full size, allocated on first need: where the sampling kernel makes its own
+    noise, only top-p (or the SDPA path) reads a noise tensor, and rows x vocabulary float32 is 100-155
+    MB at 256 rows. Allocated once for the state's life, so graphs captured after it keep its address."""
+    if st.noise.shape[0] < st.rows_cap:
+        st.noise = torch.ones((st.rows_cap, st.noise.shape[1]), dtype=st.noise.dtype, device=st.noise.device)
+    return st.noise
 
 
 def _cat_bias(ws: Sequence[torch.Tensor], bs: Sequence[torch.Tensor | None], out: torch.Tensor) -> None:
