@@ -32,11 +32,12 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rlvr.engines.base import Completion, SamplingParams
+from rlvr.tokens import decode_texts
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -247,7 +248,7 @@ class HFEngine:
         cache = self.__dict__.setdefault("_candidate_cache", {})
         if key not in cache:
             last = {s[-1] for s in stops}
-            pieces = self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))], skip_special_tokens=True)
+            pieces = decode_texts(self.tokenizer, [[i] for i in range(len(self.tokenizer))])
             cache[key] = {i for i, piece in enumerate(pieces) if any(c in piece for c in last)}
         return cache[key]
 
@@ -331,7 +332,7 @@ class HFEngine:
                 elif step + 1 == T:
                     finish[g] = "length"
             if check_rows:
-                tails = tok.batch_decode([generated[live[b]][-window:] for b in check_rows], skip_special_tokens=True)
+                tails = decode_texts(tok, [generated[live[b]][-window:] for b in check_rows])
                 for b, tail in zip(check_rows, tails):
                     g = live[b]
                     if find_stop(tail, stops) is not None:
@@ -364,11 +365,10 @@ class HFEngine:
 
         lp_host = lp_buf.cpu()
         completions: list[list[Completion]] = [[] for _ in range(P)]
+        texts = decode_texts(tok, [ids[:-1] if ids and ids[-1] in self.eos_ids else ids for ids in generated])
         for g in range(R):
-            ids = generated[g]
+            ids, text = generated[g], texts[g]
             row_logprobs = lp_host[g, : len(ids)].tolist()
-            body = ids[:-1] if ids and ids[-1] in self.eos_ids else ids
-            text = cast(str, tok.decode(body, skip_special_tokens=True))
             if stop_hit[g]:
                 text, _ = truncate_at_stop(text, stops, params.include_stop_str_in_output)
             completions[g // n].append(
