@@ -206,7 +206,7 @@ def training(bench: Bench):
 
 # Kernel kinds of a training step, first match wins (attention first: some of its kernels are CUTLASS's).
 TRAIN_KINDS = (
-    ("attention (SDPA, FlexAttention)", re.compile(r"flash|fmha|attention|efficient|flex", re.I)),
+    ("attention (SDPA, flash varlen)", re.compile(r"flash|fmha|attention|efficient", re.I)),
     ("matmul", re.compile(r"gemm|gemv|cutlass|nvjet|sm90|sm80|xmma|cublas|^triton_tem", re.I)),
     ("fused elementwise (inductor)", re.compile(r"^triton_")),
     ("optimizer and norm (multi-tensor)", re.compile(r"multi_tensor|foreach|adam", re.I)),
