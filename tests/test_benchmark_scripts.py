@@ -14,8 +14,8 @@ from conftest import REPO
 pytestmark = pytest.mark.slow
 
 
-def _run(script: str, *args: str, gsm8k: str | None) -> str:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO / "benchmarks")]))
+def _run(script: str, *args: str, gsm8k: str | None, env: dict | None = None) -> str:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "src"), str(REPO / "benchmarks")]), **(env or {}))
     data = ["--data-dir", gsm8k] if gsm8k is not None else []
     proc = subprocess.run(
         [sys.executable, str(REPO / "benchmarks" / script), *data, "--tiny", *args],
@@ -58,6 +58,15 @@ def test_bench_trainer_step_runs_packed_and_padded(gsm8k_path):
     assert 0 < tokens[True] < tokens[False], tokens
 
 
+def test_triton_gemms_probe_runs():
+    """The decode matmuls against the small-tile Triton GEMM, through Triton's interpreter (float32)."""
+    out = _run(
+        "probes/triton_gemms.py", "--rows", "5", "--models", "olmo2-1b", gsm8k=None, env={"TRITON_INTERPRET": "1"}
+    )
+    assert "relative error" not in out  # every tiling tried matched F.linear
+    assert sum(line.startswith("| olmo2-1b | 5 |") for line in out.splitlines()) == 2 * 6  # five matmuls and the step
+
+
 def test_decode_gemms_probe_runs():
     """The decode matmuls per family, BLAS library and row count (no data needed)."""
     out = _run("probes/decode_gemms.py", gsm8k=None)
@@ -86,3 +95,4 @@ def test_generate_overhead_probe_runs(gsm8k_path):
     out = _run("probes/generate_overhead.py", gsm8k=str(gsm8k_path))
     assert "forced: one new token" in out and "replays of the captured step" in out
     assert "realistic: one call profiled: wall / GPU busy" in out
+    assert "trainer's rollout 4x4, up to 24 tokens" in out and "trainer's rollout: one call profiled" in out

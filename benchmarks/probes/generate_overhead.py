@@ -7,7 +7,11 @@
   GPU was busy (the union of its kernels): wall minus busy is time the host left the GPU idle;
 - for the forced batch, the same call with one new token (prefill, the first sample, results: the
   call's fixed part), and 511 replays of the captured step at the batch's mean attended length (the
-  step's cost is linear in that length): what the decode loop would take with nothing between steps.
+  step's cost is linear in that length): what the decode loop would take with nothing between steps;
+- the trainer's rollout (section f's generate phase: the realistic prompts x 8, every row allowed 512
+  tokens, which random weights nearly always use): the call, its floor, the GPU's idle time and its
+  kernels summed by kind (``decode_breakdown.KINDS``, the sampling kernels apart) against each
+  kind's own floor.
 
 Usage: ``PYTHONPATH=src:benchmarks python benchmarks/probes/generate_overhead.py --data-dir DIR [--tiny]``.
 """
@@ -15,23 +19,34 @@ Usage: ``PYTHONPATH=src:benchmarks python benchmarks/probes/generate_overhead.py
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 from bench_speed import Bench, probe_bench, probe_parser
-from decode_breakdown import replay_ms
+from decode_breakdown import KINDS, replay_ms
 from profile_step import gpu_busy_s
 from torch.profiler import ProfilerActivity, profile
 
 from rlvr.engines.base import SamplingParams
 from rlvr.engines.fast import FastHFEngine
 
+SAMPLING = re.compile(r"_sample_slices|_merge_slices|_exponential")
 
-def busy_and_wall(bench: Bench, fn) -> tuple[float, float]:
-    """(GPU busy seconds, wall seconds) of one call of ``fn`` under the profiler (busy 0 off a GPU)."""
+
+def busy_and_wall(bench: Bench, fn, kinds: dict | None = None) -> tuple[float, float]:
+    """(GPU busy seconds, wall seconds) of one call of ``fn`` under the profiler (busy 0 off a GPU); with
+    ``kinds``, each kind's kernel seconds and count are added to it."""
     if bench.device.type != "cuda":
         return 0.0, bench.timed(fn)[1]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         _, wall = bench.timed(fn)
+    if kinds is not None:
+        for e in prof.events():
+            if e.device_type != torch.autograd.DeviceType.CUDA:
+                continue
+            kind = "sampling" if SAMPLING.search(e.name) else next((k for k, rx in KINDS if rx.search(e.name)), "other")
+            seconds, count = kinds.get(kind, (0.0, 0))
+            kinds[kind] = (seconds + e.device_time_total / 1e6, count + 1)
     return gpu_busy_s(prof), wall
 
 
@@ -89,6 +104,21 @@ def main() -> None:
         f"call {per_call['host_syncs']:.0f} host checks, {per_call['compactions']:.0f} compactions |",
     ]
     print("\n".join(rows[-2:]), flush=True)
+
+    full = [[T] * bench.group for _ in prompts]
+    floor = bench.decode_floor([p for p in p_lens for _ in range(bench.group)], [T] * sum(map(len, full)), bench.group)
+    engine.generate(prompts, params, row_max_new_tokens=full)
+    outs, rollout, _ = bench.best_of(lambda: engine.generate(prompts, params, row_max_new_tokens=full))
+    mean_len = sum(len(c.token_ids) for g in outs for c in g) / sum(len(g) for g in outs)
+    kinds: dict[str, tuple[float, int]] = {}
+    busy, wall = busy_and_wall(bench, lambda: engine.generate(prompts, params, row_max_new_tokens=full), kinds)
+    rows += [
+        f"| trainer's rollout {len(prompts)}x{bench.group}, up to {T} tokens (mean {mean_len:.0f}): whole call (best "
+        f"of 3) | {rollout:.3f} | floor {floor:.3f} s: {rollout / floor:.2f}x |",
+        f"| trainer's rollout: one call profiled: wall / GPU busy | {wall:.3f} / {busy:.3f} | idle {wall - busy:.3f} s |",
+    ]
+    rows += [f"| trainer's rollout: {k} kernels | {v[0]:.3f} | {v[1]} kernels |" for k, v in sorted(kinds.items())]
+    print("\n".join(rows[-2 - len(kinds) :]), flush=True)
     engine.close()
     print(f"\n## forced engine stats: {stats}")
     print("\n## generate calls at OLMo-2-1B's shape: seconds")
