@@ -11,7 +11,9 @@ A diagnostic companion to ``bench_speed.py`` (which measures end to end): prints
    each phase's time in a steady step, then the train phase against ``policy_gradient_update`` called
    again on that step's own batch, model, optimizer and compiled backbone, with how much of each the
    GPU was busy, the GPU time of both summed by kind of kernel (``TRAIN_KINDS``) and the
-   profiler's tables of the trainer's update (kernels, then host-side ops).
+   profiler's tables of the trainer's update (kernels, then host-side ops);
+5. (``--only step``) one whole ``rlvr train`` step under the profiler: its wall time against the GPU's busy
+   time, and the GPU's idle stretches by the host work under way (``STEP_LABELS``).
 
 ``--family NAME`` (one of ``bench_speed.FAMILY_MODELS``) runs the decode part on that model's exact shape
 (random weights) instead of OLMo-2-1B's.
@@ -312,6 +314,134 @@ def trainer(bench: Bench, steps: int = 4):
     bench.free()
 
 
+# What the whole-step profile labels, as (module, attribute, label): each is wrapped in a
+# ``record_function`` of that label, so the GPU's idle stretches can be pinned to the host work under way.
+STEP_LABELS = (
+    ("rlvr.trainer", "_rollout", "rollout"),
+    ("rlvr.trainer", "_score", "score"),
+    ("rlvr.trainer", "_advantages", "advantages"),
+    ("rlvr.trainer", "_update", "update"),
+    ("rlvr.trainer", "_dump_rollouts", "dump rollouts"),
+    ("rlvr.engines.fast.engine.FastHFEngine", "generate", "generate"),
+    ("rlvr.engines.hf.HFEngine", "generate", "generate"),
+    ("rlvr.engines.fast.engine.FastHFEngine", "_prefill", "prefill"),
+    ("rlvr.engines.fast.stops.RowChecks", "examine", "host checks"),
+    ("rlvr.engines.fast.stops.RowChecks", "completions", "results"),
+    ("rlvr.tokens", "encode_texts", "encode texts"),
+    ("rlvr.grpo", "tokenize_from_ids", "pad batch"),
+    ("rlvr.trainer", "policy_gradient_update", "policy_gradient_update"),
+)
+
+
+def _resolve(path: str):
+    import importlib
+
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(path)
+
+
+def idle_gaps(prof, regions: list[tuple[str, float, float]], least_us: float = 200.0) -> list[tuple[float, float, str]]:
+    """The GPU's idle stretches of at least ``least_us`` (start us from the first kernel, length us, the
+    innermost labelled host region under way at the stretch's middle)."""
+    spans = sorted(
+        (e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    gaps, end = [], spans[0][1] if spans else 0.0
+    first = spans[0][0] if spans else 0.0
+    for lo, hi in spans[1:]:
+        if lo - end >= least_us:
+            mid = (lo + end) / 2
+            inside = [r for r in regions if r[1] <= mid <= r[2]]
+            label = min(inside, key=lambda r: r[2] - r[1])[0] if inside else "(no label)"
+            gaps.append((end - first, lo - end, label))
+        end = max(end, hi)
+    return gaps
+
+
+def whole_step(bench: Bench, steps: int = 4):
+    """One whole ``rlvr train`` step (the last of ``steps``) under the profiler: wall against GPU busy, and
+    where the GPU idles, by the host work under way (``STEP_LABELS``)."""
+    import rlvr.trainer as trainer_module
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    originals = []
+    for owner_path, attr, label in STEP_LABELS:
+        owner = _resolve(owner_path)
+        fn = getattr(owner, attr)
+
+        def wrapped(*args, _fn=fn, _label=label, **kwargs):
+            with torch.profiler.record_function(f"step: {_label}"):
+                return _fn(*args, **kwargs)
+
+        originals.append((owner, attr, fn))
+        setattr(owner, attr, wrapped)
+    result = {}
+    original_step = trainer_module._rollout_step
+
+    def profiled(config, step, run_dir, run, state):
+        if step != config.n_steps:
+            return original_step(config, step, run_dir, run, state)
+        bench.sync()
+        t0 = time.perf_counter()
+        with profile(activities=acts) as prof:
+            log = original_step(config, step, run_dir, run, state)
+            bench.sync()
+        result.update(prof=prof, wall=time.perf_counter() - t0)
+        return log
+
+    trainer_module._rollout_step = profiled
+    bench.args.trainer_steps = steps
+    try:
+        bench.trainer_step()
+    finally:
+        trainer_module._rollout_step = original_step
+        for owner, attr, fn in originals:
+            setattr(owner, attr, fn)
+    for row in bench.log["trainer_rows"]:
+        times = ", ".join(
+            f"{k[5:]} {row[k]:.3f}" for k in ("time/step", "time/generate", "time/train", "time/tokenize")
+        )
+        print(f"step {row['step']}: {times} s", flush=True)
+    prof = result["prof"]
+    regions, seconds = [], defaultdict(float)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("step: "):
+            regions.append((e.name[6:], e.time_range.start, e.time_range.end))
+            seconds[e.name[6:]] += (e.time_range.end - e.time_range.start) / 1e6
+    gaps = idle_gaps(prof, regions)
+    busy = gpu_busy_s(prof)
+    print(
+        f"\n## rlvr train, step {steps} of {steps} under the profiler: wall {result['wall']:.3f} s, GPU busy "
+        f"{busy:.3f} s, idle {result['wall'] - busy:.3f} s",
+        flush=True,
+    )
+    print("host region | wall s (summed over calls)")
+    print("---|---:")
+    for label, sec in sorted(seconds.items(), key=lambda kv: -kv[1]):
+        print(f"{label} | {sec:.3f}")
+    by_label = defaultdict(lambda: [0.0, 0])
+    for _, length, label in gaps:
+        by_label[label][0] += length / 1e6
+        by_label[label][1] += 1
+    print("\n## the GPU's idle stretches of 0.2 ms or more, by the host region under way")
+    print("host region | idle s | stretches")
+    print("---|---:|---:")
+    for label, (sec, n) in sorted(by_label.items(), key=lambda kv: -kv[1][0]):
+        print(f"{label} | {sec:.3f} | {n}")
+    print("\n## the longest idle stretches: at ms (from the first kernel) | ms | host region")
+    for at, length, label in sorted(gaps, key=lambda g: -g[1])[:15]:
+        print(f"{at / 1e3:.1f} | {length / 1e3:.2f} | {label}")
+    bench.free()
+
+
 def use_family_model(bench: Bench, name: str) -> None:
     """Swap the bench's model for one of ``FAMILY_MODELS`` at its exact shape (random weights)."""
     from transformers import AutoConfig
@@ -340,7 +470,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data-dir", required=True)
     ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--only", choices=("decode", "attention", "training", "trainer"), default=None)
+    ap.add_argument("--only", choices=("decode", "attention", "training", "trainer", "step"), default=None)
     ap.add_argument(
         "--family",
         choices=tuple(FAMILY_MODELS),
@@ -375,6 +505,8 @@ def main():
         training(bench)
     if args.only in (None, "trainer"):
         trainer(bench)
+    if args.only in (None, "step"):
+        whole_step(bench)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,33 @@ def test_profile_step_trainer_part_runs(gsm8k_path):
     assert "kernels by kind: the trainer's train phase" in out and "kernels by kind: the same update alone" in out
 
 
+def test_profile_step_whole_step_part_runs(gsm8k_path):
+    """One whole trainer step under the profiler, its host regions labelled."""
+    out = _run("profile_step.py", "--only", "step", gsm8k=str(gsm8k_path))
+    assert "under the profiler: wall" in out and "GPU busy" in out
+    regions = out.split("host region | wall s")[1].split("##")[0]
+    for label in ("rollout", "generate", "encode texts", "pad batch", "update", "policy_gradient_update"):
+        assert f"\n{label} |" in regions
+
+
+def test_idle_gaps_names_the_innermost_region_under_way(monkeypatch):
+    from types import SimpleNamespace
+
+    import torch
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from profile_step import idle_gaps
+
+    def kernel(lo, hi):
+        return SimpleNamespace(device_type=torch.autograd.DeviceType.CUDA, time_range=SimpleNamespace(start=lo, end=hi))
+
+    prof = SimpleNamespace(events=lambda: [kernel(0, 100), kernel(150, 400), kernel(1000, 1100), kernel(1150, 1500)])
+    regions = [("step", 0, 2000), ("encode", 500, 900)]
+    # 400 -> 1000 (600 us, middle 700: inside encode); 100 -> 150 and 1100 -> 1150 are under 200 us
+    assert idle_gaps(prof, regions) == [(400, 600, "encode")]
+    assert idle_gaps(prof, regions, least_us=40) == [(100, 50, "step"), (400, 600, "encode"), (1100, 50, "step")]
+
+
 def test_bench_trainer_step_runs_packed_and_padded(gsm8k_path):
     """The whole-step rows with and without ``--shared-prefix``: the packed run puts fewer tokens
     through the model for the same rollouts (same seed, same prompts)."""

@@ -15,7 +15,13 @@ from rlvr import (
     grpo_train_step,
     tokenize_prompt_and_output,
 )
-from rlvr.grpo import compile_backbone, compute_rollout_rewards, microbatch_plan, policy_gradient_update
+from rlvr.grpo import (
+    compile_backbone,
+    tokenize_from_ids,
+    compute_rollout_rewards,
+    microbatch_plan,
+    policy_gradient_update,
+)
 
 # --- tokenisation -----------------------------------------------------------------------------------
 
@@ -37,6 +43,22 @@ def test_tokenize_prompt_and_output_layout(tiny_tokenizer):
         last = len(p_ids[i]) + len(o_ids[i]) - 2
         assert out["response_mask"][i, last] and out["labels"][i, last] == o_ids[i][-1]
     assert out["response_mask"].dtype == torch.bool
+
+
+def test_tokenize_from_ids_by_hand():
+    """Rows of different prompt and output lengths, an empty output and an empty prompt, laid out by hand."""
+    out = tokenize_from_ids([[1, 2], [3], [], [4, 5]], [[6], [7, 8, 9], [10, 11], []], pad_id=0)
+    padded = [[1, 2, 6, 0], [3, 7, 8, 9], [10, 11, 0, 0], [4, 5, 0, 0]]
+    assert out["input_ids"].tolist() == [r[:-1] for r in padded]
+    assert out["labels"].tolist() == [r[1:] for r in padded]
+    assert out["response_mask"].tolist() == [
+        [False, True, False],
+        [True, True, True],
+        [True, False, False],
+        [False, False, False],
+    ]
+    with pytest.raises(ValueError, match="shorter than 2"):
+        tokenize_from_ids([[1]], [[]], pad_id=0)
 
 
 def test_tokenize_errors(tiny_tokenizer):

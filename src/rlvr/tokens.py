@@ -36,7 +36,9 @@ def encode_texts(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str]) -> li
     )
     if not plain:
         return tokenizer(list(texts), add_special_tokens=False)["input_ids"]  # type: ignore[no-any-return]
-    return [e.ids for e in backend.encode_batch(list(texts), add_special_tokens=False)]  # type: ignore[union-attr]
+    # encode_batch_fast skips the character offsets, which nothing here reads (same ids).
+    encode = getattr(backend, "encode_batch_fast", backend.encode_batch)  # type: ignore[union-attr]
+    return [e.ids for e in encode(list(texts), add_special_tokens=False)]
 
 
 def decode_texts(
