@@ -17,10 +17,10 @@ from rlvr import (
 )
 from rlvr.grpo import (
     compile_backbone,
-    tokenize_from_ids,
     compute_rollout_rewards,
     microbatch_plan,
     policy_gradient_update,
+    tokenize_from_ids,
 )
 
 # --- tokenisation -----------------------------------------------------------------------------------
