@@ -217,3 +217,28 @@ def test_eval_refuses_bad_settings_in_one_line_before_loading(
         assert main(base + extra) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and message in err[0], err
+
+
+def test_eval_gives_system_and_user_template_to_the_chat_prompt_among_several(tmp_path, tiny_tokenizer):
+    """``rlvr eval --prompt r1_zero --prompt chat --system ...``: the system message is the chat prompt's;
+    the built-in keeps its template. With no chat prompt among them, the flag is refused with the fix."""
+    from rlvr.evaluate import EvalConfig
+    from rlvr.task_config import TaskConfigError, eval_tasks
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(tmp_path / "model")
+    data = tmp_path / "test.jsonl"
+    data.write_text(json.dumps({"question": "2+2?", "answer": "#### 4"}) + "\n")
+    common = dict(model=str(tmp_path / "model"), out=tmp_path / "out", data=str(data), system="Be brief.")
+
+    tasks = eval_tasks(EvalConfig(prompt=("r1_zero", "chat"), user_template="Q: {question}", **common))
+    builtin, chat = tasks.prompts
+    assert (builtin.name, builtin.system, builtin.user_template) == ("r1_zero", None, None)
+    assert chat.bind(tok).render("2+2?") == "[system] Be brief.\n[user] Q: 2+2?\n[assistant] "
+    assert builtin.render("2+2?") == resolve_prompt("r1_zero").render("2+2?")
+
+    with pytest.raises(
+        TaskConfigError, match="^--system applies to --prompt chat .* not to r1_zero, question_only; add"
+    ):
+        eval_tasks(EvalConfig(prompt=("r1_zero", "question_only"), **common))

@@ -354,15 +354,28 @@ def eval_tasks(cfg: EvalConfig) -> EvalTasks:
             answer_field=cfg.answer_field,
             answer_format=cfg.answer_format,
         )
-        options = PromptOptions(system=cfg.system, user_template=cfg.user_template, stop=cfg.stop)
+        names = list(dict.fromkeys(cfg.prompt or ("r1_zero",)))
+        chat_flags = [f for f, v in (("--system", cfg.system), ("--user-template", cfg.user_template)) if v is not None]
+        if chat_flags and "chat" not in names:
+            raise TaskConfigError(
+                f"{' and '.join(chat_flags)} {'apply' if len(chat_flags) > 1 else 'applies'} to --prompt chat (the model's chat template), not to "
+                f"{', '.join(names)}; add --prompt chat or leave {' and '.join(chat_flags)} out"
+            )
+        # Beside a chat prompt, --system and --user-template are that prompt's; the others keep --stop alone.
+        chat_options = PromptOptions(system=cfg.system, user_template=cfg.user_template, stop=cfg.stop)
+        other_options = PromptOptions(stop=cfg.stop)
         reward = RewardConfig(
             fn=cfg.reward, fns=cfg.reward_fns, weights=cfg.reward_weights, timeout_s=cfg.reward_timeout_s
         )
         configs = [
             TrainConfig(
-                model=ModelConfig(name_or_path=cfg.model), data=data, prompt=p, prompt_options=options, reward=reward
+                model=ModelConfig(name_or_path=cfg.model),
+                data=data,
+                prompt=p,
+                prompt_options=chat_options if p == "chat" else other_options,
+                reward=reward,
             )
-            for p in dict.fromkeys(cfg.prompt or ("r1_zero",))
+            for p in names
         ]
         sources = [
             DataSource(
