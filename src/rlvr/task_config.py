@@ -327,6 +327,7 @@ def eval_tasks(cfg: EvalConfig) -> EvalTasks:
 
     from rlvr.config import DataConfig, ModelConfig, PromptOptions, RewardConfig, TrainConfig, load_config_file
     from rlvr.evaluate import EvalConfig
+    from rlvr.prompts import CHAT
 
     if cfg.config is not None:
         defaults = EvalConfig(model=cfg.model, out=cfg.out)
@@ -356,10 +357,11 @@ def eval_tasks(cfg: EvalConfig) -> EvalTasks:
         )
         names = list(dict.fromkeys(cfg.prompt or ("r1_zero",)))
         chat_flags = [f for f, v in (("--system", cfg.system), ("--user-template", cfg.user_template)) if v is not None]
-        if chat_flags and "chat" not in names:
+        if chat_flags and CHAT not in names:
+            flags, verb = " and ".join(chat_flags), "apply" if len(chat_flags) > 1 else "applies"
             raise TaskConfigError(
-                f"{' and '.join(chat_flags)} {'apply' if len(chat_flags) > 1 else 'applies'} to --prompt chat (the model's chat template), not to "
-                f"{', '.join(names)}; add --prompt chat or leave {' and '.join(chat_flags)} out"
+                f"{flags} {verb} to --prompt chat (the model's chat template), not to {', '.join(names)}; "
+                f"add --prompt chat or leave {flags} out"
             )
         # Beside a chat prompt, --system and --user-template are that prompt's; the others keep --stop alone.
         chat_options = PromptOptions(system=cfg.system, user_template=cfg.user_template, stop=cfg.stop)
@@ -372,7 +374,7 @@ def eval_tasks(cfg: EvalConfig) -> EvalTasks:
                 model=ModelConfig(name_or_path=cfg.model),
                 data=data,
                 prompt=p,
-                prompt_options=chat_options if p == "chat" else other_options,
+                prompt_options=chat_options if p == CHAT else other_options,
                 reward=reward,
             )
             for p in names
