@@ -17,8 +17,10 @@
 # Runs share the one GPU: PARALLEL (default 4) at a time per suite, both suites at once.
 # Usage: scripts/gpu_variant_study.sh OUT_DIR [DEVICE] [SCALE] [SUITES]
 #   SCALE=tiny runs the same pipeline on a CPU in a few minutes (plumbing check, no learning claim).
-#   SUITES: "onpolicy offpolicy" (default) or one of them. SEEDS (default "0 1 2 3") picks the seeds. A second call with the same OUT_DIR reuses the
+#   SUITES: "onpolicy offpolicy" (default) or any of onpolicy, offpolicy, lr (configs/sweeps/lr_arith.yaml:
+#   the on-policy presets against the learning rate) and lr_offpolicy (lr_offpolicy_arith.yaml). SEEDS (default "0 1 2 3") picks the seeds. A second call with the same OUT_DIR reuses the
 #   warm start found there, so the suites can run one call each and still start from one warm start.
+#   REPORT=0 leaves the reports out (to write them elsewhere from the run folders).
 set -euo pipefail
 OUT=${1:?usage: gpu_variant_study.sh OUT_DIR [DEVICE] [SCALE]}
 DEVICE=${2:-cuda}
@@ -48,9 +50,9 @@ COMMON=(model.name_or_path="$OUT/warm" data.train_source="$TASK" data.val_size=$
 PIDS=()
 for suite in $SUITES; do
   case $suite in
-    onpolicy) EXTRA=(n_steps=$ON_STEPS rollout.n_prompts_per_rollout_batch=$ON_PROMPTS optim.gradient_accumulation_steps=1) ;;
-    offpolicy) EXTRA=(n_steps=$OFF_STEPS rollout.n_prompts_per_rollout_batch=$OFF_PROMPTS optim.lr=1e-5) ;;
-    *) echo "unknown suite '$suite': use onpolicy and/or offpolicy" >&2; exit 2 ;;
+    onpolicy|lr) EXTRA=(n_steps=$ON_STEPS rollout.n_prompts_per_rollout_batch=$ON_PROMPTS optim.gradient_accumulation_steps=1) ;;
+    offpolicy|lr_offpolicy) EXTRA=(n_steps=$OFF_STEPS rollout.n_prompts_per_rollout_batch=$OFF_PROMPTS) ;;
+    *) echo "unknown suite '$suite': use onpolicy, offpolicy, lr and/or lr_offpolicy" >&2; exit 2 ;;
   esac
   $PY -m rlvr sweep configs/sweeps/${suite}_arith.yaml --out "$OUT/$suite" --max-parallel $PAR --seeds $SEEDS \
       --set "${COMMON[@]}" "${EXTRA[@]}" > "$OUT/$suite.log" 2>&1 &
@@ -60,6 +62,6 @@ STATUS=0
 for pid in "${PIDS[@]}"; do wait $pid || STATUS=$?; done
 for suite in $SUITES; do
   tail -n 5 "$OUT/$suite.log"
-  $PY -m rlvr report "$OUT/$suite" --out "$OUT/${suite}_report.md" || STATUS=$?
+  if [ "${REPORT:-1}" = 1 ]; then $PY -m rlvr report "$OUT/$suite" --out "$OUT/${suite}_report.md" || STATUS=$?; fi
 done
 exit $STATUS
