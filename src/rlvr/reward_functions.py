@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from rlvr import rewards
+from rlvr import code_reward, rewards
 from rlvr.errors import UserError
 from rlvr.reward_worker import is_file_spec
 
@@ -33,6 +33,11 @@ BUILTIN_REWARDS: dict[str, Callable] = {
     "question_only": rewards.question_only_reward_fn,
     "boxed": rewards.boxed_reward_fn,
     "exact": rewards.exact_reward_fn,
+    "code": code_reward.code_reward_fn,
+}
+# Why a built-in cannot run on this machine (None: it can), asked before any model loads.
+BUILTIN_PRECONDITIONS: dict[str, Callable[[], str | None]] = {
+    "code": code_reward.unavailable,
 }
 WORKER_STARTUP_TIMEOUT_S = 120.0
 """Seconds a user reward's worker may take to import the function (its module may load a lot)."""
@@ -170,7 +175,12 @@ class Reward:
         return any(isinstance(fn, UserRewardFunction) for _, fn, _ in self.components)
 
     def start(self, fields: Sequence[str] = ()) -> None:
-        """Start the user functions' workers and check their signatures (before any model loads)."""
+        """Check that the built-ins can run here, start the user functions' workers and check their
+        signatures (before any model loads)."""
+        for spec in self.specs:
+            problem = BUILTIN_PRECONDITIONS[spec]() if spec in BUILTIN_PRECONDITIONS else None
+            if problem:
+                raise RewardConfigError(f"reward {spec} cannot run on this machine: {problem}")
         for _, fn, _ in self.components:
             if isinstance(fn, UserRewardFunction):
                 fn.start(fields)

@@ -30,6 +30,7 @@ class _LazyTask:
 
 TASKS: dict[str, Callable] = {
     "arith": _LazyTask("rlvr.tasks.arithmetic", "load_arithmetic"),
+    "code": _LazyTask("rlvr.tasks.code", "load_code"),
 }
 
 
