@@ -7,7 +7,7 @@
 #      rft, maxrl), 4 seeds each: 16 prompts x 8 samples, one optimizer step per rollout batch,
 #      lr 1e-4, 50 steps (the proof's settings);
 #   3. at the same time, the off-policy comparison at 32x (configs/sweeps/offpolicy_arith.yaml:
-#      none, noclip, grpo_clip, gspo, cispo and the user-registered clip_higher), 4 seeds each:
+#      none, noclip, grpo_clip, gspo, cispo and clip_higher, ppo_clip at 0.2 / 0.28), 4 seeds each:
 #      rollout batch 256 = 32 prompts x 8, train batch 8 -> 32 optimizer steps per rollout batch,
 #      lr 1e-5, 40 rollout steps;
 #   4. `rlvr report` of each suite.

@@ -54,6 +54,7 @@ def test_defaults_are_spec_hyperparameters():
         ("dr_grpo", ("mean", "none", "constant")),
         ("rft", ("none", "none", "constant")),
         ("maxrl", ("mean", "mean", "constant")),
+        ("rloo", ("loo", "none", "constant")),
     ],
 )
 def test_presets_resolve_and_axes_override(preset, axes):
@@ -81,6 +82,22 @@ def test_cliprange_defaults_per_method_and_off_policy_32x():
     assert c.validate() == []
 
 
+def test_clip_higher_is_a_config():
+    a = resolved(algorithm=AlgorithmConfig(reweighting="ppo_clip", cliprange_high=0.28)).algorithm
+    assert (a.cliprange, a.cliprange_low, a.cliprange_high) == (0.2, 0.2, 0.28)  # low from the method's default
+    b = resolved(algorithm=AlgorithmConfig(reweighting="ppo_clip", cliprange_low=0.1, cliprange_high=0.3))
+    assert (b.algorithm.cliprange, b.algorithm.cliprange_low, b.algorithm.cliprange_high) == (0.1, 0.1, 0.3)
+    assert b.resolve() == b and b.validate() == []
+    sym = resolved(algorithm=AlgorithmConfig(reweighting="gspo")).algorithm
+    assert sym.cliprange_low == sym.cliprange_high == 3e-4
+    with pytest.raises(ConfigError, match="disagree"):
+        resolved(algorithm=AlgorithmConfig(reweighting="ppo_clip", cliprange=0.2, cliprange_low=0.1))
+    with pytest.raises(ConfigError, match="does not clip asymmetrically"):
+        resolved(algorithm=AlgorithmConfig(reweighting="noclip", cliprange_high=0.28)).validate()
+    with pytest.raises(ConfigError, match="cliprange_high must be > 0"):
+        resolved(algorithm=AlgorithmConfig(reweighting="ppo_clip", cliprange_high=-1.0)).validate()
+
+
 @pytest.mark.parametrize(
     "kw,fix",
     [
@@ -98,6 +115,7 @@ def test_cliprange_defaults_per_method_and_off_policy_32x():
             "positive algorithm.normalization_constant",
         ),
         (dict(rollout=RolloutConfig(group_size=1)), "group_size >= 2"),
+        (dict(algorithm=AlgorithmConfig(preset="rloo"), rollout=RolloutConfig(group_size=1)), "baseline=loo"),
         (dict(rollout=RolloutConfig(rollout_batch_size=100, group_size=8)), "not divisible by rollout.group_size=8"),
         (dict(rollout=RolloutConfig(temperature=0.0)), "temperature must be > 0"),
         (dict(prompt="cot"), "unknown prompt 'cot'"),

@@ -1,5 +1,5 @@
-"""CPU tests for the worked custom-estimator example (examples/my_estimator.py, DAPO clip-higher):
-it registers by being imported as a plugin, is selectable by name, and gives hand-computed values."""
+"""CPU tests for the worked custom-estimator example (examples/my_estimator.py, dual-clip PPO): it
+registers by being imported as a plugin, is selectable by name, and gives hand-computed values."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "my_estimator.py"
 
 
 @pytest.fixture(scope="module")
-def clip_higher_module():
+def dual_clip_module():
     return import_plugin(str(EXAMPLE))
 
 
@@ -27,64 +27,65 @@ def _ratios_to_logps(ratios):
     return logp, torch.zeros_like(logp)
 
 
-def test_registered_by_importing_the_plugin(clip_higher_module):
-    assert "clip_higher" in REWEIGHTINGS
-    assert REWEIGHTINGS["clip_higher"].needs_old_log_probs and REWEIGHTINGS["clip_higher"].needs_cliprange
-    assert import_plugin(str(EXAMPLE)) is clip_higher_module  # a second import does not re-register
+def test_registered_by_importing_the_plugin(dual_clip_module):
+    assert "dual_clip" in REWEIGHTINGS
+    assert REWEIGHTINGS["dual_clip"].needs_old_log_probs and REWEIGHTINGS["dual_clip"].needs_cliprange
+    assert import_plugin(str(EXAMPLE)) is dual_clip_module  # a second import does not re-register
 
 
-def test_hand_values(clip_higher_module):
-    # eps_low = 0.2 (cliprange), eps_high = 0.28: the ratio is clipped to [0.8, 1.28].
-    logp, old = _ratios_to_logps([[1.0, 1.25, 1.3], [0.7, 0.9, 1.5]])
+def test_hand_values(dual_clip_module):
+    # eps = 0.2 (cliprange), c = 3: PPO's clip to [0.8, 1.2], then a cap of -A c = 3 where A < 0.
+    assert dual_clip_module.RATIO_CAP == 3.0
+    logp, old = _ratios_to_logps([[1.0, 1.3, 4.0], [0.7, 1.5, 4.0]])
     A = torch.tensor([1.0, -1.0], dtype=torch.float64)
-    loss, meta = compute_policy_gradient_loss(A, logp, "clip_higher", old_log_probs=old, cliprange=0.2)
-    # A=+1: -min(w, clip(w)) = -[1.0, 1.25, 1.28]
-    # A=-1: -min(-w, -clip(w)) = [max(0.7, 0.8), 0.9, max(1.5, 1.28)] = [0.8, 0.9, 1.5]
-    expected = torch.tensor([[-1.0, -1.25, -1.28], [0.8, 0.9, 1.5]], dtype=torch.float64)
+    loss, meta = compute_policy_gradient_loss(A, logp, "dual_clip", old_log_probs=old, cliprange=0.2)
+    # A=+1: -min(w, clip(w)) = -[1.0, 1.2, 1.2] (the second clip never applies to A > 0)
+    # A=-1: max(w, clip(w)) = [0.8, 1.5, 4.0], then min(., 3) = [0.8, 1.5, 3.0]
+    expected = torch.tensor([[-1.0, -1.2, -1.2], [0.8, 1.5, 3.0]], dtype=torch.float64)
     torch.testing.assert_close(loss, expected)
-    # clipped branch taken at (0, 2) and (1, 0): 2 of 6 tokens
-    assert float(meta["clip_fraction"]) == pytest.approx(2 / 6)
-    # with a mask that drops token (1, 2): 2 of 5
+    # a clip replaced the unclipped loss at (0, 1), (0, 2), (1, 0) and (1, 2): 4 of 6 tokens
+    assert float(meta["clip_fraction"]) == pytest.approx(4 / 6)
+    # with a mask that drops token (1, 2): 3 of 5
     mask = torch.tensor([[True, True, True], [True, True, False]])
-    _, meta = compute_policy_gradient_loss(A, logp, "clip_higher", old_log_probs=old, cliprange=0.2, response_mask=mask)
-    assert float(meta["clip_fraction"]) == pytest.approx(2 / 5)
-    assert float(meta["clip_count"]) == 2 and float(meta["clip_total"]) == 5
+    _, meta = compute_policy_gradient_loss(A, logp, "dual_clip", old_log_probs=old, cliprange=0.2, response_mask=mask)
+    assert float(meta["clip_fraction"]) == pytest.approx(3 / 5)
+    assert float(meta["clip_count"]) == 3 and float(meta["clip_total"]) == 5
 
 
-def test_gradient_differs_from_symmetric_clip_only_above_1_plus_eps(clip_higher_module):
-    # d(-A w)/d logp = -A w on unclipped tokens, 0 where the clip is active.
-    ratios = [[1.1, 1.25, 1.3]]
-    A = torch.tensor([1.0], dtype=torch.float64)
+def test_gradient_differs_from_ppo_clip_only_past_the_cap(dual_clip_module):
+    # A = -1: d(w)/d logp = w on unclipped tokens, 0 where a clip is active.
+    ratios = [[0.7, 1.5, 4.0]]
+    A = torch.tensor([-1.0], dtype=torch.float64)
     grads = {}
-    for method in ("clip_higher", "grpo"):
+    for method in ("dual_clip", "ppo_clip"):
         logp, old = _ratios_to_logps(ratios)
         loss, _ = compute_policy_gradient_loss(A, logp, method, old_log_probs=old, cliprange=0.2)
         loss.sum().backward()
         grads[method] = logp.grad
-    torch.testing.assert_close(grads["clip_higher"], torch.tensor([[-1.1, -1.25, 0.0]], dtype=torch.float64))
-    torch.testing.assert_close(grads["grpo"], torch.tensor([[-1.1, 0.0, 0.0]], dtype=torch.float64))
+    torch.testing.assert_close(grads["dual_clip"], torch.tensor([[0.0, 1.5, 0.0]], dtype=torch.float64))
+    torch.testing.assert_close(grads["ppo_clip"], torch.tensor([[0.0, 1.5, 4.0]], dtype=torch.float64))
 
 
-def test_equals_grpo_inside_the_symmetric_range(clip_higher_module):
+def test_equals_ppo_clip_below_the_cap(dual_clip_module):
     torch.manual_seed(0)
-    logp = torch.log(torch.empty(4, 5).uniform_(0.81, 1.19)).double()
+    logp = torch.log(torch.empty(4, 5).uniform_(0.5, 2.9)).double()
     old = torch.zeros_like(logp)
     A = torch.tensor([1.0, -1.0, 0.5, 0.0], dtype=torch.float64)
-    a, _ = compute_policy_gradient_loss(A, logp, "clip_higher", old_log_probs=old, cliprange=0.2)
-    b, _ = compute_policy_gradient_loss(A, logp, "grpo", old_log_probs=old, cliprange=0.2)
+    a, _ = compute_policy_gradient_loss(A, logp, "dual_clip", old_log_probs=old, cliprange=0.2)
+    b, _ = compute_policy_gradient_loss(A, logp, "ppo_clip", old_log_probs=old, cliprange=0.2)
     torch.testing.assert_close(a, b)
     assert (a[3] == 0).all()  # zero advantage -> zero loss (the train step skips such sequences)
 
 
-def test_missing_arguments_are_named(clip_higher_module):
+def test_missing_arguments_are_named(dual_clip_module):
     logp, old = _ratios_to_logps([[1.0]])
     with pytest.raises(ValueError, match="cliprange"):
-        compute_policy_gradient_loss(torch.ones(1), logp, "clip_higher", old_log_probs=old)
+        compute_policy_gradient_loss(torch.ones(1), logp, "dual_clip", old_log_probs=old)
     with pytest.raises(ValueError, match="old_log_probs"):
-        compute_policy_gradient_loss(torch.ones(1), logp, "clip_higher", cliprange=0.2)
+        compute_policy_gradient_loss(torch.ones(1), logp, "dual_clip", cliprange=0.2)
 
 
-def test_selectable_in_the_train_step(clip_higher_module, tiny_model):
+def test_selectable_in_the_train_step(dual_clip_module, tiny_model):
     """Through the whole policy-gradient update on a real (tiny) model: it trains and reports a clip fraction."""
     from rlvr.grpo import policy_gradient_update
 
@@ -106,7 +107,7 @@ def test_selectable_in_the_train_step(clip_higher_module, tiny_model):
         torch.tensor([1.0, -1.0, 0.5, -0.5]),
         gradient_accumulation_steps=2,
         max_grad_norm=1.0,
-        importance_reweighting_method="clip_higher",
+        importance_reweighting_method="dual_clip",
         old_log_probs=old,
         cliprange=0.2,
     )
@@ -121,7 +122,7 @@ def test_plugin_launcher_imports_before_running(tmp_path, monkeypatch):
     probe = tmp_path / "probe_cmd.py"
     probe.write_text(
         "from rlvr.grpo import REWEIGHTINGS\n"
-        "def main(argv):\n    import builtins\n    builtins._probe = ('clip_higher' in REWEIGHTINGS, argv)\n    return 0\n"
+        "def main(argv):\n    import builtins\n    builtins._probe = ('dual_clip' in REWEIGHTINGS, argv)\n    return 0\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setitem(rlvr.cli.COMMANDS, "probe", ("probe_cmd", "test"))

@@ -21,7 +21,7 @@ from rlvr.grpo.diagnostics import advantage_mass, importance_statistics, predict
 from rlvr.grpo.variance import gradient_variance, variance_metrics
 
 EPS = 1e-6
-PAIRS = [("mean", "none"), ("mean", "std"), ("mean", "mean"), ("none", "none")]
+PAIRS = [("mean", "none"), ("mean", "std"), ("mean", "mean"), ("none", "none"), ("loo", "none")]
 
 
 # --- closed forms -------------------------------------------------------------------------------------
@@ -46,6 +46,7 @@ def test_closed_form_by_hand():
     assert advantage_mass("mean", "std", 4, 1) == pytest.approx((1.5, 1.5))
     assert advantage_mass("mean", "mean", 4, 1) == pytest.approx((3.0, 3.0))  # MaxRL: [3, -1, -1, -1]
     assert advantage_mass("none", "none", 4, 1) == (1.0, 0.0)
+    assert advantage_mass("loo", "none", 4, 1) == pytest.approx((1.0, 1.0))  # RLOO: [1, -1/3, -1/3, -1/3]
     # the summed shapes: 2 G p (1 - p), 2 sqrt(G (G - 1) p (1 - p)), 2 G (1 - p), G p
     p = 0.25
     assert sum(advantage_mass("mean", "std", 4, 1)) == pytest.approx(2 * math.sqrt(12 * p * (1 - p)))

@@ -11,7 +11,7 @@ from rlvr import (
     compute_policy_gradient_loss,
     compute_rollout_rewards,
 )
-from rlvr.grpo import PRESETS, pass_at_k, register_normalizer
+from rlvr.grpo import PRESETS, REWEIGHTINGS, pass_at_k, register_normalizer, register_reweighting
 
 EPS = 1e-6
 
@@ -36,6 +36,20 @@ def test_grpo_std_two_of_four():
 def test_maxrl_mean_normalizer_by_hand():
     adv, _ = compute_group_normalized_rewards([1, 0, 0, 0], 4, "mean", 0.0, "mean")
     torch.testing.assert_close(adv, torch.tensor([3.0, -1.0, -1.0, -1.0]))
+
+
+def test_rloo_leave_one_out_advantages_by_hand():
+    # group [1, 0, 0, 0]: baselines (sum - r_i) / 3 = [0, 1/3, 1/3, 1/3] -> [1, -1/3, -1/3, -1/3];
+    # group [1, 1, 0, 2]: sum 4, baselines [1, 1, 4/3, 2/3] -> [0, 0, -4/3, 4/3]
+    adv, meta = compute_group_normalized_rewards([1, 0, 0, 0, 1, 1, 0, 2], 4, "loo", EPS, "none")
+    third = 1 / 3
+    torch.testing.assert_close(adv, torch.tensor([1.0, -third, -third, -third, 0.0, 0.0, -4 * third, 4 * third]))
+    # the leave-one-out advantage is G / (G - 1) times the mean-baseline one (Kool et al. 2019)
+    centred, _ = compute_group_normalized_rewards([1, 0, 0, 0, 1, 1, 0, 2], 4, "mean", EPS, "none")
+    torch.testing.assert_close(adv, centred * 4 / 3)
+    assert meta["zero_adv_frac"] == 0.0
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        compute_group_normalized_rewards([1, 0], 1, "loo", EPS, "none")
 
 
 def test_dr_grpo_and_rft_advantages():
@@ -120,6 +134,7 @@ def test_presets_table():
         "dr_grpo": ("mean", "none", "constant"),
         "rft": ("none", "none", "constant"),
         "maxrl": ("mean", "mean", "constant"),
+        "rloo": ("loo", "none", "constant"),
     }
 
 
@@ -144,6 +159,48 @@ def test_ppo_clip_loss_and_clip_fraction_by_hand():
     loss, meta = compute_policy_gradient_loss(A, logp, "grpo", torch.zeros(4, 1), 0.2)
     torch.testing.assert_close(loss, torch.tensor([[-1.2], [1.5], [0.8], [-0.5]]))
     assert meta["clip_fraction"].item() == pytest.approx(0.5)
+
+
+def test_clip_higher_by_hand_and_as_verl_writes_it():
+    # eps_low 0.2, eps_high 0.28 (DAPO): w is clipped to [0.8, 1.28]
+    # A=+1: w = 1.0, 1.25, 1.3 -> -[1.0, 1.25, 1.28];  A=-1: w = 0.7, 0.9, 1.5 -> [0.8, 0.9, 1.5]
+    ratios = torch.tensor([[1.0, 1.25, 1.3], [0.7, 0.9, 1.5]], dtype=torch.float64)
+    logp = torch.log(ratios).requires_grad_(True)
+    A = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    loss, meta = compute_policy_gradient_loss(A, logp, "ppo_clip", torch.zeros_like(ratios), (0.2, 0.28))
+    torch.testing.assert_close(loss, torch.tensor([[-1.0, -1.25, -1.28], [0.8, 0.9, 1.5]], dtype=torch.float64))
+    assert meta["clip_fraction"].item() == pytest.approx(2 / 6)  # at w = 1.3 (A > 0) and w = 0.7 (A < 0)
+    # verl, verl/trainer/ppo/core_algos.py compute_policy_loss (vanilla), written out:
+    #   pg_losses1 = -A * ratio; pg_losses2 = -A * clamp(ratio, 1 - cliprange_low, 1 + cliprange_high)
+    #   pg_losses = maximum(pg_losses1, pg_losses2)
+    peer = torch.maximum(-A[:, None] * ratios, -A[:, None] * torch.clamp(ratios, 1 - 0.2, 1 + 0.28))
+    torch.testing.assert_close(loss, peer)
+    loss.sum().backward()  # the token at w = 1.25 still moves (symmetric 0.2 would stop it)
+    torch.testing.assert_close(logp.grad, torch.tensor([[-1.0, -1.25, 0.0], [0.0, 0.9, 1.5]], dtype=torch.float64))
+    # a number is the symmetric pair
+    sym, _ = compute_policy_gradient_loss(A, logp.detach(), "ppo_clip", torch.zeros_like(ratios), 0.2)
+    pair, _ = compute_policy_gradient_loss(A, logp.detach(), "ppo_clip", torch.zeros_like(ratios), (0.2, 0.2))
+    torch.testing.assert_close(sym, pair)
+
+
+def test_asymmetric_clip_in_gspo_and_cispo_and_refused_elsewhere():
+    logp = torch.log(torch.tensor([[1.25, 1.25]]))
+    mask = torch.ones(1, 2, dtype=torch.bool)
+    # gspo: s = 1.25, inside [0.8, 1.28] -> -1.25; with (0.2, 0.2) clipped to 1.2
+    g, _ = compute_policy_gradient_loss(torch.tensor([1.0]), logp, "gspo", torch.zeros(1, 2), (0.2, 0.28), mask)
+    torch.testing.assert_close(g, torch.tensor([[-1.25, -1.25]]))
+    # cispo bounds from above by 1 + eps_high: weight min(1.25, 1.28) = 1.25 -> loss -1.25 * logp
+    c, meta = compute_policy_gradient_loss(torch.tensor([1.0]), logp, "cispo", torch.zeros(1, 2), (0.2, 0.28))
+    torch.testing.assert_close(c, -1.25 * logp)
+    assert meta["clip_fraction"].item() == 0.0
+    register_reweighting("sym_only_for_test", needs_cliprange=True)(lambda A, lp, old, eps, m: (-A * lp, {}))
+    try:
+        with pytest.raises(ValueError, match="clips symmetrically"):
+            compute_policy_gradient_loss(torch.tensor([1.0]), logp, "sym_only_for_test", torch.zeros(1, 2), (0.2, 0.3))
+    finally:
+        del REWEIGHTINGS["sym_only_for_test"]
+    with pytest.raises(ValueError, match="both sides"):
+        compute_policy_gradient_loss(torch.tensor([1.0]), logp, "ppo_clip", torch.zeros(1, 2), (0.2, 0.0))
 
 
 def test_clip_fraction_ignores_padding():

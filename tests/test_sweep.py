@@ -436,8 +436,11 @@ def test_shipped_onpolicy_and_offpolicy_settings():
         "grpo_clip": "grpo",
         "gspo": "gspo",
         "cispo": "cispo",
-        "clip_higher": "clip_higher",
+        "clip_higher": "ppo_clip",
     }
+    clip_higher = off.settings["clip_higher"]
+    assert (clip_higher["algorithm.cliprange_low"], clip_higher["algorithm.cliprange_high"]) == (0.2, 0.28)
+    assert not off.plugins  # clip-higher is a config now: nothing to import
     assert off.settings["gspo"]["algorithm.cliprange"] == pytest.approx(3e-4)
     lr = SweepSpec.from_file(SWEEPS / "lr_gsm8k.yaml")
     assert [s["optim.lr"] for s in lr.settings.values()] == pytest.approx([3e-6, 1e-5, 3e-5, 1e-4])
@@ -489,7 +492,7 @@ def test_end_to_end_custom_estimator_in_subprocesses(tmp_path):
                 "seeds": [0],
                 "settings": {
                     "grpo_clip": {"algorithm.reweighting": "grpo"},
-                    "clip_higher": {"algorithm.reweighting": "clip_higher", "algorithm.cliprange": 0.2},
+                    "dual_clip": {"algorithm.reweighting": "dual_clip", "algorithm.cliprange": 0.2},
                 },
             },
             sort_keys=False,
@@ -500,8 +503,8 @@ def test_end_to_end_custom_estimator_in_subprocesses(tmp_path):
     logs = {p.name: p.read_text() for p in (out / "_sweep" / "logs").rglob("*.log")}
     assert rc == 0, logs
     runs = {r.setting: r for r in load_runs(out)}
-    assert runs["clip_higher"].finished and runs["clip_higher"].config["algorithm"]["reweighting"] == "clip_higher"
-    assert runs["clip_higher"].config["algorithm"]["cliprange"] == 0.2
+    assert runs["dual_clip"].finished and runs["dual_clip"].config["algorithm"]["reweighting"] == "dual_clip"
+    assert runs["dual_clip"].config["algorithm"]["cliprange"] == 0.2
     for run in runs.values():
         steps, clip = run.series("train/clip_fraction")
         assert steps.tolist() == [1, 2] and ((clip >= 0) & (clip <= 1)).all()

@@ -387,7 +387,7 @@ def test_plugins_field_makes_a_custom_estimator_selectable(gsm8k_path, tiny_mode
     cfg = tiny_config(
         gsm8k_path,
         plugins=(str(plugin),),
-        algorithm=AlgorithmConfig(reweighting="clip_higher", cliprange=0.2),
+        algorithm=AlgorithmConfig(reweighting="dual_clip", cliprange=0.2),
         optim=OptimConfig(lr=1e-3, gradient_accumulation_steps=1, train_batch_size=4),
     )
     run(cfg, tmp_path, tiny_model, tiny_tokenizer)

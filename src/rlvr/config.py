@@ -141,9 +141,9 @@ class RewardConfig:
 @dataclass(frozen=True)
 class AlgorithmConfig:
     preset: str = "grpo"
-    """Named algorithm (grpo, grpo_constant, dr_grpo, rft, maxrl): sets baseline, normalizer and loss normalization unless given."""
+    """Named algorithm (grpo, grpo_constant, dr_grpo, rft, maxrl, rloo): sets baseline, normalizer and loss normalization unless given."""
     baseline: str | None = None
-    """Advantage baseline (mean, none); default from the preset."""
+    """Advantage baseline (mean, loo: leave-one-out mean of the other samples, none); default from the preset."""
     advantage_normalizer: str | None = None
     """Advantage normalizer (std, mean, none); default from the preset."""
     advantage_eps: float = 1e-6
@@ -155,7 +155,11 @@ class AlgorithmConfig:
     reweighting: str = "none"
     """Importance reweighting: none (REINFORCE), noclip, ppo_clip (PPO token clip; also called grpo), gspo (sequence clip), cispo."""
     cliprange: float | None = None
-    """Clip range epsilon of clipping methods (default per method: ppo_clip 0.2, gspo 3e-4, cispo 0.2)."""
+    """Clip range epsilon of clipping methods, both sides (default per method: ppo_clip 0.2, gspo 3e-4, cispo 0.2)."""
+    cliprange_low: float | None = None
+    """Lower clip range: the ratio is clipped to [1 - cliprange_low, 1 + cliprange_high] (default: cliprange)."""
+    cliprange_high: float | None = None
+    """Upper clip range (default: cliprange_low); above it is DAPO's clip-higher (0.2 / 0.28). ppo_clip, gspo and cispo (which clips only above)."""
     skip_zero_advantage: bool = True
     """Do not run sequences with zero advantage through the model (they contribute exactly nothing)."""
 
@@ -420,12 +424,22 @@ class TrainConfig:
         o = cfg.optim
         if o.train_batch_size is None:
             o = dataclasses.replace(o, train_batch_size=cfg.rollout_batch_size)
+        if a.cliprange is not None and a.cliprange_low is not None and a.cliprange != a.cliprange_low:
+            raise ConfigError(
+                f"algorithm.cliprange={a.cliprange} and algorithm.cliprange_low={a.cliprange_low} disagree; "
+                "set cliprange (both sides) or cliprange_low/cliprange_high, not both"
+            )
+        cliprange_low = next(
+            (c for c in (a.cliprange_low, a.cliprange, DEFAULT_CLIPRANGE.get(a.reweighting)) if c is not None), None
+        )
         a = dataclasses.replace(
             a,
             baseline=a.baseline or preset.baseline,
             advantage_normalizer=a.advantage_normalizer or preset.advantage_normalizer,
             loss_normalization=a.loss_normalization or preset.loss_normalization,
-            cliprange=a.cliprange if a.cliprange is not None else DEFAULT_CLIPRANGE.get(a.reweighting),
+            cliprange=cliprange_low,
+            cliprange_low=cliprange_low,
+            cliprange_high=a.cliprange_high if a.cliprange_high is not None else cliprange_low,
         )
         aggregation = AGGREGATIONS.get(a.loss_normalization)
         if a.normalization_constant is None and aggregation is not None and aggregation.needs_normalization_constant:
@@ -484,6 +498,14 @@ class TrainConfig:
             )
         if a.cliprange is not None:
             need(a.cliprange > 0, f"algorithm.cliprange must be > 0, got {a.cliprange}")
+        if a.cliprange_high is not None:
+            need(a.cliprange_high > 0, f"algorithm.cliprange_high must be > 0, got {a.cliprange_high}")
+            if a.reweighting in REWEIGHTINGS and a.cliprange_high != a.cliprange_low:
+                need(
+                    REWEIGHTINGS[a.reweighting].asymmetric_clip,
+                    f"algorithm.reweighting={a.reweighting!r} does not clip asymmetrically; drop "
+                    "algorithm.cliprange_high or use ppo_clip, gspo or cispo",
+                )
         if a.loss_normalization in AGGREGATIONS and AGGREGATIONS[a.loss_normalization].needs_normalization_constant:
             need(
                 a.normalization_constant is not None and a.normalization_constant > 0,
@@ -503,6 +525,11 @@ class TrainConfig:
             need(
                 r.group_size >= 2,
                 "advantage_normalizer=std needs rollout.group_size >= 2 (the std of one sample is undefined)",
+            )
+        elif a.baseline == "loo":
+            need(
+                r.group_size >= 2,
+                "algorithm.baseline=loo (rloo) needs rollout.group_size >= 2: the baseline is the mean of the other samples",
             )
         elif a.baseline == "mean":
             need(

@@ -254,7 +254,8 @@ class UpdateSpec:
     gradient_accumulation_steps: int
     max_grad_norm: float
     reweighting: str
-    cliprange: float | None
+    cliprange: tuple[float, float] | None
+    """``(low, high)``: the ratio is clipped to ``[1 - low, 1 + high]``."""
     loss_normalization: str
     normalization_constant: float | None
     skip_zero_advantage: bool
@@ -278,7 +279,7 @@ class UpdateSpec:
             gradient_accumulation_steps=o.gradient_accumulation_steps,
             max_grad_norm=o.max_grad_norm,
             reweighting=a.reweighting,
-            cliprange=a.cliprange,
+            cliprange=None if a.cliprange_low is None else (a.cliprange_low, a.cliprange_high or a.cliprange_low),
             loss_normalization=a.loss_normalization,
             normalization_constant=a.normalization_constant,
             skip_zero_advantage=a.skip_zero_advantage,

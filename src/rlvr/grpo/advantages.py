@@ -6,6 +6,8 @@ two independent choices:
 
 =========  ===============================================  ==========================================
 baseline   ``mean``: group mean (GRPO, Shao et al. 2024)     ``none``: 0 (RFT: only correct samples move)
+           ``loo``: mean of the other G - 1 samples (RLOO,
+           Kool et al. 2019; Ahmadian et al. 2024)
 normalizer ``std``: group std + eps (GRPO)                   ``mean``: group mean + eps (MaxRL)
            ``none``: 1 (Dr. GRPO, Liu et al. 2025)
 =========  ===============================================  ==========================================
@@ -17,7 +19,9 @@ The std is torch's default, the unbiased estimator (divides by G - 1).
 
 New baselines and normalizers are plain functions registered in ``BASELINES`` / ``NORMALIZERS``
 (see ``register_baseline`` / ``register_normalizer``); each maps rewards (n_groups, G), in float64, to
-(n_groups, 1).
+(n_groups, 1), or for a baseline of its own per sample (``loo``) to (n_groups, G). The leave-one-out
+advantage ``r_i - (sum_j r_j - r_i) / (G - 1)`` equals ``G / (G - 1) (r_i - mean)``: the mean baseline
+scaled up, with no bias from the sample's own reward in its baseline.
 """
 
 from __future__ import annotations
@@ -38,6 +42,13 @@ def _zero(r: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.zeros_like(r[:, :1])
 
 
+def _leave_one_out(r: torch.Tensor, eps: float) -> torch.Tensor:
+    G = r.shape[1]
+    if G < 2:
+        raise ValueError("baseline='loo' needs group_size >= 2 (the mean of the other samples)")
+    return (r.sum(dim=1, keepdim=True) - r) / (G - 1)
+
+
 def _std_plus_eps(r: torch.Tensor, eps: float) -> torch.Tensor:
     return r.std(dim=1, keepdim=True) + eps
 
@@ -50,7 +61,7 @@ def _one(r: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.ones_like(r[:, :1])
 
 
-BASELINES: dict[str, Reduce] = {"mean": _mean, "none": _zero}
+BASELINES: dict[str, Reduce] = {"mean": _mean, "loo": _leave_one_out, "none": _zero}
 NORMALIZERS: dict[str, Reduce] = {"std": _std_plus_eps, "mean": _mean_plus_eps, "none": _one}
 
 

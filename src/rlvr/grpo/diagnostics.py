@@ -72,6 +72,14 @@ def _mass_mean_none(G: int, p: float, eps: float) -> tuple[float, float]:
     return m, m
 
 
+@register_advantage_mass("loo", "none")
+def _mass_loo_none(G: int, p: float, eps: float) -> tuple[float, float]:
+    if G < 2:
+        raise ValueError("the leave-one-out baseline needs group_size >= 2")
+    m = G / (G - 1) * _centred_mass(G, p)  # the leave-one-out advantage is G / (G - 1) times the centred one
+    return m, m
+
+
 @register_advantage_mass("mean", "std")
 def _mass_mean_std(G: int, p: float, eps: float) -> tuple[float, float]:
     if G < 2:

@@ -8,14 +8,19 @@ is the token ratio between the current policy and the one that sampled the rollo
 ``none``      ``-A * logp_t`` — REINFORCE with a baseline (on-policy: w = 1, so this has the gradient
               of ``noclip``).
 ``noclip``    ``-A * w_t`` — unclipped importance sampling (off-policy, unbiased, high variance).
-``ppo_clip``  ``-min(A w_t, A clip(w_t, 1-eps, 1+eps))`` — PPO's clipped surrogate per token
-              (Schulman et al. 2017; GRPO, Shao et al. 2024); ``grpo`` is another name for it.
+``ppo_clip``  ``-min(A w_t, A clip(w_t, 1-eps_low, 1+eps_high))`` — PPO's clipped surrogate per token
+              (Schulman et al. 2017; GRPO, Shao et al. 2024); ``grpo`` is another name for it. With
+              ``eps_high > eps_low`` it is DAPO's clip-higher (Yu et al. 2025, section 3.1: 0.2 / 0.28).
 ``gspo``      per sequence ``s = exp(mean_t (logp_t - old_t))`` over response tokens (the geometric
-              mean of the token ratios), ``-min(A s, A clip(s, 1-eps, 1+eps))`` broadcast to every token
-              (GSPO, Zheng et al. 2025; their eps is ~3e-4 because s is a per-token average).
-``cispo``     ``-sg(min(w_t, 1+eps)) * A * logp_t`` — clip the weight, not the update, so clipped
+              mean of the token ratios), ``-min(A s, A clip(s, 1-eps_low, 1+eps_high))`` broadcast to every
+              token (GSPO, Zheng et al. 2025; their eps is ~3e-4 because s is a per-token average).
+``cispo``     ``-sg(min(w_t, 1+eps_high)) * A * logp_t`` — clip the weight, not the update, so clipped
               tokens keep a gradient (CISPO, MiniMax-M1, 2025).
 ============  ==========================================================================================
+
+The clip range is one number ``eps`` (symmetric) or a pair ``(eps_low, eps_high)``. A method registered
+with ``asymmetric_clip=True`` receives the pair (a number ``eps`` arrives as ``(eps, eps)``); the others
+receive one number and refuse a pair whose sides differ.
 
 The clip fraction is the share of response tokens (sequences for ``gspo``) where the clipped branch
 is the one taken, i.e. where the clipped term is strictly smaller than the unclipped one.
@@ -32,31 +37,39 @@ from dataclasses import dataclass
 import torch
 
 ReweightFn = Callable[..., tuple[torch.Tensor, dict]]
+ClipRange = float | tuple[float, float]
 
 
 @dataclass(frozen=True)
 class Reweighting:
     fn: ReweightFn
-    """``fn(A (B,1), logp (B,T), old (B,T)|None, cliprange float|None, mask (B,T) bool|None)``."""
+    """``fn(A (B,1), logp (B,T), old (B,T)|None, cliprange|None, mask (B,T) bool|None)``; ``cliprange`` is a
+    float, or the pair ``(eps_low, eps_high)`` for a method with ``asymmetric_clip``."""
     needs_old_log_probs: bool = False
     needs_cliprange: bool = False
     needs_response_mask: bool = False
+    asymmetric_clip: bool = False
 
 
 REWEIGHTINGS: dict[str, Reweighting] = {}
 
 
 def register_reweighting(
-    name: str, needs_old_log_probs: bool = True, needs_cliprange: bool = False, needs_response_mask: bool = False
+    name: str,
+    needs_old_log_probs: bool = True,
+    needs_cliprange: bool = False,
+    needs_response_mask: bool = False,
+    asymmetric_clip: bool = False,
 ) -> Callable[[ReweightFn], ReweightFn]:
     """Decorator registering ``fn`` as an importance-reweighting method selectable by ``name``.
 
     ``fn`` must return a per-token loss that is zero (with zero gradient) for a sequence whose
-    advantage is zero: the train step skips such sequences entirely.
+    advantage is zero: the train step skips such sequences entirely. ``asymmetric_clip``: ``fn``
+    receives the clip range as the pair ``(eps_low, eps_high)``.
     """
 
     def deco(fn: ReweightFn) -> ReweightFn:
-        REWEIGHTINGS[name] = Reweighting(fn, needs_old_log_probs, needs_cliprange, needs_response_mask)
+        REWEIGHTINGS[name] = Reweighting(fn, needs_old_log_probs, needs_cliprange, needs_response_mask, asymmetric_clip)
         return fn
 
     return deco
@@ -91,13 +104,18 @@ def _noclip(
     return -A * ratio, {"ratio_mean": _masked_mean(ratio, mask).detach()}
 
 
-@register_reweighting("ppo_clip", needs_cliprange=True)
+@register_reweighting("ppo_clip", needs_cliprange=True, asymmetric_clip=True)
 def _ppo_clip(
-    A: torch.Tensor, logp: torch.Tensor, old: torch.Tensor | None, eps: float | None, mask: torch.Tensor | None
+    A: torch.Tensor,
+    logp: torch.Tensor,
+    old: torch.Tensor | None,
+    eps: tuple[float, float] | None,
+    mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, dict]:
+    low, high = eps
     ratio = torch.exp(logp - old)
     unclipped = A * ratio
-    clipped = A * torch.clamp(ratio, 1.0 - eps, 1.0 + eps)
+    clipped = A * torch.clamp(ratio, 1.0 - low, 1.0 + high)
     meta = _clip_stats(clipped < unclipped, mask)
     meta["ratio_mean"] = _masked_mean(ratio, mask).detach()
     return -torch.minimum(unclipped, clipped), meta
@@ -109,16 +127,21 @@ for _alias, _name in REWEIGHTING_ALIASES.items():
     REWEIGHTINGS[_alias] = REWEIGHTINGS[_name]
 
 
-@register_reweighting("gspo", needs_cliprange=True, needs_response_mask=True)
+@register_reweighting("gspo", needs_cliprange=True, needs_response_mask=True, asymmetric_clip=True)
 def _gspo(
-    A: torch.Tensor, logp: torch.Tensor, old: torch.Tensor | None, eps: float | None, mask: torch.Tensor | None
+    A: torch.Tensor,
+    logp: torch.Tensor,
+    old: torch.Tensor | None,
+    eps: tuple[float, float] | None,
+    mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, dict]:
+    low, high = eps
     m = mask.to(logp.dtype)
     n_tokens = m.sum(dim=1, keepdim=True).clamp(min=1)
     log_s = ((logp - old) * m).sum(dim=1, keepdim=True) / n_tokens
     s = torch.exp(log_s)
     unclipped = A * s
-    clipped = A * torch.clamp(s, 1.0 - eps, 1.0 + eps)
+    clipped = A * torch.clamp(s, 1.0 - low, 1.0 + high)
     has_tokens = mask.any(dim=1, keepdim=True)
     meta = _clip_stats(clipped < unclipped, has_tokens)
     meta["ratio_mean"] = s[has_tokens].mean().detach() if has_tokens.any() else s.new_ones(())
@@ -126,13 +149,18 @@ def _gspo(
     return per_seq.expand_as(logp), meta
 
 
-@register_reweighting("cispo", needs_cliprange=True)
+@register_reweighting("cispo", needs_cliprange=True, asymmetric_clip=True)
 def _cispo(
-    A: torch.Tensor, logp: torch.Tensor, old: torch.Tensor | None, eps: float | None, mask: torch.Tensor | None
+    A: torch.Tensor,
+    logp: torch.Tensor,
+    old: torch.Tensor | None,
+    eps: tuple[float, float] | None,
+    mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, dict]:
+    high = eps[1]  # CISPO bounds the weight from above only
     ratio = torch.exp(logp - old)
-    weight = torch.clamp(ratio, max=1.0 + eps).detach()
-    meta = _clip_stats(ratio > 1.0 + eps, mask)
+    weight = torch.clamp(ratio, max=1.0 + high).detach()
+    meta = _clip_stats(ratio > 1.0 + high, mask)
     meta["ratio_mean"] = _masked_mean(ratio, mask).detach()
     return -weight * A * logp, meta
 
@@ -144,10 +172,18 @@ def _masked_mean(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return (x * m).sum() / m.sum().clamp(min=1)
 
 
+def clip_bounds(cliprange: ClipRange) -> tuple[float, float]:
+    """``(eps_low, eps_high)`` of a clip range given as one number (symmetric) or as the pair."""
+    if isinstance(cliprange, (tuple, list)):
+        low, high = cliprange
+        return float(low), float(high)
+    return float(cliprange), float(cliprange)
+
+
 def validate_reweighting(
     name: str,
     old_log_probs: torch.Tensor | None,
-    cliprange: float | None,
+    cliprange: ClipRange | None,
     response_mask: torch.Tensor | None = None,
     check_mask: bool = True,
 ) -> Reweighting:
@@ -171,9 +207,23 @@ def validate_reweighting(
         raise ValueError(
             f"importance_reweighting_method={name!r} needs response_mask (B, T) to average over response tokens"
         )
-    if cliprange is not None and cliprange <= 0:
-        raise ValueError(f"cliprange must be > 0, got {cliprange}")
+    if cliprange is not None:
+        low, high = clip_bounds(cliprange)
+        if low <= 0 or high <= 0:
+            raise ValueError(f"cliprange must be > 0 on both sides, got {cliprange}")
+        if low != high and not method.asymmetric_clip:
+            raise ValueError(
+                f"importance_reweighting_method={name!r} clips symmetrically; give one cliprange, not "
+                f"({low}, {high}) (asymmetric clipping applies to ppo_clip, gspo and cispo)"
+            )
     return method
+
+
+def method_cliprange(method: Reweighting, cliprange: ClipRange | None) -> ClipRange | None:
+    """The clip range in the form ``method.fn`` receives it: the pair, or one number."""
+    if cliprange is None:
+        return None
+    return clip_bounds(cliprange) if method.asymmetric_clip else clip_bounds(cliprange)[0]
 
 
 def compute_policy_gradient_loss(
@@ -181,7 +231,7 @@ def compute_policy_gradient_loss(
     policy_log_probs: torch.Tensor,
     importance_reweighting_method: str = "none",
     old_log_probs: torch.Tensor | None = None,
-    cliprange: float | None = None,
+    cliprange: ClipRange | None = None,
     response_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict]:
     """Per-token loss (B, T) and metadata for one reweighting method (see the module docstring).
@@ -206,4 +256,4 @@ def compute_policy_gradient_loss(
             )
         old = old_log_probs[:, : logp.shape[1]].to(device=logp.device, dtype=logp.dtype)
     mask = response_mask.to(logp.device).bool() if response_mask is not None else None
-    return method.fn(A, logp, old, cliprange, mask)
+    return method.fn(A, logp, old, method_cliprange(method, cliprange), mask)

@@ -7,6 +7,10 @@
 | dr_grpo       | mean     | none       | constant           | Liu et al. 2025 (Understanding R1-Zero)  |
 | rft           | none     | none       | constant           | rejection fine-tuning: SFT on successes  |
 | maxrl         | mean     | mean       | constant           | MaxRL: advantages scaled by 1/p          |
+| rloo          | loo      | none       | constant           | RLOO (Ahmadian et al. 2024)              |
+
+RLOO's baseline is the mean of the group's other samples, and its loss the REINFORCE loss of the
+whole sequence (the token sum, no per-length mean): ``constant`` aggregation.
 
 Off-policy runs combine any preset with a reweighting method (``noclip``, ``ppo_clip`` with eps 0.2 (also
 called ``grpo``),
@@ -31,6 +35,7 @@ PRESETS: dict[str, Preset] = {
     "dr_grpo": Preset("mean", "none", "constant"),
     "rft": Preset("none", "none", "constant"),
     "maxrl": Preset("mean", "mean", "constant"),
+    "rloo": Preset("loo", "none", "constant"),
 }
 
 DEFAULT_CLIPRANGE: dict[str, float | None] = {

@@ -42,7 +42,7 @@ from rlvr.grpo.advantages import compute_group_normalized_rewards, compute_rollo
 from rlvr.grpo.aggregate import aggregate_loss_across_microbatch, get_aggregation
 from rlvr.grpo.diagnostics import importance_statistics
 from rlvr.grpo.logprobs import DEFAULT_CHUNK_TOKENS, get_response_log_probs, model_device
-from rlvr.grpo.losses import compute_policy_gradient_loss, validate_reweighting
+from rlvr.grpo.losses import ClipRange, compute_policy_gradient_loss, validate_reweighting
 from rlvr.grpo.packing import can_pack, packed_response_log_probs, shared_prefix_plan
 from rlvr.grpo.tokenize import tokenize_prompt_and_output
 
@@ -96,7 +96,7 @@ def policy_gradient_update(
     max_grad_norm: float | None,
     importance_reweighting_method: str = "none",
     old_log_probs: torch.Tensor | None = None,
-    cliprange: float | None = None,
+    cliprange: ClipRange | None = None,
     loss_normalization: str = "sequence",
     normalization_constant: float | None = None,
     skip_zero_advantage: bool = True,
@@ -360,7 +360,7 @@ def grpo_train_step(
     advantage_normalizer: str = "std",
     importance_reweighting_method: str = "none",
     old_log_probs: torch.Tensor | None = None,
-    cliprange: float | None = None,
+    cliprange: ClipRange | None = None,
     loss_normalization: str = "sequence",
     normalization_constant: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
