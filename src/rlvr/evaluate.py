@@ -141,7 +141,7 @@ def evaluate(
     Returns ``(metrics, samples)``; see the module docstring for the metric keys.
     """
     from rlvr.prompts import Prompt, resolve_prompt
-    from rlvr.reward_functions import BUILTIN_REWARDS, Reward, score_responses
+    from rlvr.reward_functions import BUILTIN_REWARDS, Reward, row_fields, score_responses
 
     prompt = prompt_name if isinstance(prompt_name, Prompt) else resolve_prompt(prompt_name)
     prompt = prompt.bind(tokenizer)
@@ -179,7 +179,10 @@ def evaluate(
     ]
     if isinstance(reward_fn, Reward):
         _, meta = score_responses(
-            reward_fn, [f[4].text for f in flat], [f[2].ground_truth for f in flat], [f[2].fields for f in flat]
+            reward_fn,
+            [f[4].text for f in flat],
+            [f[2].ground_truth for f in flat],
+            [row_fields(f[2].fields, f[3], prompt.messages(f[2].question)) for f in flat],
         )
         scores, extra = meta["scores"], meta["logged"]
     else:

@@ -44,6 +44,8 @@ WORKER_STARTUP_TIMEOUT_S = 120.0
 TIMEOUTS_IN_A_ROW_LIMIT = 8
 """A user function cut off on this many calls in a row stops the run (it would only burn time)."""
 _PROTOCOL_KEYS = ("reward", "format_reward", "answer_reward")
+ROW_CONTEXT = ("prompt", "messages")
+"""What a user function may also take by keyword: the rendered prompt and its chat messages."""
 
 
 class RewardConfigError(UserError, ValueError):
@@ -67,6 +69,12 @@ def spec_problem(spec: str, key: str = "reward.fn") -> str | None:
     return None
 
 
+def row_fields(fields: dict, prompt: str, messages: list[dict[str, str]]) -> dict:
+    """The keyword arguments of a user reward function for one response: the rendered ``prompt``, its
+    chat ``messages`` and the row's other columns (a column of the same name wins)."""
+    return {"prompt": prompt, "messages": messages, **fields}
+
+
 def component_name(spec: str) -> str:
     return spec if spec in BUILTIN_REWARDS else spec.rpartition(":")[2]
 
@@ -86,7 +94,7 @@ class UserRewardFunction:
         ``fields``; ``RewardConfigError`` naming the problem otherwise."""
         try:
             self.worker.start()
-            reply = self.worker.request({"bind": list(fields)}, WORKER_STARTUP_TIMEOUT_S)
+            reply = self.worker.request({"bind": list(fields), "context": list(ROW_CONTEXT)}, WORKER_STARTUP_TIMEOUT_S)
         except (OSError, TimeoutError, ValueError) as e:
             raise RewardConfigError(f"reward function {self.spec!r}: {e}") from None
         if not reply.get("ok"):
@@ -99,7 +107,8 @@ class UserRewardFunction:
     def __call__(self, response: str, ground_truth: str, **fields: Any) -> dict:
         try:
             reply = self.worker.request(
-                {"response": response, "ground_truth": ground_truth, "fields": fields}, self.timeout_s
+                {"response": response, "ground_truth": ground_truth, "fields": fields, "context": ROW_CONTEXT},
+                self.timeout_s,
             )
         except TimeoutError:
             self.timeouts_in_a_row += 1

@@ -3,10 +3,12 @@
 Run as ``python -P reward_worker.py TARGET`` (``rlvr.reward_functions`` starts it). ``TARGET`` is
 ``package.module:function`` (imported with the working directory on the path) or
 ``path/to/file.py:function``. It prints ``ready`` once the function is loaded, or one line
-``{"error": message}`` and exits. Then, per stdin line ``{"response", "ground_truth", "fields"}``, it
+``{"error": message}`` and exits. Then, per stdin line ``{"response", "ground_truth", "fields", "context"}``, it
 prints ``{"ok": true, "value": result}`` or ``{"ok": false, "error": message}``; a line
-``{"bind": [field names]}`` asks whether the function accepts ``(response, ground_truth, **fields)``
-with those fields. Only the standard library is imported here: the user's code brings what it needs.
+``{"bind": [field names], "context": [names]}`` asks whether the function accepts
+``(response, ground_truth, **fields)`` with those fields and the context names it takes. A context
+name (``prompt``, ``messages``) reaches the function only when it names it or has ``**kwargs``, so
+that functions written before the context existed keep working. Only the standard library is imported here: the user's code brings what it needs.
 """
 
 from __future__ import annotations
@@ -80,6 +82,12 @@ def _jsonable(value: Any) -> Any:
     return str(value)
 
 
+def takes(fn: Callable[..., Any], name: str) -> bool:
+    """Whether ``fn`` takes the keyword ``name``: a parameter of that name or ``**kwargs``."""
+    params = inspect.signature(fn).parameters.values()
+    return any(p.name == name or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)
+
+
 def serve(spec: str) -> None:
     out = sys.stdout.buffer
     # The user's prints would corrupt the protocol: their stdout goes to stderr.
@@ -96,10 +104,13 @@ def serve(spec: str) -> None:
         request = json.loads(line)
         try:
             if "bind" in request:
-                inspect.signature(fn).bind("", "", **{k: None for k in request["bind"]})
+                context = [k for k in request.get("context", []) if takes(fn, k)]
+                inspect.signature(fn).bind("", "", **{k: None for k in [*context, *request["bind"]]})
                 reply: dict[str, object] = {"ok": True, "value": None}
             else:
-                value = fn(request["response"], request["ground_truth"], **request.get("fields", {}))
+                unasked = {k for k in request.get("context", []) if not takes(fn, k)}
+                fields = {k: v for k, v in request.get("fields", {}).items() if k not in unasked}
+                value = fn(request["response"], request["ground_truth"], **fields)
                 reply = {"ok": True, "value": _jsonable(value)}
         except Exception as e:  # noqa: BLE001 (reported to the trainer, which stops with it)
             reply = {"ok": False, "error": f"{type(e).__name__}: {e}"}

@@ -109,6 +109,7 @@ from rlvr.interrupts import DeferInterrupts, Terminated, exit_code, sigterm_as_i
 from rlvr.logging_utils import MetricsLogger, truncate_metrics, write_jsonl
 from rlvr.modeling import attention_without_cudnn
 from rlvr.optim import lr_factor, make_adamw
+from rlvr.reward_functions import row_fields
 from rlvr.rundir import RunDirLock, atomic_write_json
 
 if TYPE_CHECKING:
@@ -550,15 +551,20 @@ def _score(
     reward_fn: Callable[..., dict],
     examples: list[Example],
     log: dict,
+    prompt: Prompt,
 ) -> Scores:
-    """Phase 2: grade every response against its question's ground truth (and the example's other fields)."""
+    """Phase 2: grade every response against its question's ground truth (and the prompt, its messages
+    and the example's other fields)."""
     G = config.rollout.group_size
     completions = batch.flat_completions
     truths = [ex.ground_truth for ex in examples for _ in range(G)]
+    fields = [
+        row_fields(ex.fields, text, prompt.messages(ex.question))
+        for ex, text in zip(examples, batch.prompts, strict=True)
+        for _ in range(G)
+    ]
     t0 = time.perf_counter()
-    raw_rewards, reward_meta = _grade(
-        reward_fn, batch.responses, truths, step, [ex.fields for ex in examples for _ in range(G)]
-    )
+    raw_rewards, reward_meta = _grade(reward_fn, batch.responses, truths, step, fields)
     log["time/reward"] = time.perf_counter() - t0
     ks = sorted({k for k in (2**i for i in range(G.bit_length())) if k <= G} | {G})
     log.update(
@@ -841,7 +847,7 @@ def _rollout_step(config: TrainConfig, step: int, run_dir: Path, run: RunParts, 
     t_step = time.perf_counter()
     batch = _rollout(step, run.engine_weights, run.rollouts, run.request, log)
     examples = _step_examples(config, run.train_examples, step, run.world)
-    scores = _score(config, step, batch, run.reward_fn, examples, log)
+    scores = _score(config, step, batch, run.reward_fn, examples, log, run.prompt)
     train_batch = _advantages(config, step, batch, scores, run, log)
     if config.log.gradient_variance_every and step % config.log.gradient_variance_every == 0:
         _gradient_variance(config, run, train_batch, scores, log)

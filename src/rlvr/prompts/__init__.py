@@ -142,11 +142,17 @@ class Prompt:
             return self.template.format(question=question)
         if self.tokenizer is None:
             raise PromptError("prompt chat renders with the model's tokenizer; bind it first (Prompt.bind)")
+        return self.tokenizer.apply_chat_template(self.messages(question), tokenize=False, add_generation_prompt=True)
+
+    def messages(self, question: str) -> list[dict[str, str]]:
+        """The chat messages of ``question``: a chat prompt's system and user turns; for a text
+        template, one user turn holding the rendered text."""
+        if self.kind != CHAT:
+            return [{"role": "user", "content": self.render(question)}]
         user = self.user_template.format(question=question) if self.user_template is not None else question
-        messages = ([{"role": "system", "content": self.system}] if self.system is not None else []) + [
+        return ([{"role": "system", "content": self.system}] if self.system is not None else []) + [
             {"role": "user", "content": user}
         ]
-        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 
 def _check_template(text: str, where: str) -> str:
