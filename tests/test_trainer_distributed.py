@@ -110,7 +110,7 @@ def _torchrun(args: list[str], env_extra: dict | None = None, nproc: int = 2) ->
 def _weights(run_dir: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    ckpt = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    ckpt = (run_dir / "checkpoints" / "latest").resolve()
     return load_file(str(ckpt / "model" / "model.safetensors"))
 
 
@@ -185,7 +185,7 @@ def test_fsdp_off_policy_two_ranks_equal_one_process_and_resume_on_one(setup, tm
     proc = _torchrun([*fsdp, "--out", str(broken)], env_extra={"RLVR_TEST_CRASH_AFTER": str(broken)})
     assert proc.returncode != 0
     assert "planted grader crash" in proc.stderr
-    assert (broken / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    assert (broken / "checkpoints" / "latest").resolve().name == "step_000002"
     assert read_summary(broken)["status"] == "failed"
     assert sorted(p.name for p in (broken / "checkpoints" / "step_000002" / "rng").iterdir()) == [
         "rank_0.pt",

@@ -7,11 +7,14 @@ Layout under a run directory::
     checkpoints/step_000040/sharded/      (FSDP2 and LoRA runs) model and optimizer shards, torch.distributed.checkpoint
     checkpoints/step_000040/rng/rank_K.pt (several processes) each rank's RNG states
     checkpoints/step_000040/manifest.json size and sha256 of every other file, written last
-    checkpoints/latest                    name of the newest complete checkpoint
+    checkpoints/latest                    a relative symbolic link to the newest complete checkpoint
+    checkpoints/best/model/               the model of the best validation so far (by the main validation
+                                          reward, ties to the later step), kept apart from the rolling ones
+    checkpoints/best/best.json            its step and validation metrics
 
 A checkpoint is written into a hidden temporary directory, every file is fsynced, and only then is
 the directory renamed to its final name (a rename within one filesystem is atomic) and ``latest``
-replaced (write + fsync + rename). A crash at any point leaves the previous checkpoint complete and
+replaced (a new link renamed over the old one). A crash at any point leaves the previous checkpoint complete and
 ``latest`` pointing at a complete directory; leftovers of an interrupted write are ignored and
 cleaned up by the next save.
 
@@ -52,12 +55,17 @@ MANIFEST = "manifest.json"
 SHARDED_DIR = "sharded"
 RNG_DIR = "rng"
 DAMAGED_PREFIX = "damaged-"
+LATEST = "latest"
+BEST_DIR = "best"
+BEST_RECORD = "best.json"
 
 __all__ = [
     "atomic_write_text",
     "save_checkpoint",
     "list_checkpoints",
     "latest_checkpoint",
+    "save_best_model",
+    "best_model",
     "resumable_checkpoint",
     "verify_checkpoint",
     "load_model_weights",
@@ -231,7 +239,7 @@ def _commit(run_dir: str | Path, tmp: Path, final: Path, keep: int) -> None:
     else:
         os.replace(tmp, final)
     _fsync_dir(root)
-    atomic_write_text(root / "latest", final.name + "\n")
+    point_latest(root, final.name)
     for stale in list_checkpoints(run_dir)[:-keep]:
         if stale != final:
             shutil.rmtree(stale, ignore_errors=True)
@@ -253,11 +261,26 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return sorted(dirs, key=lambda p: int(p.name.split("_")[1]))
 
 
+def point_latest(root: Path, name: str) -> None:
+    """Make ``root/latest`` a relative link to checkpoint ``name``: a new link renamed over the old
+    one (a text file naming it, as older runs wrote, is replaced the same way)."""
+    tmp = root / f".{LATEST}.tmp-{os.getpid()}"
+    if tmp.is_symlink() or tmp.exists():
+        tmp.unlink()
+    os.symlink(name, tmp)
+    os.replace(tmp, root / LATEST)
+    _fsync_dir(root)
+
+
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint (by the ``latest`` pointer, else by scanning), or None."""
+    """The newest complete checkpoint (by the ``latest`` link, else by scanning), or None."""
     root = Path(run_dir) / CKPT_DIR
-    pointer = root / "latest"
-    if pointer.is_file():
+    pointer = root / LATEST
+    if pointer.is_symlink():
+        cand = root / os.readlink(pointer)
+        if (cand / STATE_FILE).is_file():
+            return cand
+    elif pointer.is_file():  # the text pointer of runs written before the link
         cand = root / pointer.read_text().strip()
         if (cand / STATE_FILE).is_file():
             return cand
@@ -296,7 +319,7 @@ def resumable_checkpoint(run_dir: str | Path, echo: Callable[[str], object] | No
         problems = verify_checkpoint(ckpt)
         if not problems:
             if set_aside:
-                atomic_write_text(run_dir / CKPT_DIR / "latest", ckpt.name + "\n")
+                point_latest(run_dir / CKPT_DIR, ckpt.name)
                 echo(f"rlvr: resuming from {ckpt.name}, the newest intact checkpoint")
             return ckpt
         moved = _set_aside(ckpt)
@@ -312,6 +335,66 @@ def resumable_checkpoint(run_dir: str | Path, echo: Callable[[str], object] | No
             f"or delete {run_dir / CKPT_DIR} to train this one again from step 0"
         )
     return None
+
+
+def save_best_model(
+    run_dir: str | Path,
+    model: nn.Module,
+    tokenizer: PreTrainedTokenizerBase | None,
+    record: dict[str, Any],
+    sharded: bool = False,
+) -> Path:
+    """Write ``checkpoints/best`` (``model/`` in Hugging Face format and ``best.json`` = ``record``),
+    replacing the previous best atomically: it is written beside it, then renamed into place. Under a
+    process group every rank must call it (a sharded model is gathered)."""
+    from rlvr.distributed.world import barrier, current_world
+
+    world = current_world()
+    root = Path(run_dir) / CKPT_DIR
+    final, tmp, old = root / BEST_DIR, root / f".tmp-{BEST_DIR}", root / f".old-{BEST_DIR}"
+    if world.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+        for leftover in (tmp, old):
+            if leftover.exists():
+                shutil.rmtree(leftover)
+        tmp.mkdir()
+    barrier()
+    if sharded:
+        from rlvr.distributed.checkpoint import export_hf
+
+        export_hf(model, tmp / MODEL_DIR, tokenizer)
+    elif world.is_main:
+        from rlvr.distributed.wrap import unwrap_model
+
+        plain: Any = unwrap_model(model)
+        plain.save_pretrained(str(tmp / MODEL_DIR))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(tmp / MODEL_DIR))
+    barrier()
+    if world.is_main:
+        (tmp / BEST_RECORD).write_text(json.dumps(record, indent=2) + "\n")
+        write_manifest(tmp)
+        _fsync_tree(tmp)
+        if final.exists():
+            os.replace(final, old)
+        os.replace(tmp, final)
+        _fsync_dir(root)
+        if old.exists():
+            shutil.rmtree(old)
+    barrier()
+    return final
+
+
+def best_model(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
+    """``(checkpoints/best/model, its record)`` of a run, or None when it has no best model yet."""
+    best = Path(run_dir) / CKPT_DIR / BEST_DIR
+    if not (best / MODEL_DIR / "config.json").is_file():
+        return None
+    try:
+        record = json.loads((best / BEST_RECORD).read_text())
+    except (OSError, ValueError):
+        record = {}
+    return best / MODEL_DIR, record if isinstance(record, dict) else {}
 
 
 def load_model_weights(model: nn.Module, model_dir: str | Path) -> None:

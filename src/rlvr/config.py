@@ -345,6 +345,32 @@ class LogConfig:
 
 
 @dataclass(frozen=True)
+class HealthConfig:
+    """Thresholds of the health signals (rlvr.health): a one-line warning when a run goes wrong."""
+
+    enabled: bool = True
+    """Watch the run and warn (progress bar / log, metrics.jsonl's "health" records, rlvr report)."""
+    val_drop: float = 0.1
+    """Warn when the main validation reward falls this far (absolute) below its best so far."""
+    entropy_min: float = 0.01
+    """Warn when the policy's mean token entropy (nats) falls below this."""
+    length_collapse: float = 0.3
+    """Warn when the mean response length falls below this fraction of the first step's."""
+    truncated_max: float = 0.5
+    """Warn when this share of responses or more hit rollout.max_new_tokens."""
+    no_signal_max: float = 0.95
+    """Warn when this share of groups or more has all-equal rewards (no gradient) for `patience` steps in a row."""
+    patience: int = 5
+    """Steps in a row the no-signal share must stay high before it warns."""
+    clip_fraction_max: float = 0.2
+    """Off-policy: warn when this share of tokens in an update has an importance ratio outside [0.8, 1.2]."""
+    ratio_kl_max: float = 0.1
+    """Off-policy: warn when the KL (k3) between the sampling and the current policy within a step reaches this."""
+    grad_spike: float = 10.0
+    """Warn when a step's gradient norm reaches this multiple of the recent median."""
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -358,6 +384,7 @@ class TrainConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     log: LogConfig = field(default_factory=LogConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     n_steps: int = 200
     """Rollout steps (each: sample, grade, one or more optimizer steps)."""
     eval_every: int = 10
@@ -370,6 +397,8 @@ class TrainConfig:
     """Checkpoint every this many steps (always at the end; 0: only at the end)."""
     keep_checkpoints: int = 1
     """How many of the newest checkpoints to keep on disk."""
+    save_best: bool = True
+    """Keep the model of the best validation so far (main validation reward, ties to the later step) in DIR/checkpoints/best/model, apart from the rolling checkpoints."""
     seed: int = 0
     """Seed of everything: data order, sampling, initialisation of fresh models."""
     policy_device: str = "auto"
@@ -975,6 +1004,8 @@ RESUMABLE_CHANGES = (
     "dump_every",
     "save_every",
     "keep_checkpoints",
+    "save_best",
+    "health.",
     "log.",
     "distributed.cpu_offload",
 )

@@ -61,6 +61,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import sys
 import time
@@ -74,11 +75,16 @@ import torch
 import tyro
 
 from rlvr.checkpoint import (
+    BEST_DIR,
+    CKPT_DIR,
+    LATEST,
+    MODEL_DIR,
     damaged_checkpoints,
     list_checkpoints,
     load_model_weights,
     load_trainer_state,
     resumable_checkpoint,
+    save_best_model,
     save_checkpoint,
 )
 from rlvr.config import (
@@ -105,6 +111,7 @@ from rlvr.grpo import (
 )
 from rlvr.grpo.diagnostics import update_record
 from rlvr.grpo.variance import gradient_variance, variance_metrics
+from rlvr.health import HealthMonitor, HealthWarning
 from rlvr.interrupts import DeferInterrupts, Terminated, exit_code, sigterm_as_interrupt
 from rlvr.logging_utils import MetricsLogger, truncate_metrics, write_jsonl
 from rlvr.modeling import attention_without_cudnn
@@ -369,6 +376,11 @@ class TrainState:
     last_val: dict = field(default_factory=dict)
     last_train_reward: float | None = None
     saved_step: int | None = None
+    best_val: float | None = None
+    best_step: int | None = None
+    """The best main validation reward so far and its step: the model in checkpoints/best."""
+    health: dict = field(default_factory=dict)
+    """The health monitor's state (``rlvr.health.HealthMonitor.state_dict``)."""
     in_update: bool = False
     """From a step's first optimizer update until the step is logged: a checkpoint then would hold half a step."""
 
@@ -382,6 +394,9 @@ class TrainState:
             last_val=saved.get("last_val", fresh.last_val),
             last_train_reward=saved.get("last_train_reward", fresh.last_train_reward),
             saved_step=saved["step"],
+            best_val=saved.get("best_val", fresh.best_val),
+            best_step=saved.get("best_step", fresh.best_step),
+            health=saved.get("health", fresh.health),
         )
 
     def checkpoint_record(self, data_position: int) -> dict:
@@ -391,6 +406,9 @@ class TrainState:
             "nonfinite_consecutive": self.nonfinite_consecutive,
             "last_val": self.last_val,
             "last_train_reward": self.last_train_reward,
+            "best_val": self.best_val,
+            "best_step": self.best_step,
+            "health": self.health,
             "data_position": data_position,
         }
 
@@ -1266,6 +1284,15 @@ class RunRecord:
     def __init__(self, config: TrainConfig, run_dir: Path, run: RunParts, state: TrainState) -> None:
         self.config, self.run_dir, self.run, self.state = config, run_dir, run, state
         self.t_start = time.perf_counter()
+        self.health_counts: dict[str, int] = {}
+        """Health warnings of this process's part of the run, by signal."""
+
+    def warn(self, warnings: list[HealthWarning], bar: Any) -> None:
+        """Say each of a step's health warnings in one line (above the progress bar)."""
+        for w in warnings:
+            self.health_counts[w.signal] = self.health_counts.get(w.signal, 0) + 1
+            if self.run.world.is_main:
+                bar.write(w.line(), file=sys.stderr)
 
     def checkpoint(self) -> None:
         """Save the state after the last logged step (once per step)."""
@@ -1285,6 +1312,19 @@ class RunRecord:
         )
         state.saved_step = at
 
+    def keep_best(self, step: int, val: dict) -> None:
+        """Keep the model in checkpoints/best when ``val`` (step ``step``'s validation) is the best so far
+        by the main validation reward (ties to the later step)."""
+        value = val.get("val/reward")
+        if not self.config.save_best or not isinstance(value, (int, float)) or not math.isfinite(value):
+            return
+        state = self.state
+        if state.best_val is not None and value < state.best_val:
+            return
+        record = {"step": step, **{k: v for k, v in val.items() if k.startswith("val/")}}
+        save_best_model(self.run_dir, self.run.model, self.run.tokenizer, record, sharded=self.run.sharded_checkpoints)
+        state.best_val, state.best_step = float(value), step
+
     def summary(self, status: str, message: str = "", every_rank: bool = False) -> None:
         """Write summary.json: rank 0 alone, unless ``every_rank`` (a failure, which may be one rank's own)."""
         if not (self.run.world.is_main or every_rank):
@@ -1297,8 +1337,15 @@ class RunRecord:
             n_steps=self.config.n_steps,
             final=s.last_val,
             final_train_reward=s.last_train_reward,
+            best=(
+                {"step": s.best_step, "val/reward": s.best_val, "model": f"{CKPT_DIR}/{BEST_DIR}/{MODEL_DIR}"}
+                if s.best_step is not None
+                else None
+            ),
+            latest=f"{CKPT_DIR}/{LATEST}" if s.saved_step is not None else None,
             nonfinite_skipped=s.nonfinite_total,
             last_checkpoint=s.saved_step,
+            health=self.health_counts,
             message=message,
             wall_time_s=time.perf_counter() - self.t_start,
         )
@@ -1386,18 +1433,28 @@ def _train(
             )
             resources.callback(bar.close)
 
+            monitor = HealthMonitor.from_state(config.health, state.health)
             if state.step == 0 and config.eval_at_start and run.val_examples:
                 _validation(config, 0, run_dir, run, state)
+                record.keep_best(0, state.last_val)
+                monitor.observe({"step": 0, **state.last_val})
+                state.health = monitor.state_dict()
                 logger.log({"step": 0, **state.last_val})
             for step in range(state.step + 1, config.n_steps + 1):
                 with DeferInterrupts() as deferred:
                     metrics = _rollout_step(config, step, run_dir, run, state)  # rollout, score, advantages, update
                     if _validation_due(config, step):
                         metrics.update(_validation(config, step, run_dir, run, state))
+                        record.keep_best(step, state.last_val)
+                    warnings = monitor.observe(metrics)
+                    state.health = monitor.state_dict()
+                    if warnings:
+                        metrics["health"] = [w.as_record() for w in warnings]
                     logger.log(metrics)
                     state.step, state.in_update = step, False
                     if config.save_every and step % config.save_every == 0:
                         record.checkpoint()
+                record.warn(warnings, bar)
                 state.last_train_reward = metrics["train/reward"]
                 bar.set_postfix(progress_postfix(metrics, state.last_val))
                 bar.update(1)
