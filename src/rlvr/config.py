@@ -136,6 +136,12 @@ class RewardConfig:
     """Weight of each of reward.fns (default: 1 each)."""
     timeout_s: float = 10.0
     """Seconds one call of a user reward function may take; past it the call is cut off, scores 0 and is counted (train/reward/timeouts)."""
+    workers: int = 1
+    """Rows scored at once by each reward function (and by reward.url, in that many requests)."""
+    worker_kind: str = "thread"
+    """How a user function runs reward.workers calls at once: thread (threads of one worker process, or tasks for async def; for rewards that wait) or process (that many worker processes; for rewards that compute)."""
+    url: str | None = None
+    """A reward server instead of reward.fn: each step's rows are POSTed to it as JSON (docs/custom_task.md)."""
 
 
 @dataclass(frozen=True)

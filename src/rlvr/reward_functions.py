@@ -19,10 +19,12 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from rlvr import code_reward, rewards
 from rlvr.errors import UserError
+from rlvr.remote_reward import RemoteReward
 from rlvr.reward_worker import is_file_spec
 
 if TYPE_CHECKING:
@@ -43,6 +45,9 @@ WORKER_STARTUP_TIMEOUT_S = 120.0
 """Seconds a user reward's worker may take to import the function (its module may load a lot)."""
 TIMEOUTS_IN_A_ROW_LIMIT = 8
 """A user function cut off on this many calls in a row stops the run (it would only burn time)."""
+WORKER_REPLY_GRACE_S = 10.0
+"""Seconds a worker may take beyond its calls' timeouts to answer a batch before it is taken as hung."""
+WORKER_KINDS = ("thread", "process")
 _PROTOCOL_KEYS = ("reward", "format_reward", "answer_reward")
 ROW_CONTEXT = ("prompt", "messages")
 """What a user function may also take by keyword: the rendered prompt and its chat messages."""
@@ -58,7 +63,7 @@ class RewardFunctionError(RuntimeError):
 
 def spec_problem(spec: str, key: str = "reward.fn") -> str | None:
     """Why ``spec`` cannot name a reward function, read without importing anything (None: it may)."""
-    if spec in BUILTIN_REWARDS:
+    if spec in BUILTIN_REWARDS or is_url(spec):
         return None
     target, sep, name = spec.rpartition(":")
     hint = f"name a built-in ({', '.join(BUILTIN_REWARDS)}), package.module:function or path/to/file.py:function"
@@ -75,61 +80,115 @@ def row_fields(fields: dict, prompt: str, messages: list[dict[str, str]]) -> dic
     return {"prompt": prompt, "messages": messages, **fields}
 
 
+def is_url(spec: str) -> bool:
+    """A reward server's address (``reward.url``) rather than a function."""
+    return spec.startswith(("http://", "https://"))
+
+
 def component_name(spec: str) -> str:
-    return spec if spec in BUILTIN_REWARDS else spec.rpartition(":")[2]
+    return spec if spec in BUILTIN_REWARDS else "remote" if is_url(spec) else spec.rpartition(":")[2]
 
 
 class UserRewardFunction:
-    """A user's reward function, called in its own worker process with a time bound per call."""
+    """A user's reward function, called in worker processes with a time bound per call.
 
-    def __init__(self, spec: str, timeout_s: float):
+    ``workers`` calls run at once: as threads (or event-loop tasks, for ``async def``) of one worker
+    process with ``kind="thread"``, for rewards that wait (a web service, a model server, the
+    sandbox); in that many worker processes with ``kind="process"``, for rewards that compute.
+    """
+
+    def __init__(self, spec: str, timeout_s: float, workers: int = 1, kind: str = "thread"):
+        if kind not in WORKER_KINDS:
+            raise RewardConfigError(f"reward.worker_kind {kind!r} is not one of {', '.join(WORKER_KINDS)}")
+        if workers < 1:
+            raise RewardConfigError(f"reward.workers must be >= 1, got {workers}")
         self.spec = spec
         self.timeout_s = timeout_s
+        self.threads = workers if kind == "thread" else 1
         worker = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reward_worker.py")
-        self.worker = rewards.LineWorker([sys.executable, "-P", worker, spec], WORKER_STARTUP_TIMEOUT_S, quiet=False)
+        command = [sys.executable, "-P", worker, spec]
+        self.workers = [
+            rewards.LineWorker(command, WORKER_STARTUP_TIMEOUT_S, quiet=False)
+            for _ in range(1 if kind == "thread" else workers)
+        ]
+        self.pool = ThreadPoolExecutor(len(self.workers)) if len(self.workers) > 1 else None
         self.timeouts_in_a_row = 0
 
     def start(self, fields: Sequence[str] = ()) -> None:
         """Load the function now and check that it takes ``(response, ground_truth, **fields)`` with
         ``fields``; ``RewardConfigError`` naming the problem otherwise."""
-        try:
-            self.worker.start()
-            reply = self.worker.request({"bind": list(fields), "context": list(ROW_CONTEXT)}, WORKER_STARTUP_TIMEOUT_S)
-        except (OSError, TimeoutError, ValueError) as e:
-            raise RewardConfigError(f"reward function {self.spec!r}: {e}") from None
-        if not reply.get("ok"):
-            columns = f" and the data's other columns ({', '.join(fields)})" if fields else ""
-            raise RewardConfigError(
-                f"reward function {self.spec!r} cannot be called as fn(response, ground_truth, **fields) with "
-                f"the fields{columns}: {reply.get('error')}; give it a **fields parameter"
-            )
+        for worker in self.workers:
+            try:
+                worker.start()
+                reply = worker.request({"bind": list(fields), "context": list(ROW_CONTEXT)}, WORKER_STARTUP_TIMEOUT_S)
+            except (OSError, TimeoutError, ValueError) as e:
+                raise RewardConfigError(f"reward function {self.spec!r}: {e}") from None
+            if not reply.get("ok"):
+                columns = f" and the data's other columns ({', '.join(fields)})" if fields else ""
+                raise RewardConfigError(
+                    f"reward function {self.spec!r} cannot be called as fn(response, ground_truth, **fields) with "
+                    f"the fields{columns}: {reply.get('error')}; give it a **fields parameter"
+                )
 
     def __call__(self, response: str, ground_truth: str, **fields: Any) -> dict:
+        return self.score_batch([(response, ground_truth, fields)])[0]
+
+    def score_batch(self, rows: Sequence[tuple[str, str, dict]]) -> list[dict]:
+        """The reward dict of each ``(response, ground_truth, fields)``; a call cut off scores 0 with
+        ``timed_out`` 1."""
+        shares = [list(range(i, len(rows), len(self.workers))) for i in range(len(self.workers))]
+        jobs = [(worker, [rows[i] for i in share]) for worker, share in zip(self.workers, shares) if share]
+        if self.pool is None:
+            replies = [self._request(*job) for job in jobs]
+        else:
+            replies = list(self.pool.map(lambda job: self._request(*job), jobs))
+        values: list[Any] = [None] * len(rows)
+        cut_off = [False] * len(rows)
+        for share, (share_values, share_cut_off) in zip(shares, replies):
+            for i, value, cut in zip(share, share_values, share_cut_off):
+                values[i], cut_off[i] = value, cut
+        out = []
+        for value, cut in zip(values, cut_off):
+            if cut:
+                self.timeouts_in_a_row += 1
+                if self.timeouts_in_a_row >= TIMEOUTS_IN_A_ROW_LIMIT:
+                    # Every call cut off: the function is broken, and each call would cost a full timeout.
+                    raise RewardFunctionError(
+                        f"reward function {self.spec!r} took longer than reward.timeout_s={self.timeout_s} s on "
+                        f"{self.timeouts_in_a_row} calls in a row; make it faster or raise reward.timeout_s"
+                    )
+                out.append({"reward": 0.0, "timed_out": 1.0})
+            else:
+                self.timeouts_in_a_row = 0
+                out.append(as_reward_dict(value, self.spec))
+        return out
+
+    def _request(self, worker: rewards.LineWorker, rows: list[tuple[str, str, dict]]) -> tuple[list, list[bool]]:
+        """One worker's (values, cut off) for ``rows``; the worker is replaced when a call may still run."""
+        batch = [{"response": r, "ground_truth": g, "fields": f} for r, g, f in rows]
+        payload = {"batch": batch, "context": ROW_CONTEXT, "threads": self.threads, "timeout_s": self.timeout_s}
+        # Each wave of calls may take the whole timeout; past that the worker itself is stuck.
+        bound = self.timeout_s * math.ceil(len(rows) / self.threads) + WORKER_REPLY_GRACE_S
         try:
-            reply = self.worker.request(
-                {"response": response, "ground_truth": ground_truth, "fields": fields, "context": ROW_CONTEXT},
-                self.timeout_s,
-            )
+            reply = worker.request(payload, bound)
         except TimeoutError:
-            self.timeouts_in_a_row += 1
-            if self.timeouts_in_a_row >= TIMEOUTS_IN_A_ROW_LIMIT:
-                # Every call cut off: the function is broken, and each call would cost a full timeout.
-                raise RewardFunctionError(
-                    f"reward function {self.spec!r} took longer than reward.timeout_s={self.timeout_s} s on "
-                    f"{self.timeouts_in_a_row} calls in a row; make it faster or raise reward.timeout_s"
-                ) from None
-            return {"reward": 0.0, "timed_out": 1.0}
+            return [None] * len(rows), [True] * len(rows)
         except rewards.WorkerStartError as e:
             raise RewardFunctionError(f"reward function {self.spec!r} could not be loaded: {e}") from None
         except (OSError, ValueError) as e:
             raise RewardFunctionError(f"reward function {self.spec!r} ended its worker process ({e})") from None
-        self.timeouts_in_a_row = 0
         if not reply.get("ok"):
             raise RewardFunctionError(f"reward function {self.spec!r} raised {reply.get('error')}")
-        return as_reward_dict(reply["value"], self.spec)
+        if reply.get("stuck"):
+            worker.close()  # a thread still runs a cut-off call there; the next request starts afresh
+        cut_off = set(reply["timed_out"])
+        return reply["values"], [i in cut_off for i in range(len(rows))]
 
     def close(self) -> None:
-        self.worker.close()
+        for worker in self.workers:
+            worker.close()
+        if self.pool is not None:
+            self.pool.shutdown(wait=False)
 
 
 def as_reward_dict(value: Any, where: str) -> dict:
@@ -151,21 +210,31 @@ def as_reward_dict(value: Any, where: str) -> dict:
 
 
 class Reward:
-    """The run's reward: one function or a weighted sum, called as ``(response, ground_truth, **fields)``.
+    """The run's reward: one function or a weighted sum, called as ``(response, ground_truth, **fields)``
+    or on a whole batch (``score_batch``).
 
     Returns ``reward`` (the weighted sum), ``format_reward`` (the lowest of those the functions report;
     1 when none does), ``answer_reward`` (the one function's, else the sum), ``timed_out`` (1 when a
     user function was cut off) and the extra numbers to log: each function's other fields, and with
     several functions each one's reward under its name (its other fields as ``name/field``).
+    ``workers`` rows are scored at once by each function (see ``UserRewardFunction``, ``RemoteReward``;
+    built-ins on threads).
     """
 
-    def __init__(self, specs: Sequence[str], weights: Sequence[float] | None = None, timeout_s: float = 10.0):
+    def __init__(
+        self,
+        specs: Sequence[str],
+        weights: Sequence[float] | None = None,
+        timeout_s: float = 10.0,
+        workers: int = 1,
+        worker_kind: str = "thread",
+    ):
         weights = list(weights) if weights else [1.0] * len(specs)
         if len(weights) != len(specs):
             raise RewardConfigError(
                 f"reward.weights has {len(weights)} numbers for {len(specs)} reward.fns; give one per function"
             )
-        self.components: list[tuple[str, Callable, float]] = []
+        self.components: list[tuple[str, Any, float]] = []
         names: set[str] = set()
         for spec, weight in zip(specs, weights):
             problem = spec_problem(spec)
@@ -175,9 +244,16 @@ class Reward:
             while name in names:
                 name += "_"
             names.add(name)
-            fn = BUILTIN_REWARDS[spec] if spec in BUILTIN_REWARDS else UserRewardFunction(spec, timeout_s)
+            fn: Any
+            if spec in BUILTIN_REWARDS:
+                fn = BUILTIN_REWARDS[spec]
+            elif is_url(spec):
+                fn = RemoteReward(spec, timeout_s, workers)
+            else:
+                fn = UserRewardFunction(spec, timeout_s, workers, worker_kind)
             self.components.append((name, fn, float(weight)))
         self.specs = list(specs)
+        self.pool = ThreadPoolExecutor(workers) if workers > 1 else None
 
     @property
     def has_user_functions(self) -> bool:
@@ -196,18 +272,35 @@ class Reward:
 
     def close(self) -> None:
         for _, fn, _ in self.components:
-            if isinstance(fn, UserRewardFunction):
+            if isinstance(fn, (UserRewardFunction, RemoteReward)):
                 fn.close()
+        if self.pool is not None:
+            self.pool.shutdown(wait=False)
 
     def __call__(self, response: str, ground_truth: str, **fields: Any) -> dict:
+        return self.score_batch([response], [ground_truth], [fields])[0]
+
+    def score_batch(self, responses: Sequence[str], ground_truths: Sequence[str], fields: Sequence[dict]) -> list[dict]:
+        """The reward dict of each response (see the class docstring)."""
+        rows = list(zip(responses, ground_truths, fields))
+        results = []
+        for _, fn, _ in self.components:
+            if isinstance(fn, UserRewardFunction):
+                results.append(fn.score_batch(rows))
+            elif isinstance(fn, RemoteReward):
+                results.append([as_reward_dict(v, fn.url) for v in fn.score_batch(rows)])
+            elif self.pool is not None:
+                results.append(list(self.pool.map(lambda row, fn=fn: fn(row[0], row[1]), rows)))
+            else:
+                results.append([fn(r, g) for r, g, _ in rows])
+        return [self._combine([result[i] for result in results]) for i in range(len(rows))]
+
+    def _combine(self, results: list[dict]) -> dict:
+        """One row's reward dict from each function's."""
         several = len(self.components) > 1
         total, formats, out = 0.0, [], {"timed_out": 0.0}
         answer = None
-        for name, fn, weight in self.components:
-            if isinstance(fn, UserRewardFunction):
-                r = fn(response, ground_truth, **fields)
-            else:
-                r = fn(response, ground_truth)
+        for (name, _, weight), r in zip(self.components, results):
             out["timed_out"] = max(out["timed_out"], r.get("timed_out", 0.0))
             total += weight * r["reward"]
             if "format_reward" in r:
@@ -230,13 +323,34 @@ def build_reward(
     weights: Sequence[float] = (),
     timeout_s: float = 10.0,
     default: str = "r1_zero",
+    url: str | None = None,
+    workers: int = 1,
+    worker_kind: str = "thread",
 ) -> Reward:
-    """The ``Reward`` of the settings (``default``: the prompt's own, when neither fn nor fns is set)."""
-    if fn is not None and fns:
-        raise RewardConfigError("set reward.fn (one function) or reward.fns (several, with reward.weights), not both")
+    """The ``Reward`` of the settings (``default``: the prompt's own, when none of fn, fns and url is set)."""
+    problem = reward_settings_problem(fn, fns, url, workers, worker_kind)
+    if problem:
+        raise RewardConfigError(problem)
     if weights and not fns:
         raise RewardConfigError("reward.weights go with reward.fns; with one reward.fn leave them out")
-    return Reward(list(fns) if fns else [fn or default], weights, timeout_s)
+    return Reward(list(fns) if fns else [fn or url or default], weights, timeout_s, workers, worker_kind)
+
+
+def reward_settings_problem(
+    fn: str | None, fns: Sequence[str], url: str | None, workers: int, worker_kind: str
+) -> str | None:
+    """Why the reward settings cannot work together (None: they can)."""
+    if fn is not None and fns:
+        return "set reward.fn (one function) or reward.fns (several, with reward.weights), not both"
+    if url is not None and (fn is not None or fns):
+        return "set reward.url (a reward server) or reward.fn / reward.fns, not both"
+    if url is not None and not is_url(url):
+        return f"reward.url {url!r} is not an http:// or https:// address"
+    if workers < 1:
+        return f"reward.workers must be >= 1, got {workers}"
+    if worker_kind not in WORKER_KINDS:
+        return f"reward.worker_kind must be one of {', '.join(WORKER_KINDS)}, got {worker_kind!r}"
+    return None
 
 
 def score_responses(
@@ -257,7 +371,7 @@ def score_responses(
     if len(responses) != len(ground_truths):
         raise ValueError(f"{len(responses)} responses but {len(ground_truths)} ground truths; pass one per response")
     fields = fields if fields is not None else [{}] * len(responses)
-    scores = [reward_fn(r, g, **f) for r, g, f in zip(responses, ground_truths, fields)]
+    scores = reward_fn.score_batch(responses, ground_truths, fields)
     rewards_t = torch.tensor([s["reward"] for s in scores], dtype=torch.float32)
     fmt = torch.tensor([s["format_reward"] for s in scores], dtype=torch.float32)
     ans = torch.tensor([s["answer_reward"] for s in scores], dtype=torch.float32)

@@ -132,7 +132,7 @@ def task_config_problems(config: TrainConfig) -> list[str]:
     """One line per problem of the prompt, data and reward settings of a ``TrainConfig`` (no loading)."""
     from rlvr.data import ANSWER_FORMATS
     from rlvr.prompts import CHAT, PromptError
-    from rlvr.reward_functions import spec_problem
+    from rlvr.reward_functions import reward_settings_problem, spec_problem
 
     problems: list[str] = []
     try:
@@ -170,8 +170,9 @@ def task_config_problems(config: TrainConfig) -> list[str]:
                     f"{', '.join(ANSWER_FORMATS)}"
                 )
     r = config.reward
-    if r.fn is not None and r.fns:
-        problems.append("set reward.fn (one function) or reward.fns (several, with reward.weights), not both")
+    settings_problem = reward_settings_problem(r.fn, r.fns, r.url, r.workers, r.worker_kind)
+    if settings_problem:
+        problems.append(settings_problem)
     if r.weights and len(r.weights) != len(r.fns):
         problems.append(
             f"reward.weights has {len(r.weights)} numbers for {len(r.fns)} reward.fns; give one per function"
@@ -200,7 +201,7 @@ def build_reward(config: TrainConfig, prompt: Prompt | None = None) -> Reward:
 
     prompt = prompt or build_prompt(config)
     r = config.reward
-    return build(r.fn, r.fns, r.weights, r.timeout_s, default=prompt.default_reward)
+    return build(r.fn, r.fns, r.weights, r.timeout_s, prompt.default_reward, r.url, r.workers, r.worker_kind)
 
 
 def load_task_data(config: TrainConfig) -> tuple[list[Example], list[tuple[str, list[Example]]]]:
