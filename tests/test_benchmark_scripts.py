@@ -123,3 +123,9 @@ def test_generate_overhead_probe_runs(gsm8k_path):
     assert "forced: one new token" in out and "replays of the captured step" in out
     assert "realistic: one call profiled: wall / GPU busy" in out
     assert "trainer's rollout 4x4, up to 24 tokens" in out and "trainer's rollout: one call profiled" in out
+
+
+def test_bench_rewards_runs():
+    """Both tables of the reward benchmark (threads and async, then processes) on a few rows."""
+    out = _run("bench_rewards.py", gsm8k=None)
+    assert "I/O-bound reward" in out and "CPU-bound reward" in out and "speed-up" in out

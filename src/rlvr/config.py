@@ -129,7 +129,7 @@ class PromptOptions:
 @dataclass(frozen=True)
 class RewardConfig:
     fn: str | None = None
-    """Reward function: a built-in (r1_zero, question_only, boxed, exact) or a user function package.module:function or path/to/file.py:function, called as fn(response, ground_truth, **fields) and returning a float or a dict with 'reward' (default: the prompt's own: r1_zero for the r1_zero prompts, question_only for question_only, boxed otherwise)."""
+    """Reward function: a built-in (r1_zero, question_only, boxed, exact, code) or a user function package.module:function or path/to/file.py:function, called as fn(response, ground_truth, **fields) and returning a float or a dict with 'reward' (default: the prompt's own: r1_zero for the r1_zero prompts, question_only for question_only, boxed otherwise)."""
     fns: tuple[str, ...] = ()
     """Several reward functions (names as for fn) whose rewards are summed with reward.weights; instead of fn."""
     weights: tuple[float, ...] = ()
