@@ -26,6 +26,7 @@ from rlvr import code_reward, rewards
 from rlvr.errors import UserError
 from rlvr.remote_reward import RemoteReward
 from rlvr.reward_worker import is_file_spec
+from rlvr.tasks import reasoning_gym_tasks
 
 if TYPE_CHECKING:
     import torch
@@ -36,10 +37,14 @@ BUILTIN_REWARDS: dict[str, Callable] = {
     "boxed": rewards.boxed_reward_fn,
     "exact": rewards.exact_reward_fn,
     "code": code_reward.code_reward_fn,
+    "reasoning_gym": reasoning_gym_tasks.reasoning_gym_reward_fn,
 }
+# The built-ins that read the row's fields (the others take response and ground truth only).
+BUILTINS_WITH_FIELDS = ("reasoning_gym",)
 # Why a built-in cannot run on this machine (None: it can), asked before any model loads.
 BUILTIN_PRECONDITIONS: dict[str, Callable[[], str | None]] = {
     "code": code_reward.unavailable,
+    "reasoning_gym": reasoning_gym_tasks.unavailable,
 }
 WORKER_STARTUP_TIMEOUT_S = 120.0
 """Seconds a user reward's worker may take to import the function (its module may load a lot)."""
@@ -289,10 +294,13 @@ class Reward:
                 results.append(fn.score_batch(rows))
             elif isinstance(fn, RemoteReward):
                 results.append([as_reward_dict(v, fn.url) for v in fn.score_batch(rows)])
-            elif self.pool is not None:
-                results.append(list(self.pool.map(lambda row, fn=fn: fn(row[0], row[1]), rows)))
             else:
-                results.append([fn(r, g) for r, g, _ in rows])
+                with_fields = fn in (BUILTIN_REWARDS[name] for name in BUILTINS_WITH_FIELDS)
+
+                def call(row: tuple[str, str, dict], fn: Callable = fn, with_fields: bool = with_fields) -> dict:
+                    return fn(row[0], row[1], **row[2]) if with_fields else fn(row[0], row[1])
+
+                results.append(list(self.pool.map(call, rows)) if self.pool is not None else [call(r) for r in rows])
         return [self._combine([result[i] for result in results]) for i in range(len(rows))]
 
     def _combine(self, results: list[dict]) -> dict:

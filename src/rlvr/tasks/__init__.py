@@ -31,6 +31,7 @@ class _LazyTask:
 TASKS: dict[str, Callable] = {
     "arith": _LazyTask("rlvr.tasks.arithmetic", "load_arithmetic"),
     "code": _LazyTask("rlvr.tasks.code", "load_code"),
+    "reasoning_gym": _LazyTask("rlvr.tasks.reasoning_gym_tasks", "load_reasoning_gym"),
 }
 
 
@@ -41,7 +42,10 @@ def is_task_spec(source: str) -> bool:
 def load_task(source: str, split: str = "train", limit: int | None = None, seed: int = 0) -> list[Example]:
     name, _, args = source.partition(":")
     kwargs = {}
-    for part in filter(None, args.split(",")):
+    parts = [p for p in args.split(",") if p]
+    if parts and "=" not in parts[0]:  # a generator's name first: reasoning_gym:basic_arithmetic,size=8
+        kwargs["task"] = parts.pop(0).strip()
+    for part in parts:
         key, sep, value = part.partition("=")
         if not sep:
             raise DataError(
