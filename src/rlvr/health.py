@@ -44,7 +44,7 @@ SIGNALS = (
 VAL_METRIC = "val/reward"
 _GRAD_HISTORY = 20
 """Gradient norms of this many recent steps make the median a spike is measured against."""
-_GRAD_MIN_HISTORY = 5
+_GRAD_MIN_HISTORY = 3
 
 
 @dataclass(frozen=True)
