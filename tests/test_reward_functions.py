@@ -110,7 +110,7 @@ def test_a_function_that_raises_or_returns_no_reward_stops_with_its_message(user
 def test_bad_specs_are_named_with_the_fix(user_file):
     assert spec_problem("exact") is None and spec_problem("my_rewards:plain") is None
     assert "no such file nope.py" in spec_problem("nope.py:f")
-    hint = "is not a reward function: name a built-in (r1_zero, question_only, boxed, exact, code)"
+    hint = "is not a reward function: name a built-in (r1_zero, question_only, boxed, exact, code, reasoning_gym)"
     assert hint in spec_problem("boxd")
     with pytest.raises(
         RewardConfigError,

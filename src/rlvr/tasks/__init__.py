@@ -41,9 +41,12 @@ def is_task_spec(source: str) -> bool:
 
 def load_task(source: str, split: str = "train", limit: int | None = None, seed: int = 0) -> list[Example]:
     name, _, args = source.partition(":")
+    task = TASKS[name]
+    target = getattr(importlib.import_module(task.module), task.attr) if isinstance(task, _LazyTask) else task
+    known = inspect.signature(target).parameters
     kwargs = {}
     parts = [p for p in args.split(",") if p]
-    if parts and "=" not in parts[0]:  # a generator's name first: reasoning_gym:basic_arithmetic,size=8
+    if parts and "=" not in parts[0] and "task" in known:  # a generator first: reasoning_gym:basic_arithmetic
         kwargs["task"] = parts.pop(0).strip()
     for part in parts:
         key, sep, value = part.partition("=")
@@ -52,9 +55,6 @@ def load_task(source: str, split: str = "train", limit: int | None = None, seed:
                 f"task option {part!r} in {source!r} is not key=value; write e.g. 'arith:steps=2,max_value=20'"
             )
         kwargs[key.strip()] = value.strip()
-    task = TASKS[name]
-    target = getattr(importlib.import_module(task.module), task.attr) if isinstance(task, _LazyTask) else task
-    known = inspect.signature(target).parameters
     if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in known.values()):
         unknown = sorted(set(kwargs) - set(known) - {"split", "limit", "seed"})
         if unknown:
