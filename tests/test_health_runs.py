@@ -8,8 +8,10 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from rlvr import evaluate
 from rlvr.checkpoint import best_model, latest_checkpoint
 from rlvr.config import DataConfig, HealthConfig, LogConfig, OptimConfig, RewardConfig, RolloutConfig, TrainConfig
+from rlvr.evaluate import EvalConfig, resolve_run_model
 from rlvr.logging_utils import read_metrics
 from rlvr.trainer import read_summary, train
 
@@ -106,6 +108,29 @@ def test_best_is_the_best_validation_and_latest_a_path(tmp_path, tiny_model, tin
     # Two rolling checkpoints are kept; best is kept apart from them.
     names = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert names == ["best", "latest", "step_000006", "step_000008"]
+
+    # rlvr eval --model RUN_DIR evaluates the best model; --checkpoint latest the newest checkpoint.
+    said: list[str] = []
+    for which, expected in (("best", path), ("latest", out / "checkpoints" / "step_000008" / "model")):
+        ecfg = EvalConfig(model=str(out), out=tmp_path / f"eval_{which}", data="arith:steps=1,max_value=10")
+        ecfg = resolve_run_model(dataclasses.replace(ecfg, checkpoint=which), echo=said.append)
+        assert ecfg.model == str(expected)
+    assert said[0] == f"rlvr eval: {out} is a training run; evaluating its best model (step {best_step}, " + (
+        f"val/reward {best_value:.3f}): {path}"
+    )
+    results = evaluate.run(
+        EvalConfig(
+            model=str(out),
+            out=tmp_path / "eval",
+            data="arith:steps=1,max_value=10",
+            split="validation",
+            limit=4,
+            max_tokens=8,
+            device="cpu",
+            prompt=("question_only",),
+        )
+    )
+    assert results
 
 
 def test_best_follows_a_resumed_run_as_an_uninterrupted_one(tmp_path, tiny_tokenizer) -> None:

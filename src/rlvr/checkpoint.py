@@ -66,6 +66,7 @@ __all__ = [
     "latest_checkpoint",
     "save_best_model",
     "best_model",
+    "run_model",
     "resumable_checkpoint",
     "verify_checkpoint",
     "load_model_weights",
@@ -395,6 +396,26 @@ def best_model(run_dir: str | Path) -> tuple[Path, dict[str, Any]] | None:
     except (OSError, ValueError):
         record = {}
     return best / MODEL_DIR, record if isinstance(record, dict) else {}
+
+
+def run_model(run_dir: str | Path, which: str = "best") -> tuple[Path, str] | None:
+    """The model folder a training run left and a line saying which: with ``which="best"`` its best
+    model (checkpoints/best/model; the latest checkpoint's when the run kept no best), with
+    ``"latest"`` its newest checkpoint's. None when ``run_dir`` is not a run with a saved model."""
+    run_dir = Path(run_dir)
+    if not (run_dir / CKPT_DIR).is_dir():
+        return None
+    best = best_model(run_dir) if which == "best" else None
+    if best is not None:
+        path, record = best
+        value = record.get("val/reward")
+        shown = f", val/reward {value:.3f}" if isinstance(value, (int, float)) else ""
+        return path, f"its best model (step {record.get('step', '?')}{shown})"
+    latest = latest_checkpoint(run_dir)
+    if latest is None or not (latest / MODEL_DIR / "config.json").is_file():
+        return None
+    why = "" if which == "latest" else " (it kept no best model)"
+    return latest / MODEL_DIR, f"its latest checkpoint, {latest.name}{why}"
 
 
 def load_model_weights(model: nn.Module, model_dir: str | Path) -> None:

@@ -37,7 +37,9 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 import tyro
 
+from rlvr.checkpoint import run_model
 from rlvr.engines.base import SamplingParams
+from rlvr.errors import UserError
 
 if TYPE_CHECKING:
     import torch
@@ -55,7 +57,7 @@ class EvalConfig:
     """Evaluate one or several prompts on a model and write results.json and samples.jsonl."""
 
     model: str
-    """Local model directory or hub id (e.g. allenai/OLMo-2-0425-1B)."""
+    """Local model directory, hub id (e.g. allenai/OLMo-2-0425-1B), or an rlvr train run directory (its best model; see --checkpoint)."""
     out: Path
     """Output directory for results.json and samples.jsonl."""
     prompt: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
@@ -112,6 +114,24 @@ class EvalConfig:
     """Examples printed per category."""
     overwrite: bool = False
     """Replace the results of an earlier evaluation in ``out`` (otherwise that is an error)."""
+    checkpoint: Literal["best", "latest"] = "best"
+    """With --model a training run directory: evaluate its best model (checkpoints/best) or its latest checkpoint."""
+
+
+def resolve_run_model(cfg: EvalConfig, echo: Callable[[str], object] = print) -> EvalConfig:
+    """``cfg`` with ``--model`` a training run directory replaced by the model folder it left (best by
+    default, ``--checkpoint latest`` for the newest checkpoint), saying which."""
+    found = run_model(cfg.model, cfg.checkpoint)
+    if found is None:
+        if (Path(cfg.model) / "checkpoints").is_dir():
+            raise UserError(
+                f"--model {cfg.model} is a training run without a saved model yet (no checkpoints/best or complete "
+                "checkpoint); wait for its first validation or checkpoint, or give a model directory"
+            )
+        return cfg
+    path, which = found
+    echo(f"rlvr eval: {cfg.model} is a training run; evaluating {which}: {path}")
+    return dataclasses.replace(cfg, model=str(path))
 
 
 def _category(format_reward: float, answer_reward: float) -> str:
@@ -342,6 +362,7 @@ def run(cfg: EvalConfig) -> dict:
     from rlvr.rundir import atomic_write_json, atomic_write_jsonl
     from rlvr.task_config import eval_tasks
 
+    cfg = resolve_run_model(cfg)
     tasks = eval_tasks(cfg)  # the prompts, data sets and reward, checked before anything loads
     if not cfg.prompt:
         cfg = dataclasses.replace(cfg, prompt=tuple(p.name for p in tasks.prompts))
