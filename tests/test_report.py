@@ -133,3 +133,43 @@ def test_one_report_for_two_sweeps(tmp_path):
     for link in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text):
         assert (out.parent / link).is_file(), link
     assert "both_figures/0_onpolicy/overview.png" in text and "both_figures/1_offpolicy/overview.png" in text
+
+
+def test_best_table_hand_values_and_runs_that_fell_from_their_best(tmp_path):
+    from test_plot import write_run as write
+
+    from rlvr.experiments.report import best_table
+    from rlvr.experiments.runs import load_runs
+
+    root = hand_sweep(tmp_path / "sweep")
+    rows = [{"step": 0, "val/reward": 0.1}, {"step": 1, "val/reward": 0.8}, {"step": 2, "val/reward": 0.6}]
+    write(root / "c" / "seed_0", rows, {"seed": 0})
+    ties = [{"step": 0, "val/reward": 0.4}, {"step": 1, "val/reward": 0.4}, {"step": 2, "val/reward": 0.38}]
+    write(root / "c" / "seed_1", ties, {"seed": 1})
+    lines = best_table(load_runs(root)).splitlines()
+    # a: bests 0.5, 0.7, 0.6 (mean 0.6, sd 0.1), each the final value; b: 0.2, 0.3.
+    assert lines[2] == "| a | 0.600 ± 0.100 | 0.500 – 0.700 | 0: 2, 1: 2, 2: 2 | 3/3 |"
+    assert lines[3] == "| b | 0.250 ± 0.071 | 0.200 – 0.300 | 0: 2, 1: 2 | 2/2 |"
+    # c: seed 0 peaked at 0.8 and ended 0.2 below it; seed 1's tie goes to the later step.
+    assert lines[4] == "| c | 0.600 ± 0.283 | 0.400 – 0.800 | 0: 1, 1: 1 | 1/2 |"
+
+
+def test_report_lists_the_health_warnings(tmp_path):
+    from test_plot import write_run as write
+
+    from rlvr.experiments.report import health_table
+    from rlvr.experiments.runs import load_runs
+
+    warned = {"signal": "val_drop", "step": 2, "message": "val/reward 0.6 is 0.2 below its best"}
+    write(
+        tmp_path / "s" / "x" / "seed_0", [{"step": 1, "val/reward": 0.8}, {"step": 2, "health": [warned]}], {"seed": 0}
+    )
+    write(tmp_path / "s" / "x" / "seed_1", [{"step": 1, "val/reward": 0.8}], {"seed": 1})
+    table = health_table(load_runs(tmp_path / "s"))
+    assert table.splitlines()[2] == "| x | val_drop | 1/2 | 0: 2 | val/reward 0.6 is 0.2 below its best |"
+    out = tmp_path / "report.md"
+    assert report_main([str(tmp_path / "s"), "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "## Health warnings" in text and "| x | val_drop | 1/2 |" in text
+    assert "## Best validation reward" in text
+    assert health_table(load_runs(hand_sweep(tmp_path / "quiet"))) == ""

@@ -19,6 +19,7 @@ import datetime as _dt
 import json
 import math
 import shlex
+import statistics
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +28,7 @@ from rlvr.config import flatten
 from rlvr.experiments.estimators import report_section
 from rlvr.experiments.plot import BAND_LABEL, plot_runs
 from rlvr.experiments.runs import BANDS, VAL_REWARD, Run, final_values, group_runs, load_runs, read_rollouts
+from rlvr.health import summarize as summarize_health
 
 
 def _num(x: float, digits: int = 3) -> str:
@@ -55,6 +57,55 @@ def final_table(runs: Sequence[Run], metric: str = VAL_REWARD) -> str:
             f"{best[0]}: {_num(best[1])} | {worst[0]}: {_num(worst[1])} | {at} |"
         )
     return "\n".join(lines)
+
+
+def best_table(runs: Sequence[Run], metric: str = VAL_REWARD, tolerance: float = 0.05) -> str:
+    """Markdown table of each setting's best ``metric`` over the run (mean over seeds), where the best
+    fell, and how many seeds ended within ``tolerance`` of their own best (the run kept its gains)."""
+    lines = [
+        f"| setting | best mean ± sd | best min – max | step of the best per seed | final within {tolerance:g} of best |",
+        "|---|---|---|---|---|",
+    ]
+    for setting, group in group_runs(runs).items():
+        per_seed = []
+        for r in group:
+            vals = [(row["step"], row[metric]) for row in r.metrics if isinstance(row.get(metric), (int, float))]
+            if vals:
+                best = max(v for _, v in vals)
+                per_seed.append((r.seed, best, max(s for s, v in vals if v == best), vals[-1][1]))
+        if not per_seed:
+            continue
+        bests = [b for _, b, _, _ in per_seed]
+        sd = f" ± {_num(statistics.stdev(bests))}" if len(bests) > 1 else ""
+        steps = ", ".join(f"{seed}: {step}" for seed, _, step, _ in per_seed)
+        kept = sum(best - final <= tolerance for _, best, _, final in per_seed)
+        lines.append(
+            f"| {setting} | {_num(statistics.mean(bests))}{sd} | {_num(min(bests))} – {_num(max(bests))} | {steps} | "
+            f"{kept}/{len(per_seed)} |"
+        )
+    return "\n".join(lines)
+
+
+def health_table(runs: Sequence[Run]) -> str:
+    """Markdown table of the health warnings the runs logged (``rlvr.health``), per setting and signal;
+    empty when no run warned."""
+    rows = []
+    for setting, group in group_runs(runs).items():
+        by_signal: dict[str, list[tuple[int | None, dict]]] = {}
+        for r in group:
+            for signal, entry in summarize_health([h for row in r.metrics for h in row.get("health") or []]).items():
+                by_signal.setdefault(signal, []).append((r.seed, entry))
+        for signal, entries in sorted(by_signal.items()):
+            firsts = ", ".join(f"{seed}: {e['first_step']}" for seed, e in entries)
+            message = entries[0][1]["message"].replace("|", "/")
+            rows.append(f"| {setting} | {signal} | {len(entries)}/{len(group)} | {firsts} | {message} |")
+    if not rows:
+        return ""
+    head = [
+        "| setting | signal | seeds that warned | first warning per seed (step) | first message |",
+        "|---|---|---|---|---|",
+    ]
+    return "\n".join(head + rows)
 
 
 def status_table(runs: Sequence[Run]) -> str:
@@ -234,6 +285,17 @@ def write_report(
         "When two settings' min–max ranges overlap, these seeds do not separate them.",
         "",
     ]
+    md += [
+        "## Best validation reward",
+        "",
+        best_table(runs),
+        "",
+        "The best validation reward each seed reached at any evaluation (the model `checkpoints/best` keeps), "
+        "and how many seeds ended within 5 points of their own best.",
+        "",
+    ]
+    health_md = health_table(runs)
+    md += ["## Health warnings", "", health_md or "No run logged a health warning.", ""]
     settings_md = _settings_section({"settings": {k: v for s in sweeps for k, v in s.get("settings", {}).items()}})
     if settings_md:
         md += ["## Settings", "", settings_md, ""]
