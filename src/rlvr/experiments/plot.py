@@ -207,6 +207,16 @@ def _signature(run: Run, keys: Sequence[str]) -> str:
     return ", ".join(f"{k.rsplit('.', 1)[-1]}={flat.get(k)}" for k in keys)
 
 
+def _mean_best(group: Sequence[Run], metric: str) -> float:
+    """Mean over runs of each run's best logged ``metric`` (NaN when none logged it)."""
+    bests = [
+        max(vals)
+        for r in group
+        if (vals := [row[metric] for row in r.metrics if isinstance(row.get(metric), (int, float))])
+    ]
+    return float(np.mean(bests)) if bests else float("nan")
+
+
 def plot_final_vs_lr(
     runs: Sequence[Run], path: str | Path, metric: str = VAL_REWARD, band: str = "minmax"
 ) -> Path | None:
@@ -252,11 +262,15 @@ def plot_final_vs_lr(
             ax.errorbar(
                 xs, means, yerr=yerr, color=color, marker="o", linewidth=2, capsize=4, label=sig or "mean across seeds"
             )
+            bests = [_mean_best(by_setting[setting], metric) for _, setting in points]
+            ax.plot(xs, bests, color=color, marker="^", linestyle="--", linewidth=1.2, alpha=0.8)
         if all(x > 0 for pts in lines.values() for x, _ in pts):
             ax.set_xscale("log")
         ax.set_xlabel("learning rate")
-        ax.set_ylabel(f"final {metric}")
-        ax.set_title(f"final {metric} vs learning rate (dots: seeds; bars: {BAND_LABEL[band]})", fontsize=10)
+        ax.set_ylabel(f"{metric}: final (solid), best (dashed)")
+        ax.set_title(
+            f"final and best {metric} vs learning rate (dots: seeds' finals; bars: {BAND_LABEL[band]})", fontsize=10
+        )
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
         return _save(fig, path)
