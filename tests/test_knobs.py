@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from rlvr.checkpoint import latest_checkpoint
-from rlvr.config import AlgorithmConfig, DataConfig, LogConfig, OptimConfig, RolloutConfig, TrainConfig
+from rlvr.config import AlgorithmConfig, DataConfig, LogConfig, ModelConfig, OptimConfig, RolloutConfig, TrainConfig
 from rlvr.errors import GraderError
 from rlvr.logging_utils import read_metrics
 from rlvr.trainer import train
@@ -41,33 +41,46 @@ def _strip_timings(rows):
     return [{k: v for k, v in r.items() if not k.startswith(("time/", "tokens_per_s", "mem/"))} for r in rows]
 
 
-def trains_and_resumes_exactly(cfg: TrainConfig, tokenizer, tmp_path, reward=parity_reward) -> list[dict]:
+def _final_weights(run_dir) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(latest_checkpoint(run_dir) / "model" / "model.safetensors"))
+
+
+def trains_and_resumes_exactly(
+    cfg: TrainConfig, tokenizer, tmp_path, reward=parity_reward, model_given: bool = True
+) -> list[dict]:
     """Run ``cfg`` straight, and again with a grader crash in its last step then ``--resume``; assert
-    the same metrics and weights, and that training moved the weights. Returns the straight metrics."""
-    straight_model = fresh_model(tokenizer)
-    start = [p.detach().clone() for p in straight_model.parameters()]
-    train(cfg, tmp_path / "straight", model=straight_model, tokenizer=tokenizer, reward_fn=reward)
-    calls = {"n": 0}
+    the same metrics and final weights, and that training moved the weights. The model is passed in
+    (a fresh one each time: on resume the checkpoint's weights come on top), or with
+    ``model_given=False`` loaded from ``cfg.model``. Returns the straight run's step metrics."""
+
+    def model_args() -> dict:
+        return {"model": fresh_model(tokenizer), "tokenizer": tokenizer} if model_given else {}
+
+    train(cfg, tmp_path / "straight", reward_fn=reward, **model_args())
+    calls = {"n": 0, "resumed": False}
     per_step = cfg.rollout_batch_size
 
     def crashes_in_the_last_step(response, gt):
         calls["n"] += 1
-        if calls["n"] > per_step * (cfg.n_steps - 1) and not calls.get("resumed"):
+        if calls["n"] > per_step * (cfg.n_steps - 1) and not calls["resumed"]:
             raise ValueError("grader bug")
         return reward(response, gt)
 
     broken = tmp_path / "broken"
     with pytest.raises(GraderError):
-        train(cfg, broken, model=fresh_model(tokenizer), tokenizer=tokenizer, reward_fn=crashes_in_the_last_step)
+        train(cfg, broken, reward_fn=crashes_in_the_last_step, **model_args())
     assert latest_checkpoint(broken).name == "step_000002"
     calls["resumed"] = True
-    resumed_model = fresh_model(tokenizer)  # the initial weights: the checkpoint's come on top
-    train(cfg, broken, resume=True, model=resumed_model, tokenizer=tokenizer, reward_fn=crashes_in_the_last_step)
+    train(cfg, broken, resume=True, reward_fn=crashes_in_the_last_step, **model_args())
     a, b = read_metrics(tmp_path / "straight" / "metrics.jsonl"), read_metrics(broken / "metrics.jsonl")
     assert _strip_timings(a) == _strip_timings(b)
-    for pa, pb in zip(straight_model.parameters(), resumed_model.parameters()):
-        assert torch.equal(pa, pb)
-    assert any(not torch.equal(p, s) for p, s in zip(straight_model.parameters(), start)), "training moved nothing"
+    wa, wb = _final_weights(tmp_path / "straight"), _final_weights(broken)
+    start = fresh_model(tokenizer).state_dict()
+    for name in wa:
+        assert torch.equal(wa[name], wb[name]), name
+    assert any(not torch.equal(wa[n], start[n]) for n in wa if n in start), "training moved nothing"
     return [r for r in a if r["step"] > 0]
 
 
@@ -76,3 +89,32 @@ def test_clip_higher_and_rloo_train_and_resume(gsm8k_path, tiny_tokenizer, tmp_p
     algorithm = AlgorithmConfig(preset="rloo", reweighting="ppo_clip", cliprange_low=0.2, cliprange_high=0.28)
     rows = trains_and_resumes_exactly(knob_config(gsm8k_path, algorithm=algorithm), tiny_tokenizer, tmp_path)
     assert all(0 <= r["train/clip_fraction"] <= 1 for r in rows)
+
+
+@pytest.mark.slow
+def test_kl_in_the_loss_is_zero_at_the_start_grows_and_resumes(gsm8k_path, tiny_tokenizer, tmp_path):
+    algorithm = AlgorithmConfig(kl_coef=0.5, kl_estimator="k3")
+    optim = OptimConfig(lr=3e-3, gradient_accumulation_steps=2)  # one update per step: step 1 is the reference
+    rows = trains_and_resumes_exactly(
+        knob_config(gsm8k_path, algorithm=algorithm, optim=optim), tiny_tokenizer, tmp_path
+    )
+    kl = [r["train/kl_ref"] for r in rows]
+    assert kl[0] == 0.0 and kl[1] > 0 and kl[2] > 0, kl
+
+
+@pytest.mark.slow
+def test_kl_in_the_reward_resumes_with_the_reference_reloaded_from_the_model_source(
+    gsm8k_path, tiny_tokenizer, tmp_path
+):
+    model_dir = tmp_path / "model"
+    fresh_model(tiny_tokenizer).save_pretrained(model_dir)
+    tiny_tokenizer.save_pretrained(model_dir)
+    cfg = knob_config(
+        gsm8k_path,
+        model=ModelConfig(name_or_path=str(model_dir)),
+        algorithm=AlgorithmConfig(kl_coef=0.5, kl_estimator="k1", kl_in="reward"),
+        optim=OptimConfig(lr=3e-3, gradient_accumulation_steps=2),
+    )
+    rows = trains_and_resumes_exactly(cfg, tiny_tokenizer, tmp_path / "runs", model_given=False)
+    assert rows[0]["train/kl_ref"] == 0.0 and rows[0]["train/kl_penalty"] == 0.0
+    assert rows[1]["train/kl_ref"] != 0.0 and rows[2]["train/kl_penalty"] != 0.0

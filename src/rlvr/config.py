@@ -168,6 +168,14 @@ class AlgorithmConfig:
     """Upper clip range (default: cliprange_low); above it is DAPO's clip-higher (0.2 / 0.28). ppo_clip, gspo and cispo (which clips only above)."""
     skip_zero_advantage: bool = True
     """Do not run sequences with zero advantage through the model (they contribute exactly nothing)."""
+    kl_coef: float = 0.0
+    """Weight of the KL to a frozen reference (the initial policy; TRL's beta). 0: off, no reference is built."""
+    kl_estimator: str = "k3"
+    """Per-token KL estimator: k1 (kl), k2 (mse), k3 (low_var_kl, clamped to [-10, 10] as verl does); Schulman's."""
+    kl_in: Literal["loss", "reward"] = "loss"
+    """Where the KL goes: loss (kl_coef x KL added to every token's loss before aggregation, as GRPO/TRL) or reward (kl_coef x the sequence's summed KL subtracted from its reward, as PPO-RLHF)."""
+    kl_reference_device: str | None = None
+    """Device of the reference copy (default: the policy's); one process only. Under LoRA the reference is the policy with its adapters off (no copy)."""
 
 
 @dataclass(frozen=True)
@@ -503,7 +511,7 @@ class TrainConfig:
         Call on a resolved config (``resolve()`` first).
         """
         from rlvr.engines import engine_names
-        from rlvr.grpo import AGGREGATIONS, BASELINES, NORMALIZERS, REWEIGHTINGS
+        from rlvr.grpo import AGGREGATIONS, BASELINES, NORMALIZERS, REWEIGHTINGS, kl_estimator_names
 
         errors: list[str] = []
         warns: list[str] = []
@@ -541,6 +549,22 @@ class TrainConfig:
                     f"algorithm.reweighting={a.reweighting!r} does not clip asymmetrically; drop "
                     "algorithm.cliprange_high or use ppo_clip, gspo or cispo",
                 )
+        need(a.kl_coef >= 0, f"algorithm.kl_coef must be >= 0 (0 turns the KL off), got {a.kl_coef}")
+        need(
+            a.kl_estimator in kl_estimator_names(),
+            f"unknown algorithm.kl_estimator {a.kl_estimator!r}: choose one of {', '.join(kl_estimator_names())}",
+        )
+        need(a.kl_in in ("loss", "reward"), f"algorithm.kl_in must be loss or reward, got {a.kl_in!r}")
+        need(
+            a.kl_reference_device is None or self.distributed.strategy in ("auto", "none"),
+            "algorithm.kl_reference_device places the reference in one process; under distributed.strategy "
+            f"{self.distributed.strategy} it sits on each rank's device: drop the setting",
+        )
+        need(
+            a.kl_reference_device is None or not self.model.lora.rank,
+            "algorithm.kl_reference_device: under LoRA the reference is the policy with its adapters off (no copy "
+            "to place); drop the setting",
+        )
         if a.loss_normalization in AGGREGATIONS and AGGREGATIONS[a.loss_normalization].needs_normalization_constant:
             need(
                 a.normalization_constant is not None and a.normalization_constant > 0,

@@ -10,8 +10,9 @@ tensor from the shards.
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 
@@ -67,3 +68,12 @@ def trainable_parameters(model: nn.Module) -> tuple[int, int]:
     """(trainable, total) parameter counts."""
     params = list(model.parameters())
     return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+def adapters_disabled(model: nn.Module) -> contextlib.AbstractContextManager:
+    """A context in which ``model`` (a peft model, maybe inside DDP; FSDP2 shards it in place) computes
+    as its base model: the adapters are turned off through peft's ``disable_adapter``."""
+    inner = getattr(model, "module", model)  # DDP keeps the model as .module
+    if not is_lora(inner):
+        raise ValueError(f"{type(model).__name__} has no LoRA adapters to turn off")
+    return cast(Any, inner).disable_adapter()

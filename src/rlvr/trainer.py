@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import json
@@ -110,11 +111,13 @@ from rlvr.grpo import (
     policy_gradient_update,
 )
 from rlvr.grpo.diagnostics import update_record
+from rlvr.grpo.kl import Reference, kl_penalty
 from rlvr.grpo.variance import gradient_variance, variance_metrics
 from rlvr.health import HealthMonitor, HealthWarning
 from rlvr.interrupts import DeferInterrupts, Terminated, exit_code, sigterm_as_interrupt
 from rlvr.logging_utils import MetricsLogger, truncate_metrics, write_jsonl
-from rlvr.modeling import attention_without_cudnn
+from rlvr.lora import adapters_disabled
+from rlvr.modeling import attention_without_cudnn, fresh_model, load_model_and_tokenizer
 from rlvr.optim import lr_factor, make_adamw
 from rlvr.reward_functions import row_fields
 from rlvr.rundir import RunDirLock, atomic_write_json
@@ -209,6 +212,23 @@ def _load_policy(
     return load_model_and_tokenizer(config.model.name_or_path, device=device, dtype=dtype, flag="model.name_or_path")
 
 
+def _initial_policy(
+    config: TrainConfig, tokenizer: PreTrainedTokenizerBase, device: torch.device, dtype: torch.dtype
+) -> torch.nn.Module:
+    """The run's initial weights, loaded again from its model source: the KL reference of a resumed run
+    (the checkpoint holds the trained weights, not these)."""
+    if config.model.fresh is not None:
+        model: torch.nn.Module = fresh_model(config.model.fresh, tokenizer, seed=config.seed, dtype=dtype)
+        return model.to(device)
+    return load_model_and_tokenizer(config.model.name_or_path, device=device, dtype=dtype, flag="model.name_or_path")[0]
+
+
+def _frozen_reference(initial: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """``initial`` as the KL reference: in the model dtype on ``device``, in eval mode, without gradients."""
+    initial.to(device=device, dtype=dtype).eval()
+    return initial.requires_grad_(False)
+
+
 def _check_engine_runs_model(config: TrainConfig) -> None:
     """``engine.name: hf-fast`` for a local model it cannot run: a ``ConfigError`` before the weights load
     (from the model's config.json; a hub model is checked once loaded, by the engine)."""
@@ -279,6 +299,9 @@ class UpdateSpec:
     uses_old_log_probs: bool
     """The update receives the sampling weights' log-probs: the method needs them, or the run is off-policy
     (its updates log importance ratios even without reweighting)."""
+    kl_coef_in_loss: float = 0.0
+    """``algorithm.kl_coef`` when the KL goes into the loss (``kl_in: loss``), else 0."""
+    kl_estimator: str = "k3"
 
     @classmethod
     def from_config(cls, config: TrainConfig) -> UpdateSpec:
@@ -298,6 +321,8 @@ class UpdateSpec:
             epochs=o.epochs_per_rollout_batch,
             shuffle=config.off_policy,
             uses_old_log_probs=REWEIGHTINGS[a.reweighting].needs_old_log_probs or config.off_policy,
+            kl_coef_in_loss=a.kl_coef if a.kl_in == "loss" else 0.0,
+            kl_estimator=a.kl_estimator,
         )
 
 
@@ -363,6 +388,8 @@ class RunParts:
     """Checkpoints through torch.distributed.checkpoint (FSDP2, LoRA) rather than one model folder."""
     rollouts: Rollouts | None = None
     """Started with the engine, once the run's summary says it is running."""
+    reference: Reference | None = None
+    """The frozen initial policy of the KL penalty (``algorithm.kl_coef > 0``), else None."""
 
 
 @dataclass
@@ -676,17 +703,59 @@ def _advantages(
 ) -> TrainBatch:
     """Phase 3: group-normalised advantages and the old log-probs: what the updates train on."""
     a = config.algorithm
+    old_log_probs = _old_log_probs(
+        config, step, batch, run.model, run.tokenizer, run.update_spec.uses_old_log_probs, log
+    )
+    rewards = scores.rewards
+    if a.kl_coef > 0 and a.kl_in == "reward":
+        rewards = rewards - a.kl_coef * _sequence_kl(config, step, batch, run, old_log_probs, log)
     t0 = time.perf_counter()
     advantages, adv_meta = compute_group_normalized_rewards(
-        scores.rewards, config.rollout.group_size, a.baseline, a.advantage_eps, a.advantage_normalizer
+        rewards, config.rollout.group_size, a.baseline, a.advantage_eps, a.advantage_normalizer
     )
     log["time/reward"] += time.perf_counter() - t0
     log["train/reward_std"] = adv_meta["reward_std"]
     log["train/zero_adv_frac"] = adv_meta["zero_adv_frac"]
-    old_log_probs = _old_log_probs(
-        config, step, batch, run.model, run.tokenizer, run.update_spec.uses_old_log_probs, log
-    )
     return TrainBatch(batch.input_ids, batch.labels, batch.response_mask, advantages, old_log_probs)
+
+
+def _sequence_kl(
+    config: TrainConfig,
+    step: int,
+    batch: RolloutBatch,
+    run: RunParts,
+    old_log_probs: torch.Tensor | None,
+    log: dict,
+) -> torch.Tensor:
+    """``algorithm.kl_in: reward``: each rollout's KL to the reference summed over its response tokens
+    (B,), under the weights that sampled it; logs its mean per sequence as ``train/kl_penalty`` (times
+    kl_coef) and per token as ``train/kl_ref``."""
+    a, reference = config.algorithm, cast(Reference, run.reference)
+    t0 = time.perf_counter()
+    mask = batch.response_mask
+    policy = old_log_probs
+    if policy is None:
+        if batch.weight_version != step - 1:
+            raise EngineError(
+                f"batch {step} was sampled by weight version {batch.weight_version} but came without old "
+                "log-probs, which algorithm.kl_in=reward needs"
+            )
+        was_training = run.model.training
+        run.model.eval()
+        policy = compute_log_probs_batched(
+            run.model, batch.input_ids, batch.labels, config.optim.logprob_batch_size, positions=mask
+        )
+        run.model.train(was_training)
+    with reference.context():
+        ref = compute_log_probs_batched(
+            reference.model, batch.input_ids, batch.labels, config.optim.logprob_batch_size, positions=mask
+        )
+    kl = kl_penalty(policy.float().cpu(), ref.float().cpu(), a.kl_estimator) * mask[:, : policy.shape[1]]
+    per_sequence = kl.sum(dim=1)
+    log["train/kl_ref"] = float(kl.sum() / mask.sum().clamp(min=1))
+    log["train/kl_penalty"] = a.kl_coef * float(per_sequence.mean())
+    log["time/kl"] = time.perf_counter() - t0
+    return per_sequence
 
 
 def _gradient_variance(config: TrainConfig, run: RunParts, batch: TrainBatch, scores: Scores, log: dict) -> None:
@@ -752,6 +821,9 @@ def _optimizer_step(
         global_batch=global_batch,
         shared_prefix=spec.shared_prefix,
         keep_head_logits=spec.keep_head_logits,
+        reference=run.reference if spec.kl_coef_in_loss else None,
+        kl_coef=spec.kl_coef_in_loss,
+        kl_estimator=spec.kl_estimator,
     )
 
 
@@ -762,7 +834,7 @@ def _update(config: TrainConfig, step: int, run: RunParts, batch: TrainBatch, st
     t0 = time.perf_counter()
     state.in_update = True
     run.model.train()
-    losses, grad_norms, entropies, clips, updates = [], [], [], [], []
+    losses, grad_norms, entropies, clips, kls, updates = [], [], [], [], [], []
     n_updates = backbone_tokens = 0
     lr_used = run.scheduler.get_last_lr()[0]
     n_global_rows = config.rollout_batch_size
@@ -800,6 +872,8 @@ def _update(config: TrainConfig, step: int, run: RunParts, batch: TrainBatch, st
                 entropies.append(meta["entropy"])
             if "clip_fraction" in meta:
                 clips.append(meta["clip_fraction"])
+            if "kl_ref" in meta:
+                kls.append(meta["kl_ref"])
     log["time/train"] = time.perf_counter() - t0
     mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
     log.update(
@@ -816,6 +890,8 @@ def _update(config: TrainConfig, step: int, run: RunParts, batch: TrainBatch, st
     )
     if REWEIGHTINGS[spec.reweighting].needs_cliprange:
         log["train/clip_fraction"] = mean(clips) if clips else 0.0
+    if spec.kl_coef_in_loss:
+        log["train/kl_ref"] = mean(kls) if kls else 0.0
     if config.off_policy or config.engine.max_staleness:
         log["updates"] = updates  # one record per optimizer step of this rollout batch (not a plotted series)
 
@@ -1192,22 +1268,31 @@ def _setup(
     # with optim.master_weights off they stay in the model dtype (half the memory, low-precision updates).
     load_dtype = torch.float32 if strategy == "fsdp" and config.optim.master_weights else dtype
     lora = config.model.lora
+    # The KL reference is the initial policy: a frozen copy, or under LoRA the policy with its adapters off.
+    copies_reference = config.algorithm.kl_coef > 0 and not lora.rank
+    initial = None
     if model is None:
         if own_engine:
             _check_engine_runs_model(config)
         model, tokenizer = _load_policy(config, train_examples, device, load_dtype, ckpt)
+        if copies_reference:
+            initial = copy.deepcopy(model) if ckpt is None else _initial_policy(config, tokenizer, device, dtype)
     else:
         if tokenizer is None:
             raise ValueError("pass the tokenizer together with the model")
         model.to(device=device, dtype=load_dtype)
+        if copies_reference:
+            initial = copy.deepcopy(model)  # the caller's model holds the initial weights
         if ckpt is not None and not lora.rank:
             load_model_weights(model, ckpt / "model")
+    reference_model = None
+    if initial is not None:
+        on_device = config.algorithm.kl_reference_device if world.backend is None else None
+        reference_model = _frozen_reference(initial, torch.device(on_device) if on_device else device, dtype)
     prompt = prompt.bind(tokenizer)
     # An engine cannot read sharded or adapted weights in place: it samples from a plain copy.
     engine_copy = None
     if strategy == "fsdp" or lora.rank:
-        import copy
-
         engine_copy = copy.deepcopy(model).to(dtype=dtype).eval()
         engine_copy.requires_grad_(False)
     # Under FSDP2 the wrapper checkpoints each layer around its all-gather (``wrap_model``).
@@ -1231,6 +1316,14 @@ def _setup(
             cpu_offload=config.distributed.cpu_offload,
             activation_checkpointing=config.model.gradient_checkpointing and strategy == "fsdp",
         )
+        if strategy == "fsdp" and reference_model is not None:  # sharded like the policy, computing in its dtype
+            reference_model = wrap_model(reference_model, "fsdp", device, cpu_offload=config.distributed.cpu_offload)
+    reference = None
+    if reference_model is not None:
+        reference = Reference(reference_model)
+    elif config.algorithm.kl_coef > 0:  # LoRA: the base model is the policy with its adapters off
+        policy = model
+        reference = Reference(policy, lambda: adapters_disabled(policy))
     backbone = compile_backbone(model) if config.model.compile else None
     optimizer, scheduler = _optimizer_and_scheduler(config, model, device)
     state = TrainState()
@@ -1258,6 +1351,7 @@ def _setup(
             config.rollout.n_prompts_per_rollout_batch, config.rollout.group_size, world.rank, world.world_size
         ),
         sharded_checkpoints=strategy == "fsdp" or bool(lora.rank),
+        reference=reference,
     )
     return run, state
 

@@ -1,6 +1,7 @@
 """The GRPO math as independent axes: advantages (baseline × normalizer), per-token loss
 (reweighting method), aggregation (sequence or constant), each a registry that a plugin extends
-(``register_baseline``/``register_normalizer``, ``register_reweighting``, ``register_aggregation``), plus log-probs and the train step, and
+(``register_baseline``/``register_normalizer``, ``register_reweighting``, ``register_aggregation``), the KL
+to a reference (``kl``), plus log-probs and the train step, and
 what an estimator does to the gradient (``diagnostics``: closed-form difficulty weights and
 importance-ratio statistics; ``variance``: gradient variance with and without a baseline)."""
 
@@ -15,6 +16,7 @@ from rlvr.grpo.advantages import (
 )
 from rlvr.grpo.aggregate import AGGREGATIONS, aggregate_loss_across_microbatch, register_aggregation
 from rlvr.grpo.diagnostics import ADVANTAGE_MASS, advantage_mass, importance_statistics, register_advantage_mass
+from rlvr.grpo.kl import KL_ESTIMATORS, Reference, kl_estimator_names, kl_penalty
 from rlvr.grpo.logprobs import (
     compile_backbone,
     compute_log_probs_batched,
@@ -57,4 +59,8 @@ __all__ = [
     "register_advantage_mass",
     "importance_statistics",
     "gradient_variance",
+    "KL_ESTIMATORS",
+    "Reference",
+    "kl_estimator_names",
+    "kl_penalty",
 ]

@@ -226,7 +226,7 @@ def importance_statistics(
 
 def update_record(loss: float, meta: dict) -> dict:
     """One optimizer step's diagnostics for the run log: importance statistics (when the update saw old
-    log-probs), entropy, gradient norm, loss and the method's own clip fraction. Non-finite values
+    log-probs), entropy, gradient norm, loss, the method's own clip fraction and the KL to the reference. Non-finite values
     become None so the record stays valid JSON."""
     record = dict(meta.get("importance", {}))
     record.update(
@@ -240,4 +240,6 @@ def update_record(loss: float, meta: dict) -> dict:
     )
     if "clip_fraction" in meta:
         record["clip_fraction"] = meta["clip_fraction"]
+    if "kl_ref" in meta:
+        record["kl_ref"] = meta["kl_ref"]
     return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}

@@ -34,13 +34,14 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from rlvr.grpo.advantages import compute_group_normalized_rewards, compute_rollout_rewards
 from rlvr.grpo.aggregate import aggregate_loss_across_microbatch, get_aggregation
 from rlvr.grpo.diagnostics import importance_statistics
+from rlvr.grpo.kl import Reference, kl_penalty
 from rlvr.grpo.logprobs import DEFAULT_CHUNK_TOKENS, get_response_log_probs, model_device
 from rlvr.grpo.losses import ClipRange, compute_policy_gradient_loss, validate_reweighting
 from rlvr.grpo.packing import can_pack, packed_response_log_probs, shared_prefix_plan
@@ -107,6 +108,9 @@ def policy_gradient_update(
     global_batch: GlobalBatch | None = None,
     shared_prefix: bool = False,
     keep_head_logits: bool = False,
+    reference: Reference | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """Accumulate the policy-gradient of a tokenised batch, clip, step once, clear grads.
 
@@ -136,6 +140,12 @@ def policy_gradient_update(
     ``keep_head_logits``: the fused head keeps each microbatch's logits from its forward for its
     backward instead of recomputing them (``linear_log_probs``): the same gradients, one of the head's
     matmuls fewer, for response tokens x vocabulary x 2 bytes (bf16) while the microbatch runs.
+
+    ``reference`` with ``kl_coef > 0``: every microbatch also runs through the reference (no gradient,
+    packed or padded as the policy) and each token's loss gains ``kl_coef * kl_penalty(logp, ref_logp,
+    kl_estimator)`` before aggregation (``rlvr.grpo.kl``); ``metadata["kl_ref"]`` is the mean estimate
+    per response token. A zero-advantage sequence then still has a gradient (towards the reference), so
+    none is skipped.
     """
     batch = input_ids.shape[0]
     if global_batch is None:
@@ -158,7 +168,8 @@ def policy_gradient_update(
     device = model_device(model)  # the parameters' device, or the GPU that CPU-offloaded shards run on
     lengths = (response_mask.long().cumsum(1).argmax(1) + 1).tolist()  # last response position + 1
     lengths = [max(1, n) for n in lengths]
-    keep = (advantages != 0).tolist() if skip_zero_advantage else [True] * batch
+    kl_on = reference is not None and kl_coef > 0
+    keep = (advantages != 0).tolist() if skip_zero_advantage and not kl_on else [True] * batch
     plan = None
     if shared_prefix:
         if global_batch is not None:
@@ -178,6 +189,7 @@ def policy_gradient_update(
     ent_sum = torch.zeros((), device=device)
     clip_count = torch.zeros((), device=device)
     clip_total = torch.zeros((), device=device)
+    kl_sum = torch.zeros((), device=device)
     log_ratios = []  # (log-ratio, mask, advantages) per microbatch, read once after the loop (no syncs inside it)
     n_tokens = 0
     backbone_tokens = 0
@@ -185,7 +197,7 @@ def policy_gradient_update(
         # DDP decides at the forward whether the backward reduces, so the whole microbatch sits inside.
         with _gradient_sync(model, last=run == n_runs - 1) if global_batch is not None else contextlib.nullcontext():
             if run >= len(plan):
-                _padding_backward(model, input_ids, labels, lengths, device, chunk_tokens, backbone)
+                _padding_backward(model, input_ids, labels, lengths, device, chunk_tokens, backbone, reference)
                 continue
             rows = plan[run]
             idx = torch.tensor(rows)
@@ -193,6 +205,13 @@ def policy_gradient_update(
             host_mask = response_mask[idx, :width]
             n_tokens += int(host_mask.sum())  # counted on the host: no device sync between microbatches
             mb_mask = host_mask.to(device, non_blocking=True)
+            ref_log_probs = None
+            if kl_on:
+                # Before the policy's forward: a LoRA reference toggles the adapters, which must be on
+                # again while the policy's graph is built.
+                ref_log_probs = _reference_log_probs(
+                    cast(Reference, reference), packed, input_ids, labels, response_mask, rows, width, chunk_tokens
+                ).to(device, non_blocking=True)
             if packed:
                 out = packed_response_log_probs(
                     model,
@@ -233,6 +252,10 @@ def policy_gradient_update(
                 cliprange,
                 mb_mask,
             )
+            if ref_log_probs is not None:
+                kl_tokens = kl_penalty(out["log_probs"], ref_log_probs, kl_estimator)
+                per_token = per_token + kl_coef * kl_tokens
+                kl_sum += (kl_tokens.detach() * mb_mask.to(kl_tokens.dtype)).sum()
             if old is not None:
                 log_ratios.append(((out["log_probs"].detach() - old.to(out["log_probs"].dtype)), mb_mask, mb_adv))
             loss = aggregate_loss_across_microbatch(per_token, mb_mask, loss_normalization, normalization_constant)
@@ -250,13 +273,22 @@ def policy_gradient_update(
         from rlvr.distributed.world import gather_objects, reduce_values
 
         sums = reduce_values(
-            [float(total_loss), float(ent_sum), float(clip_count), float(clip_total), n_tokens, n_sequences],
+            [
+                float(total_loss),
+                float(ent_sum),
+                float(clip_count),
+                float(clip_total),
+                n_tokens,
+                n_sequences,
+                float(kl_sum),
+            ],
             "sum",
             global_batch.group,
         )
         total_loss = torch.tensor(sums[0], device=device)
         ent_sum, clip_count, clip_total = (torch.tensor(v) for v in sums[1:4])
         n_tokens, n_sequences = int(sums[4]), int(sums[5])
+        kl_sum = torch.tensor(sums[6])
         if old_log_probs is not None:
             ranks_parts = gather_objects(_importance_parts(log_ratios, cpu=True) if log_ratios else None)
             log_ratios = [p for p in ranks_parts if p is not None]
@@ -293,6 +325,8 @@ def policy_gradient_update(
         "backbone_tokens": backbone_tokens,
         "skipped_nonfinite": nonfinite,
     }
+    if kl_on:
+        metadata["kl_ref"] = float(kl_sum / max(n_tokens, 1))
     if method.needs_cliprange and importance_reweighting_method != "none":
         metadata["clip_fraction"] = float(clip_count / clip_total.clamp(min=1))
     if log_ratios:
@@ -318,16 +352,47 @@ def _padding_backward(
     device: torch.device,
     chunk_tokens: int,
     backbone: Callable[..., Any] | None,
+    reference: Reference | None = None,
 ) -> None:
     """A forward and backward with zero loss, so this rank joins the collectives of a microbatch it
-    does not have: the shortest of its rows, or one placeholder token pair when it holds none."""
+    does not have: the shortest of its rows, or one placeholder token pair when it holds none (and a
+    reference forward, which is a collective too when the reference is sharded)."""
     if input_ids.shape[0]:
         row = min(range(input_ids.shape[0]), key=lambda i: lengths[i])
         ids, lab = input_ids[row : row + 1, : lengths[row]], labels[row : row + 1, : lengths[row]]
     else:
         ids = lab = torch.zeros((1, 2), dtype=torch.long)
+    if reference is not None:
+        with torch.no_grad(), reference.context():
+            get_response_log_probs(reference.model, ids, lab, chunk_tokens=chunk_tokens)
     out = get_response_log_probs(model, ids, lab, chunk_tokens=chunk_tokens, backbone=backbone)
     (out["log_probs"].sum() * 0.0).backward()
+
+
+def _reference_log_probs(
+    reference: Reference,
+    packed: bool,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    response_mask: torch.Tensor,
+    rows: list[int],
+    width: int,
+    chunk_tokens: int,
+) -> torch.Tensor:
+    """The reference's log-probs (len(rows), width) of one microbatch, laid out as the policy's."""
+    with torch.no_grad(), reference.context():
+        if packed:
+            return packed_response_log_probs(
+                reference.model, input_ids, labels, response_mask, rows, width, chunk_tokens
+            )["log_probs"]
+        idx = torch.tensor(rows)
+        return get_response_log_probs(
+            reference.model,
+            input_ids[idx, :width],
+            labels[idx, :width],
+            chunk_tokens=chunk_tokens,
+            positions=response_mask[idx, :width],
+        )["log_probs"]
 
 
 def _importance_parts(log_ratios: list, cpu: bool = False) -> tuple:
