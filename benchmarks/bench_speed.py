@@ -32,7 +32,11 @@ decode are masked out of sampling, never out of the log-probs).
    r1_zero, 512 new tokens, hf-fast, token-budget microbatches, ``model.compile``), a coin reward
    standing in for the grader: generate / train / sync / reward seconds and peak memory; then the
    same configured for memory (the engine's cache freed after generating, 10,240-token microbatches,
-   bf16 AdamW without float32 master weights).
+   bf16 AdamW without float32 master weights). With a KL penalty (``algorithm.kl_coef`` 0.001, k3 in the
+   loss): the same whole step and peak memory with a full bf16 copy of the initial policy as the
+   reference (``trainer_step_kl_copy``), and with LoRA adapters (rank 16 on every linear layer, no
+   ``model.compile``) whose reference is the policy with its adapters off (``trainer_step_kl_lora``),
+   next to the same LoRA run without KL (``trainer_step_lora``).
 8. TRL's ``GRPOTrainer`` without vLLM on the same model, tokenizer, prompts, batch, lengths, reward and
    sampling distribution (needs ``trl`` and ``datasets`` importable; ``--no-trl`` skips it).
 9. ``families``: the forced batch of 3 on random-weight models at the exact shapes of Qwen2.5-1.5B,
@@ -806,7 +810,7 @@ class Bench:
         self.free()
 
     # ------------------------------------------------------------ 6. the trainer, whole steps
-    def trainer_step(self, lean: bool = False):
+    def trainer_step(self, lean: bool = False, kl: str | None = None, lora: bool = False):
         """``rlvr.trainer.train`` with the course's suggested configuration: 32 GSM8K prompts x 8 (r1_zero),
         512 new tokens, lr 1e-5, the hf-fast engine on the policy's GPU; microbatches under a token budget
         (gradient accumulation 1). A coin stands in for the grader (random weights earn 0 everywhere,
@@ -816,14 +820,22 @@ class Bench:
         after every generation (``engine.fast.release_memory``), microbatches of 10,240 tokens (the largest
         budget whose training peak stayed below the generation's, docs/benchmarks.md), and AdamW steps
         the bfloat16 weights without float32 master copies (``optim.master_weights: false``, as TRL's bf16
-        runs step)."""
+        runs step).
+
+        ``kl``: with ``algorithm.kl_coef`` 0.001 (k3, in the loss) and its reference, ``copy`` (a frozen bf16
+        copy of the initial policy) or ``lora`` (the policy with its adapters off); ``lora`` (implied by
+        ``kl="lora"``): LoRA adapters of rank 16 on every linear layer, on a copy of the model, without
+        ``model.compile`` (which does not run LoRA models)."""
+        import copy
         import tempfile
 
         from rlvr.config import (
+            AlgorithmConfig,
             DataConfig,
             EngineConfig,
             FastEngineConfig,
             LogConfig,
+            LoraConfig,
             ModelConfig,
             OptimConfig,
             RolloutConfig,
@@ -849,7 +861,11 @@ class Bench:
                 shared_prefix=self.args.shared_prefix,
                 keep_head_logits=self.args.keep_head_logits,
             ),
-            model=ModelConfig(compile=True),
+            algorithm=AlgorithmConfig(kl_coef=0.001 if kl else 0.0),
+            model=ModelConfig(
+                compile=not lora,
+                lora=LoraConfig(rank=16, alpha=32, target_modules=("all-linear",)) if lora else LoraConfig(),
+            ),
             engine=EngineConfig(
                 name=self.engine_name,
                 max_batch_size=engine_rows,
@@ -867,7 +883,10 @@ class Bench:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         out = Path(tempfile.mkdtemp(prefix="bench_trainer_"))
-        train(config, out, model=self.model, tokenizer=self.tok, reward_fn=coin_reward)
+        # peft adds its adapters to the model it is given: a copy keeps the other sections' model plain.
+        model = copy.deepcopy(self.model) if lora else self.model
+        train(config, out, model=model, tokenizer=self.tok, reward_fn=coin_reward)
+        del model
         peak = torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else float("nan")
         rows = [r for r in read_metrics(out / "metrics.jsonl") if r.get("step", 0) > 0]
         # Step 1 compiles the training graphs; a microbatch under inductor's size threshold recompiles
@@ -886,8 +905,11 @@ class Bench:
             response_length=mean("train/response_length"),
             backbone_tokens=mean("train/backbone_tokens"),
         )
-        setattr(self, "trainer_lean" if lean else "trainer", result)
-        self.log["trainer_lean_rows" if lean else "trainer_rows"] = rows
+        variant = "trainer" + ("_lean" if lean else "") + ("_lora" if lora else "") + (f"_kl_{kl}" if kl else "")
+        if kl:
+            result["kl_ref"] = mean("train/kl_ref")
+        setattr(self, variant, result)
+        self.log[f"{variant}_rows"] = rows
         steps_s = ", ".join(f"{r['time/step']:.2f}" for r in rows)
         what = (
             f"(f') rlvr trainer, memory-lean: (f) with the engine's cache freed after generating, token "
@@ -896,9 +918,18 @@ class Bench:
             else f"(f) rlvr trainer, whole step: {n_prompts} GSM8K r1_zero prompts x {group}, {new} new tokens, "
             f"{self.engine_name}, token budget {budget:,}"
         )
+        if lora or kl:
+            reference = {"copy": "a full bf16 copy as reference", "lora": "the adapters-off policy as reference"}
+            what = (
+                f"(f{'k' if kl else 'l'}) rlvr trainer, (f) with "
+                + ("LoRA rank 16 (all linear layers, no model.compile)" if lora else "")
+                + (" and " if lora and kl else "")
+                + (f"KL 0.001 (k3, in the loss), {reference[kl]}" if kl else "")
+            )
         self.row(
             what,
-            f"{result['step']:.2f} s/step, peak {peak:.1f} GiB",
+            f"{result['step']:.2f} s/step, peak {peak:.1f} GiB"
+            + (f", train/kl_ref {result['kl_ref']:.3g}" if kl else ""),
             "",
             "",
             f"goal <= 10 s; generate {result['generate']:.2f} s, train {result['train']:.2f} s, tokenize "
@@ -914,6 +945,15 @@ class Bench:
 
     def trainer_step_lean(self):
         self.trainer_step(lean=True)
+
+    def trainer_step_kl_copy(self):
+        self.trainer_step(kl="copy")
+
+    def trainer_step_lora(self):
+        self.trainer_step(lora=True)
+
+    def trainer_step_kl_lora(self):
+        self.trainer_step(kl="lora", lora=True)
 
     # ------------------------------------------------------------ 7. TRL side by side
     def trl(self):
@@ -1169,6 +1209,9 @@ def main(argv=None):
         bench.ceilings,
         bench.trainer_step,
         bench.trainer_step_lean,
+        bench.trainer_step_kl_copy,
+        bench.trainer_step_lora,
+        bench.trainer_step_kl_lora,
         bench.checks,
         bench.forced_length,
         bench.realistic,

@@ -129,3 +129,23 @@ def test_bench_rewards_runs():
     """Both tables of the reward benchmark (threads and async, then processes) on a few rows."""
     out = _run("bench_rewards.py", gsm8k=None)
     assert "I/O-bound reward" in out and "CPU-bound reward" in out and "speed-up" in out
+
+
+def test_bench_trainer_step_with_a_kl_reference(gsm8k_path):
+    """The whole-step rows with a KL penalty: a full-copy reference, LoRA without and with KL (the
+    adapters-off reference), each a row with its step time, peak memory and (with KL) the logged KL."""
+    out = _run(
+        "bench_speed.py",
+        "--sections",
+        "trainer_step_kl_copy,trainer_step_lora,trainer_step_kl_lora",
+        "--no-trl",
+        "--trainer-steps",
+        "2",
+        gsm8k=str(gsm8k_path),
+    )
+    assert "FAILED" not in out, out[-3000:]
+    rows = [line for line in out.splitlines() if line.startswith(("| (fk) rlvr trainer", "| (fl) rlvr trainer"))]
+    assert len(rows) == 3, out[-3000:]
+    assert "a full bf16 copy as reference" in rows[0] and "train/kl_ref" in rows[0]
+    assert "LoRA rank 16" in rows[1] and "train/kl_ref" not in rows[1]
+    assert "the adapters-off policy as reference" in rows[2] and "train/kl_ref" in rows[2]

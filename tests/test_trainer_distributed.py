@@ -231,3 +231,42 @@ def test_lora_over_two_ranks_equals_one_process_and_exports_a_model_eval_loads(s
         + ["--prompt", "question_only", "--limit", "2", "--max-tokens", "4", "--device", "cpu", "--out", str(out)]
     )
     assert rc == 0 and (out / "results.json").is_file()
+
+
+KNOBS = {
+    # KL in the loss against a reference sharded like the policy (FSDP2), off-policy (two updates a step)
+    "fsdp_kl_loss": (
+        "fsdp",
+        {
+            "algorithm": {"reweighting": "ppo_clip", "cliprange_high": 0.28, "kl_coef": 0.5},
+            "optim": {"lr": 3e-3, "gradient_accumulation_steps": 2, "train_batch_size": 4},
+        },
+        ("train/kl_ref", "train/clip_fraction"),
+    ),
+    # KL in the reward with a LoRA policy (the reference: its adapters off), DDP, the rloo preset
+    "ddp_lora_kl_reward": (
+        "ddp",
+        {
+            "algorithm": {"preset": "rloo", "kl_coef": 0.5, "kl_in": "reward", "kl_estimator": "k1"},
+            "model": {"lora": {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "up_proj"]}},
+            "optim": {"lr": 3e-2, "gradient_accumulation_steps": 2},
+        },
+        ("train/kl_penalty",),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KNOBS))
+def test_knobs_over_two_ranks_equal_one_process(name, setup, tmp_path):
+    root, base = setup
+    strategy, sections, metrics = KNOBS[name]
+    cfg = _config_file(tmp_path / "cfg.json", base, **sections)
+    train(load_config_file(cfg), tmp_path / "one")
+    proc = _torchrun(["--config", str(cfg), "--out", str(tmp_path / "two"), "--distributed.strategy", strategy])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _assert_same_run(tmp_path / "two", tmp_path / "one", _start_weights(root))
+    a, b = ([r for r in read_metrics(tmp_path / run / "metrics.jsonl") if r["step"] > 0] for run in ("one", "two"))
+    for ra, rb in zip(a, b):
+        for key in metrics:
+            assert rb[key] == pytest.approx(ra[key], rel=RTOL, abs=ATOL), (key, ra["step"])
+    assert any(r[metrics[0]] != 0 for r in a), "the knob did nothing"
