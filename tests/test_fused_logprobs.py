@@ -140,10 +140,10 @@ def test_only_the_needed_gradients():
     torch.testing.assert_close(g_b, full[2])
 
 
-def test_entropy_is_detached_and_optional():
+def test_entropy_is_differentiable_and_optional():
     hidden, weight, b, labels = _inputs(N, H, V, torch.float32)
     lp, ent = linear_log_probs(hidden, weight, b, labels, 4, want_entropy=True)
-    assert lp.requires_grad and not ent.requires_grad
+    assert lp.requires_grad and ent.requires_grad  # an entropy bonus differentiates it (test_entropy_bonus.py)
     torch.testing.assert_close(ent, _reference(hidden, weight, b, labels)[1].detach(), rtol=1e-5, atol=1e-5)
     assert torch.all(ent > 0) and torch.all(ent <= math.log(V) + 1e-5)
     lp2, none = linear_log_probs(hidden, weight, b, labels, 4)
@@ -163,7 +163,8 @@ def test_no_grad_path(context):
 
 
 def test_saves_no_logits_for_backward():
-    """Autograd keeps hidden, weight, bias, labels and the (N,) logsumexp: nothing of size N × V."""
+    """Autograd keeps hidden, weight, bias, labels and the (N,) logsumexp and entropy (for an entropy
+    bonus's gradient): nothing of size N × V."""
     n, h, v = 30, 4, 50
     hidden, weight, b, labels = _inputs(n, h, v, torch.float32)
     saved = []
@@ -174,14 +175,14 @@ def test_saves_no_logits_for_backward():
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         lp, _ = linear_log_probs(hidden, weight, b, labels, 7, want_entropy=True)
-    assert sorted(saved) == sorted([(n, h), (v, h), (v,), (n,), (n,)])
+    assert sorted(saved) == sorted([(n, h), (v, h), (v,), (n,), (n,), (n,)])
     lp.sum().backward()  # and backward still runs from those
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bias", [True, False])
 def test_kept_logits_give_the_recomputed_gradients_exactly(dtype, bias):
-    """``keep_logits`` saves each chunk's logits (and only those besides the usual five) and its backward,
+    """``keep_logits`` saves each chunk's logits (and only those besides the usual six) and its backward,
     which skips the recompute, gives bit-for-bit the gradients of the recomputing one."""
     n, h, v, chunk = 30, 8, 50, 7
     hidden, weight, b, labels = _inputs(n, h, v, dtype, bias=bias, seed=3)
@@ -255,7 +256,7 @@ def test_get_response_log_probs_uses_the_fused_head(tiny_model, tiny_tokenizer, 
     monkeypatch.setattr(logprobs_mod, "checkpoint", no_checkpoint)
     out = get_response_log_probs(tiny_model, ids, labels, True, chunk_tokens=chunk_tokens)
     assert out["log_probs"].shape == out["token_entropy"].shape == labels.shape
-    assert not out["token_entropy"].requires_grad
+    assert out["token_entropy"].requires_grad  # differentiable: an entropy bonus (test_entropy_bonus.py)
     out["log_probs"].mul(w).sum().backward()
     fused = {n: p.grad.clone() for n, p in tiny_model.named_parameters()}
     tiny_model.zero_grad(set_to_none=True)

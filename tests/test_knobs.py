@@ -118,3 +118,11 @@ def test_kl_in_the_reward_resumes_with_the_reference_reloaded_from_the_model_sou
     rows = trains_and_resumes_exactly(cfg, tiny_tokenizer, tmp_path / "runs", model_given=False)
     assert rows[0]["train/kl_ref"] == 0.0 and rows[0]["train/kl_penalty"] == 0.0
     assert rows[1]["train/kl_ref"] != 0.0 and rows[2]["train/kl_penalty"] != 0.0
+
+
+@pytest.mark.slow
+def test_entropy_bonus_trains_and_resumes(gsm8k_path, tiny_tokenizer, tmp_path):
+    rows = trains_and_resumes_exactly(
+        knob_config(gsm8k_path, algorithm=AlgorithmConfig(entropy_coef=0.05)), tiny_tokenizer, tmp_path
+    )
+    assert all(r["train/entropy"] > 0 for r in rows)

@@ -234,11 +234,12 @@ def test_lora_over_two_ranks_equals_one_process_and_exports_a_model_eval_loads(s
 
 
 KNOBS = {
-    # KL in the loss against a reference sharded like the policy (FSDP2), off-policy (two updates a step)
-    "fsdp_kl_loss": (
+    # KL in the loss against a reference sharded like the policy (FSDP2), an entropy bonus, clip-higher,
+    # off-policy (two updates a step)
+    "fsdp_kl_loss_entropy": (
         "fsdp",
         {
-            "algorithm": {"reweighting": "ppo_clip", "cliprange_high": 0.28, "kl_coef": 0.5},
+            "algorithm": {"reweighting": "ppo_clip", "cliprange_high": 0.28, "kl_coef": 0.5, "entropy_coef": 0.01},
             "optim": {"lr": 3e-3, "gradient_accumulation_steps": 2, "train_batch_size": 4},
         },
         ("train/kl_ref", "train/clip_fraction"),

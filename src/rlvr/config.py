@@ -174,6 +174,8 @@ class AlgorithmConfig:
     """Per-token KL estimator: k1 (kl), k2 (mse), k3 (low_var_kl, clamped to [-10, 10] as verl does); Schulman's."""
     kl_in: Literal["loss", "reward"] = "loss"
     """Where the KL goes: loss (kl_coef x KL added to every token's loss before aggregation, as GRPO/TRL) or reward (kl_coef x the sequence's summed KL subtracted from its reward, as PPO-RLHF)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: entropy_coef x the policy's per-token entropy is subtracted from every token's loss, aggregated like the loss (0: off)."""
     kl_reference_device: str | None = None
     """Device of the reference copy (default: the policy's); one process only. Under LoRA the reference is the policy with its adapters off (no copy)."""
 
@@ -550,6 +552,7 @@ class TrainConfig:
                     "algorithm.cliprange_high or use ppo_clip, gspo or cispo",
                 )
         need(a.kl_coef >= 0, f"algorithm.kl_coef must be >= 0 (0 turns the KL off), got {a.kl_coef}")
+        need(a.entropy_coef >= 0, f"algorithm.entropy_coef must be >= 0 (0 turns the bonus off), got {a.entropy_coef}")
         need(
             a.kl_estimator in kl_estimator_names(),
             f"unknown algorithm.kl_estimator {a.kl_estimator!r}: choose one of {', '.join(kl_estimator_names())}",

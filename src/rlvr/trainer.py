@@ -302,6 +302,7 @@ class UpdateSpec:
     kl_coef_in_loss: float = 0.0
     """``algorithm.kl_coef`` when the KL goes into the loss (``kl_in: loss``), else 0."""
     kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
 
     @classmethod
     def from_config(cls, config: TrainConfig) -> UpdateSpec:
@@ -323,6 +324,7 @@ class UpdateSpec:
             uses_old_log_probs=REWEIGHTINGS[a.reweighting].needs_old_log_probs or config.off_policy,
             kl_coef_in_loss=a.kl_coef if a.kl_in == "loss" else 0.0,
             kl_estimator=a.kl_estimator,
+            entropy_coef=a.entropy_coef,
         )
 
 
@@ -714,7 +716,8 @@ def _advantages(
         rewards, config.rollout.group_size, a.baseline, a.advantage_eps, a.advantage_normalizer
     )
     log["time/reward"] += time.perf_counter() - t0
-    log["train/reward_std"] = adv_meta["reward_std"]
+    # The grader's rewards, also when a KL penalty changed those the advantages see.
+    log["train/reward_std"] = scores.rewards.std().item() if scores.rewards.numel() > 1 else 0.0
     log["train/zero_adv_frac"] = adv_meta["zero_adv_frac"]
     return TrainBatch(batch.input_ids, batch.labels, batch.response_mask, advantages, old_log_probs)
 
@@ -824,6 +827,7 @@ def _optimizer_step(
         reference=run.reference if spec.kl_coef_in_loss else None,
         kl_coef=spec.kl_coef_in_loss,
         kl_estimator=spec.kl_estimator,
+        entropy_coef=spec.entropy_coef,
     )
 
 

@@ -1,11 +1,11 @@
-"""Fused, chunked ``linear + log-softmax``: per-token log-probs (and a detached entropy) straight from
-the last hidden states, without a float32 [tokens, vocab] logits tensor kept for backward.
+"""Fused, chunked ``linear + log-softmax``: per-token log-probs (and the entropy) straight from the last
+hidden states, without a float32 [tokens, vocab] logits tensor kept for backward.
 
 ``linear_log_probs`` is one ``torch.autograd.Function``. Forward projects ``chunk_tokens`` hidden
 states at a time (the matmul in the model's dtype: bf16 stays bf16), reduces the chunk in float32 to
 (log-prob of the label, logsumexp, entropy) and drops its logits; only the hidden states, the head's
-parameters, the labels and the float32 logsumexp per token are saved. Backward recomputes each
-chunk's logits once and forms the softmax gradient from the saved logsumexp, then does the two
+parameters, the labels and the float32 logsumexp and entropy per token are saved. Backward
+recomputes each chunk's logits once and forms the softmax gradient from the saved logsumexp, then does the two
 matmuls (into the hidden states, into the head's weight and bias). With ``keep_logits`` the forward's
 logits (in the model's dtype) are kept for the backward instead: the same values (the same matmul on
 the same inputs), one matmul fewer per chunk, for tokens x vocabulary x 2 bytes in bf16.
@@ -66,6 +66,22 @@ def _grad_logits(logits: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, 
     return g.to(logits.dtype)
 
 
+def _grad_logits_entropy(
+    logits: torch.Tensor,
+    lse: torch.Tensor,
+    labels: torch.Tensor,
+    grad_lp: torch.Tensor,
+    entropy: torch.Tensor,
+    grad_entropy: torch.Tensor,
+) -> torch.Tensor:
+    """``_grad_logits`` plus d(sum grad_entropy * H) / d logits, with dH/dz = -p (log p + H)."""
+    x = _wide(logits)
+    log_p = x - lse.unsqueeze(-1)
+    g = torch.exp(log_p) * -(grad_lp.unsqueeze(-1) + grad_entropy.unsqueeze(-1) * (log_p + entropy.unsqueeze(-1)))
+    g.scatter_add_(-1, labels.unsqueeze(-1), grad_lp.unsqueeze(-1))
+    return g.to(logits.dtype)
+
+
 def _rows_dynamic(fn: Callable) -> Callable:
     """``fn`` compiled for any number of rows and the vocabulary size it first sees: only the row count
     is symbolic, so the kernels index the vocabulary with a constant (a symbolic width makes every
@@ -83,14 +99,14 @@ def _rows_dynamic(fn: Callable) -> Callable:
     return call
 
 
-_PASSES = (_forward_stats, _forward_stats_entropy, _grad_logits)
+_PASSES = (_forward_stats, _forward_stats_entropy, _grad_logits, _grad_logits_entropy)
 
 
 @functools.cache
-def _compiled_passes() -> tuple[Callable, Callable, Callable]:
-    """The three passes through ``torch.compile``, compiled once per process (``_rows_dynamic``)."""
-    stats, stats_entropy, grad_logits = (_rows_dynamic(fn) for fn in _PASSES)
-    return stats, stats_entropy, grad_logits
+def _compiled_passes() -> tuple[Callable, Callable, Callable, Callable]:
+    """The four passes through ``torch.compile``, compiled once per process (``_rows_dynamic``)."""
+    stats, stats_entropy, grad_logits, grad_logits_entropy = (_rows_dynamic(fn) for fn in _PASSES)
+    return stats, stats_entropy, grad_logits, grad_logits_entropy
 
 
 @functools.cache
@@ -107,8 +123,8 @@ def _addmm_into_float32(device_type: str) -> bool:
     return bool((acc == 2).all())
 
 
-def _passes(compiled: bool) -> tuple[Callable, Callable, Callable]:
-    """The three elementwise passes, eager or compiled."""
+def _passes(compiled: bool) -> tuple[Callable, Callable, Callable, Callable]:
+    """The four elementwise passes, eager or compiled."""
     return _compiled_passes() if compiled else _PASSES
 
 
@@ -136,7 +152,7 @@ def _forward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(log_probs, logsumexp, entropy) float32 (N,); entropy is empty unless ``want_entropy``. Each
     chunk's logits are appended to ``kept`` when it is given."""
-    fwd, fwd_ent, _ = _passes(compiled)
+    fwd, fwd_ent, _, _ = _passes(compiled)
     n = hidden.shape[0]
     lp = torch.empty(n, dtype=torch.promote_types(hidden.dtype, torch.float32), device=hidden.device)
     lse = torch.empty_like(lp)
@@ -167,19 +183,24 @@ class _LinearLogProbs(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         kept: list[torch.Tensor] | None = [] if keep_logits else None
         lp, lse, entropy = _forward(hidden, weight, bias, labels, chunk_tokens, want_entropy, compiled, kept)
-        ctx.save_for_backward(hidden, weight, bias, labels, lse, *(kept or ()))
+        ctx.save_for_backward(hidden, weight, bias, labels, lse, entropy, *(kept or ()))
         ctx.chunk_tokens, ctx.compiled = chunk_tokens, compiled
-        ctx.mark_non_differentiable(entropy)
+        # An unused output's gradient arrives as None (not zeros): no entropy term unless a loss uses it.
+        ctx.set_materialize_grads(False)
+        if not want_entropy:
+            ctx.mark_non_differentiable(entropy)
         return lp, entropy
 
     @staticmethod
     def backward(
-        ctx: Any, grad_lp: torch.Tensor, _grad_entropy: torch.Tensor
+        ctx: Any, grad_lp: torch.Tensor | None, grad_entropy: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, None, None, None, None, None]:
-        hidden, weight, bias, labels, lse, *kept = ctx.saved_tensors
+        hidden, weight, bias, labels, lse, entropy, *kept = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        _, _, grad_pass = _passes(ctx.compiled)
-        grad_lp = _wide(grad_lp)
+        _, _, grad_pass, grad_entropy_pass = _passes(ctx.compiled)
+        grad_lp = _wide(grad_lp) if grad_lp is not None else lse.new_zeros(lse.shape)
+        if grad_entropy is not None:
+            grad_entropy = _wide(grad_entropy)
         chunks = _chunks(hidden.shape[0], ctx.chunk_tokens)
         # A single chunk writes the weight's gradient directly; several accumulate in float32 when the
         # weight is lower precision (bf16 sums of chunk partials would round away small contributions).
@@ -190,7 +211,10 @@ class _LinearLogProbs(torch.autograd.Function):
         for i, sl in enumerate(chunks):
             h = hidden[sl]
             logits = kept[i] if kept else F.linear(h, weight, bias)  # kept: one per chunk, or none
-            g = grad_pass(logits, lse[sl], labels[sl], grad_lp[sl])
+            if grad_entropy is None:
+                g = grad_pass(logits, lse[sl], labels[sl], grad_lp[sl])
+            else:
+                g = grad_entropy_pass(logits, lse[sl], labels[sl], grad_lp[sl], entropy[sl], grad_entropy[sl])
             if need_h:
                 torch.mm(g, weight, out=grad_h[sl])
             if need_w:
@@ -222,8 +246,8 @@ def linear_log_probs(
     """``log_softmax(hidden @ weight.T + bias)[i, labels[i]]`` and the distribution's entropy, per row.
 
     hidden (N, H) and weight (V, H) in the model's dtype, bias (V,) or None, labels (N,) long. Returns
-    float32 (N,) log-probs, differentiable w.r.t. hidden, weight and bias, and float32 (N,) entropies,
-    detached (an empty tensor unless ``want_entropy``); float64 inputs give float64 outputs.
+    float32 (N,) log-probs and float32 (N,) entropies (an empty tensor unless ``want_entropy``), both
+    differentiable w.r.t. hidden, weight and bias; float64 inputs give float64 outputs.
     ``compiled``: run the float32 elementwise passes through ``torch.compile``. ``keep_logits``: keep
     the forward's logits for the backward (N x V in the model's dtype) instead of recomputing them; the
     same gradients. Without grad (or with no input requiring it) nothing is saved.

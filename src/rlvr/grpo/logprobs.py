@@ -34,9 +34,8 @@ def _stats_from_logits(
     log_z = torch.logsumexp(logits, dim=-1)
     log_probs = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - log_z
     if want_entropy:
-        with torch.no_grad():
-            probs = torch.softmax(logits, dim=-1)
-            entropy = log_z - (probs * logits).sum(-1)
+        probs = torch.softmax(logits, dim=-1)
+        entropy = log_z - (probs * logits).sum(-1)
     else:
         entropy = log_z.new_zeros(())
     return log_probs, entropy
@@ -328,7 +327,8 @@ def get_response_log_probs(
     keep_logits: bool = False,
 ) -> dict[str, torch.Tensor]:
     """``log_probs`` (B, T): log p(labels[b, t] | input_ids[b, :t+1]); with the flag, ``token_entropy``
-    (B, T): entropy of the next-token distribution at t (detached: it is a diagnostic).
+    (B, T): entropy of the next-token distribution at t (differentiable too: an entropy bonus; detach it
+    for a diagnostic).
 
     Numerically stable (logsumexp in float32). Gradients flow into ``log_probs`` when grad is enabled.
     ``backbone``: a stand-in for ``model.base_model`` with the same parameters (``compile_backbone``).

@@ -111,6 +111,7 @@ def policy_gradient_update(
     reference: Reference | None = None,
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
+    entropy_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
     """Accumulate the policy-gradient of a tokenised batch, clip, step once, clear grads.
 
@@ -146,6 +147,10 @@ def policy_gradient_update(
     kl_estimator)`` before aggregation (``rlvr.grpo.kl``); ``metadata["kl_ref"]`` is the mean estimate
     per response token. A zero-advantage sequence then still has a gradient (towards the reference), so
     none is skipped.
+
+    ``entropy_coef``: an entropy bonus; each token's loss loses ``entropy_coef * H_t``, the entropy of the
+    policy's next-token distribution there (differentiated through the whole vocabulary), aggregated
+    like the loss. As with the KL, no sequence is skipped for a zero advantage.
     """
     batch = input_ids.shape[0]
     if global_batch is None:
@@ -169,7 +174,9 @@ def policy_gradient_update(
     lengths = (response_mask.long().cumsum(1).argmax(1) + 1).tolist()  # last response position + 1
     lengths = [max(1, n) for n in lengths]
     kl_on = reference is not None and kl_coef > 0
-    keep = (advantages != 0).tolist() if skip_zero_advantage and not kl_on else [True] * batch
+    # A KL or entropy term gives a zero-advantage sequence a gradient of its own: none may be skipped.
+    skip = skip_zero_advantage and not kl_on and not entropy_coef
+    keep = (advantages != 0).tolist() if skip else [True] * batch
     plan = None
     if shared_prefix:
         if global_batch is not None:
@@ -256,6 +263,8 @@ def policy_gradient_update(
                 kl_tokens = kl_penalty(out["log_probs"], ref_log_probs, kl_estimator)
                 per_token = per_token + kl_coef * kl_tokens
                 kl_sum += (kl_tokens.detach() * mb_mask.to(kl_tokens.dtype)).sum()
+            if entropy_coef:
+                per_token = per_token - entropy_coef * out["token_entropy"]
             if old is not None:
                 log_ratios.append(((out["log_probs"].detach() - old.to(out["log_probs"].dtype)), mb_mask, mb_adv))
             loss = aggregate_loss_across_microbatch(per_token, mb_mask, loss_normalization, normalization_constant)
@@ -263,7 +272,7 @@ def policy_gradient_update(
                 loss = loss * (len(rows) / denominator)
             (loss * grad_scale if grad_scale != 1 else loss).backward()
             total_loss += loss.detach()
-            ent_sum += (out["token_entropy"] * mb_mask.float()).sum()
+            ent_sum += (out["token_entropy"].detach() * mb_mask.float()).sum()
             if "clip_count" in meta:
                 clip_count += meta["clip_count"]
                 clip_total += meta["clip_total"]
