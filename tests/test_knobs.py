@@ -4,11 +4,23 @@ step resumes to exactly the uninterrupted result (metrics and weights)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from rlvr.checkpoint import latest_checkpoint
-from rlvr.config import AlgorithmConfig, DataConfig, LogConfig, ModelConfig, OptimConfig, RolloutConfig, TrainConfig
+from rlvr.config import (
+    AlgorithmConfig,
+    DataConfig,
+    LogConfig,
+    ModelConfig,
+    OptimConfig,
+    PromptOptions,
+    RewardConfig,
+    RolloutConfig,
+    TrainConfig,
+)
 from rlvr.errors import GraderError
 from rlvr.logging_utils import read_metrics
 from rlvr.trainer import train
@@ -126,3 +138,28 @@ def test_entropy_bonus_trains_and_resumes(gsm8k_path, tiny_tokenizer, tmp_path):
         knob_config(gsm8k_path, algorithm=AlgorithmConfig(entropy_coef=0.05)), tiny_tokenizer, tmp_path
     )
     assert all(r["train/entropy"] > 0 for r in rows)
+
+
+@pytest.mark.slow
+def test_overlong_filtering_and_soft_penalty_train_and_resume(gsm8k_path, tiny_tokenizer, tmp_path):
+    import json
+
+    # A stop string that random text often reaches: some responses stop, the others are cut at 6 tokens.
+    cfg = knob_config(
+        gsm8k_path,
+        algorithm=AlgorithmConfig(mask_truncated=True),
+        reward=RewardConfig(overlong_buffer=3, overlong_penalty=0.5),
+        prompt_options=PromptOptions(stop=("e",)),
+        rollout=RolloutConfig(n_prompts_per_rollout_batch=2, group_size=4, max_new_tokens=6),
+    )
+    cfg = dataclasses.replace(cfg, dump_every=1)
+    rows = trains_and_resumes_exactly(cfg, tiny_tokenizer, tmp_path)
+    assert any(0 < r["train/truncated_frac"] < 1 for r in rows)
+    assert all(-0.5 <= r["train/overlong_penalty"] <= 0 for r in rows)
+    assert any(r["train/overlong_penalty"] < 0 for r in rows)
+    dumped = [
+        json.loads(line) for line in (tmp_path / "straight" / "rollouts" / "step_1.jsonl").read_text().splitlines()
+    ]
+    cut = [d for d in dumped if d["finish_reason"] == "length"]
+    assert cut and all(d["n_train_tokens"] == 0 and d["advantage"] == 0 for d in cut)
+    assert any(d["n_train_tokens"] > 0 for d in dumped if d["finish_reason"] != "length")

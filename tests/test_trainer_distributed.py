@@ -254,6 +254,17 @@ KNOBS = {
         },
         ("train/kl_penalty",),
     ),
+    # DAPO's overlong filtering and soft penalty, DDP; a stop string that random text reaches, so that
+    # some responses stop and the others are cut
+    "ddp_overlong": (
+        "ddp",
+        {
+            "algorithm": {"mask_truncated": True},
+            "reward": {"overlong_buffer": 3, "overlong_penalty": 0.5},
+            "prompt_options": {"stop": ["e"]},
+        },
+        ("train/overlong_penalty", "train/truncated_frac"),
+    ),
 }
 
 

@@ -142,6 +142,10 @@ class RewardConfig:
     """How a user function runs reward.workers calls at once: thread (threads of one worker process, or tasks for async def; for rewards that wait) or process (that many worker processes; for rewards that compute)."""
     url: str | None = None
     """A reward server instead of reward.fn: each step's rows are POSTed to it as JSON (docs/custom_task.md)."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong punishment: the last this many tokens before rollout.max_new_tokens add a penalty growing linearly to -reward.overlong_penalty at the limit (0: off)."""
+    overlong_penalty: float = 1.0
+    """The soft overlong penalty at rollout.max_new_tokens (verl's overlong_penalty_factor)."""
 
 
 @dataclass(frozen=True)
@@ -174,6 +178,8 @@ class AlgorithmConfig:
     """Per-token KL estimator: k1 (kl), k2 (mse), k3 (low_var_kl, clamped to [-10, 10] as verl does); Schulman's."""
     kl_in: Literal["loss", "reward"] = "loss"
     """Where the KL goes: loss (kl_coef x KL added to every token's loss before aggregation, as GRPO/TRL) or reward (kl_coef x the sequence's summed KL subtracted from its reward, as PPO-RLHF)."""
+    mask_truncated: bool = False
+    """DAPO's overlong filtering: responses cut by rollout.max_new_tokens carry no loss (their advantage is still part of their group's statistics)."""
     entropy_coef: float = 0.0
     """Entropy bonus: entropy_coef x the policy's per-token entropy is subtracted from every token's loss, aggregated like the loss (0: off)."""
     kl_reference_device: str | None = None
@@ -605,6 +611,12 @@ class TrainConfig:
         )
         need(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
         need(r.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {r.max_new_tokens}")
+        rw = self.reward
+        need(
+            0 <= rw.overlong_buffer <= r.max_new_tokens,
+            f"reward.overlong_buffer must be in [0, rollout.max_new_tokens={r.max_new_tokens}], got {rw.overlong_buffer}",
+        )
+        need(rw.overlong_penalty >= 0, f"reward.overlong_penalty must be >= 0, got {rw.overlong_penalty}")
 
         rb, tb, ga = self.rollout_batch_size, self.train_batch_size, o.gradient_accumulation_steps
         need(

@@ -112,6 +112,7 @@ from rlvr.grpo import (
 )
 from rlvr.grpo.diagnostics import update_record
 from rlvr.grpo.kl import Reference, kl_penalty
+from rlvr.grpo.overlong import soft_overlong_penalty, truncated_masked
 from rlvr.grpo.variance import gradient_variance, variance_metrics
 from rlvr.health import HealthMonitor, HealthWarning
 from rlvr.interrupts import DeferInterrupts, Terminated, exit_code, sigterm_as_interrupt
@@ -709,6 +710,14 @@ def _advantages(
         config, step, batch, run.model, run.tokenizer, run.update_spec.uses_old_log_probs, log
     )
     rewards = scores.rewards
+    completions = batch.flat_completions
+    if config.reward.overlong_buffer:
+        lengths = torch.tensor([len(c.token_ids) for c in completions])
+        overlong = soft_overlong_penalty(
+            lengths, config.rollout.max_new_tokens, config.reward.overlong_buffer, config.reward.overlong_penalty
+        )
+        log["train/overlong_penalty"] = float(overlong.mean())
+        rewards = rewards + overlong
     if a.kl_coef > 0 and a.kl_in == "reward":
         rewards = rewards - a.kl_coef * _sequence_kl(config, step, batch, run, old_log_probs, log)
     t0 = time.perf_counter()
@@ -719,7 +728,13 @@ def _advantages(
     # The grader's rewards, also when a KL penalty changed those the advantages see.
     log["train/reward_std"] = scores.rewards.std().item() if scores.rewards.numel() > 1 else 0.0
     log["train/zero_adv_frac"] = adv_meta["zero_adv_frac"]
-    return TrainBatch(batch.input_ids, batch.labels, batch.response_mask, advantages, old_log_probs)
+    response_mask = batch.response_mask
+    if a.mask_truncated:
+        truncated = torch.tensor([c.finish_reason == "length" for c in completions])
+        response_mask = truncated_masked(response_mask, truncated)
+        # No loss at all: a zero advantage lets the update skip the row when nothing else needs it.
+        advantages = advantages.masked_fill(truncated, 0.0)
+    return TrainBatch(batch.input_ids, batch.labels, response_mask, advantages, old_log_probs)
 
 
 def _sequence_kl(
