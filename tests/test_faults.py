@@ -524,7 +524,7 @@ def test_user_errors_are_one_line(command, args, expect, tmp_path, capsys):
 
 
 # -------------------------------------------------------------------------------------------------
-# Small things: --help, W&B names, the progress line
+# Small things: --help, the progress line
 # -------------------------------------------------------------------------------------------------
 
 
@@ -533,32 +533,6 @@ def test_train_help_lists_config_out_and_resume(capsys):
     text = capsys.readouterr().out
     for flag in ("--config", "--out", "--resume", "--optim.lr", "--n-steps"):
         assert flag in text, flag
-
-
-def test_wandb_runs_are_named_by_setting_and_seed_and_grouped(tmp_path, monkeypatch):
-    import types
-
-    from rlvr.logging_utils import MetricsLogger
-
-    inits = []
-
-    class FakeRun:
-        def log(self, *a, **k):
-            pass
-
-        def finish(self):
-            pass
-
-    fake = types.SimpleNamespace(
-        init=lambda **kw: inits.append(kw) or FakeRun(), util=types.SimpleNamespace(generate_id=lambda: "abc123")
-    )
-    monkeypatch.setitem(sys.modules, "wandb", fake)
-    for run_dir in (tmp_path / "sweep" / "dr_grpo" / "seed_3", tmp_path / "plain"):
-        run_dir.mkdir(parents=True)
-        MetricsLogger(run_dir, {}, wandb=True).close()
-    assert (inits[0]["name"], inits[0]["group"]) == ("dr_grpo/seed_3", "dr_grpo")
-    assert (inits[1]["name"], inits[1]["group"]) == ("plain", None)
-    assert inits[0]["id"] == "abc123" and (tmp_path / "plain" / "wandb_id").read_text() == "abc123"
 
 
 def test_progress_line_shows_loss_and_grad_norm():

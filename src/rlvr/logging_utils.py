@@ -6,6 +6,10 @@ written; ``truncate_metrics`` drops lines past a checkpoint's step when a run re
 run has no duplicate steps. A line that does not parse (cut by a crash, or damaged) is skipped with a
 warning and every valid line around it is kept.
 
+Rollout samples (the rows of ``DIR/rollouts/step_N.jsonl``) given under ``ROLLOUT_SAMPLES`` go to
+the trackers as a table (a ``wandb.Table``; a Markdown table in TensorBoard's text tab), not to
+``metrics.jsonl``, which the rollout files already complement.
+
 W&B runs are named after the run directory: ``<setting>/seed_<k>`` and grouped by ``<setting>``
 for a sweep's ``DIR/<setting>/seed_<k>/`` (and any directory named ``seed_<k>``), else the
 directory's name.
@@ -17,11 +21,18 @@ import json
 import math
 import os
 import re
+import uuid
 import warnings
 from pathlib import Path
 from typing import Any
 
+from rlvr.errors import UserError
 from rlvr.rundir import atomic_write_jsonl, atomic_write_text
+
+ROLLOUT_SAMPLES = "rollout_samples"
+"""The metrics key whose value (a list of rollout records) goes to the trackers as a table."""
+SAMPLE_COLUMNS = ("prompt", "response", "ground_truth", "reward", "advantage", "finish_reason")
+"""The columns of the samples table, from each rollout record."""
 
 
 def _clean(value: Any) -> Any:
@@ -95,19 +106,22 @@ class MetricsLogger:
         self.path = self.run_dir / "metrics.jsonl"
         self._file = open(self.path, "a", encoding="utf-8")
         self._wandb = None
+        self._wandb_table: Any = None
         self._tb = None
         if wandb:
             try:
                 import wandb as wandb_mod
             except ImportError:
-                raise RuntimeError(
-                    "log.wandb is on but wandb is not installed: pip install wandb, or drop --log.wandb"
+                raise UserError(
+                    "wandb logging is on but wandb is not installed: pip install 'rlvr[wandb]', or turn it off"
                 ) from None
             id_file = self.run_dir / "wandb_id"
             run_id = id_file.read_text().strip() if id_file.is_file() else ""
             if not run_id:
-                run_id = wandb_mod.util.generate_id()
+                # Our own id: wandb.util.generate_id is gone from current wandb; W&B accepts any short [a-z0-9] id.
+                run_id = uuid.uuid4().hex[:8]
                 atomic_write_text(id_file, run_id)
+            self._wandb_table = wandb_mod.Table
             name, group = wandb_name_and_group(self.run_dir)
             self._wandb = wandb_mod.init(
                 project=wandb_project,
@@ -122,12 +136,15 @@ class MetricsLogger:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
-                raise RuntimeError(
-                    "log.tensorboard is on but tensorboard is not installed: pip install tensorboard"
+                raise UserError(
+                    "tensorboard logging is on but tensorboard is not installed: pip install 'rlvr[tensorboard]', "
+                    "or turn it off"
                 ) from None
             self._tb = SummaryWriter(str(self.run_dir / "tensorboard"))
 
     def log(self, metrics: dict) -> None:
+        samples = metrics.get(ROLLOUT_SAMPLES)
+        metrics = {k: v for k, v in metrics.items() if k != ROLLOUT_SAMPLES}
         row = {k: _clean(v) for k, v in metrics.items()}
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
@@ -136,11 +153,15 @@ class MetricsLogger:
         numeric = {
             k: v for k, v in metrics.items() if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)
         }
+        rows = [[record.get(c) for c in SAMPLE_COLUMNS] for record in samples or []]
         if self._wandb is not None:
-            self._wandb.log(numeric, step=step)
+            table = {"samples": self._wandb_table(columns=list(SAMPLE_COLUMNS), data=rows)} if rows else {}
+            self._wandb.log({**numeric, **table}, step=step)
         if self._tb is not None:
             for k, v in numeric.items():
                 self._tb.add_scalar(k, v, step)
+            if rows:
+                self._tb.add_text("samples", markdown_table(SAMPLE_COLUMNS, rows), step)
 
     def close(self) -> None:
         self._file.close()
@@ -148,6 +169,18 @@ class MetricsLogger:
             self._wandb.finish()
         if self._tb is not None:
             self._tb.close()
+
+
+def markdown_table(columns: tuple[str, ...] | list[str], rows: list[list]) -> str:
+    """A Markdown table; ``|`` and line breaks in cells are escaped so that each row stays one line."""
+
+    def cell(value: Any) -> str:
+        text = f"{value:.4g}" if isinstance(value, float) else str(value)
+        return text.replace("|", "\\|").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
 
 
 def write_jsonl(path: str | Path, rows: list[dict]) -> None:

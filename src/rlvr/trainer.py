@@ -116,7 +116,7 @@ from rlvr.grpo.overlong import soft_overlong_penalty, truncated_masked
 from rlvr.grpo.variance import gradient_variance, variance_metrics
 from rlvr.health import HealthMonitor, HealthWarning
 from rlvr.interrupts import DeferInterrupts, Terminated, exit_code, sigterm_as_interrupt
-from rlvr.logging_utils import MetricsLogger, truncate_metrics, write_jsonl
+from rlvr.logging_utils import ROLLOUT_SAMPLES, MetricsLogger, truncate_metrics, write_jsonl
 from rlvr.lora import adapters_disabled
 from rlvr.modeling import attention_without_cudnn, fresh_model, load_model_and_tokenizer
 from rlvr.optim import lr_factor, make_adamw
@@ -923,9 +923,9 @@ def _dump_rollouts(
     scores: Scores,
     train_batch: TrainBatch,
     world: World | None = None,
-) -> None:
+) -> list[dict]:
     """Phase 5: the step's rollouts, with their rewards and advantages, to DIR/rollouts/step_N.jsonl
-    (every rank's, in the global batch's order, written by rank 0)."""
+    (every rank's, in the global batch's order, written by rank 0); returns those records."""
     G = config.rollout.group_size
     world = world or World()
     first_group = _rank_prompts(config, world).start
@@ -952,6 +952,7 @@ def _dump_rollouts(
         records = [r for rank_records in gather_objects(records) for r in rank_records]
     if world.is_main:
         write_jsonl(run_dir / "rollouts" / f"step_{step}.jsonl", records)
+    return records
 
 
 def _rollout_step(config: TrainConfig, step: int, run_dir: Path, run: RunParts, state: TrainState) -> dict:
@@ -975,7 +976,7 @@ def _rollout_step(config: TrainConfig, step: int, run_dir: Path, run: RunParts, 
     if torch.cuda.is_available():
         log["mem/peak_gb"] = torch.cuda.max_memory_allocated() / 2**30
     if config.dump_every and step % config.dump_every == 0:
-        _dump_rollouts(config, step, run_dir, batch, scores, train_batch, run.world)
+        log[ROLLOUT_SAMPLES] = _dump_rollouts(config, step, run_dir, batch, scores, train_batch, run.world)
     if run.world.distributed:
         log = global_metrics(gather_objects(log), gather_objects(scores.rewards.tolist()))
     return log
