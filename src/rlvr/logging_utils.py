@@ -106,7 +106,7 @@ class MetricsLogger:
         self.path = self.run_dir / "metrics.jsonl"
         self._file = open(self.path, "a", encoding="utf-8")
         self._wandb = None
-        self._wandb_table: Any = None
+        self._wandb_mod: Any = None
         self._tb = None
         if wandb:
             try:
@@ -121,7 +121,7 @@ class MetricsLogger:
                 # Our own id: wandb.util.generate_id is gone from current wandb; W&B accepts any short [a-z0-9] id.
                 run_id = uuid.uuid4().hex[:8]
                 atomic_write_text(id_file, run_id)
-            self._wandb_table = wandb_mod.Table
+            self._wandb_mod = wandb_mod
             name, group = wandb_name_and_group(self.run_dir)
             self._wandb = wandb_mod.init(
                 project=wandb_project,
@@ -155,7 +155,7 @@ class MetricsLogger:
         }
         rows = [[record.get(c) for c in SAMPLE_COLUMNS] for record in samples or []]
         if self._wandb is not None:
-            table = {"samples": self._wandb_table(columns=list(SAMPLE_COLUMNS), data=rows)} if rows else {}
+            table = {"samples": self._wandb_mod.Table(columns=list(SAMPLE_COLUMNS), data=rows)} if rows else {}
             self._wandb.log({**numeric, **table}, step=step)
         if self._tb is not None:
             for k, v in numeric.items():
@@ -167,6 +167,8 @@ class MetricsLogger:
         self._file.close()
         if self._wandb is not None:
             self._wandb.finish()
+            # finish() can return before W&B's service has written the run file; teardown waits for it.
+            self._wandb_mod.teardown()
         if self._tb is not None:
             self._tb.close()
 
