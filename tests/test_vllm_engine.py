@@ -1,9 +1,11 @@
-"""The vLLM client against fixtures written from vLLM's documented API and a fake HTTP transport: the
-exact requests sent (and their order during a sync) and the mapping of responses to Completions."""
+"""The vLLM client against fixtures written from vLLM's documented API, served by a real local HTTP server:
+the exact requests sent (and their order during a sync) and the mapping of responses to Completions."""
 
 from __future__ import annotations
 
 import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -21,44 +23,84 @@ def fixture(name: str) -> dict:
     return json.loads((FIXTURES / name).read_text())
 
 
-class FakeResponse:
-    def __init__(self, body=None, status=200):
-        self.status_code = status
-        self._body = body
-        self.content = b"" if body is None else json.dumps(body).encode()
-        self.text = self.content.decode()
+class Status:
+    """A route's answer with a status other than 200."""
 
-    def json(self):
-        return self._body
+    def __init__(self, code: int, body: dict):
+        self.code, self.body = code, body
 
 
-class FakeSession:
-    """Records every request; answers from a route table of ``(method, path) -> body or callable``."""
+class RouteServer(ThreadingHTTPServer):
+    """A real HTTP server on a free local port that answers from a route table of ``(method, path) -> body``
+    (a JSON-able body, a callable of the request's JSON body, or a ``Status``) and records every request."""
 
-    def __init__(self, routes):
+    def __init__(self, routes: dict):
+        super().__init__(("127.0.0.1", 0), RouteHandler)
         self.routes = routes
         self.calls: list[tuple[str, str, dict | None]] = []
-
-    def request(self, method, url, json=None, timeout=None):
-        path = "/" + url.split("/", 3)[3]
-        self.calls.append((method, path, json))
-        answer = self.routes[(method, path)]
-        return FakeResponse(answer(json) if callable(answer) else answer)
-
-    def get(self, url, timeout=None):
-        return self.request("GET", url, timeout=timeout)
+        self.port = self.server_address[1]
+        threading.Thread(target=self.serve_forever, daemon=True).start()
 
 
-def _engine(model, tokenizer, routes, **kw):
-    session = FakeSession(routes)
-    engine = VLLMEngine(
-        model, tokenizer, served_model="allenai/OLMo-2-0425-1B", start_server=False, session=session, **kw
-    )
-    return engine, session
+class RouteHandler(BaseHTTPRequestHandler):
+    server: RouteServer
+
+    def _answer(self) -> None:
+        length = int(self.headers.get("Content-Length") or 0)
+        body = json.loads(self.rfile.read(length)) if length else None
+        self.server.calls.append((self.command, self.path, body))
+        answer = self.server.routes[(self.command, self.path)]
+        answer = answer(body) if callable(answer) else answer
+        code, answer = (answer.code, answer.body) if isinstance(answer, Status) else (200, answer)
+        content = b"" if answer is None else json.dumps(answer).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(content)))
+        self.end_headers()
+        self.wfile.write(content)
+
+    do_GET = do_POST = _answer
+
+    def log_message(self, format, *args):  # keep the test output quiet
+        pass
 
 
-def test_server_command_and_env(tiny_model, tiny_tokenizer):
-    engine, _ = _engine(tiny_model, tiny_tokenizer, {}, port=8123, gpu="1")
+@pytest.fixture()
+def serve():
+    """Start route servers for a test; all are shut down after it."""
+    servers: list[RouteServer] = []
+
+    def start(routes: dict) -> RouteServer:
+        servers.append(RouteServer(routes))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture()
+def engine_with(serve, tiny_model, tiny_tokenizer):
+    """``(engine, server)``: a VLLMEngine (no server process of its own) talking to a route server."""
+
+    def make(routes, **kw):
+        server = serve(routes)
+        engine = VLLMEngine(
+            tiny_model,
+            tiny_tokenizer,
+            served_model="allenai/OLMo-2-0425-1B",
+            start_server=False,
+            base_url=f"http://127.0.0.1:{server.port}",
+            **kw,
+        )
+        return engine, server
+
+    return make
+
+
+def test_server_command_and_env(engine_with):
+    engine, _ = engine_with({}, port=8123, gpu="1")
     cmd = engine.server_command()
     assert cmd[:3] == ["vllm", "serve", "allenai/OLMo-2-0425-1B"]
     assert json.loads(cmd[cmd.index("--weight-transfer-config") + 1]) == {"backend": "nccl"}
@@ -68,17 +110,17 @@ def test_server_command_and_env(tiny_model, tiny_tokenizer):
     assert env["VLLM_SERVER_DEV_MODE"] == "1" and env["CUDA_VISIBLE_DEVICES"] == "1"
 
 
-def test_health_wait(tiny_model, tiny_tokenizer):
-    engine, session = _engine(tiny_model, tiny_tokenizer, {("GET", "/health"): {}})
+def test_health_wait(engine_with):
+    engine, server = engine_with({("GET", "/health"): {}})
     engine.wait_healthy(timeout_s=1, poll_s=0)
-    assert session.calls == [("GET", "/health", None)]
+    assert server.calls == [("GET", "/health", None)]
 
 
-def test_generate_request_and_response_mapping(tiny_model, tiny_tokenizer):
-    engine, session = _engine(tiny_model, tiny_tokenizer, {("POST", "/v1/completions"): fixture("completions_n2.json")})
+def test_generate_request_and_response_mapping(engine_with):
+    engine, server = engine_with({("POST", "/v1/completions"): fixture("completions_n2.json")})
     params = SamplingParams(n=2, temperature=1.0, top_p=1.0, max_new_tokens=512, stop=("</answer>",), seed=3)
     out = engine.generate(["p0", "p1"], params)
-    ((method, path, body),) = session.calls
+    ((method, path, body),) = server.calls
     assert (method, path) == ("POST", "/v1/completions")
     assert body == {
         "model": "allenai/OLMo-2-0425-1B",
@@ -153,10 +195,8 @@ def _sync_routes(model, tokenizer, shift=0.0):
     }
 
 
-def test_sync_protocol_order_and_payloads(tiny_model, tiny_tokenizer, monkeypatch):
-    engine, session = _engine(
-        tiny_model,
-        tiny_tokenizer,
+def test_sync_protocol_order_and_payloads(engine_with, tiny_model, tiny_tokenizer, monkeypatch):
+    engine, server = engine_with(
         _sync_routes(tiny_model, tiny_tokenizer),
         master_address="10.0.0.2",
         master_port=29999,
@@ -167,10 +207,10 @@ def test_sync_protocol_order_and_payloads(tiny_model, tiny_tokenizer, monkeypatc
     info = engine.sync_weights(tiny_model)
     info2 = engine.sync_weights(tiny_model)
     assert nccl == [("init", 2), ("send", "GROUP"), ("send", "GROUP")]
-    control = [(m, p) for m, p, _ in session.calls if p != "/v1/completions"]
+    control = [(m, p) for m, p, _ in server.calls if p != "/v1/completions"]
     step = [("POST", "/pause"), ("POST", "/update_weights"), ("POST", "/reset_prefix_cache"), ("POST", "/resume")]
     assert control == [("GET", "/get_world_size"), ("POST", "/init_weight_transfer_engine")] + step + step
-    bodies = {p: b for m, p, b in session.calls}
+    bodies = {p: b for m, p, b in server.calls}
     assert bodies["/init_weight_transfer_engine"] == {
         "init_info": {"master_address": "10.0.0.2", "master_port": 29999, "rank_offset": 1, "world_size": 2}
     }
@@ -180,23 +220,23 @@ def test_sync_protocol_order_and_payloads(tiny_model, tiny_tokenizer, monkeypatc
     assert update["dtype_names"] == ["float32"] * len(params)
     assert update["shapes"] == [list(p.shape) for _, p in params]
     assert update["packed"] is True
-    probes = [b for m, p, b in session.calls if p == "/v1/completions"]
+    probes = [b for m, p, b in server.calls if p == "/v1/completions"]
     assert len(probes) == 2 * len(PROBE_TEXTS) and all(b["prompt_logprobs"] == 0 for b in probes)
     assert info["sync/probe_max_abs_diff"] == pytest.approx(0.0, abs=1e-6) and "time/sync" in info2
 
 
-def test_sync_check_catches_a_stale_server(tiny_model, tiny_tokenizer, monkeypatch):
-    engine, session = _engine(tiny_model, tiny_tokenizer, _sync_routes(tiny_model, tiny_tokenizer, shift=0.5))
+def test_sync_check_catches_a_stale_server(engine_with, tiny_model, tiny_tokenizer, monkeypatch):
+    engine, server = engine_with(_sync_routes(tiny_model, tiny_tokenizer, shift=0.5))
     monkeypatch.setattr(engine, "_trainer_init", lambda world_size: "GROUP")
     monkeypatch.setattr(engine, "_trainer_send", lambda model: None)
     with pytest.raises(WeightSyncError, match="do not match"):
         engine.sync_weights(tiny_model)
-    assert [p for _, p, _ in session.calls].count("/resume") == 1  # generation is resumed even so
+    assert [p for _, p, _ in server.calls].count("/resume") == 1  # generation is resumed even so
 
 
-def test_resume_even_when_update_fails(tiny_model, tiny_tokenizer, monkeypatch):
+def test_resume_even_when_update_fails(engine_with, tiny_model, tiny_tokenizer, monkeypatch):
     routes = _sync_routes(tiny_model, tiny_tokenizer)
-    engine, session = _engine(tiny_model, tiny_tokenizer, routes)
+    engine, server = engine_with(routes)
     monkeypatch.setattr(engine, "_trainer_init", lambda world_size: "GROUP")
 
     def boom(model):
@@ -205,15 +245,10 @@ def test_resume_even_when_update_fails(tiny_model, tiny_tokenizer, monkeypatch):
     monkeypatch.setattr(engine, "_trainer_send", boom)
     with pytest.raises(RuntimeError, match="nccl broke"):
         engine.sync_weights(tiny_model)
-    assert session.calls[-1][:2] == ("POST", "/resume")
+    assert server.calls[-1][:2] == ("POST", "/resume")
 
 
-def test_http_errors_name_the_route(tiny_model, tiny_tokenizer):
-    class Failing(FakeSession):
-        def request(self, method, url, json=None, timeout=None):
-            self.calls.append((method, url, json))
-            return FakeResponse({"error": "boom"}, status=500)
-
-    engine = VLLMEngine(tiny_model, tiny_tokenizer, served_model="m", start_server=False, session=Failing({}))
+def test_http_errors_name_the_route(engine_with):
+    engine, _ = engine_with({("POST", "/v1/completions"): Status(500, {"error": "boom"})})
     with pytest.raises(RuntimeError, match="/v1/completions returned 500"):
         engine.generate(["x"], SamplingParams())
