@@ -232,11 +232,16 @@ def kernels_by_kind(prof) -> str:
     return "\n".join(lines)
 
 
-def gpu_busy_s(prof) -> float:
-    """Seconds in which at least one kernel ran (the union of the kernels' intervals)."""
-    spans = sorted(
+def kernel_spans(prof) -> list[tuple[float, float]]:
+    """The profiled GPU kernels' ``(start us, end us)``, in start order."""
+    return sorted(
         (e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
     )
+
+
+def gpu_busy_s(prof) -> float:
+    """Seconds in which at least one kernel ran (the union of the kernels' intervals)."""
+    spans = kernel_spans(prof)
     busy, end = 0.0, float("-inf")
     for lo, hi in spans:
         if hi > end:
@@ -348,12 +353,11 @@ def _resolve(path: str):
     raise ImportError(path)
 
 
-def idle_gaps(prof, regions: list[tuple[str, float, float]], least_us: float = 200.0) -> list[tuple[float, float, str]]:
-    """The GPU's idle stretches of at least ``least_us`` (start us from the first kernel, length us, the
-    innermost labelled host region under way at the stretch's middle)."""
-    spans = sorted(
-        (e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-    )
+def idle_gaps(
+    spans: list[tuple[float, float]], regions: list[tuple[str, float, float]], least_us: float = 200.0
+) -> list[tuple[float, float, str]]:
+    """The GPU's idle stretches between kernel ``spans`` (``kernel_spans``) of at least ``least_us`` (start us
+    from the first kernel, length us, the innermost labelled host region under way at the stretch's middle)."""
     gaps, end = [], spans[0][1] if spans else 0.0
     first = spans[0][0] if spans else 0.0
     for lo, hi in spans[1:]:
@@ -416,7 +420,7 @@ def whole_step(bench: Bench, steps: int = 4):
         if e.device_type == torch.autograd.DeviceType.CPU and e.name.startswith("step: "):
             regions.append((e.name[6:], e.time_range.start, e.time_range.end))
             seconds[e.name[6:]] += (e.time_range.end - e.time_range.start) / 1e6
-    gaps = idle_gaps(prof, regions)
+    gaps = idle_gaps(kernel_spans(prof), regions)
     busy = gpu_busy_s(prof)
     print(
         f"\n## rlvr train, step {steps} of {steps} under the profiler: wall {result['wall']:.3f} s, GPU busy "

@@ -47,21 +47,14 @@ def test_profile_step_whole_step_part_runs(gsm8k_path):
 
 
 def test_idle_gaps_names_the_innermost_region_under_way(monkeypatch):
-    from types import SimpleNamespace
-
-    import torch
-
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
     from profile_step import idle_gaps
 
-    def kernel(lo, hi):
-        return SimpleNamespace(device_type=torch.autograd.DeviceType.CUDA, time_range=SimpleNamespace(start=lo, end=hi))
-
-    prof = SimpleNamespace(events=lambda: [kernel(0, 100), kernel(150, 400), kernel(1000, 1100), kernel(1150, 1500)])
+    spans = [(0, 100), (150, 400), (1000, 1100), (1150, 1500)]  # kernels, us
     regions = [("step", 0, 2000), ("encode", 500, 900)]
     # 400 -> 1000 (600 us, middle 700: inside encode); 100 -> 150 and 1100 -> 1150 are under 200 us
-    assert idle_gaps(prof, regions) == [(400, 600, "encode")]
-    assert idle_gaps(prof, regions, least_us=40) == [(100, 50, "step"), (400, 600, "encode"), (1100, 50, "step")]
+    assert idle_gaps(spans, regions) == [(400, 600, "encode")]
+    assert idle_gaps(spans, regions, least_us=40) == [(100, 50, "step"), (400, 600, "encode"), (1100, 50, "step")]
 
 
 def test_bench_trainer_step_runs_packed_and_padded(gsm8k_path):

@@ -241,25 +241,52 @@ def test_boxed_format_needs_a_box_and_unknown_formats_are_refused(tmp_path):
         load_examples(str(path), answer_format="latex")
 
 
-def test_a_hub_dataset_gets_its_config_split_and_columns(monkeypatch):
+HUB_STYLE_README = """---
+configs:
+- config_name: algebra
+  data_files:
+  - {split: test, path: algebra/test.jsonl}
+- config_name: geometry
+  data_files:
+  - {split: test, path: geometry/test.jsonl}
+---
+"""
+
+
+def test_a_hub_dataset_gets_its_config_split_and_columns(tmp_path, monkeypatch):
+    """``datasets`` itself reads a dataset laid out as on the hub (a README naming configs and their splits'
+    files); rlvr passes the config and split and maps the columns."""
     import datasets
 
-    calls = []
+    from rlvr import data
 
-    def fake_load_dataset(name, config, split):
-        calls.append((name, config, split))
-        return [{"problem": "1+1?", "solution": "so \\boxed{2}", "type": "Algebra"}]
-
-    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    [ex] = load_examples(
-        "someone/math",
-        "test",
-        question_field="problem",
-        answer_field="solution",
-        answer_format="boxed",
-        config="algebra",
-    )
-    assert calls == [("someone/math", "algebra", "test")]
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
+    repo = tmp_path / "math"
+    repo.mkdir()
+    (repo / "README.md").write_text(HUB_STYLE_README)
+    for config, row in [
+        ("algebra", {"problem": "1+1?", "solution": "so \\boxed{2}", "type": "Algebra"}),
+        ("geometry", {"problem": "sides?", "solution": "\\boxed{3}", "type": "Geo"}),
+    ]:
+        (repo / config).mkdir()
+        write_table(repo / config / "test.jsonl", [row])
+    fmt = data.RowFormat("problem", "solution", "boxed")
+    [ex] = data.load_hub(str(repo), "test", config="algebra", fmt=fmt)
     assert (ex.question, ex.ground_truth, ex.meta) == ("1+1?", "2", {"type": "Algebra"})
-    load_examples("openai/gsm8k", "train", question_field="problem", answer_field="solution", answer_format="boxed")
-    assert calls[-1] == ("openai/gsm8k", "main", "train")  # GSM8K's one config by default
+    [ex] = data.load_hub(str(repo), "test", config="geometry", fmt=fmt)
+    assert (ex.question, ex.ground_truth) == ("sides?", "3")
+    with pytest.raises(DataError, match="config algebra, split train"):
+        data.load_hub(str(repo), "train", config="algebra", fmt=fmt)
+
+
+def test_an_owner_slash_name_source_goes_to_the_hub_loader(monkeypatch):
+    from rlvr import data
+
+    calls = []
+    monkeypatch.setattr(data, "load_hub", lambda *args: calls.append(args) or [])
+    load_examples("someone/math", "test", question_field="problem", answer_field="solution", config="algebra")
+    load_examples("openai/gsm8k", "train")
+    assert calls == [
+        ("someone/math", "test", None, "algebra", data.RowFormat("problem", "solution", "gsm8k")),
+        ("openai/gsm8k", "train", None, None, data.RowFormat("question", "answer", "gsm8k")),
+    ]

@@ -87,21 +87,24 @@ def test_attention_leaves_out_cudnn_on_a_gpu_and_restores_it(monkeypatch):
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
 
 
-def test_every_rlvr_command_runs_sdpa_without_cudnn_on_a_gpu(monkeypatch):
+def test_every_rlvr_command_runs_sdpa_without_cudnn_on_a_gpu(tmp_path, monkeypatch):
     """``rlvr eval``, ``sft``, ``dpo`` and the rest run inside ``attention_without_cudnn`` (the trainer also
     enters it itself, for ``train()`` called from Python)."""
-    import sys
-    import types
+    import importlib
 
     from rlvr import cli
 
-    seen = []
-    command = types.ModuleType("rlvr_fake_command")
-    command.main = lambda argv: seen.append(torch.backends.cuda.cudnn_sdp_enabled()) or 0  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "rlvr_fake_command", command)
-    monkeypatch.setitem(cli.COMMANDS, "fake", ("rlvr_fake_command", "a command that records the SDPA backends"))
+    (tmp_path / "rlvr_sdpa_probe.py").write_text(
+        "import torch\n"
+        "SEEN = []\n"
+        "def main(argv):\n"
+        "    SEEN.append(torch.backends.cuda.cudnn_sdp_enabled())\n"
+        "    return 0\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(cli.COMMANDS, "probe", ("rlvr_sdpa_probe", "a command that records the SDPA backends"))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     before = torch.backends.cuda.cudnn_sdp_enabled()
-    assert cli.main(["fake"]) == 0
-    assert seen == [False]
+    assert cli.main(["probe"]) == 0
+    assert importlib.import_module("rlvr_sdpa_probe").SEEN == [False]
     assert torch.backends.cuda.cudnn_sdp_enabled() == before
