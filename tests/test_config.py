@@ -204,6 +204,7 @@ def test_config_json_round_trips(tmp_path):
     "name",
     [
         "gsm8k_olmo2_1b_grpo.yaml",
+        "gsm8k_olmo2_1b_grpo_2gpu.yaml",
         "gsm8k_olmo2_1b_offpolicy_32x.toml",
         "tiny_cpu.yaml",
         "gsm8k_olmo2_1b_async_2gpu.yaml",

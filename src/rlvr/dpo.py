@@ -569,7 +569,7 @@ def _train(
     from rlvr.trainer import batch_indices
 
     device = resolve_device(cfg.device)
-    ref_device = torch.device(cfg.ref_device) if cfg.ref_device else device
+    ref_device = resolve_device(cfg.ref_device, "--ref-device") if cfg.ref_device else device
     dtype = resolve_dtype(cfg.dtype, device)
     policy_source = ckpt / "model" if ckpt is not None else cfg.model
     model, tokenizer = load_model_and_tokenizer(policy_source, device=device, dtype=dtype)

@@ -40,6 +40,7 @@ import tyro
 from rlvr.checkpoint import run_model
 from rlvr.engines.base import SamplingParams
 from rlvr.errors import UserError
+from rlvr.machine import usable_device
 
 if TYPE_CHECKING:
     import torch
@@ -268,14 +269,6 @@ def sample_metrics(correct: list[bool], k: int) -> dict:
     }
 
 
-def _resolve_device(device: str) -> str:
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
-
-
 def print_report(results: dict[str, dict], samples: list[dict], examples_per_category: int = 2) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -372,7 +365,7 @@ def run(cfg: EvalConfig) -> dict:
     from rlvr.engines import build_engine
     from rlvr.modeling import load_model_and_tokenizer
 
-    device = _resolve_device(cfg.device)
+    device = usable_device(cfg.device)
     dtype = None if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
     data_sets = tasks.load_data()
     for set_name, examples in data_sets:

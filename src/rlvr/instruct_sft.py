@@ -35,6 +35,7 @@ import torch
 
 from rlvr.errors import UserError
 from rlvr.instruct import alpaca_format, encode_pairs, load_prompt_response, pack_documents
+from rlvr.machine import usable_device
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -141,10 +142,8 @@ def check_model_name(name: str) -> None:
         )
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+def resolve_device(device: str, flag: str = "--device") -> torch.device:
+    return torch.device(usable_device(device, flag))
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlvr.data import DataError, Example, load_examples
+from rlvr.machine import usable_device
 from rlvr.optim import lr_factor
 from rlvr.prompts import render
 
@@ -135,12 +136,13 @@ def init_model(config: SFTConfig, examples: list[Example]) -> tuple[PreTrainedMo
     or a checkpoint from a local directory or the hub."""
     from rlvr import modeling
 
+    device = usable_device(config.device)
     if config.model in modeling.MODEL_SIZES:
         tokenizer = modeling.train_tokenizer(modeling.tokenizer_corpus(examples, config.prompt), config.vocab_size)
-        model = modeling.fresh_model(config.model, tokenizer, seed=config.seed).to(config.device)  # type: ignore[arg-type]  # transformers' stub of .to
+        model = modeling.fresh_model(config.model, tokenizer, seed=config.seed).to(device)  # type: ignore[arg-type]  # transformers' stub of .to
         return model, tokenizer
     _check_model(config.model)
-    return modeling.load_model_and_tokenizer(config.model, device=config.device, dtype=torch.float32)
+    return modeling.load_model_and_tokenizer(config.model, device=device, dtype=torch.float32)
 
 
 def _check_model(name: str) -> None:

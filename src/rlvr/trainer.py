@@ -118,6 +118,7 @@ from rlvr.health import HealthMonitor, HealthWarning
 from rlvr.interrupts import DeferInterrupts, Terminated, exit_code, sigterm_as_interrupt
 from rlvr.logging_utils import ROLLOUT_SAMPLES, MetricsLogger, truncate_metrics, write_jsonl
 from rlvr.lora import adapters_disabled
+from rlvr.machine import check_machine
 from rlvr.modeling import attention_without_cudnn, fresh_model, load_model_and_tokenizer
 from rlvr.optim import lr_factor, make_adamw
 from rlvr.reward_functions import row_fields
@@ -1204,6 +1205,7 @@ def train(
         import_plugins(config.plugins)
     config = config.resolve()
     config.validate()
+    check_machine(config)
     world, started_group = _start_world(config)
     try:
         config.check_world(world.world_size)

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from rlvr.errors import UserError
 from rlvr.instruct import alpaca_format, protocol_template
+from rlvr.machine import usable_device
 from rlvr.suites.parsing import parse_gsm8k_response, parse_mmlu_response, same_number
 
 if TYPE_CHECKING:
@@ -284,12 +285,6 @@ def load_suite_data(name: str, source: str, limit: int | None) -> list[dict]:
     return data.load_sst(source, limit)
 
 
-def _resolve_device(device: str) -> str:
-    import torch
-
-    return ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-
-
 def _engine(cfg: SuiteConfig, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, device: str) -> Engine:
     from rlvr.config import EngineConfig, VLLMEngineConfig
     from rlvr.engines import build_engine
@@ -336,7 +331,7 @@ def run_suites(
     ):
         raise UserError(f"--judge {cfg.judge!r} is neither an http(s) URL, a local directory, nor a hub id")
 
-    device = _resolve_device(cfg.device)
+    device = usable_device(cfg.device)
     own_engine, own_model = engine is None, model is None
     if model is None and cfg.engine == "vllm":  # the server loads the weights; only the tokenizer is needed here
         from transformers import AutoTokenizer
@@ -382,7 +377,7 @@ def run_suites(
             cfg.judge,
             cfg.judge_model,
             cfg.judge_api_key_env,
-            _resolve_device(cfg.judge_device),
+            usable_device(cfg.judge_device, "--judge-device"),
             max_tokens=cfg.judge_max_tokens,
             workers=cfg.judge_workers,
             batch_size=cfg.batch_size,

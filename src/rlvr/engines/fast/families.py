@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rlvr.errors import UserError
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
@@ -113,8 +115,12 @@ class Layout:
         return self.heads // self.kv_heads
 
 
+class UnsupportedModelError(UserError, ValueError):
+    """A model the fast engine cannot run (the message names the ``hf`` fallback)."""
+
+
 def layout_of(model: torch.nn.Module) -> Layout:
-    """The layout of ``model``; a one-line ``ValueError`` (naming the supported families and the ``hf``
+    """The layout of ``model``; a one-line ``UnsupportedModelError`` (naming the supported families and the ``hf``
     fallback) for a model hf-fast cannot run."""
     config: Any = model.config  # a transformers config: its fields are read by name
     reason = unsupported_reason(config, type(model).__name__)
@@ -124,7 +130,7 @@ def layout_of(model: torch.nn.Module) -> Layout:
             "use engine.name: hf (engine.name: auto picks it by itself)"
         )
     if reason is not None:
-        raise ValueError(reason)
+        raise UnsupportedModelError(reason)
     heads = config.num_attention_heads
     return Layout(
         family=FAMILIES[config.model_type],
