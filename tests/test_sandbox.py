@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 
@@ -110,6 +112,7 @@ def test_trainer_environment_is_not_visible(monkeypatch):
     monkeypatch.setenv("RLVR_TEST_SECRET", secret)
     code = f"""
 import os
+import sys
 print(dict(os.environ))
 for pid in [{os.getpid()}, {os.getppid()}, 1, 'self']:
     try:
@@ -212,3 +215,72 @@ def test_its_directory_is_removed_even_when_it_locks_it():
     result = run_timed("import os\nos.mkdir('d')\nopen('d/f', 'w').write('x')\nos.chmod('d', 0)\nos.chmod('.', 0)")
     assert result.ok
     assert {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("rlvr-sandbox-")} <= before
+
+
+AS_NOBODY = """
+import json, os, socket, sys, types
+# rlvr's package imports torch, which this interpreter may lack: load the two stdlib-only modules alone.
+package = types.ModuleType("rlvr")
+package.__path__ = [sys.argv[1]]
+sys.modules["rlvr"] = package
+from rlvr import sandbox
+
+server = socket.socket()
+server.bind(("127.0.0.1", 0))
+server.listen()
+port = server.getsockname()[1]
+code = f'''
+import os, socket
+out = []
+for attempt in (lambda: open({sys.argv[2]!r}, "w"), lambda: socket.create_connection(("127.0.0.1", {port}), timeout=1),
+                lambda: open("/proc/{os.getpid()}/environ", "rb").read()):
+    try:
+        attempt()
+        out.append("done")
+    except OSError as e:
+        out.append(type(e).__name__)
+print(",".join(out), os.getuid())
+'''
+result = sandbox.run_python(code)
+bomb = sandbox.run_python("import os\\nwhile True:\\n    try:\\n        os.fork()\\n    except OSError:\\n        pass", timeout_s=2)
+print(json.dumps({"problem": sandbox.isolation_problem(), "stdout": result.stdout, "bomb": bomb.stopped}))
+"""
+
+
+def _python_for_nobody() -> str | None:
+    """An interpreter of this Python version that user nobody may run (the system's, typically)."""
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    for candidate in (f"/usr/bin/{version}", f"/usr/local/bin/{version}"):
+        if os.path.isfile(candidate) and os.stat(candidate).st_mode & 0o001:
+            return candidate
+    return None
+
+
+@isolated
+@pytest.mark.skipif(os.getuid() != 0, reason="the user-namespace path is what runs here already")
+def test_as_an_unprivileged_user_the_code_is_contained_through_a_user_namespace(tmp_path):
+    """The same confinement when the trainer is not root (a user namespace instead of root's
+    privileges): run a trainer as nobody, with the system's interpreter, on this kernel."""
+    import json
+    import shutil
+    import subprocess
+
+    python = _python_for_nobody()
+    if python is None or shutil.which("setpriv") is None:
+        pytest.skip("no setpriv, or no interpreter of this Python version that nobody may run")
+    source = os.path.dirname(sandbox.__file__)
+    ancestors = [source, *(str(p) for p in Path(source).parents)]
+    readable = all(os.stat(p).st_mode & 0o001 for p in ancestors) and all(
+        os.stat(p).st_mode & 0o004 for p in (source, sandbox.__file__, sandbox.LAUNCHER)
+    )
+    if not readable:
+        pytest.skip("rlvr's source is not readable by nobody here")
+    target = f"/tmp/rlvr-escape-{uuid.uuid4().hex}"
+    command = ["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", python, "-I", "-c", AS_NOBODY]
+    proc = subprocess.run([*command, source, target], capture_output=True, text=True, timeout=60, cwd="/")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout.splitlines()[-1])
+    assert report["problem"] is None and report["bomb"] == "timeout"
+    written, connected, environ = report["stdout"].split()[0].split(",")
+    assert written == "OSError" and connected == "OSError" and environ in ("FileNotFoundError", "PermissionError")
+    assert report["stdout"].split()[1] == "65534" and not os.path.exists(target)
