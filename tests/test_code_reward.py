@@ -4,6 +4,7 @@ problems' reference solutions pass their own tests; a tiny CPU run trains on the
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from conftest import family_model
@@ -142,3 +143,26 @@ def test_tiny_run_trains_on_the_code_task(tiny_tokenizer, tmp_path):
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows[1:]:
         assert 0 <= r["train/reward"] <= 1 and "train/reward/all_passed" in r and "train/reward/test_timeouts" in r
+
+
+def test_opting_out_of_isolation_where_the_kernel_has_none(monkeypatch):
+    monkeypatch.setattr(sandbox, "_isolation_checked", ["user namespaces are switched off"])
+    reward = Reward(["code"], code_isolation=False)
+    if os.getuid() == 0:
+        # The sandbox never runs model-written code as root without namespaces: refused up front.
+        with pytest.raises(RewardConfigError, match="switched off, and the trainer runs as root"):
+            reward.start()
+    else:
+        reward.start()
+        program = fenced("a, b = map(int, input().split())\nprint(a + b)\n")
+        assert reward(program, SUM_TESTS)["reward"] == 1.0
+
+
+@needs_sandbox
+def test_opting_out_still_isolates_where_the_kernel_allows_it():
+    reward = Reward(["code"], code_isolation=False)
+    reward.start()
+    code = "import socket\ntry:\n    socket.create_connection(('127.0.0.1', 9), timeout=1)\nexcept OSError as e:\n"
+    code += "    print(e.errno)\n"
+    tests = json.dumps({"tests": [{"stdin": "", "stdout": "101\n"}]})  # ENETUNREACH: no network at all
+    assert reward(fenced(code), tests)["reward"] == 1.0

@@ -22,6 +22,7 @@ The reward (and ``answer_reward``) is the fraction of tests passed; ``all_passed
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
 
@@ -73,21 +74,31 @@ def same_output(printed: str, expected: str) -> bool:
     return lines(printed) == lines(expected)
 
 
-def code_reward_fn(response: str, ground_truth: str) -> dict[str, float]:
-    """The fraction of the ground truth's tests that the response's program passes (module docstring)."""
+def code_reward_fn(response: str, ground_truth: str, *, require_isolation: bool = True) -> dict[str, float]:
+    """The fraction of the ground truth's tests that the response's program passes (module docstring);
+    ``require_isolation=False`` runs the programs where the kernel gives no namespaces (see
+    ``rlvr.sandbox``)."""
     io, asserts = parse_tests(ground_truth)
     program = extract_program(response)
     if program is None:
         return {"format_reward": 0.0, "answer_reward": 0.0, "reward": 0.0, "all_passed": 0.0, "test_timeouts": 0.0}
     passed = timeouts = 0
     for test in io:
-        result = sandbox.run_python(program, stdin=test["stdin"], timeout_s=TEST_TIMEOUT_S, memory_mb=TEST_MEMORY_MB)
+        result = sandbox.run_python(
+            program,
+            stdin=test["stdin"],
+            timeout_s=TEST_TIMEOUT_S,
+            memory_mb=TEST_MEMORY_MB,
+            require_isolation=require_isolation,
+        )
         passed += result.ok and same_output(result.stdout, test["stdout"])
         timeouts += result.timed_out
     for statement in asserts:
         token = secrets.token_hex(16)
         code = f"{program}\n\n{statement}\nprint({token!r})\n"
-        result = sandbox.run_python(code, timeout_s=TEST_TIMEOUT_S, memory_mb=TEST_MEMORY_MB)
+        result = sandbox.run_python(
+            code, timeout_s=TEST_TIMEOUT_S, memory_mb=TEST_MEMORY_MB, require_isolation=require_isolation
+        )
         passed += result.ok and result.stdout.rstrip("\n").rpartition("\n")[2] == token
         timeouts += result.timed_out
     fraction = passed / (len(io) + len(asserts))
@@ -100,6 +111,10 @@ def code_reward_fn(response: str, ground_truth: str) -> dict[str, float]:
     }
 
 
-def unavailable() -> str | None:
+def unavailable(require_isolation: bool = True) -> str | None:
     """Why the code reward cannot run here (None: it can), known before any model loads."""
-    return sandbox.isolation_problem()
+    problem = sandbox.isolation_problem()
+    if problem and not require_isolation:
+        # Without namespaces the sandbox still refuses to run the code as root.
+        return f"{problem}, and the trainer runs as root" if os.getuid() == 0 else None
+    return problem

@@ -142,6 +142,8 @@ class RewardConfig:
     """How a user function runs reward.workers calls at once: thread (threads of one worker process, or tasks for async def; for rewards that wait) or process (that many worker processes; for rewards that compute)."""
     url: str | None = None
     """A reward server instead of reward.fn: each step's rows are POSTed to it as JSON (docs/custom_task.md)."""
+    code_isolation: bool = True
+    """The code reward runs programs only in new namespaces (no network, read-only files); false lets it run them where the kernel allows none, with resource limits only (network and your files open to them; never as root)."""
     overlong_buffer: int = 0
     """DAPO's soft overlong punishment: the last this many tokens before rollout.max_new_tokens add a penalty growing linearly to -reward.overlong_penalty at the limit (0: off)."""
     overlong_penalty: float = 1.0

@@ -15,6 +15,7 @@ logged under its own name.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -233,8 +234,11 @@ class Reward:
         timeout_s: float = 10.0,
         workers: int = 1,
         worker_kind: str = "thread",
+        code_isolation: bool = True,
     ):
         weights = list(weights) if weights else [1.0] * len(specs)
+        # Settings of the built-ins that have some, passed to the function and to its precondition.
+        builtin_options = {"code": {"require_isolation": code_isolation}}
         if len(weights) != len(specs):
             raise RewardConfigError(
                 f"reward.weights has {len(weights)} numbers for {len(specs)} reward.fns; give one per function"
@@ -250,7 +254,9 @@ class Reward:
                 name += "_"
             names.add(name)
             fn: Any
-            if spec in BUILTIN_REWARDS:
+            if spec in builtin_options:
+                fn = functools.partial(BUILTIN_REWARDS[spec], **builtin_options[spec])
+            elif spec in BUILTIN_REWARDS:
                 fn = BUILTIN_REWARDS[spec]
             elif is_url(spec):
                 fn = RemoteReward(spec, timeout_s, workers)
@@ -258,6 +264,11 @@ class Reward:
                 fn = UserRewardFunction(spec, timeout_s, workers, worker_kind)
             self.components.append((name, fn, float(weight)))
         self.specs = list(specs)
+        self.preconditions = [
+            functools.partial(BUILTIN_PRECONDITIONS[spec], **builtin_options.get(spec, {}))
+            for spec in specs
+            if spec in BUILTIN_PRECONDITIONS
+        ]
         self.pool = ThreadPoolExecutor(workers) if workers > 1 else None
 
     @property
@@ -267,8 +278,8 @@ class Reward:
     def start(self, fields: Sequence[str] = ()) -> None:
         """Check that the built-ins can run here, start the user functions' workers and check their
         signatures (before any model loads)."""
-        for spec in self.specs:
-            problem = BUILTIN_PRECONDITIONS[spec]() if spec in BUILTIN_PRECONDITIONS else None
+        for spec, check in zip([s for s in self.specs if s in BUILTIN_PRECONDITIONS], self.preconditions):
+            problem = check()
             if problem:
                 raise RewardConfigError(f"reward {spec} cannot run on this machine: {problem}")
         for _, fn, _ in self.components:
@@ -289,13 +300,13 @@ class Reward:
         """The reward dict of each response (see the class docstring)."""
         rows = list(zip(responses, ground_truths, fields))
         results = []
-        for _, fn, _ in self.components:
+        for spec, (_, fn, _) in zip(self.specs, self.components):
             if isinstance(fn, UserRewardFunction):
                 results.append(fn.score_batch(rows))
             elif isinstance(fn, RemoteReward):
                 results.append([as_reward_dict(v, fn.url) for v in fn.score_batch(rows)])
             else:
-                with_fields = fn in (BUILTIN_REWARDS[name] for name in BUILTINS_WITH_FIELDS)
+                with_fields = spec in BUILTINS_WITH_FIELDS
 
                 def call(row: tuple[str, str, dict], fn: Callable = fn, with_fields: bool = with_fields) -> dict:
                     return fn(row[0], row[1], **row[2]) if with_fields else fn(row[0], row[1])
@@ -334,6 +345,7 @@ def build_reward(
     url: str | None = None,
     workers: int = 1,
     worker_kind: str = "thread",
+    code_isolation: bool = True,
 ) -> Reward:
     """The ``Reward`` of the settings (``default``: the prompt's own, when none of fn, fns and url is set)."""
     problem = reward_settings_problem(fn, fns, url, workers, worker_kind)
@@ -341,7 +353,8 @@ def build_reward(
         raise RewardConfigError(problem)
     if weights and not fns:
         raise RewardConfigError("reward.weights go with reward.fns; with one reward.fn leave them out")
-    return Reward(list(fns) if fns else [fn or url or default], weights, timeout_s, workers, worker_kind)
+    specs = list(fns) if fns else [fn or url or default]
+    return Reward(specs, weights, timeout_s, workers, worker_kind, code_isolation)
 
 
 def reward_settings_problem(

@@ -201,7 +201,9 @@ def build_reward(config: TrainConfig, prompt: Prompt | None = None) -> Reward:
 
     prompt = prompt or build_prompt(config)
     r = config.reward
-    return build(r.fn, r.fns, r.weights, r.timeout_s, prompt.default_reward, r.url, r.workers, r.worker_kind)
+    return build(
+        r.fn, r.fns, r.weights, r.timeout_s, prompt.default_reward, r.url, r.workers, r.worker_kind, r.code_isolation
+    )
 
 
 def load_task_data(config: TrainConfig) -> tuple[list[Example], list[tuple[str, list[Example]]]]:
