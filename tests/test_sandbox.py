@@ -284,3 +284,19 @@ def test_as_an_unprivileged_user_the_code_is_contained_through_a_user_namespace(
     written, connected, environ = report["stdout"].split()[0].split(",")
     assert written == "OSError" and connected == "OSError" and environ in ("FileNotFoundError", "PermissionError")
     assert report["stdout"].split()[1] == "65534" and not os.path.exists(target)
+
+
+@isolated
+def test_a_fork_bomb_does_not_starve_a_call_running_beside_it():
+    import threading
+
+    bomb_code = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
+    bomb = threading.Thread(target=run_python, args=(bomb_code,), kwargs={"timeout_s": 3})
+    bomb.start()
+    time.sleep(0.5)  # the bomb is at its process limit by now
+    try:
+        result = run_timed("import os\npid = os.fork()\nif pid == 0:\n    os._exit(0)\nos.waitpid(pid, 0)\nprint('ok')")
+        assert result.ok and result.stdout == "ok\n"
+    finally:
+        bomb.join()
+    assert_no_process_left()

@@ -7,8 +7,9 @@ the code:
 - new mount, PID and network namespaces (a user namespace too when the trainer is not root): no
   network at all (not even 127.0.0.1), no view of the trainer's processes, every mount read-only
   but its own directory;
-- an unprivileged user: as root the code runs as ``nobody`` (65534) and the interpreter's
-  installation is bound into view read-only; as another user it keeps that user's id outside the
+- an unprivileged user: as root the code runs under a user id of its own, unused on the machine
+  (``UID_BASE`` + up to ``UID_COUNT``), so that the process limit of one call does not count
+  another's, and the interpreter's installation is bound into view read-only; as another user it keeps that user's id outside the
   namespace, so it can *read* what that user can read, but it cannot write outside its directory
   or signal a process outside;
 - resource limits: CPU seconds, address space (``memory_mb``), processes, file size, open files,
@@ -28,6 +29,7 @@ directory, with the network and the file system of the trainer's user open to it
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -57,6 +59,9 @@ MAX_FILE_BYTES = 16 * 1024 * 1024
 MAX_OPEN_FILES = 64
 KILL_GRACE_S = 0.5
 """Seconds allowed, after the kill, for the processes to be reaped."""
+UID_BASE = 2_000_000_000
+"""As root, each call's code runs under a user id from here, far above any system's or person's."""
+UID_COUNT = 100_000_000
 
 # How a process that died by a signal was stopped, by signal; others read "signal NAME".
 STOPPED_BY_SIGNAL = {
@@ -90,6 +95,7 @@ class SandboxResult:
         return self.returncode == 0 and self.stopped is None
 
 
+_calls = itertools.count()
 _isolation_lock = threading.Lock()
 _isolation_checked: list[str | None] = []
 
@@ -222,6 +228,7 @@ def _launch(
         "python": os.path.realpath(sys.executable),
         "prefix": sys.base_prefix,
         "status_fd": status_write,
+        "uid": UID_BASE + (os.getpid() * 1_000_003 + next(_calls)) % UID_COUNT,
         "parent_pid": os.getpid(),
         "probe": probe,
     }

@@ -47,7 +47,7 @@ MS_STRICTATIME = 1 << 24
 PR_SET_PDEATHSIG = 1
 PR_SET_NO_NEW_PRIVS = 38
 NOBODY = 65534
-"""The user (and group) id the code runs as: the conventional unprivileged ``nobody``."""
+"""The code's user id inside a user namespace (the trainer is not root): the conventional ``nobody``."""
 # A mount's flags as statvfs reports them, and the mount flag that keeps each on a remount.
 KEPT_MOUNT_FLAGS = {
     os.ST_NOSUID: MS_NOSUID,
@@ -155,7 +155,9 @@ def _enter_namespaces(settings: dict) -> None:
 
 
 def _confine_child(settings: dict) -> None:
-    """In PID 1 of the new namespace: /proc, read-only mounts, the interpreter, the user."""
+    """In PID 1 of the new namespace: /proc, read-only mounts, the interpreter, the user (as root, the
+    call's own unprivileged ``settings["uid"]``, so that the process limit counts this call's
+    processes only)."""
     workdir = settings["workdir"]
     _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
     _mount(workdir, workdir, None, MS_BIND)
@@ -166,10 +168,10 @@ def _confine_child(settings: dict) -> None:
     if root:
         for dirpath, dirnames, filenames in os.walk(workdir):
             for name in [dirpath, *(os.path.join(dirpath, n) for n in dirnames + filenames)]:
-                os.chown(name, NOBODY, NOBODY)
+                os.chown(name, settings["uid"], settings["uid"])
         os.setgroups([])
-        os.setresgid(NOBODY, NOBODY, NOBODY)
-        os.setresuid(NOBODY, NOBODY, NOBODY)
+        os.setresgid(settings["uid"], settings["uid"], settings["uid"])
+        os.setresuid(settings["uid"], settings["uid"], settings["uid"])
 
 
 def _set_limits(limits: dict) -> None:
