@@ -5,7 +5,7 @@
 #      arith:steps=2,max_value=20,format_noise=0.8), and `rlvr eval` of it;
 #   2. the five on-policy presets (configs/sweeps/onpolicy_arith.yaml: grpo, grpo_constant, dr_grpo,
 #      rft, maxrl), 4 seeds each: 16 prompts x 8 samples, one optimizer step per rollout batch,
-#      lr 1e-4, 50 steps (the proof's settings);
+#      lr 2e-5, 50 steps (the proof's settings);
 #   3. at the same time, the off-policy comparison at 32x (configs/sweeps/offpolicy_arith.yaml:
 #      none, noclip, grpo_clip, gspo, cispo and clip_higher, ppo_clip at 0.2 / 0.28), 4 seeds each:
 #      rollout batch 256 = 32 prompts x 8, train batch 8 -> 32 optimizer steps per rollout batch,
