@@ -147,7 +147,7 @@ def _enter_namespaces(settings: dict) -> None:
         flags |= CLONE_NEWUSER
     _check(_libc.unshare(flags), "unshare (new namespaces)")
     if uid != 0:
-        # The code's user id inside is not 0, so exec leaves it no capability.
+        # The code's user id inside is not root's, so exec leaves it no capability.
         _write("/proc/self/setgroups", "deny")
         _write("/proc/self/uid_map", f"{NOBODY} {uid} 1")
         _write("/proc/self/gid_map", f"{NOBODY} {gid} 1")
