@@ -138,3 +138,39 @@ def test_torchrun_with_the_hf_worker_engine_is_one_line_per_rank(tiny, tmp_path)
     assert len(ours) == 2 and all("engine.name=hf-worker" in line and "use engine.name hf" in line for line in ours)
     assert "exitcode  : 2" in done.stderr
     assert "/rlvr/" not in "".join(line for line in done.stderr.splitlines() if line.strip().startswith("File "))
+
+
+def help_exit_code(argv: list[str]) -> int | str | None:
+    """``--help`` ends some commands through SystemExit (tyro's) and returns 0 from others."""
+    try:
+        return cli(argv)
+    except SystemExit as done:
+        return done.code
+
+
+@pytest.mark.parametrize("command", ["train", "eval", "sft", "dpo", "demo", "sft instruct", "eval --suite mmlu"])
+def test_help_is_named_after_the_command(command, capsys):
+    words = command.split()
+    assert help_exit_code([*words, "--help"]) == 0
+    usage = capsys.readouterr().out.strip().splitlines()[0]
+    name = " ".join(w for w in words if not w.startswith("-") and w != "mmlu")
+    assert usage.startswith(f"usage: rlvr {name} "), usage
+
+
+def test_eval_help_points_to_the_suites(capsys):
+    assert help_exit_code(["eval", "--help"]) == 0
+    assert "rlvr eval --suite mmlu gsm8k alpaca_eval sst" in capsys.readouterr().out
+
+
+def test_sft_column_error_names_its_own_flag_and_the_flag_works(tmp_path, capsys):
+    data = tmp_path / "p.jsonl"
+    data.write_text('{"problem": "1+1?", "solution": "1 + 1 = 2 #### 2"}\n')
+    common = ["sft", "--model", "tiny", "--data", str(data), "--steps", "1", "--batch-size", "1", "--no-progress"]
+    assert cli([*common, "--out", str(tmp_path / "a")]) == 2
+    assert one_line(capsys, "sft").endswith(
+        "no column 'question' (columns: problem, solution); set --question-field to one of them"
+    )
+    assert (
+        cli([*common, "--question-field", "problem", "--answer-field", "solution", "--out", str(tmp_path / "b")]) == 0
+    )
+    assert (tmp_path / "b" / "model.safetensors").is_file()

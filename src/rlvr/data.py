@@ -63,11 +63,18 @@ class RowFormat:
     question_field: str = "question"
     answer_field: str = "answer"
     answer_format: str = "gsm8k"
+    option_prefix: str = "data."
+    """How the caller spells these options in messages: ``data.`` (a training config) or ``--`` (``rlvr sft``)."""
+
+    def option(self, name: str) -> str:
+        """The caller's name of option ``name`` (``data.question_field``, ``--question-field``)."""
+        return self.option_prefix + (name.replace("_", "-") if self.option_prefix == "--" else name)
 
     def __post_init__(self) -> None:
         if self.answer_format not in ANSWER_FORMATS:
             raise DataError(
-                f"unknown data.answer_format {self.answer_format!r}: choose one of {', '.join(ANSWER_FORMATS)}"
+                f"unknown {self.option('answer_format')} {self.answer_format!r}: choose one of "
+                f"{', '.join(ANSWER_FORMATS)}"
             )
 
     def example(self, row: Any, where: str) -> Example:
@@ -79,7 +86,7 @@ class RowFormat:
             )
         missing = [name for name in (q, a) if name not in row]
         if missing:
-            setting = {q: "data.question_field", a: "data.answer_field"}
+            setting = {q: self.option("question_field"), a: self.option("answer_field")}
             raise DataError(
                 f"{where}: expected an object with string fields {q!r} and {a!r}; no column {missing[0]!r} "
                 f"(columns: {', '.join(map(str, row)) or 'none'}); set {setting[missing[0]]} to one of them"
@@ -332,6 +339,7 @@ def load_examples(
     answer_field: str = "answer",
     answer_format: str = "gsm8k",
     config: str | None = None,
+    option_prefix: str = "data.",
 ) -> list[Example]:
     """Load a task by source (see the module docstring); the field and format arguments say how rows
     become examples (they do not apply to registered tasks, which build their examples themselves)."""
@@ -339,7 +347,7 @@ def load_examples(
 
     if tasks.is_task_spec(source):
         return tasks.load_task(source, split=split, limit=limit, seed=seed)
-    fmt = RowFormat(question_field, answer_field, answer_format)
+    fmt = RowFormat(question_field, answer_field, answer_format, option_prefix)
     p = Path(source)
     if p.is_dir():
         files = split_files(p, split)

@@ -250,5 +250,5 @@ def _plot(rows: list[dict], path: Path, cfg: DemoConfig) -> Path:
 def main(argv: list[str] | None = None) -> int:
     import tyro
 
-    run_demo(tyro.cli(DemoConfig, args=argv))
+    run_demo(tyro.cli(DemoConfig, args=argv, prog="rlvr demo", description=__doc__.split("\n\n")[0]))
     return 0

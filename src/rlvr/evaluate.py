@@ -408,12 +408,20 @@ def run(cfg: EvalConfig) -> dict:
     return results
 
 
+USAGE = (
+    "Prompting baselines and validation: each prompt's answers graded by the reward, with accuracy, format "
+    "categories and samples in --out.\n\n"
+    "`rlvr eval --suite mmlu gsm8k alpaca_eval sst --model M --out DIR` runs the assistant suites instead "
+    "(`rlvr eval --suite mmlu --help` lists their options)."
+)
+
+
 def main(argv: list[str] | None = None) -> int:
     # The assistant suites (mmlu, gsm8k, alpaca_eval, sst) have their own options.
     if argv and any(a == "--suite" or a.startswith("--suite=") for a in argv):
         from rlvr.suites.run import main as suite_main
 
         return suite_main(argv)
-    cfg = tyro.cli(EvalConfig, args=argv)
+    cfg = tyro.cli(EvalConfig, args=argv, prog="rlvr eval", description=USAGE)
     run(cfg)
     return 0

@@ -56,6 +56,14 @@ class SFTConfig:
     """Prompt template that wraps each question (see ``rlvr.prompts``)."""
     split: str = "train"
     """Which split of ``data`` to train on."""
+    data_config: str | None = None
+    """The dataset config of a hub ``data`` (as data.config of ``rlvr train``)."""
+    question_field: str = "question"
+    """The column holding the question (file and hub data)."""
+    answer_field: str = "answer"
+    """The column holding the worked solution with its final answer (file and hub data)."""
+    answer_format: str = "gsm8k"
+    """How the answer column ends in its final answer: gsm8k (after '####'), boxed (the last \\boxed{}), raw."""
     max_examples: int | None = None
     """Use at most this many training examples (the first ones of the split)."""
     steps: int | None = None
@@ -202,7 +210,17 @@ def run_sft(config: SFTConfig) -> Path:
     from rlvr.rundir import atomic_write_json
 
     check_args(config)
-    examples = load_examples(config.data, split=config.split, limit=config.max_examples, seed=config.data_seed)
+    examples = load_examples(
+        config.data,
+        split=config.split,
+        limit=config.max_examples,
+        seed=config.data_seed,
+        question_field=config.question_field,
+        answer_field=config.answer_field,
+        answer_format=config.answer_format,
+        config=config.data_config,
+        option_prefix="--",
+    )
     if not examples:
         raise UserError(f"no training examples in {config.data!r} (split {config.split!r}); check --data and --split")
     prompts, responses = sft_pairs(examples, config.prompt)
@@ -260,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return instruct_main(argv[1:])
 
-    config = tyro.cli(SFTConfig, args=argv, description=__doc__.split("\n\n")[0])
+    config = tyro.cli(SFTConfig, args=argv, prog="rlvr sft", description=__doc__.split("\n\n")[0])
     out = run_sft(config)
     print(f"saved the fine-tuned model and tokenizer to {out}")
     return 0
