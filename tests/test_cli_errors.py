@@ -174,3 +174,20 @@ def test_sft_column_error_names_its_own_flag_and_the_flag_works(tmp_path, capsys
         cli([*common, "--question-field", "problem", "--answer-field", "solution", "--out", str(tmp_path / "b")]) == 0
     )
     assert (tmp_path / "b" / "model.safetensors").is_file()
+
+
+def test_plugins_named_in_the_config_train_and_a_missing_one_is_one_line(tiny, tmp_path, capsys, monkeypatch):
+    """docs/custom_estimator.md's single run: the estimator file named by ``--plugins``, selected by name."""
+    monkeypatch.chdir(REPO)
+    args = [
+        "--plugins",
+        "examples/my_estimator.py",
+        "--algorithm.reweighting",
+        "dual_clip",
+        "--algorithm.cliprange",
+        "0.2",
+    ]
+    assert cli(["train", "--config", str(tiny), "--out", str(tmp_path / "r"), *args]) == 0
+    monkeypatch.chdir(tmp_path)  # the relative path no longer resolves
+    assert cli(["train", "--resume", str(tmp_path / "r"), "--n_steps", "2"]) == 2
+    assert "plugin file 'examples/my_estimator.py' not found" in one_line(capsys, "train")

@@ -1202,7 +1202,12 @@ def train(
     if config.plugins:
         from rlvr.experiments.plugins import import_plugins
 
-        import_plugins(config.plugins)
+        try:
+            import_plugins(config.plugins)
+        except FileNotFoundError as e:
+            raise ConfigError(
+                f"{e}; run from the directory the plugin path is relative to, or make it absolute"
+            ) from None
     config = config.resolve()
     config.validate()
     check_machine(config)
