@@ -30,6 +30,11 @@ CONCURRENT_REWARDS = textwrap.dedent("""
         time.sleep(0.2)
         return {"reward": 1.0, "pid": os.getpid()}
 
+    def records_process(response, ground_truth, **fields):
+        with open("scoring_processes.txt", "a") as f:
+            f.write(f"{os.getpid()}\\n")
+        return 1.0
+
     ARRIVED = 0
 
     async def four_tasks(response, ground_truth, **fields):
@@ -235,3 +240,27 @@ def test_training_stops_without_training_on_missing_rewards(tiny_tokenizer, tmp_
     assert main(argv) == 1
     metrics = run / "metrics.jsonl"
     assert not metrics.exists() or all(r["step"] == 0 for r in read_metrics(metrics))
+
+
+def test_training_scores_with_the_configured_workers(spec, tiny_tokenizer, tmp_path):
+    """reward.workers and reward.worker_kind reach the trainer's reward: two worker processes score a step."""
+    from conftest import family_model
+
+    from rlvr.cli import main
+    from rlvr.logging_utils import read_metrics
+
+    model_dir = tmp_path / "model"
+    family_model("qwen2", tiny_tokenizer).save_pretrained(model_dir)
+    tiny_tokenizer.save_pretrained(model_dir)
+    run = tmp_path / "run"
+    argv = ["train", "--model.name_or_path", str(model_dir), "--out", str(run), "--policy_device", "cpu"]
+    argv += ["--data.train_source", "arith:steps=1", "--data.val_size", "0", "--reward.fn", spec("records_process")]
+    argv += ["--reward.workers", "2", "--reward.worker_kind", "process", "--n_steps", "1", "--save_every", "0"]
+    argv += ["--rollout.n_prompts_per_rollout_batch", "2", "--rollout.group_size", "2", "--log.no-progress"]
+    argv += ["--rollout.max_new_tokens", "4", "--optim.gradient_accumulation_steps", "1", "--eval_every", "0"]
+    assert main(argv) == 0
+    step = read_metrics(run / "metrics.jsonl")[-1]
+    assert step["train/reward"] == 1.0 and step["train/reward/timeouts"] == 0
+    # Four rows shared between two worker processes, two each (the file is in the test's directory).
+    pids = (tmp_path / "scoring_processes.txt").read_text().split()
+    assert len(pids) == 4 and sorted(pids.count(p) for p in set(pids)) == [2, 2]
