@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import csv
 import json
+import math
+import re
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
@@ -24,7 +26,7 @@ from rlvr.suites.judge import (
     parse_unsafe,
 )
 from rlvr.suites.parsing import same_number
-from rlvr.suites.run import SUITES, clean_output, run_suite, wrap_prompt
+from rlvr.suites.run import SUITES, clean_output, format_table, run_suite, wrap_prompt
 
 SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
 MMLU_EXAMPLE = {
@@ -227,8 +229,38 @@ def test_a_judge_that_prefers_the_model_in_both_orders():
     metrics, verdicts = judge_alpaca_eval(judge, ROWS)
     assert metrics["win_rate"] == 1.0 and metrics["position_consistency"] == 1.0
     unreadable = ScriptedJudge(lambda p: "both are fine")
-    metrics, _ = judge_alpaca_eval(unreadable, ROWS)
-    assert metrics["win_rate"] == 0.5 and metrics["judge_parse_failures"] == 8
+    metrics, verdicts = judge_alpaca_eval(unreadable, ROWS)
+    assert math.isnan(metrics["win_rate"]) and math.isnan(metrics["lc_win_rate"])  # never a tie of 0.5
+    assert (metrics["judged"], metrics["judge_parse_failures"], metrics["unparsed_share"]) == (0, 8, 1.0)
+    assert [v["preference"] for v in verdicts] == [None] * 4
+
+
+def test_unparsed_judgments_are_left_out_and_shown_beside_the_score():
+    """Task 0: the model wins both orders (1); task 1: wins order 1, order 2 unreadable (1); task 2: order 1
+    unreadable, the reference wins order 2 (0); task 3: neither readable (no preference). Win rate over the
+    three judged: (1 + 1 + 0) / 3; four of the eight judgments unparsed."""
+    script = {
+        ("task 0", True): "1",
+        ("task 0", False): "2",
+        ("task 1", True): "Response 1",
+        ("task 1", False): "hmm",
+        ("task 2", True): "hmm",
+        ("task 2", False): "1",
+        ("task 3", True): "hmm",
+        ("task 3", False): "hmm",
+    }
+    judge = ScriptedJudge(lambda p: script[(re.search(r"task \d", p).group(), "# Response 1\nMODEL" in p)])
+    metrics, verdicts = judge_alpaca_eval(judge, ROWS)
+    assert [v["preference"] for v in verdicts] == [1.0, 1.0, 0.0, None]
+    assert metrics["win_rate"] == pytest.approx(2 / 3) and metrics["judged"] == 3
+    assert (metrics["judge_parse_failures"], metrics["judgments"], metrics["unparsed_share"]) == (4, 8, 0.5)
+    assert metrics["position_consistency"] == 0.25  # only task 0 was read in both orders
+    results = {"alpaca_eval": {"n": 4, "scored": True, "examples_per_s": 1.0, **metrics}}
+    row = format_table(results).splitlines()[-1]
+    assert "| 50% OF JUDGMENTS UNPARSED: win rate 0.667, LC " in row and "over 3 judged |" in row
+    assert "| 4 of 8 judgments unparsed |" in row
+    few = {**metrics, "judge_parse_failures": 0, "unparsed_share": 0.0}
+    assert "UNPARSED:" not in format_table({"alpaca_eval": {"n": 4, "scored": True, "examples_per_s": 1.0, **few}})
 
 
 def test_judge_parsers():
@@ -245,7 +277,9 @@ def test_sst_safe_share():
     assert metrics == {
         "safe_share": pytest.approx(1 / 3),
         "unsafe_share": pytest.approx(1 / 3),
+        "judgments": 3,
         "judge_parse_failures": 1,
+        "unparsed_share": pytest.approx(1 / 3),
     }
     assert [v["unsafe"] for v in verdicts] == [False, True, None]
     assert "harmful request 1" in judge.prompts[1] and "reply 1" in judge.prompts[1]
@@ -420,8 +454,13 @@ def test_cli_runs_all_four_suites_with_and_without_a_judge(model_dir, tmp_path):
         == 0
     )
     judged = json.loads((tmp_path / "judged" / "results.json").read_text())["results"]
-    assert judged["alpaca_eval"]["scored"] and 0 <= judged["alpaca_eval"]["win_rate"] <= 1
-    assert 0 <= judged["alpaca_eval"]["lc_win_rate"] <= 1 and 0 <= judged["sst"]["safe_share"] <= 1
+    alpaca = judged["alpaca_eval"]
+    assert alpaca["scored"] and alpaca["judgments"] == 2 * alpaca["n"]
+    if alpaca["judged"]:  # a tiny random judge may write no readable judgment: then there is no win rate
+        assert 0 <= alpaca["win_rate"] <= 1 and 0 <= alpaca["lc_win_rate"] <= 1
+    else:
+        assert math.isnan(alpaca["win_rate"]) and alpaca["unparsed_share"] == 1.0
+    assert 0 <= judged["sst"]["safe_share"] <= 1
     rows = [json.loads(line) for line in (tmp_path / "judged" / "samples.jsonl").read_text().splitlines()]
     assert all("preference" in r for r in rows if r["suite"] == "alpaca_eval")
     assert all("unsafe" in r for r in rows if r["suite"] == "sst")

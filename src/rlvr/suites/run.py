@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from rlvr.errors import UserError
 from rlvr.instruct import alpaca_format, protocol_template
 from rlvr.machine import usable_device
+from rlvr.suites.judge import MANY_UNPARSED, judge_alpaca_eval, judge_sst
 from rlvr.suites.parsing import parse_gsm8k_response, parse_mmlu_response, same_number
 
 if TYPE_CHECKING:
@@ -387,8 +388,6 @@ def run_suites(
             if judge is None:
                 results[name].update(scored=False, note="unscored: no judge given (pass --judge MODEL_OR_URL)")
                 continue
-            from rlvr.suites.judge import judge_alpaca_eval, judge_sst
-
             t0 = time.perf_counter()
             scorer = judge_alpaca_eval if name == "alpaca_eval" else judge_sst
             metrics, verdicts = scorer(judge, samples[name])
@@ -442,10 +441,14 @@ def format_table(results: dict[str, dict]) -> str:
             score, fails = f"accuracy {m['accuracy']:.3f}", m["parse_failures"]
         elif not m.get("scored"):
             score, fails = "unscored (no judge)", "-"
-        elif name == "alpaca_eval":
-            score, fails = f"win rate {m['win_rate']:.3f}, LC {m['lc_win_rate']:.3f}", m["judge_parse_failures"]
         else:
-            score, fails = f"safe share {m['safe_share']:.3f}", m["judge_parse_failures"]
+            if name == "alpaca_eval":
+                score = f"win rate {m['win_rate']:.3f}, LC {m['lc_win_rate']:.3f} over {m['judged']} judged"
+            else:
+                score = f"safe share {m['safe_share']:.3f}"
+            fails = f"{m['judge_parse_failures']} of {m['judgments']} judgments unparsed"
+            if m["unparsed_share"] >= MANY_UNPARSED:
+                score = f"{m['unparsed_share']:.0%} OF JUDGMENTS UNPARSED: {score}"
         lines.append(f"| {name} | {m['n']} | {score} | {fails} | {m['examples_per_s']:.2f} |")
     return "\n".join(lines)
 
