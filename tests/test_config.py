@@ -304,3 +304,12 @@ def test_group_of_one_with_a_mean_baseline_is_an_error():
     rft = resolved(rollout=RolloutConfig(group_size=1), algorithm=AlgorithmConfig(preset="rft"))
     assert rft.algorithm.baseline == "none"
     rft.validate()  # no baseline: the rewards themselves are the advantages, so a group of one trains
+
+
+def test_no_shipped_config_uses_the_vllm_engine():
+    """vllm is opt-in: it has never run against a real server (rlvr.engines.vllm). Comments may mention it."""
+    files = sorted(CONFIGS.rglob("*.yaml")) + sorted(CONFIGS.rglob("*.toml"))
+    assert len(files) > 10
+    for path in files:
+        settings = [line.split("#", 1)[0] for line in path.read_text().splitlines()]
+        assert not [line for line in settings if "vllm" in line.lower()], path

@@ -275,7 +275,7 @@ class EngineConfig:
     name: str = "hf"
     """Rollout engine: hf (in-process, shares the policy), hf-fast (the same with a static KV cache and CUDA
     graphs: the fastest on a GPU; OLMo-2, Llama, Qwen2 and Qwen3 models), auto (hf-fast when it runs the
-    model, else hf), hf-worker (own process and device), vllm (server)."""
+    model, else hf), hf-worker (own process and device), vllm (a vLLM server; opt-in, never run against a real server)."""
     device: str = "auto"
     """Engine device for hf-worker/vllm (auto: cuda:1 when two GPUs are visible, else the policy device)."""
     max_batch_size: int = 256
