@@ -171,8 +171,10 @@ def run_python(
         )
     finally:
         _remove(workdir)
-    if status.startswith("error:"):
-        raise SandboxError(f"the sandbox could not be set up: {status[len('error:') :].strip()}")
+    # An exec that fails after the launcher said ok adds its error line.
+    error = next((line for line in status.splitlines() if line.startswith("error:")), None)
+    if error is not None:
+        raise SandboxError(f"the sandbox could not be set up: {error[len('error:') :].strip()}")
     stderr = err.decode(errors="replace")
     if stopped is None and returncode is not None and returncode < 0:
         sig = signal.Signals(-returncode)

@@ -140,7 +140,7 @@ def _expose_interpreter(prefix: str) -> None:
     os.close(handle)
 
 
-def _enter_namespaces(settings: dict) -> None:
+def _enter_namespaces() -> None:
     uid, gid = os.getuid(), os.getgid()
     flags = CLONE_NEWNS | CLONE_NEWPID | CLONE_NEWNET
     if uid != 0:
@@ -218,7 +218,7 @@ def main() -> None:
         if os.getppid() != settings["parent_pid"]:
             os._exit(1)
         if settings["isolate"]:
-            _enter_namespaces(settings)
+            _enter_namespaces()
             launcher_alive, launcher_end = os.pipe()
             child = os.fork()
             if child:
