@@ -134,6 +134,11 @@ def test_clip_higher_is_a_config():
             "reward.overlong_buffer must be in",
         ),
         (dict(reward=RewardConfig(overlong_penalty=-1.0)), "reward.overlong_penalty must be >= 0"),
+        (
+            dict(rollout=RolloutConfig(filter_groups=True), engine=EngineConfig(name="hf-worker")),
+            "rollout.filter_groups samples more prompts",
+        ),
+        (dict(rollout=RolloutConfig(filter_max_rounds=0)), "rollout.filter_max_rounds must be >= 1"),
         (dict(rollout=RolloutConfig(rollout_batch_size=100, group_size=8)), "not divisible by rollout.group_size=8"),
         (dict(rollout=RolloutConfig(temperature=0.0)), "temperature must be > 0"),
         (dict(prompt="cot"), "unknown prompt 'cot'"),

@@ -70,21 +70,21 @@ def trains_and_resumes_exactly(
     def model_args() -> dict:
         return {"model": fresh_model(tokenizer), "tokenizer": tokenizer} if model_given else {}
 
+    cfg = dataclasses.replace(cfg, dump_every=1)  # the last step but one's dump arms the crash
     train(cfg, tmp_path / "straight", reward_fn=reward, **model_args())
-    calls = {"n": 0, "resumed": False}
-    per_step = cfg.rollout_batch_size
+    broken = tmp_path / "broken"
+    armed = broken / "rollouts" / f"step_{cfg.n_steps - 1}.jsonl"
+    resumed = {"now": False}
 
     def crashes_in_the_last_step(response, gt):
-        calls["n"] += 1
-        if calls["n"] > per_step * (cfg.n_steps - 1) and not calls["resumed"]:
+        if armed.exists() and not resumed["now"]:
             raise ValueError("grader bug")
         return reward(response, gt)
 
-    broken = tmp_path / "broken"
     with pytest.raises(GraderError):
         train(cfg, broken, reward_fn=crashes_in_the_last_step, **model_args())
     assert latest_checkpoint(broken).name == "step_000002"
-    calls["resumed"] = True
+    resumed["now"] = True
     train(cfg, broken, resume=True, reward_fn=crashes_in_the_last_step, **model_args())
     a, b = read_metrics(tmp_path / "straight" / "metrics.jsonl"), read_metrics(broken / "metrics.jsonl")
     assert _strip_timings(a) == _strip_timings(b)
@@ -152,7 +152,6 @@ def test_overlong_filtering_and_soft_penalty_train_and_resume(gsm8k_path, tiny_t
         prompt_options=PromptOptions(stop=("e",)),
         rollout=RolloutConfig(n_prompts_per_rollout_batch=2, group_size=4, max_new_tokens=6),
     )
-    cfg = dataclasses.replace(cfg, dump_every=1)
     rows = trains_and_resumes_exactly(cfg, tiny_tokenizer, tmp_path)
     assert any(0 < r["train/truncated_frac"] < 1 for r in rows)
     assert all(-0.5 <= r["train/overlong_penalty"] <= 0 for r in rows)
@@ -163,3 +162,49 @@ def test_overlong_filtering_and_soft_penalty_train_and_resume(gsm8k_path, tiny_t
     cut = [d for d in dumped if d["finish_reason"] == "length"]
     assert cut and all(d["n_train_tokens"] == 0 and d["advantage"] == 0 for d in cut)
     assert any(d["n_train_tokens"] > 0 for d in dumped if d["finish_reason"] != "length")
+
+
+def parity_on_even_truths(response: str, ground_truth: str) -> dict:
+    """Parity where the ground truth has an even number of characters, else always 0: the groups of the
+    other prompts carry no signal, for dynamic sampling to replace."""
+    r = float(len(response) % 2 == 0) if len(ground_truth) % 2 == 0 else 0.0
+    return {"reward": r, "answer_reward": r, "format_reward": 1.0}
+
+
+def test_signal_free_groups():
+    from rlvr.trainer import _signal_free
+
+    rewards = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.5, 0.5, 0.5, 1.0, 0.0, 1.0])
+    assert _signal_free(rewards, 3) == [True, False, True, False]
+
+
+@pytest.mark.slow
+def test_dynamic_sampling_fills_the_batch_and_resumes(gsm8k_path, tiny_tokenizer, tmp_path):
+    import json
+
+    cfg = knob_config(
+        gsm8k_path,
+        rollout=RolloutConfig(n_prompts_per_rollout_batch=4, group_size=4, max_new_tokens=6, filter_groups=True),
+        optim=OptimConfig(lr=3e-3, gradient_accumulation_steps=2),
+    )
+    rows = trains_and_resumes_exactly(cfg, tiny_tokenizer, tmp_path, reward=parity_on_even_truths)
+    assert sum(r["rollout/filter_resampled"] for r in rows) > 0
+    for r in rows:
+        # every place still without signal after the rounds is a zero-advantage group, and only those
+        assert r["train/zero_adv_frac"] * 4 == pytest.approx(r["rollout/filter_unfilled"])
+        assert r["rollout/filter_dropped"] >= r["rollout/filter_unfilled"]
+        assert r["rollout/filter_rounds"] <= 3
+    from rlvr.trainer import _rollout_request
+
+    filled = next(r["step"] for r in rows if r["rollout/filter_resampled"] > 0)
+    dumped = [
+        json.loads(x) for x in (tmp_path / "straight" / "rollouts" / f"step_{filled}.jsonl").read_text().splitlines()
+    ]
+    sampled_first = _rollout_request(cfg, _train_examples(cfg))(filled)[0]
+    assert [d["prompt"] for d in dumped[::4]] != sampled_first  # a group was replaced
+
+
+def _train_examples(cfg: TrainConfig):
+    from rlvr.task_config import load_task_data
+
+    return load_task_data(cfg.resolve())[0]

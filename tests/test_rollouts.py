@@ -136,5 +136,18 @@ def test_update_spec_is_read_from_the_config_once():
     ).resolve()
     spec = UpdateSpec.from_config(cfg)
     assert spec.shuffle and spec.uses_old_log_probs and spec.train_batch_size == 64 and spec.epochs == 2
-    assert (spec.reweighting, spec.cliprange, spec.loss_normalization) == ("ppo_clip", 0.2, "constant")
+    assert (spec.reweighting, spec.cliprange, spec.loss_normalization) == ("ppo_clip", (0.2, 0.2), "constant")
+    assert (spec.kl_coef_in_loss, spec.entropy_coef) == (0.0, 0.0)
+    knobs = TrainConfig(
+        algorithm=AlgorithmConfig(reweighting="ppo_clip", cliprange_high=0.28, kl_coef=0.1, entropy_coef=0.01)
+    )
+    knob_spec = UpdateSpec.from_config(knobs.resolve())
+    assert (knob_spec.cliprange, knob_spec.kl_coef_in_loss, knob_spec.kl_estimator, knob_spec.entropy_coef) == (
+        (0.2, 0.28),
+        0.1,
+        "k3",
+        0.01,
+    )
+    reward_kl = TrainConfig(algorithm=AlgorithmConfig(kl_coef=0.1, kl_in="reward")).resolve()
+    assert UpdateSpec.from_config(reward_kl).kl_coef_in_loss == 0.0  # the KL went into the reward
     assert spec.normalization_constant == cfg.algorithm.normalization_constant

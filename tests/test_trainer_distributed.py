@@ -52,6 +52,11 @@ def parity(response, ground_truth, **fields):
     if crash_after and (Path(crash_after) / "rollouts" / "step_2.jsonl").exists():
         raise RuntimeError("planted grader crash")
     return float(len(response) % 2 == 0)
+
+
+def parity_on_even_truths(response, ground_truth, **fields):
+    """Parity where the ground truth has an even number of characters, else always 0 (no signal)."""
+    return float(len(response) % 2 == 0) if len(ground_truth) % 2 == 0 else 0.0
 '''
 
 
@@ -265,6 +270,12 @@ KNOBS = {
         },
         ("train/overlong_penalty", "train/truncated_frac"),
     ),
+    # dynamic sampling: every rank fills its own places, as one process does; FSDP2
+    "fsdp_filter_groups": (
+        "fsdp",
+        {"rollout": {"filter_groups": True}, "reward": {"fn": "REWARD_FILE:parity_on_even_truths"}},
+        ("rollout/filter_resampled", "rollout/filter_dropped", "rollout/filter_unfilled"),
+    ),
 }
 
 
@@ -272,6 +283,7 @@ KNOBS = {
 def test_knobs_over_two_ranks_equal_one_process(name, setup, tmp_path):
     root, base = setup
     strategy, sections, metrics = KNOBS[name]
+    sections = json.loads(json.dumps(sections).replace("REWARD_FILE", str(root / "reward.py")))
     cfg = _config_file(tmp_path / "cfg.json", base, **sections)
     train(load_config_file(cfg), tmp_path / "one")
     proc = _torchrun(["--config", str(cfg), "--out", str(tmp_path / "two"), "--distributed.strategy", strategy])

@@ -202,6 +202,10 @@ class RolloutConfig:
     """Nucleus sampling mass."""
     max_new_tokens: int = 512
     """Longest response in tokens; longer ones are cut (finish_reason 'length')."""
+    filter_groups: bool = False
+    """DAPO's dynamic sampling: a group whose rewards are all equal (no signal) is replaced by a group of another prompt, sampled for its place in the batch, for up to filter_max_rounds extra rounds; logged as rollout/filter_*."""
+    filter_max_rounds: int = 3
+    """Extra sampling rounds of rollout.filter_groups per step; places still without signal after them train as they are (zero advantage)."""
 
 
 @dataclass(frozen=True)
@@ -613,6 +617,13 @@ class TrainConfig:
         )
         need(0 < r.top_p <= 1, f"rollout.top_p must be in (0, 1], got {r.top_p}")
         need(r.max_new_tokens >= 1, f"rollout.max_new_tokens must be >= 1, got {r.max_new_tokens}")
+        need(r.filter_max_rounds >= 1, f"rollout.filter_max_rounds must be >= 1, got {r.filter_max_rounds}")
+        need(
+            not r.filter_groups or (self.engine.max_staleness == 0 and self.engine.name != "hf-worker"),
+            "rollout.filter_groups samples more prompts at the step with the current weights; it needs a synchronous "
+            f"engine (engine.max_staleness 0, not hf-worker; got {self.engine.name}, max_staleness "
+            f"{self.engine.max_staleness})",
+        )
         rw = self.reward
         need(
             0 <= rw.overlong_buffer <= r.max_new_tokens,

@@ -100,7 +100,7 @@ from rlvr.config import (
 )
 from rlvr.distributed.world import World, gather_objects, rank_row_range
 from rlvr.engines.base import Engine, SamplingParams, WorkerEngine
-from rlvr.engines.rollouts import RolloutBatch, RolloutRequest, Rollouts, SyncRollouts
+from rlvr.engines.rollouts import RolloutBatch, RolloutRequest, Rollouts, SyncRollouts, tokenize_groups
 from rlvr.errors import EngineError, GraderError, NonFiniteError, TrainingError, UserError
 from rlvr.grpo import (
     REWEIGHTINGS,
@@ -630,6 +630,81 @@ def _score(
     return Scores(raw_rewards, reward_meta, truths)
 
 
+def _signal_free(rewards: torch.Tensor, group_size: int) -> list[bool]:
+    """Per group of ``group_size`` consecutive rewards: whether they are all equal (no learning signal)."""
+    groups = rewards.view(-1, group_size)
+    return (groups == groups[:, :1]).all(dim=1).tolist()
+
+
+def _fill_groups(
+    config: TrainConfig,
+    step: int,
+    batch: RolloutBatch,
+    examples: list[Example],
+    scores: Scores,
+    run: RunParts,
+    log: dict,
+) -> tuple[RolloutBatch, list[Example], Scores]:
+    """``rollout.filter_groups`` (DAPO's dynamic sampling): each group whose rewards are all equal is
+    replaced by the group of another prompt, for up to ``filter_max_rounds`` rounds. The replacement of
+    the group at global batch position i in round k is a function of (seed, step, k, i) alone (its
+    prompt drawn from the training data, its sampling seed), so every rank fills its own places as one
+    process would. The filled batch is graded again for its metrics. Logs ``rollout/filter_dropped``
+    (signal-free groups met, replacements included), ``rollout/filter_resampled`` (groups sampled
+    again), ``rollout/filter_rounds`` and ``rollout/filter_unfilled`` (places still signal-free)."""
+    G, r = config.rollout.group_size, config.rollout
+    positions = list(_rank_prompts(config, run.world))
+    free = _signal_free(scores.rewards, G)
+    prompts, groups, examples = list(batch.prompts), list(batch.completions), list(examples)
+    dropped, resampled, rounds = sum(free), 0, 0
+    rollouts = cast(SyncRollouts, run.rollouts)
+    for k in range(1, r.filter_max_rounds + 1):
+        todo = [j for j, f in enumerate(free) if f]
+        if not todo:
+            break
+        rounds = k
+        picks = [derive_seed(config.seed, "filter", step, k, positions[j]) % len(run.train_examples) for j in todo]
+        new_examples = [run.train_examples[i] for i in picks]
+        new_prompts = [run.prompt.render(ex.question) for ex in new_examples]
+        params = dataclasses.replace(
+            batch.params,
+            seed=derive_seed(config.seed, "filter", step, k),
+            prompt_seeds=tuple(derive_seed(config.seed, "filter", step, k, positions[j], "sample") for j in todo),
+        )
+        extra = rollouts.generate(new_prompts, params, step)
+        new_scores = _score(config, step, extra, run.reward_fn, new_examples, {}, run.prompt)
+        resampled += len(todo)
+        for t, (j, still_free) in enumerate(zip(todo, _signal_free(new_scores.rewards, G))):
+            prompts[j], groups[j], examples[j] = new_prompts[t], extra.completions[t], new_examples[t]
+            free[j] = still_free
+            dropped += still_free
+        log["time/generate"] += extra.timings["time/generate"]
+    log.update(
+        {
+            "rollout/filter_dropped": dropped,
+            "rollout/filter_resampled": resampled,
+            "rollout/filter_rounds": rounds,
+            "rollout/filter_unfilled": sum(free),
+        }
+    )
+    if not resampled:
+        return batch, examples, scores
+    tokens = tokenize_groups(run.tokenizer, prompts, groups)
+    filled = dataclasses.replace(
+        batch,
+        prompts=prompts,
+        completions=groups,
+        input_ids=tokens["input_ids"],
+        labels=tokens["labels"],
+        response_mask=tokens["response_mask"],
+        old_log_probs=None,
+    )
+    time_reward = log["time/reward"]
+    scores = _score(config, step, filled, run.reward_fn, examples, log, run.prompt)
+    log["time/reward"] += time_reward
+    return filled, examples, scores
+
+
 def _engine_agreement(
     completions: Sequence[Completion],
     output_ids: list[list[int]],
@@ -963,6 +1038,8 @@ def _rollout_step(config: TrainConfig, step: int, run_dir: Path, run: RunParts, 
     batch = _rollout(step, run.engine_weights, run.rollouts, run.request, log)
     examples = _step_examples(config, run.train_examples, step, run.world)
     scores = _score(config, step, batch, run.reward_fn, examples, log, run.prompt)
+    if config.rollout.filter_groups:
+        batch, examples, scores = _fill_groups(config, step, batch, examples, scores, run, log)
     train_batch = _advantages(config, step, batch, scores, run, log)
     if config.log.gradient_variance_every and step % config.log.gradient_variance_every == 0:
         _gradient_variance(config, run, train_batch, scores, log)
@@ -983,8 +1060,14 @@ def _rollout_step(config: TrainConfig, step: int, run_dir: Path, run: RunParts, 
     return log
 
 
-_MAX_METRICS = ("time/", "mem/")
-_SUM_METRICS = ("tokens_per_s", "train/reward/timeouts")
+_MAX_METRICS = ("time/", "mem/", "rollout/filter_rounds")
+_SUM_METRICS = (
+    "tokens_per_s",
+    "train/reward/timeouts",
+    "rollout/filter_dropped",
+    "rollout/filter_resampled",
+    "rollout/filter_unfilled",
+)
 
 
 def global_metrics(rank_logs: list[dict], rank_rewards: list[list[float]]) -> dict:

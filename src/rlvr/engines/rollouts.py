@@ -98,6 +98,23 @@ def check_group_shape(groups: list[list[Completion]], n_prompts: int, group_size
         )
 
 
+def tokenize_groups(
+    tokenizer: PreTrainedTokenizerBase, prompts: list[str], groups: list[list[Completion]]
+) -> dict[str, torch.Tensor]:
+    """``input_ids``, ``labels`` and ``response_mask`` of the prompt-major rows of ``groups`` (one group of
+    completions per prompt), tokenised from text (what every engine returns) so that training sees the
+    same ids whatever the engine."""
+    from rlvr.grpo import tokenize_from_ids
+    from rlvr.grpo.tokenize import pad_token_id
+    from rlvr.tokens import encode_texts
+
+    responses = [c.text for g in groups for c in g]
+    output_ids = encode_texts(tokenizer, responses)
+    prompt_ids = encode_texts(tokenizer, prompts)
+    owner = [i for i, g in enumerate(groups) for _ in g]
+    return tokenize_from_ids([prompt_ids[i] for i in owner], output_ids, pad_token_id(tokenizer))
+
+
 class SyncRollouts:
     """Rollouts generated at the call by an engine that takes the trainer's weights in place (or over
     the wire) before every batch: every batch is on-policy (weight version ``step - 1``)."""
@@ -108,10 +125,6 @@ class SyncRollouts:
         self.request = request
 
     def next_batch(self, step: int, model: torch.nn.Module) -> RolloutBatch:
-        from rlvr.grpo import tokenize_from_ids
-        from rlvr.grpo.tokenize import pad_token_id
-        from rlvr.tokens import encode_texts
-
         t0 = time.perf_counter()
         try:
             sync_meta = self.engine.sync_weights(model) or {}
@@ -123,6 +136,13 @@ class SyncRollouts:
         sync = {"time/sync": time.perf_counter() - t0}
         sync.update({k: v for k, v in sync_meta.items() if k != "time/sync"})
         prompts, params = self.request(step)
+        batch = self.generate(prompts, params, step)
+        batch.sync = sync
+        return batch
+
+    def generate(self, prompts: list[str], params: SamplingParams, step: int) -> RolloutBatch:
+        """``prompts`` sampled as ``params`` say by the engine's current weights (version ``step - 1``)
+        and tokenised: the batch of step ``step``, or more rollouts for it (``rollout.filter_groups``)."""
         t0 = time.perf_counter()
         try:
             groups = self.engine.generate(prompts, params)
@@ -133,15 +153,8 @@ class SyncRollouts:
             ) from e
         generate_time = time.perf_counter() - t0
         check_group_shape(groups, len(prompts), params.n, step)
-
-        # Tokenise from text (what every engine returns) so that training sees the same ids whatever the engine.
         t0 = time.perf_counter()
-        responses = [c.text for g in groups for c in g]
-        output_ids = encode_texts(self.tokenizer, responses)
-        prompt_ids = encode_texts(self.tokenizer, prompts)
-        batch = tokenize_from_ids(
-            [prompt_ids[i // params.n] for i in range(len(responses))], output_ids, pad_token_id(self.tokenizer)
-        )
+        tokens = tokenize_groups(self.tokenizer, prompts, groups)
         return RolloutBatch(
             step=step,
             weight_version=step - 1,
@@ -149,11 +162,10 @@ class SyncRollouts:
             prompts=prompts,
             params=params,
             completions=groups,
-            input_ids=batch["input_ids"],
-            labels=batch["labels"],
-            response_mask=batch["response_mask"],
+            input_ids=tokens["input_ids"],
+            labels=tokens["labels"],
+            response_mask=tokens["response_mask"],
             old_log_probs=None,
-            sync=sync,
             timings={"time/generate": generate_time, "time/tokenize": time.perf_counter() - t0},
         )
 
