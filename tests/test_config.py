@@ -213,6 +213,7 @@ def test_config_json_round_trips(tmp_path):
         "gsm8k_olmo2_1b_offpolicy_32x.toml",
         "tiny_cpu.yaml",
         "gsm8k_olmo2_1b_async_2gpu.yaml",
+        "gsm8k_olmo2_1b_dapo.yaml",
     ],
 )
 def test_example_configs_validate(name):
@@ -223,6 +224,15 @@ def test_example_configs_validate(name):
     if "async" in name:
         assert c.engine.max_staleness == 1 and c.engine.name == "hf-worker" and c.engine.device != c.policy_device
         assert c.algorithm.reweighting == "grpo" and c.algorithm.cliprange == 0.2 and not c.off_policy
+    if "dapo" in name:
+        a = c.algorithm
+        assert (a.reweighting, a.cliprange_low, a.cliprange_high, a.loss_normalization) == (
+            "ppo_clip",
+            0.2,
+            0.28,
+            "token",
+        )
+        assert a.kl_coef == 0 and c.rollout.filter_groups and c.reward.overlong_buffer == 128 and c.off_policy
     if "32x" in name:
         assert c.updates_per_rollout_batch == 32 and c.algorithm.cliprange == 0.2
     if "olmo2_1b_grpo" in name:

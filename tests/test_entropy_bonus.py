@@ -1,6 +1,6 @@
-"""The entropy bonus (``algorithm.entropy_coef``): the fused head's entropy gradient equals autograd
-through plain logits, and a whole update with the bonus equals the update of the loss written out
-with plain logits, ``mean_seq mean_t (-A logp_t - c H_t)``."""
+"""The entropy bonus (``algorithm.entropy_coef``) and DAPO's token-level loss: the fused head's entropy
+gradient equals autograd through plain logits, and a whole update with the bonus (or the token-level
+aggregation) equals the update of the loss written out with plain logits."""
 
 from __future__ import annotations
 
@@ -60,3 +60,28 @@ def test_entropy_bonus_update_equals_the_loss_written_out(tiny_model):
     ((per_token * m).sum(1) / m.sum(1)).mean().backward()  # sequence aggregation
     for (name, p), q, start in zip(model.named_parameters(), manual.parameters(), tiny_model.parameters()):
         torch.testing.assert_close(start - p, q.grad, rtol=1e-4, atol=1e-6, msg=name)  # SGD at lr 1: -grad
+
+
+def test_token_level_update_equals_the_loss_written_out(tiny_model):
+    """DAPO's token-level loss through the microbatched update (two microbatches, a zero-advantage row
+    skipped) equals one backward of sum(-A logp over response tokens) / (the batch's response tokens)."""
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(3, tiny_model.config.vocab_size, (4, 6), generator=g)
+    labels = torch.roll(ids, -1, 1)
+    mask = torch.zeros(4, 6, dtype=torch.bool)
+    mask[:, 2:] = True
+    mask[1, 4:] = False
+    mask[3, 3:] = False
+    adv = torch.tensor([1.0, 0.0, -0.5, 2.0])
+    model = copy.deepcopy(tiny_model)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    _, meta = policy_gradient_update(model, opt, ids, labels, mask, adv, 2, None, loss_normalization="token")
+    assert meta["n_sequences"] == 3  # the zero-advantage row skipped; its tokens still count below
+
+    manual = copy.deepcopy(tiny_model)
+    log_p = F.log_softmax(manual(input_ids=ids).logits.float(), dim=-1)
+    logp = log_p.gather(-1, labels[..., None]).squeeze(-1)
+    m = mask.float()
+    ((-adv[:, None] * logp * m).sum() / m.sum()).backward()
+    for (name, p), q, start in zip(model.named_parameters(), manual.parameters(), tiny_model.parameters()):
+        torch.testing.assert_close(start - p, q.grad, rtol=1e-4, atol=1e-6, msg=name)

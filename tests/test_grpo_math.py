@@ -270,6 +270,8 @@ def test_aggregation_by_hand():
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
     assert aggregate_loss_across_microbatch(loss, mask, "sequence").item() == pytest.approx((1.5 + 4.0) / 2)
     assert aggregate_loss_across_microbatch(loss, mask, "constant", 10.0).item() == pytest.approx(0.7)
+    # DAPO's token-level loss: (1 + 2 + 4) over the batch's 3 response tokens
+    assert aggregate_loss_across_microbatch(loss, mask, "token").item() == pytest.approx(7 / 3)
 
 
 def test_sequence_equals_constant_when_lengths_match_the_constant():
@@ -288,4 +290,4 @@ def test_aggregation_errors():
     with pytest.raises(ValueError, match="normalization_constant"):
         aggregate_loss_across_microbatch(loss, mask, "constant")
     with pytest.raises(ValueError, match="loss_normalization"):
-        aggregate_loss_across_microbatch(loss, mask, "token")
+        aggregate_loss_across_microbatch(loss, mask, "median")

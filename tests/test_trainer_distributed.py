@@ -259,12 +259,12 @@ KNOBS = {
         },
         ("train/kl_penalty",),
     ),
-    # DAPO's overlong filtering and soft penalty, DDP; a stop string that random text reaches, so that
+    # DAPO's overlong filtering and soft penalty with its token-level loss, DDP; a stop string that random text reaches, so that
     # some responses stop and the others are cut
     "ddp_overlong": (
         "ddp",
         {
-            "algorithm": {"mask_truncated": True},
+            "algorithm": {"mask_truncated": True, "loss_normalization": "token"},
             "reward": {"overlong_buffer": 3, "overlong_penalty": 0.5},
             "prompt_options": {"stop": ["e"]},
         },

@@ -161,7 +161,7 @@ class AlgorithmConfig:
     advantage_eps: float = 1e-6
     """Added to the normalizer to avoid division by zero."""
     loss_normalization: str | None = None
-    """How token losses are aggregated: sequence (mean per sequence, then over sequences) or constant (sum / normalization_constant); default from the preset."""
+    """How token losses are aggregated: sequence (mean per sequence, then over sequences), constant (sum / normalization_constant) or token (sum / the batch's response tokens, DAPO); default from the preset."""
     normalization_constant: float | None = None
     """Divisor for constant normalization (default: train_batch_size x max_new_tokens, fixed for the whole run)."""
     reweighting: str = "none"

@@ -7,6 +7,11 @@ short responses weigh the same per sequence, so each token of a long wrong answe
 ``constant`` (Dr. GRPO): the sum of response-token losses divided by one constant fixed for all of
 training (batch size × max generation length), so every token weighs the same.
 
+``token`` (DAPO's token-level loss, Yu et al. 2025, section 3.3): the sum of response-token losses
+divided by the number of response tokens in the optimizer step's batch (all of it: every rank's rows,
+zero-advantage rows included), which the train step counts before its first microbatch. Every token
+of a batch weighs the same, as with ``constant``, but the scale follows the batch's length.
+
 Aggregations are registered in ``AGGREGATIONS`` like the baselines, normalizers and reweighting
 methods (``register_aggregation``); each says how a sequence's summed token loss is divided
 (``divisor``), which fixes both the loss of a microbatch and the weight of one token.
@@ -33,19 +38,21 @@ class Aggregation:
     """The batch loss is a mean over sequences: each microbatch's own mean is scaled by its share of the
     batch's sequences, so that the accumulated gradient equals the whole batch's."""
     needs_normalization_constant: bool = False
+    batch_tokens: bool = False
+    """The constant is the batch's response-token count, which the train step counts and passes."""
 
 
 AGGREGATIONS: dict[str, Aggregation] = {}
 
 
 def register_aggregation(
-    name: str, per_sequence: bool, needs_normalization_constant: bool = False
+    name: str, per_sequence: bool, needs_normalization_constant: bool = False, batch_tokens: bool = False
 ) -> Callable[[Divisor], Divisor]:
     """Decorator: make ``divisor(n_tokens, batch_size, normalization_constant)`` selectable as
     ``loss_normalization=name`` (see ``Aggregation``)."""
 
     def deco(divisor: Divisor) -> Divisor:
-        AGGREGATIONS[name] = Aggregation(divisor, per_sequence, needs_normalization_constant)
+        AGGREGATIONS[name] = Aggregation(divisor, per_sequence, needs_normalization_constant, batch_tokens)
         return divisor
 
     return deco
@@ -60,6 +67,15 @@ def _per_sequence_tokens(n_tokens: Number, batch_size: int, normalization_consta
 @register_aggregation("constant", per_sequence=False, needs_normalization_constant=True)
 def _fixed_constant(n_tokens: Number, batch_size: int, normalization_constant: float | None) -> Number:
     return normalization_constant
+
+
+@register_aggregation("token", per_sequence=False, batch_tokens=True)
+def _batch_tokens(n_tokens: Number, batch_size: int, normalization_constant: float | None) -> Number:
+    if normalization_constant is not None:  # the train step's count over the whole batch
+        return normalization_constant
+    # Called on one batch directly: its own token count (n_tokens per sequence, or the mean per sequence).
+    total = n_tokens.sum() if isinstance(n_tokens, torch.Tensor) else n_tokens * batch_size
+    return total.clamp(min=1) if isinstance(total, torch.Tensor) else max(total, 1)
 
 
 def get_aggregation(name: str, normalization_constant: float | None = None) -> Aggregation:

@@ -187,10 +187,15 @@ def policy_gradient_update(
     if plan is None:
         plan = microbatch_plan(lengths, keep, rows_per_microbatch, max_tokens_per_microbatch)
     n_runs = len(plan)
+    batch_tokens = float(response_mask.sum())  # DAPO's token-level loss: every response token of the batch
     if global_batch is not None:
         from rlvr.distributed.world import reduce_values
 
         n_runs = int(reduce_values([len(plan)], "max", global_batch.group)[0])
+        if aggregation.batch_tokens:
+            batch_tokens = float(reduce_values([batch_tokens], "sum", global_batch.group)[0])
+    if aggregation.batch_tokens:
+        normalization_constant = max(batch_tokens, 1.0)
 
     total_loss = torch.zeros((), device=device)
     ent_sum = torch.zeros((), device=device)
