@@ -111,7 +111,7 @@ def test_manifest_catches_truncation_random_bytes_and_missing_files(tiny_model, 
     assert ck.verify_checkpoint(path) == ["model/model.safetensors does not match its checksum"]
     weights.unlink()
     assert ck.verify_checkpoint(path) == ["model/model.safetensors is missing"]
-    # A checkpoint from before manifests has nothing to be checked against.
+    # A checkpoint from before manifests is checked file by file (see the next test).
     weights.write_bytes(good)
     (path / ck.MANIFEST).unlink()
     assert ck.verify_checkpoint(path) == []
@@ -142,6 +142,58 @@ def test_no_intact_checkpoint_is_an_error(tiny_model, tiny_tokenizer, tmp_path):
         with pytest.raises(ck.CheckpointError, match="has no intact checkpoint to resume from"):
             ck.resumable_checkpoint(tmp_path, echo=lambda s: None)
     assert ck.resumable_checkpoint(tmp_path / "never_ran") is None
+
+
+def test_without_a_manifest_each_file_is_checked_to_load(tiny_model, tiny_tokenizer, tmp_path):
+    opt, sched = _setup(tiny_model)
+    path = ck.save_checkpoint(tmp_path, 1, tiny_model, tiny_tokenizer, opt, sched, state={})
+    (path / ck.MANIFEST).unlink()
+    assert ck.verify_checkpoint(path) == [] and not ck.verified_by_manifest(path)
+    weights, state, config = path / "model" / "model.safetensors", path / ck.STATE_FILE, path / "model" / "config.json"
+    good_weights, good_state, good_config = weights.read_bytes(), state.read_bytes(), config.read_text()
+    weights.write_bytes(good_weights[:-7])
+    assert ck.verify_checkpoint(path) == [
+        f"model/model.safetensors has {len(good_weights) - 7} bytes, its header describes {len(good_weights)}"
+    ]
+    weights.write_bytes(b"\xff" * 64)
+    assert ck.verify_checkpoint(path) == ["model/model.safetensors is not a safetensors file (no valid header)"]
+    weights.write_bytes(good_weights)
+    state.write_bytes(good_state[: len(good_state) // 2])
+    config.write_text(good_config[:-5])
+    problems = ck.verify_checkpoint(path)
+    assert problems[0] == "model/config.json is not valid JSON"
+    assert problems[1].startswith("trainer_state.pt does not load (") and len(problems) == 2
+    weights.unlink()
+    assert "model/ holds no *.safetensors weights" in ck.verify_checkpoint(path)
+
+
+def test_a_weights_only_checkpoint_is_passed_over_and_resumed_only_when_asked(tiny_model, tiny_tokenizer, tmp_path):
+    opt, sched = _setup(tiny_model)
+    for step in (1, 2):
+        _train_a_bit(tiny_model, opt, sched)
+        ck.save_checkpoint(tmp_path, step, tiny_model, tiny_tokenizer, opt, sched, state={}, keep=2)
+    (tmp_path / "checkpoints" / "step_000002" / ck.STATE_FILE).unlink()
+    assert ck.verify_checkpoint(tmp_path / "checkpoints" / "step_000002") == [ck.WEIGHTS_ONLY]
+    said: list[str] = []
+    # The older complete checkpoint is taken, and the fall-back is said; the weights-only one stays in place.
+    assert ck.resumable_checkpoint(tmp_path, echo=said.append).name == "step_000001"
+    assert "step_000002 holds weights only (trainer_state.pt is missing)" in said[0] and "--fresh-optimizer" in said[0]
+    assert said[1] == "rlvr: resuming from step_000001, the newest intact checkpoint"
+    assert [p.name for p in ck.checkpoint_dirs(tmp_path)] == ["step_000001", "step_000002"]
+    said.clear()
+    newest = ck.resumable_checkpoint(tmp_path, echo=said.append, fresh_optimizer=True)
+    assert newest.name == "step_000002" and "with a fresh optimizer" in said[0]
+    # Its state: the step from its name, the optimizer as created, the schedule moved to that step
+    # (lr 1e-3 x 1 / (2 + 1)).
+    opt2, sched2 = _setup(tiny_model)
+    assert ck.load_trainer_state(newest, opt2, sched2) == {"step": 2, "fresh_optimizer": True}
+    assert opt2.state_dict()["state"] == {} and sched2.last_epoch == 2
+    assert opt2.param_groups[0]["lr"] == pytest.approx(1e-3 / 3) and sched2.get_last_lr() == [pytest.approx(1e-3 / 3)]
+    # With no complete checkpoint left, resuming stops and names the checkpoint and the flag.
+    (tmp_path / "checkpoints" / "step_000001" / ck.STATE_FILE).unlink()
+    with pytest.raises(ck.CheckpointError, match="step_000002 holds weights only .*resume with --fresh-optimizer"):
+        ck.resumable_checkpoint(tmp_path, echo=lambda s: None)
+    assert [p.name for p in ck.checkpoint_dirs(tmp_path)] == ["step_000001", "step_000002"]
 
 
 def test_damaged_middle_metrics_line_is_skipped_and_the_rest_kept(tmp_path):

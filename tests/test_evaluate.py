@@ -3,7 +3,9 @@ end-to-end CLI run on a tiny model over GSM8K test rows."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import warnings
 
 import pytest
 
@@ -238,3 +240,15 @@ def test_rlvr_eval_on_hf_fast_equals_hf_greedy(tmp_path, tiny_model_dir, gsm8k_p
         assert set(m["pass_at_k"]) == {"1", "2"} and m["avg_at_k"] == pytest.approx(m["categories"]["correct"] / 8)
     assert [s["response"] for s in runs["hf-fast"]] == [s["response"] for s in runs["hf"]]
     assert [s["response"] for s in runs["auto"]] == [s["response"] for s in runs["hf"]]
+
+
+def test_greedy_decoding_sampled_n_times_warns(tmp_path, tiny_model_dir):
+    from rlvr.evaluate import EvalConfig, check_args
+
+    cfg = EvalConfig(model=str(tiny_model_dir), out=tmp_path / "e", temperature=0.0, n=4)
+    with pytest.warns(UserWarning, match="--temperature 0 is greedy decoding: the --n 4 samples"):
+        check_args(cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_args(dataclasses.replace(cfg, n=1))
+        check_args(dataclasses.replace(cfg, temperature=0.7))

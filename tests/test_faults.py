@@ -311,6 +311,39 @@ def test_only_checkpoint_damaged_is_a_clear_error_not_a_restart(
     assert "no intact checkpoint" in capsys.readouterr().err
 
 
+def test_checkpoint_without_trainer_state_never_restarts_the_run(
+    gsm8k_path, tiny_model, tiny_tokenizer, tmp_path, capsys
+):
+    """The optimizer state deleted to save disk: named, nothing thrown away, resumed only when asked."""
+    cfg = tiny_config(gsm8k_path, n_steps=2, save_every=1)
+    run(cfg, tmp_path, tiny_model, tiny_tokenizer)
+    ckpt = tmp_path / "checkpoints" / "step_000002"
+    (ckpt / "trainer_state.pt").unlink()
+    kept = {name: (tmp_path / name).read_bytes() for name in ("metrics.jsonl", "summary.json")}
+    weights = (ckpt / "model" / "model.safetensors").read_bytes()
+    capsys.readouterr()
+    assert cli(["train", "--resume", str(tmp_path), "--n_steps", "3"]) == 2
+    line = one_line_error(capsys, "train")
+    assert "step_000002 holds weights only (trainer_state.pt is missing)" in line and "--fresh-optimizer" in line
+    assert {name: (tmp_path / name).read_bytes() for name in kept} == kept
+    assert (ckpt / "model" / "model.safetensors").read_bytes() == weights
+    # Asked for: the run goes on from step 2's weights with a fresh optimizer.
+    train(
+        dataclasses.replace(cfg, n_steps=3),
+        tmp_path,
+        resume=True,
+        fresh_optimizer=True,
+        model=fresh_model(tiny_tokenizer),
+        tokenizer=tiny_tokenizer,
+        reward_fn=parity_reward,
+    )
+    assert "resuming from the weights of step_000002 with a fresh optimizer" in capsys.readouterr().err
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [0, 1, 2, 3]
+    assert read_summary(tmp_path)["status"] == "finished"
+    assert cli(["train", "--out", str(tmp_path / "new"), "--fresh-optimizer"]) == 2
+    assert "--fresh-optimizer applies to a resumed run" in one_line_error(capsys, "train")
+
+
 # -------------------------------------------------------------------------------------------------
 # Restarting a run: a kill while config.json is rewritten, a shorter run, a longer one
 # -------------------------------------------------------------------------------------------------

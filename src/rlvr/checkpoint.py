@@ -20,8 +20,11 @@ cleaned up by the next save.
 
 A checkpoint damaged later (a truncated or overwritten file) is caught on resume:
 ``resumable_checkpoint`` checks every file against the manifest, sets a damaged checkpoint aside as
-``checkpoints/damaged-step_N`` and falls back to the newest intact one, saying so. Checkpoints
-written before manifests existed are loaded unverified.
+``checkpoints/damaged-step_N`` and falls back to the newest intact one, saying so. A checkpoint
+without a manifest (an older version's, a copy) is checked file by file to load, and said to be
+checked only that far. One that holds weights but no ``trainer_state.pt`` (deleted to save disk) is
+never taken for "no checkpoint": it is passed over for an older complete one (said), or resumed with
+a fresh optimizer when the user asks (``--fresh-optimizer``), or the resume stops naming it.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ __all__ = [
     "best_model",
     "run_model",
     "resumable_checkpoint",
+    "checkpoint_dirs",
     "verify_checkpoint",
     "load_model_weights",
     "load_trainer_state",
@@ -116,28 +120,91 @@ def write_manifest(ckpt_dir: str | Path) -> dict:
     return manifest
 
 
+WEIGHTS_ONLY = f"{STATE_FILE} is missing"
+"""The one problem of a checkpoint that holds whole weights but no optimizer state (``--fresh-optimizer`` resumes it)."""
+
+
 def verify_checkpoint(ckpt_dir: str | Path) -> list[str]:
-    """Problems of a checkpoint against its manifest (empty: intact). A checkpoint without a
-    manifest (written by an older version) has nothing to check against and passes."""
+    """Problems of a checkpoint (empty: intact), each naming the file. With a manifest every file is
+    checked against its size and sha256; without one (older versions, a copy) each file is checked
+    to load: safetensors headers against the file sizes, the torch states, the JSON files. A
+    checkpoint that holds weights but no ``trainer_state.pt`` has exactly the problem ``WEIGHTS_ONLY``."""
     ckpt_dir = Path(ckpt_dir)
-    if not (ckpt_dir / STATE_FILE).is_file():
-        return [f"{STATE_FILE} is missing"]
+    problems = [] if (ckpt_dir / STATE_FILE).is_file() else [WEIGHTS_ONLY]
     path = ckpt_dir / MANIFEST
     if not path.is_file():
-        return []
+        return problems + _load_problems(ckpt_dir)
     try:
         files = json.loads(path.read_text())["files"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return [f"{MANIFEST} is unreadable"]
-    problems = []
+        files.items()
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return problems + [f"{MANIFEST} is unreadable"]
     for rel, want in files.items():
         f = ckpt_dir / rel
+        if rel == STATE_FILE and problems:
+            continue  # reported above
         if not f.is_file():
             problems.append(f"{rel} is missing")
         elif f.stat().st_size != want["size"]:
             problems.append(f"{rel} has {f.stat().st_size} bytes, expected {want['size']}")
         elif file_sha256(f) != want["sha256"]:
             problems.append(f"{rel} does not match its checksum")
+    return problems
+
+
+def verified_by_manifest(ckpt_dir: str | Path) -> bool:
+    """Whether ``verify_checkpoint`` compared every byte (a manifest) or only checked that the files load."""
+    return (Path(ckpt_dir) / MANIFEST).is_file()
+
+
+def _safetensors_problem(path: Path) -> str | None:
+    """Why the safetensors file ``path`` cannot be whole (its header against its size), or None."""
+    size = path.stat().st_size
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 0 < n <= size - 8:
+                return "is not a safetensors file (no valid header)"
+            header = json.loads(f.read(n))
+        ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
+        return "has an unreadable safetensors header"
+    want = 8 + n + max(ends, default=0)
+    if size != want:
+        return f"has {size} bytes, its header describes {want}"
+    return None
+
+
+def _load_problems(ckpt_dir: Path) -> list[str]:
+    """The files of a checkpoint without a manifest that do not load (see ``verify_checkpoint``)."""
+    problems = []
+    model_dir = ckpt_dir / MODEL_DIR
+    weights = sorted(model_dir.glob("*.safetensors")) if model_dir.is_dir() else []
+    if not weights and not (ckpt_dir / SHARDED_DIR).is_dir():
+        problems.append(f"{MODEL_DIR}/ holds no *.safetensors weights")
+    for f in sorted(ckpt_dir.rglob("*")):
+        if not f.is_file():
+            continue
+        rel = str(f.relative_to(ckpt_dir))
+        if f.suffix == ".safetensors":
+            why = _safetensors_problem(f)
+        elif f.suffix == ".json":
+            try:
+                json.loads(f.read_text(encoding="utf-8"))
+                why = None
+            except (OSError, ValueError):
+                why = "is not valid JSON"
+        elif f.suffix == ".pt":
+            try:
+                torch.load(f, map_location="cpu", weights_only=False)
+                why = None
+            except Exception as e:  # a damaged pickle raises anything from EOFError to UnpicklingError
+                why = f"does not load ({type(e).__name__})"
+        else:
+            continue
+        if why:
+            problems.append(f"{rel} {why}")
     return problems
 
 
@@ -254,11 +321,17 @@ def checkpoint_format(ckpt_dir: str | Path) -> str:
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoint directories, oldest first."""
+    """Complete checkpoint directories (with their ``trainer_state.pt``), oldest first."""
+    return [p for p in checkpoint_dirs(run_dir) if (p / STATE_FILE).is_file()]
+
+
+def checkpoint_dirs(run_dir: str | Path) -> list[Path]:
+    """Every committed checkpoint directory (``step_N``), whole or not, oldest first: a run that has
+    one has been checkpointed and is never started over."""
     root = Path(run_dir) / CKPT_DIR
     if not root.is_dir():
         return []
-    dirs = [p for p in root.glob("step_*") if p.is_dir() and (p / STATE_FILE).is_file()]
+    dirs = [p for p in root.glob("step_*") if p.is_dir() and p.name.split("_")[1].isdigit()]
     return sorted(dirs, key=lambda p: int(p.name.split("_")[1]))
 
 
@@ -304,30 +377,55 @@ def _set_aside(ckpt: Path) -> Path:
     return target
 
 
-def resumable_checkpoint(run_dir: str | Path, echo: Callable[[str], object] | None = None) -> Path | None:
+def resumable_checkpoint(
+    run_dir: str | Path, echo: Callable[[str], object] | None = None, fresh_optimizer: bool = False
+) -> Path | None:
     """The newest checkpoint of ``run_dir`` that passes ``verify_checkpoint``, or None when the run
     has none (it starts from the beginning).
 
     A damaged checkpoint is renamed ``checkpoints/damaged-step_N`` (kept for inspection, never
-    loaded or counted again) and the next older one is tried; ``echo`` (default: stderr) is told.
-    Raises ``CheckpointError`` when checkpoints exist but none is intact: starting over silently
-    would throw the run away.
+    loaded or counted again) and the next older one is tried; a checkpoint holding weights only (no
+    ``trainer_state.pt``) is passed over, unless ``fresh_optimizer``: then it is the one returned.
+    ``echo`` (default: stderr) is told of each and of the fall-back. Raises ``CheckpointError`` when
+    checkpoints exist but none can be resumed: starting over silently would throw the run away.
     """
     echo = echo or (lambda msg: print(msg, file=sys.stderr))
     run_dir = Path(run_dir)
     set_aside: list[Path] = []
-    for ckpt in reversed(list_checkpoints(run_dir)):
+    weights_only: list[Path] = []
+    for ckpt in reversed(checkpoint_dirs(run_dir)):
         problems = verify_checkpoint(ckpt)
-        if not problems:
-            if set_aside:
+        if not problems or (fresh_optimizer and problems == [WEIGHTS_ONLY]):
+            if problems:
+                echo(f"rlvr: resuming from the weights of {ckpt.name} with a fresh optimizer ({WEIGHTS_ONLY})")
+            elif set_aside or weights_only:
+                for passed in weights_only:
+                    echo(
+                        f"rlvr: checkpoint {passed.name} holds weights only ({WEIGHTS_ONLY}); passing over it (resume "
+                        "with --fresh-optimizer instead to continue from its weights with a fresh optimizer)"
+                    )
                 point_latest(run_dir / CKPT_DIR, ckpt.name)
                 echo(f"rlvr: resuming from {ckpt.name}, the newest intact checkpoint")
+            if not verified_by_manifest(ckpt):
+                echo(
+                    f"rlvr: {ckpt.name} has no {MANIFEST}: its files load, but changed bytes cannot be detected "
+                    "without the checksums"
+                )
             return ckpt
+        if problems == [WEIGHTS_ONLY]:
+            weights_only.append(ckpt)  # said only if an older checkpoint is resumed instead
+            continue
         moved = _set_aside(ckpt)
         set_aside.append(moved)
         echo(
             f"rlvr: checkpoint {ckpt.name} failed verification ({'; '.join(problems[:3])}); set it aside as "
             f"{moved.relative_to(run_dir)}"
+        )
+    if weights_only:
+        raise CheckpointError(
+            f"{run_dir} has no complete checkpoint to resume from: {weights_only[0].relative_to(run_dir)} holds weights "
+            f"only ({WEIGHTS_ONLY}). To continue from its weights with a fresh optimizer (the learning-rate "
+            "schedule goes on from its step), resume with --fresh-optimizer"
         )
     if set_aside or damaged_checkpoints(run_dir):
         raise CheckpointError(
@@ -458,6 +556,8 @@ def load_trainer_state(
     from rlvr.distributed.world import current_world
 
     ckpt_dir = Path(ckpt_dir)
+    if not (ckpt_dir / STATE_FILE).is_file():
+        return _fresh_optimizer_state(ckpt_dir, scheduler)
     blob = torch.load(ckpt_dir / STATE_FILE, map_location="cpu", weights_only=False)
     if checkpoint_format(ckpt_dir) == "sharded":
         if model is None:
@@ -476,3 +576,23 @@ def load_trainer_state(
     elif rank == 0:
         set_rng_state(blob["rng"])
     return {"step": blob["step"], **blob["loop"]}
+
+
+def _fresh_optimizer_state(ckpt_dir: Path, scheduler: LRScheduler | None) -> dict[str, Any]:
+    """The loop state of a weights-only checkpoint: its step (from its name), the optimizer as
+    created, and the learning-rate schedule moved to that step."""
+    if checkpoint_format(ckpt_dir) == "sharded":
+        raise CheckpointError(
+            f"{ckpt_dir} is a sharded checkpoint without {STATE_FILE}: its trainable tensors cannot be told from "
+            "its optimizer state; resume from another checkpoint"
+        )
+    step = int(ckpt_dir.name.split("_")[1])
+    if scheduler is not None:
+        lambdas = getattr(scheduler, "lr_lambdas", None)
+        if lambdas is None:
+            raise CheckpointError(f"{ckpt_dir}: only a LambdaLR schedule can be moved to step {step}")
+        scheduler.last_epoch = step
+        for group, base, fn in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, lambdas):
+            group["lr"] = base * fn(step)
+        scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]  # type: ignore[attr-defined]
+    return {"step": step, "fresh_optimizer": True}

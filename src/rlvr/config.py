@@ -36,6 +36,17 @@ from typing import Any, Literal
 import yaml
 
 from rlvr.errors import UserError
+from rlvr.ranges import (
+    ABOVE_ZERO_TO_ONE,
+    AT_LEAST_ONE,
+    BELOW_ONE,
+    NON_NEGATIVE,
+    PORT,
+    POSITIVE,
+    PROBABILITY,
+    Range,
+    range_problems,
+)
 
 SCHEDULES = ("constant", "cosine", "linear")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -370,6 +381,53 @@ class LogConfig:
     """On-policy runs: every this many steps compare the engine's log-probs with the trainer's (one extra forward; 0: never). Off-policy runs compare every step for free."""
     gradient_variance_every: int = 0
     """Every this many steps, before training on the batch, re-score its rollouts under several advantage estimators (no baseline, mean baseline, leave-one-out, the run's own) and log the per-group gradient variance of each as variance/... (two passes of one forward and two backwards per group; 0: never)."""
+
+
+TRAIN_RANGES: dict[str, Range] = {
+    "model.tokenizer_vocab_size": AT_LEAST_ONE,
+    "model.lora.rank": NON_NEGATIVE,
+    "model.lora.alpha": POSITIVE,
+    "model.lora.dropout": BELOW_ONE,
+    "data.train_size": AT_LEAST_ONE,
+    "data.val_size": NON_NEGATIVE,
+    "reward.weights": NON_NEGATIVE,
+    "reward.timeout_s": POSITIVE,
+    "algorithm.advantage_eps": POSITIVE,
+    "algorithm.normalization_constant": POSITIVE,
+    "algorithm.cliprange": POSITIVE,
+    "rollout.n_prompts_per_rollout_batch": AT_LEAST_ONE,
+    "rollout.group_size": AT_LEAST_ONE,
+    "rollout.rollout_batch_size": AT_LEAST_ONE,
+    "rollout.temperature": POSITIVE,
+    "rollout.top_p": ABOVE_ZERO_TO_ONE,
+    "rollout.max_new_tokens": AT_LEAST_ONE,
+    "optim.lr": POSITIVE,
+    "optim.warmup_steps": NON_NEGATIVE,
+    "optim.min_lr_ratio": PROBABILITY,
+    "optim.betas": BELOW_ONE,
+    "optim.weight_decay": NON_NEGATIVE,
+    "optim.max_grad_norm": POSITIVE,
+    "optim.train_batch_size": AT_LEAST_ONE,
+    "optim.gradient_accumulation_steps": AT_LEAST_ONE,
+    "optim.epochs_per_rollout_batch": AT_LEAST_ONE,
+    "optim.logprob_batch_size": AT_LEAST_ONE,
+    "optim.max_tokens_per_microbatch": AT_LEAST_ONE,
+    "engine.max_batch_size": AT_LEAST_ONE,
+    "engine.max_staleness": Range(0, 1),
+    "engine.fast.cascade_min_rows": AT_LEAST_ONE,
+    "engine.vllm.port": PORT,
+    "log.val_samples": NON_NEGATIVE,
+    "log.engine_logprob_check_every": NON_NEGATIVE,
+    "log.gradient_variance_every": NON_NEGATIVE,
+    "n_steps": AT_LEAST_ONE,
+    "eval_every": NON_NEGATIVE,
+    "dump_every": NON_NEGATIVE,
+    "save_every": NON_NEGATIVE,
+    "keep_checkpoints": AT_LEAST_ONE,
+    "seed": NON_NEGATIVE,
+    "max_consecutive_nonfinite": AT_LEAST_ONE,
+}
+"""The allowed range of every numeric field of ``TrainConfig`` (``rlvr.ranges``), checked first by ``validate``."""
 
 
 @dataclass(frozen=True)
@@ -757,6 +815,7 @@ class TrainConfig:
                 f"data.train_size={self.data.train_size} is smaller than one rollout batch of "
                 f"{r.n_prompts_per_rollout_batch} prompts; raise it or lower rollout.n_prompts_per_rollout_batch",
             )
+        errors += range_problems(self, TRAIN_RANGES, known=errors)
         if errors:
             # One problem: one line. Several: one line each, so that each names its own fix.
             raise ConfigError(

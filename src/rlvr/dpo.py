@@ -46,6 +46,8 @@ import torch.nn.functional as F
 from rlvr.data import DataError
 from rlvr.errors import UserError
 from rlvr.instruct import alpaca_format, encode_documents, read_jsonl
+from rlvr.ranges import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range, flag_name, range_problems
+from rlvr.scaffold import remove_outputs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -310,6 +312,8 @@ class DPOConfig:
     """Replace a run already in --out."""
     resume: Path | None = None
     """Continue the run in this directory from its latest checkpoint (with its saved config; --steps may change)."""
+    fresh_optimizer: bool = False
+    """With --resume: accept a checkpoint that holds weights only (its trainer_state.pt deleted or lost) and continue from its step with a fresh optimizer."""
 
     def validate(self) -> None:
         """Reject impossible settings (``UserError``) before any work."""
@@ -319,15 +323,47 @@ class DPOConfig:
             raise UserError("--data is required: HH files or directories, or {prompt, chosen, rejected} JSONL")
         if self.out is None:
             raise UserError("--out DIR is required")
-        if self.beta <= 0:
-            raise UserError(f"--beta must be positive, got {self.beta}")
-        if self.batch_size < 1 or self.pairs_per_forward < 1:
-            raise UserError(
-                f"--batch-size and --pairs-per-forward must be >= 1, got {self.batch_size} and {self.pairs_per_forward}"
-            )
+        if self.fresh_optimizer and self.resume is None:
+            raise UserError("--fresh-optimizer applies to a resumed run: pass it with --resume DIR")
+        problems = range_problems(self, DPO_RANGES, flag_name)
+        if problems:
+            raise UserError("; ".join(problems))
 
 
-RESUMABLE = ("steps", "eval_every", "save_every", "progress", "wandb", "tensorboard", "resume", "overwrite")
+DPO_RANGES: dict[str, Range] = {
+    "val_size": NON_NEGATIVE,
+    "max_pairs": AT_LEAST_ONE,
+    "max_tokens": Range(2),
+    "beta": POSITIVE,
+    "lr": POSITIVE,
+    "batch_size": AT_LEAST_ONE,
+    "pairs_per_forward": AT_LEAST_ONE,
+    "epochs": POSITIVE,
+    "steps": AT_LEAST_ONE,
+    "warmup_steps": NON_NEGATIVE,
+    "weight_decay": NON_NEGATIVE,
+    "max_grad_norm": POSITIVE,
+    "eval_every": NON_NEGATIVE,
+    "eval_batch_pairs": AT_LEAST_ONE,
+    "save_every": NON_NEGATIVE,
+    "seed": NON_NEGATIVE,
+}
+"""The allowed range of every numeric field of ``DPOConfig`` (``rlvr.ranges``)."""
+
+
+RESUMABLE = (
+    "steps",
+    "eval_every",
+    "save_every",
+    "progress",
+    "wandb",
+    "tensorboard",
+    "resume",
+    "overwrite",
+    "fresh_optimizer",
+)
+INVOCATION_ONLY = ("resume", "overwrite", "fresh_optimizer")
+"""Flags of one invocation: never saved in config.json nor taken from it."""
 
 
 def _as_dict(cfg: DPOConfig) -> dict:
@@ -499,54 +535,63 @@ def _make_optimizer(cfg: DPOConfig, model: torch.nn.Module, device: torch.device
 def run_dpo(cfg: DPOConfig) -> Path:
     """Train per ``cfg`` (or resume ``cfg.resume``); returns the run directory.
 
-    The run directory is locked for the run (one writer); a new run refuses a directory holding an
-    earlier one unless ``overwrite``; a resumed run continues from its newest intact checkpoint."""
+    The run directory's lock is taken before anything in it is read, deleted or written, and held
+    for the run (one writer): a second ``--resume`` or ``--overwrite`` on a live run is refused and
+    touches nothing. A new run refuses a directory holding an earlier one unless ``overwrite``; a
+    resumed run continues from its newest intact checkpoint."""
     from rlvr.checkpoint import resumable_checkpoint
     from rlvr.rundir import RunDirLock, prepare_output_dir
 
-    ckpt = None
+    if cfg.resume is None:
+        cfg.validate()  # before the lock creates --out; it refuses a missing --out
+    run_dir = Path(cfg.resume or cfg.out or "")
     if cfg.resume is not None:
-        run_dir = Path(cfg.resume)
-        if not (run_dir / "config.json").is_file():
-            raise UserError(f"{run_dir}/config.json not found: is {run_dir} a DPO run directory?")
-        saved = _from_dict(json.loads((run_dir / "config.json").read_text()))
-        cfg = replace(
-            saved,
-            **{
-                k: getattr(cfg, k)
-                for k in RESUMABLE
-                if k not in ("resume", "overwrite")
-                if getattr(cfg, k) != getattr(DPOConfig(), k)
-            },
-            out=run_dir,
-            resume=run_dir,
-        )
-        ckpt = resumable_checkpoint(run_dir)
-    cfg.validate()
-    out = Path(cfg.out)
-    if ckpt is None:  # a new run (or a resumed one that never reached its first checkpoint)
-        prepare_output_dir(out, OUTPUT_FILES, overwrite=cfg.overwrite or cfg.resume is not None)
-        for name in ("metrics.jsonl", "best.json", "summary.json"):
-            (out / name).unlink(missing_ok=True)
-        for name in ("best", "checkpoints"):
-            if (out / name).is_dir():
-                shutil.rmtree(out / name)
+        if not run_dir.is_dir():
+            raise UserError(f"--resume {run_dir}: no such directory; give the directory of an earlier `rlvr dpo` run")
+    with RunDirLock(run_dir, command="rlvr dpo"):
+        ckpt = None
+        if cfg.resume is not None:
+            cfg = _resumed_config(cfg, run_dir)
+            ckpt = resumable_checkpoint(run_dir, fresh_optimizer=cfg.fresh_optimizer)
+        cfg.validate()
+        if ckpt is None:  # a new run (or a resumed one that never reached its first checkpoint)
+            prepare_output_dir(run_dir, OUTPUT_FILES, overwrite=cfg.overwrite or cfg.resume is not None)
+            remove_outputs(run_dir, ("metrics.jsonl", "best.json", "summary.json", "best", "checkpoints"))
 
-    # Data before models: a bad path fails in seconds.
-    pairs, counts = load_preference_pairs(cfg.data, cfg.format, cfg.split, cfg.max_pairs)
-    if cfg.val_data:
-        val_pairs, _ = load_preference_pairs(cfg.val_data, cfg.format, cfg.split)
-        train_pairs = pairs
-    else:
-        if cfg.val_size >= len(pairs):
-            raise UserError(f"--val-size {cfg.val_size} leaves no training pairs out of {len(pairs)}; lower it")
-        order = list(range(len(pairs)))
-        random.Random(cfg.seed).shuffle(order)
-        held = set(order[: cfg.val_size])
-        val_pairs = [pairs[i] for i in sorted(held)]
-        train_pairs = [p for i, p in enumerate(pairs) if i not in held]
-    with RunDirLock(out, command="rlvr dpo"):
-        return _train(cfg, out, ckpt, train_pairs, val_pairs, counts)
+        # Data before models: a bad path fails in seconds.
+        pairs, counts = load_preference_pairs(cfg.data, cfg.format, cfg.split, cfg.max_pairs)
+        if cfg.val_data:
+            val_pairs, _ = load_preference_pairs(cfg.val_data, cfg.format, cfg.split)
+            train_pairs = pairs
+        else:
+            if cfg.val_size >= len(pairs):
+                raise UserError(f"--val-size {cfg.val_size} leaves no training pairs out of {len(pairs)}; lower it")
+            order = list(range(len(pairs)))
+            random.Random(cfg.seed).shuffle(order)
+            held = set(order[: cfg.val_size])
+            val_pairs = [pairs[i] for i in sorted(held)]
+            train_pairs = [p for i, p in enumerate(pairs) if i not in held]
+        return _train(cfg, run_dir, ckpt, train_pairs, val_pairs, counts)
+
+
+def _resumed_config(cfg: DPOConfig, run_dir: Path) -> DPOConfig:
+    """The saved config of the run in ``run_dir`` with the resumable settings given now."""
+    path = run_dir / "config.json"
+    if not path.is_file():
+        raise UserError(f"{path} not found: is {run_dir} a DPO run directory?")
+    saved = _from_dict(json.loads(path.read_text()))
+    return replace(
+        saved,
+        **{
+            k: getattr(cfg, k)
+            for k in RESUMABLE
+            if k not in INVOCATION_ONLY
+            if getattr(cfg, k) != getattr(DPOConfig(), k)
+        },
+        out=run_dir,
+        resume=run_dir,
+        fresh_optimizer=cfg.fresh_optimizer,
+    )
 
 
 def _train(
@@ -605,10 +650,14 @@ def _train(
     if ckpt is not None:
         state = load_trainer_state(ckpt, optimizer, scheduler)
         start = state["step"]
-        train_ref.values, val_ref.values = state["train_ref"], state["val_ref"]
-        loop.update(best=state["best"], best_step=state["best_step"])
+        if "train_ref" in state:  # else a weights-only checkpoint: the reference log-probs are computed again
+            train_ref.values, val_ref.values = state["train_ref"], state["val_ref"]
+        loop.update(best=state.get("best"), best_step=state.get("best_step"))
+        if state.get("fresh_optimizer") and (out / "best.json").is_file():
+            best = json.loads((out / "best.json").read_text())
+            loop.update(best_step=best.pop("step", None), best=best)
         truncate_metrics(out / "metrics.jsonl", start)
-    atomic_write_json(out / "config.json", _as_dict(replace(cfg, resume=None, overwrite=False)))
+    atomic_write_json(out / "config.json", _as_dict(replace(cfg, resume=None, overwrite=False, fresh_optimizer=False)))
 
     def checkpoint(step: int) -> None:
         save_checkpoint(

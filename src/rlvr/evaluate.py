@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,8 @@ from rlvr.checkpoint import run_model
 from rlvr.engines.base import SamplingParams
 from rlvr.errors import UserError
 from rlvr.machine import usable_device
+from rlvr.ranges import ABOVE_ZERO_TO_ONE, AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range, flag_name, range_problems
+from rlvr.scaffold import claimed_output_dir
 
 if TYPE_CHECKING:
     import torch
@@ -49,6 +52,7 @@ if TYPE_CHECKING:
     from rlvr.data import Example
     from rlvr.engines.base import Engine
     from rlvr.prompts import Prompt
+    from rlvr.task_config import EvalTasks
 
 CATEGORIES = ("correct", "formatted_wrong", "unformatted")
 
@@ -318,13 +322,26 @@ def print_report(results: dict[str, dict], samples: list[dict], examples_per_cat
 
 
 OUTPUT_FILES = ("results.json", "samples.jsonl")
+EVAL_RANGES: dict[str, Range] = {
+    "reward_weights": NON_NEGATIVE,
+    "reward_timeout_s": POSITIVE,
+    "limit": AT_LEAST_ONE,
+    "temperature": NON_NEGATIVE,
+    "top_p": ABOVE_ZERO_TO_ONE,
+    "max_tokens": AT_LEAST_ONE,
+    "seed": NON_NEGATIVE,
+    "n": AT_LEAST_ONE,
+    "batch_size": AT_LEAST_ONE,
+    "examples": NON_NEGATIVE,
+}
+"""The allowed range of every numeric field of ``EvalConfig`` (``rlvr.ranges``)."""
 
 
 def check_args(cfg: EvalConfig) -> None:
-    """Reject impossible arguments and an unusable ``--out`` before any work (``UserError``)."""
+    """Reject impossible arguments before any work (``UserError``); ``--out`` is checked under its
+    lock by ``run``."""
     from rlvr.errors import UserError
     from rlvr.modeling import check_model_source
-    from rlvr.rundir import prepare_output_dir
 
     problems = [
         msg
@@ -342,28 +359,42 @@ def check_args(cfg: EvalConfig) -> None:
         ]
         if bad
     ]
+    problems += range_problems(cfg, EVAL_RANGES, flag_name, known=problems)
     if problems:
         raise UserError("; ".join(problems))
+    if cfg.temperature == 0 and cfg.n > 1:
+        warnings.warn(
+            f"--temperature 0 is greedy decoding: the --n {cfg.n} samples of a question are the same answer, so "
+            "pass@k and avg@k equal one sample's accuracy; sample with --temperature > 0 or use --n 1",
+            stacklevel=2,
+        )
     check_model_source(cfg.model)
-    prepare_output_dir(cfg.out, OUTPUT_FILES, overwrite=cfg.overwrite)
 
 
 def run(cfg: EvalConfig) -> dict:
-    import torch
-
-    from rlvr.errors import UserError
-    from rlvr.rundir import atomic_write_json, atomic_write_jsonl
     from rlvr.task_config import eval_tasks
 
     cfg = resolve_run_model(cfg)
+    out_of_range = range_problems(cfg, EVAL_RANGES, flag_name)  # named by flag, before the task is built
+    if out_of_range:
+        raise UserError("; ".join(out_of_range))
     tasks = eval_tasks(cfg)  # the prompts, data sets and reward, checked before anything loads
     if not cfg.prompt:
         cfg = dataclasses.replace(cfg, prompt=tuple(p.name for p in tasks.prompts))
     check_args(cfg)
+    # The lock before --out is read or written: a second evaluation into it is refused, not mixed in.
+    with claimed_output_dir(cfg.out, OUTPUT_FILES, cfg.overwrite, command="rlvr eval"):
+        return _run(cfg, tasks)
+
+
+def _run(cfg: EvalConfig, tasks: EvalTasks) -> dict:
+    import torch
 
     from rlvr.config import EngineConfig
     from rlvr.engines import build_engine
+    from rlvr.errors import UserError
     from rlvr.modeling import load_model_and_tokenizer
+    from rlvr.rundir import atomic_write_json, atomic_write_jsonl
 
     device = usable_device(cfg.device)
     dtype = None if cfg.dtype == "auto" else getattr(torch, cfg.dtype)

@@ -36,6 +36,8 @@ import torch
 from rlvr.errors import UserError
 from rlvr.instruct import alpaca_format, encode_pairs, load_prompt_response, pack_documents
 from rlvr.machine import usable_device
+from rlvr.ranges import AT_LEAST_ONE, BELOW_ONE, NON_NEGATIVE, POSITIVE, PROBABILITY, Range, flag_name, range_problems
+from rlvr.scaffold import claimed_output_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -120,15 +122,31 @@ class InstructSFTConfig:
 
     def validate(self) -> None:
         """Reject impossible settings (``UserError``) before any work."""
-        if self.seq_length < 2:
-            raise UserError(f"--seq-length must be at least 2, got {self.seq_length}")
-        if self.batch_size < 1:
-            raise UserError(f"--batch-size must be >= 1, got {self.batch_size}")
-        if not 0 <= self.warmup_ratio < 1:
-            raise UserError(f"--warmup-ratio must be in [0, 1), got {self.warmup_ratio}")
-        if self.steps is not None and self.steps < 1:
-            raise UserError(f"--steps must be >= 1, got {self.steps}")
+        problems = range_problems(self, INSTRUCT_SFT_RANGES, flag_name)
+        if problems:
+            raise UserError("; ".join(problems))
         check_model_name(self.model)
+
+
+INSTRUCT_SFT_RANGES: dict[str, Range] = {
+    "val_size": NON_NEGATIVE,
+    "max_examples": AT_LEAST_ONE,
+    "seq_length": Range(2),
+    "batch_size": AT_LEAST_ONE,
+    "max_tokens_per_microbatch": AT_LEAST_ONE,
+    "epochs": POSITIVE,
+    "steps": AT_LEAST_ONE,
+    "lr": POSITIVE,
+    "warmup_ratio": BELOW_ONE,
+    "min_lr_ratio": PROBABILITY,
+    "weight_decay": NON_NEGATIVE,
+    "betas": BELOW_ONE,
+    "max_grad_norm": POSITIVE,
+    "eval_every": NON_NEGATIVE,
+    "seed": NON_NEGATIVE,
+    "vocab_size": AT_LEAST_ONE,
+}
+"""The allowed range of every numeric field of ``InstructSFTConfig`` (``rlvr.ranges``)."""
 
 
 def check_model_name(name: str) -> None:
@@ -150,17 +168,6 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, dtype)
-
-
-def prepare_run_dir(out: Path, produces: tuple[str, ...], overwrite: bool) -> Path:
-    """Check and create ``out`` before any work (``rlvr.rundir.prepare_output_dir``); with
-    ``overwrite``, drop the earlier run's metrics so that the new run does not append to them."""
-    from rlvr.rundir import prepare_output_dir
-
-    out = prepare_output_dir(out, produces, overwrite=overwrite)
-    if overwrite:
-        (out / "metrics.jsonl").unlink(missing_ok=True)
-    return out
 
 
 def load_or_build_model(
@@ -249,7 +256,17 @@ def split_documents(pairs: list[dict], val_size: int, seed: int) -> tuple[list[d
 
 
 def run_instruct_sft(cfg: InstructSFTConfig) -> Path:
-    """Instruction-tune per ``cfg`` and save the model; returns the output directory."""
+    """Instruction-tune per ``cfg`` and save the model; returns the output directory. The directory
+    is locked before anything in it is read or replaced (``rlvr.scaffold.claimed_output_dir``)."""
+    cfg.validate()
+    with claimed_output_dir(
+        cfg.out, OUTPUT_FILES, cfg.overwrite, replaces=("metrics.jsonl",), command="rlvr sft instruct"
+    ):
+        return _run(cfg)
+
+
+def _run(cfg: InstructSFTConfig) -> Path:
+    """The work of ``run_instruct_sft`` in its claimed output directory."""
     from tqdm.auto import tqdm
 
     from rlvr.grpo import compile_backbone
@@ -258,8 +275,6 @@ def run_instruct_sft(cfg: InstructSFTConfig) -> Path:
     from rlvr.optim import lr_factor, make_adamw
     from rlvr.trainer import batch_indices
 
-    cfg.validate()
-    prepare_run_dir(cfg.out, OUTPUT_FILES, cfg.overwrite)
     # Data first: a bad path fails in seconds, not after a model load.
     pairs = load_prompt_response(cfg.data, cfg.split, cfg.max_examples, cfg.prompt_field, cfg.response_field)
     if cfg.val_data:

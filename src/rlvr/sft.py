@@ -37,6 +37,8 @@ from rlvr.data import DataError, Example, load_examples
 from rlvr.machine import usable_device
 from rlvr.optim import lr_factor
 from rlvr.prompts import render
+from rlvr.ranges import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, PROBABILITY, Range, flag_name, range_problems
+from rlvr.scaffold import claimed_output_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -168,12 +170,27 @@ def _check_model(name: str) -> None:
 
 
 OUTPUT_FILES = ("config.json", "model.safetensors", "sft_config.json", "sft_log.jsonl")
+SFT_RANGES: dict[str, Range] = {
+    "max_examples": AT_LEAST_ONE,
+    "steps": AT_LEAST_ONE,
+    "epochs": POSITIVE,
+    "batch_size": AT_LEAST_ONE,
+    "lr": POSITIVE,
+    "warmup_steps": NON_NEGATIVE,
+    "min_lr_ratio": PROBABILITY,
+    "weight_decay": NON_NEGATIVE,
+    "max_grad_norm": POSITIVE,
+    "seed": NON_NEGATIVE,
+    "data_seed": NON_NEGATIVE,
+    "vocab_size": AT_LEAST_ONE,
+}
+"""The allowed range of every numeric field of ``SFTConfig`` (``rlvr.ranges``)."""
 
 
 def check_args(config: SFTConfig) -> None:
-    """Reject impossible arguments and an unusable ``--out`` before any work (``UserError``)."""
+    """Reject impossible arguments before any work (``UserError``); ``--out`` is checked under its
+    lock by ``run_sft``."""
     from rlvr.errors import UserError
-    from rlvr.rundir import prepare_output_dir
 
     problems = [
         msg
@@ -195,21 +212,28 @@ def check_args(config: SFTConfig) -> None:
         ]
         if bad
     ]
+    problems += range_problems(config, SFT_RANGES, flag_name, known=problems)
     if problems:
         raise UserError("; ".join(problems))
     _check_model(config.model)
-    prepare_output_dir(config.out, OUTPUT_FILES, overwrite=config.overwrite)
 
 
 def run_sft(config: SFTConfig) -> Path:
-    """Fine-tune per ``config`` and save the checkpoint; returns the output directory."""
+    """Fine-tune per ``config`` and save the checkpoint; returns the output directory, locked before
+    anything in it is read or replaced (``rlvr.scaffold.claimed_output_dir``)."""
+    check_args(config)
+    with claimed_output_dir(config.out, OUTPUT_FILES, config.overwrite, command="rlvr sft"):
+        return _run(config)
+
+
+def _run(config: SFTConfig) -> Path:
+    """The work of ``run_sft`` in its claimed output directory."""
     from tqdm.auto import tqdm
 
     from rlvr.errors import UserError
     from rlvr.modeling import save_model_and_tokenizer
     from rlvr.rundir import atomic_write_json
 
-    check_args(config)
     examples = load_examples(
         config.data,
         split=config.split,

@@ -80,8 +80,8 @@ from rlvr.checkpoint import (
     CKPT_DIR,
     LATEST,
     MODEL_DIR,
+    checkpoint_dirs,
     damaged_checkpoints,
-    list_checkpoints,
     load_model_weights,
     load_trainer_state,
     resumable_checkpoint,
@@ -1190,9 +1190,12 @@ def read_summary(run_dir: str | Path) -> dict | None:
     return summary if isinstance(summary, dict) else None
 
 
-def _prepare_run_dir(config: TrainConfig, run_dir: Path, resume: bool) -> tuple[Path | None, bool]:
+def _prepare_run_dir(
+    config: TrainConfig, run_dir: Path, resume: bool, fresh_optimizer: bool = False
+) -> tuple[Path | None, bool]:
     """Check what ``run_dir`` holds against the request and write the config; returns ``(checkpoint
-    to resume from or None, whether the run already finished)``. Runs under the directory's lock."""
+    to resume from or None, whether the run already finished)``. Runs under the directory's lock.
+    ``fresh_optimizer`` lets a checkpoint holding weights only be resumed (with a new optimizer)."""
     summary = read_summary(run_dir)
     if resume and summary and summary.get("status") == "finished" and summary.get("step", -1) >= config.n_steps:
         if summary["step"] > config.n_steps:
@@ -1201,11 +1204,11 @@ def _prepare_run_dir(config: TrainConfig, run_dir: Path, resume: bool) -> tuple[
                 f"a run cannot be shortened: resume with --n_steps {summary['step']} or more"
             )
         return None, True
-    if not resume and (list_checkpoints(run_dir) or damaged_checkpoints(run_dir)):
+    if not resume and (checkpoint_dirs(run_dir) or damaged_checkpoints(run_dir)):
         raise ConfigError(
             f"{run_dir} already holds a run; resume it (`rlvr train --resume {run_dir}`) or choose a new --out"
         )
-    ckpt = resumable_checkpoint(run_dir) if resume else None
+    ckpt = resumable_checkpoint(run_dir, fresh_optimizer=fresh_optimizer) if resume else None
     if ckpt is not None:
         at = int(ckpt.name.split("_")[1])
         if at > config.n_steps:
@@ -1263,6 +1266,7 @@ def train(
     out_dir: str | Path,
     resume: bool = False,
     *,
+    fresh_optimizer: bool = False,
     model: torch.nn.Module | None = None,
     tokenizer: PreTrainedTokenizerBase | None = None,
     reward_fn: Callable[..., dict] | None = None,
@@ -1299,7 +1303,7 @@ def train(
         config.check_world(world.world_size)
         # Rank 0 owns the run directory (lock, config, summary, metrics); the others follow its decisions.
         with sigterm_as_interrupt(), RunDirLock(run_dir) if world.is_main else contextlib.nullcontext():
-            prepared = _prepare_run_dir(config, run_dir, resume) if world.is_main else None
+            prepared = _prepare_run_dir(config, run_dir, resume, fresh_optimizer) if world.is_main else None
             if world.distributed:
                 prepared = gather_objects(prepared)[0]
                 if prepared is None:
@@ -1725,12 +1729,14 @@ class TrainCommand:
     """Run directory for config.json, metrics.jsonl, summary.json and checkpoints/ (a new run)."""
     resume: Path | None = None
     """Continue the run in this directory from its newest intact checkpoint (its config.json is the base; n_steps, cadences and logging may change)."""
+    fresh_optimizer: bool = False
+    """With --resume: accept a checkpoint that holds weights only (its trainer_state.pt deleted or lost) and continue from its step with a fresh optimizer."""
     # name="": the config's flags keep their names (--optim.lr, not --train.optim.lr)
     train: Annotated[TrainConfig, tyro.conf.arg(name="")] = dataclasses.field(default_factory=TrainConfig)
 
 
-def parse_command(argv: list[str]) -> tuple[TrainConfig, Path, bool]:
-    """``(config, run directory, resume)`` from ``rlvr train`` arguments; raises ``ConfigError`` for
+def parse_command(argv: list[str]) -> tuple[TrainConfig, Path, bool, bool]:
+    """``(config, run directory, resume, fresh_optimizer)`` from ``rlvr train`` arguments; raises ``ConfigError`` for
     bad input and ``SystemExit`` for ``--help`` or a flag tyro rejects (it prints why)."""
     pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--config")
@@ -1762,7 +1768,9 @@ def parse_command(argv: list[str]) -> tuple[TrainConfig, Path, bool]:
     command = tyro.cli(TrainCommand, args=argv, default=default, prog="rlvr train", description=USAGE)
     if run_dir is None:
         raise ConfigError("--out DIR is required (where metrics, checkpoints and the config go)")
-    return command.train, run_dir, bool(known.resume)
+    if command.fresh_optimizer and not known.resume:
+        raise ConfigError("--fresh-optimizer applies to a resumed run: pass it with --resume DIR")
+    return command.train, run_dir, bool(known.resume), command.fresh_optimizer
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1783,10 +1791,10 @@ def _main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         try:
-            config, run_dir, resume = parse_command(argv)
+            config, run_dir, resume, fresh_optimizer = parse_command(argv)
         except SystemExit as e:  # --help, or a bad flag (tyro printed why)
             return int(e.code or 0)
-        train(config, run_dir, resume=resume)
+        train(config, run_dir, resume=resume, fresh_optimizer=fresh_optimizer)
     except UserError as e:
         print(f"rlvr train: {e}", file=sys.stderr)
         return e.exit_code

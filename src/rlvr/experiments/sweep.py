@@ -72,7 +72,7 @@ from rlvr.config import flatten
 from rlvr.errors import UserError
 from rlvr.experiments.plugins import import_plugins, resolve_plugin
 from rlvr.interrupts import Terminated, exit_code, sigterm_as_interrupt
-from rlvr.rundir import LOCK_FILE, atomic_write_json, atomic_write_text, describe_holder, lock_holder
+from rlvr.rundir import LOCK_FILE, RunDirLock, atomic_write_json, atomic_write_text, describe_holder, lock_holder
 
 if TYPE_CHECKING:
     # ``train_fn(config_path, out_dir, resume)``: one run, in this process.
@@ -702,10 +702,13 @@ def run_sweep(
         echo(f"warning: {note}")
     if dry_run:
         return planned, []
-    record_sweep(spec, out, planned, argv)
-    outcomes = execute(
-        planned, out, plugins=spec.plugins, max_parallel=max_parallel, devices=devices, train_fn=train_fn, echo=echo
-    )
+    # One sweep at a time writes OUT/_sweep (its record and its runs' configs and logs); each run
+    # locks its own directory.
+    with RunDirLock(out / SWEEP_DIR, command=shlex.join(["rlvr", "sweep", *argv])[:200]):
+        record_sweep(spec, out, planned, argv)
+        outcomes = execute(
+            planned, out, plugins=spec.plugins, max_parallel=max_parallel, devices=devices, train_fn=train_fn, echo=echo
+        )
     for p in planned:
         if p.action == CONFLICT:
             echo(f"conflict, left alone: {p.label}: {p.reason}; use another --out or delete the run to redo it")

@@ -44,6 +44,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from rlvr.errors import UserError
 from rlvr.instruct import alpaca_format, protocol_template
 from rlvr.machine import usable_device
+from rlvr.ranges import AT_LEAST_ONE, Range, flag_name, range_problems
+from rlvr.scaffold import claimed_output_dir
 from rlvr.suites.judge import MANY_UNPARSED, judge_alpaca_eval, judge_sst
 from rlvr.suites.parsing import parse_gsm8k_response, parse_mmlu_response, same_number
 
@@ -300,6 +302,16 @@ def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+SUITE_RANGES: dict[str, Range] = {
+    "limit": AT_LEAST_ONE,
+    "max_tokens": AT_LEAST_ONE,
+    "batch_size": AT_LEAST_ONE,
+    "judge_max_tokens": AT_LEAST_ONE,
+    "judge_workers": AT_LEAST_ONE,
+}
+"""The allowed range of every numeric field of ``SuiteConfig`` (``rlvr.ranges``)."""
+
+
 def run_suites(
     cfg: SuiteConfig,
     model: torch.nn.Module | None = None,
@@ -310,14 +322,27 @@ def run_suites(
     """Run every suite of ``cfg`` and write the outputs; returns ``{suite: metrics}``.
 
     ``model``/``tokenizer``/``engine``/``judge`` replace loading them from ``cfg`` (tests, experiments)."""
+    if not cfg.suite:
+        raise UserError("--suite needs at least one of mmlu gsm8k alpaca_eval sst")
+    problems = range_problems(cfg, SUITE_RANGES, flag_name)
+    if problems:
+        raise UserError("; ".join(problems))
+    # The lock before --out is read or written: a second evaluation into it is refused, not mixed in.
+    with claimed_output_dir(cfg.out, OUTPUT_FILES, cfg.overwrite, command="rlvr eval --suite"):
+        return _run_suites(cfg, model, tokenizer, engine, judge)
+
+
+def _run_suites(
+    cfg: SuiteConfig,
+    model: torch.nn.Module | None,
+    tokenizer: PreTrainedTokenizerBase | None,
+    engine: Engine | None,
+    judge: EngineJudge | EndpointJudge | None,
+) -> dict:
     import torch
 
     from rlvr.instruct import special_prefix
-    from rlvr.rundir import prepare_output_dir
 
-    if not cfg.suite:
-        raise UserError("--suite needs at least one of mmlu gsm8k alpaca_eval sst")
-    prepare_output_dir(cfg.out, OUTPUT_FILES, overwrite=cfg.overwrite)
     # Data (and a local judge's path) before any model loads.
     data = {name: load_suite_data(name, _source(cfg, name), cfg.limit) for name in dict.fromkeys(cfg.suite)}
     for name, rows in data.items():
