@@ -395,6 +395,8 @@ TRAIN_RANGES: dict[str, Range] = {
     "algorithm.advantage_eps": POSITIVE,
     "algorithm.normalization_constant": POSITIVE,
     "algorithm.cliprange": POSITIVE,
+    "algorithm.cliprange_low": POSITIVE,
+    "algorithm.cliprange_high": POSITIVE,
     "rollout.n_prompts_per_rollout_batch": AT_LEAST_ONE,
     "rollout.group_size": AT_LEAST_ONE,
     "rollout.rollout_batch_size": AT_LEAST_ONE,
