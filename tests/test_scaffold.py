@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 from rlvr.cli import main as cli
 from rlvr.dpo import DPOConfig, _as_dict
@@ -136,3 +138,142 @@ def test_claimed_output_dir_locks_before_it_checks_or_replaces(tmp_path):
         with pytest.raises(RunDirBusy):  # held for the whole block, against this process too
             with claimed_output_dir(out, ("results.json",), overwrite=True):
                 pass
+
+
+# -------------------------------------------------------------------------------------------------
+# rlvr dpo and rlvr sft instruct: summary.json, SIGTERM and Ctrl-C save, --resume continues the same run
+# -------------------------------------------------------------------------------------------------
+
+
+def metric_rows(run_dir: Path) -> list[dict]:
+    return [
+        {k: v for k, v in json.loads(line).items() if not k.startswith(("time/", "tokens_per_s"))}
+        for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
+
+
+def same_weights(a: Path, b: Path) -> bool:
+    from safetensors.torch import load_file
+
+    x, y = load_file(str(a)), load_file(str(b))
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def test_dpo_sigterm_saves_exits_143_and_resumes_to_the_same_run(
+    tiny_model, tiny_tokenizer, tmp_path, monkeypatch, capsys
+):
+    import rlvr.dpo as dpo
+    from rlvr.modeling import save_model_and_tokenizer
+
+    model_dir = save_model_and_tokenizer(tiny_model, tiny_tokenizer, tmp_path / "sft")
+    pairs = tmp_path / "pairs.jsonl"
+    rows = [
+        {"prompt": f"Name colour {i}.", "chosen": f"It is {w}.", "rejected": f"No {i}."}
+        for i, w in enumerate("abcdefghij")
+    ]
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    settings = dict(val_size=4, batch_size=2, lr=1e-3, eval_every=2, save_every=0, steps=4, eval_batch_pairs=3)
+    straight = dpo.run_dpo(
+        DPOConfig(
+            model=str(model_dir),
+            data=(str(pairs),),
+            out=tmp_path / "straight",
+            progress=False,
+            device="cpu",
+            **settings,
+        )
+    )
+    out = tmp_path / "stopped"
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
+    argv = [
+        "dpo",
+        "--model",
+        str(model_dir),
+        "--data",
+        str(pairs),
+        "--out",
+        str(out),
+        "--no-progress",
+        "--device",
+        "cpu",
+    ]
+    statuses: list[str] = []
+    original = dpo.dpo_step
+
+    def step_then_sigterm(*args, **kwargs):
+        statuses.append(json.loads((out / "summary.json").read_text())["status"])
+        if len(statuses) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(dpo, "dpo_step", step_then_sigterm)
+    assert cli([*argv, *flags]) == 143
+    monkeypatch.undo()
+    assert statuses == ["running", "running"]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["step"] == 2 and summary["last_checkpoint"] == 2
+    assert "stopped by SIGTERM; saved a checkpoint at step 2" in capsys.readouterr().err
+    assert [r["step"] for r in metric_rows(out)] == [0, 1, 2]
+    assert cli(["dpo", "--resume", str(out)]) == 0
+    assert json.loads((out / "summary.json").read_text())["status"] == "finished"
+    assert metric_rows(out) == metric_rows(straight)
+    final = Path("checkpoints") / "step_000004" / "model" / "model.safetensors"
+    assert same_weights(straight / final, out / final)
+
+
+def test_sft_instruct_ctrl_c_saves_exits_130_and_resumes_to_the_same_run(tmp_path, monkeypatch, capsys):
+    import rlvr.instruct_sft as instruct_sft
+    from rlvr.instruct_sft import InstructSFTConfig, run_instruct_sft
+
+    data = tmp_path / "sft.jsonl"
+    data.write_text(
+        "".join(
+            json.dumps({"prompt": f"What is {i % 7} plus 2?", "response": f"{i % 7 + 2}."}) + "\n" for i in range(60)
+        )
+    )
+    settings = dict(seq_length=32, batch_size=4, lr=1e-2, steps=5, val_size=8, eval_every=2, vocab_size=300)
+    settings.update(max_tokens_per_microbatch=64, save_every=0)
+    straight = run_instruct_sft(
+        InstructSFTConfig(
+            data=str(data), model="tiny", out=tmp_path / "straight", progress=False, device="cpu", **settings
+        )
+    )
+    assert json.loads((straight / "summary.json").read_text())["status"] == "finished"
+    out = tmp_path / "stopped"
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in settings.items()]
+    argv = [
+        "sft",
+        "instruct",
+        "--data",
+        str(data),
+        "--model",
+        "tiny",
+        "--out",
+        str(out),
+        "--no-progress",
+        "--device",
+        "cpu",
+    ]
+    statuses: list[str] = []
+    original = instruct_sft.accumulate_step
+
+    def step_then_ctrl_c(*args, **kwargs):
+        statuses.append(json.loads((out / "summary.json").read_text())["status"])
+        if len(statuses) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(instruct_sft, "accumulate_step", step_then_ctrl_c)
+    assert cli([*argv, *flags]) == 130
+    monkeypatch.undo()
+    assert statuses == ["running"] * 3
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "interrupted" and summary["step"] == 3 and summary["last_checkpoint"] == 3
+    assert "interrupted; saved a checkpoint at step 3" in capsys.readouterr().err
+    # Run again without --resume: refused, nothing replaced; with it: the same run to its end.
+    assert cli([*argv, *flags]) == 2
+    assert "already holds results" in one_line_error(capsys, "sft")
+    assert cli(["sft", "instruct", "--resume", str(out), "--no-progress"]) == 0
+    assert json.loads((out / "summary.json").read_text())["status"] == "finished"
+    assert metric_rows(out) == metric_rows(straight)
+    assert same_weights(straight / "model.safetensors", out / "model.safetensors")

@@ -22,6 +22,9 @@ each pair remembers its source file) or generic ``{prompt, chosen, rejected}`` J
 The course's settings are the defaults: beta 0.1, RMSprop at lr 1e-6, one pair per forward,
 64 pairs per optimizer step, 200 held-out pairs.
 
+``summary.json`` says how the run stands; Ctrl-C and SIGTERM finish the step, save a checkpoint and
+exit with 130 / 143 (``rlvr.scaffold``).
+
     rlvr dpo --model runs/sft --data hh-rlhf/harmless-base hh-rlhf/helpful-base --out runs/dpo
     rlvr dpo --resume runs/dpo
 """
@@ -47,7 +50,7 @@ from rlvr.data import DataError
 from rlvr.errors import UserError
 from rlvr.instruct import alpaca_format, encode_documents, read_jsonl
 from rlvr.ranges import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range, flag_name, range_problems
-from rlvr.scaffold import remove_outputs
+from rlvr.scaffold import TrainingRun, remove_outputs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -611,7 +614,6 @@ def _train(
     from rlvr.logging_utils import MetricsLogger, truncate_metrics
     from rlvr.modeling import load_model_and_tokenizer
     from rlvr.rundir import atomic_write_json
-    from rlvr.trainer import batch_indices
 
     device = resolve_device(cfg.device)
     ref_device = resolve_device(cfg.ref_device, "--ref-device") if cfg.ref_device else device
@@ -677,58 +679,80 @@ def _train(
             loop.update(best=metrics, best_step=step)
         return metrics
 
+    run = TrainingRun(out, total, f"rlvr dpo --resume {out}", checkpoint, start=start, resumed=ckpt is not None)
+    run.fields.update(best_step=loop["best_step"], best=loop["best"], **data_counts)
     logger = MetricsLogger(
         out, _as_dict(cfg), wandb=cfg.wandb, wandb_project=cfg.wandb_project, tensorboard=cfg.tensorboard
     )
-    step = start
     try:
-        if start == 0:
-            logger.log({"step": 0, **validate(0)})
-        with tqdm(total=total, initial=start, desc="dpo", disable=not cfg.progress, dynamic_ncols=True) as bar:
-            for step in range(start + 1, total + 1):
-                t0 = time.perf_counter()
-                lr_used = scheduler.get_last_lr()[0]
-                indices = batch_indices(len(train_tokens), batch, step - 1, cfg.seed)
-                row: dict[str, Any] = {
-                    "step": step,
-                    **dpo_step(
-                        model,
-                        optimizer,
-                        train_tokens,
-                        indices,
-                        train_ref,
-                        cfg.beta,
-                        pad,
-                        cfg.max_grad_norm,
-                        backbone,
-                        cfg.pairs_per_forward,
-                    ),
-                }
-                scheduler.step()
-                row.update(
-                    {
-                        "lr": lr_used,
-                        "time/step": time.perf_counter() - t0,
-                        "data/epoch": (step * batch) // len(train_tokens),
-                    }
-                )
-                if (cfg.eval_every and step % cfg.eval_every == 0) or step == total:
-                    row.update(validate(step))
-                if device.type == "cuda":
-                    row["mem/peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
-                logger.log(row)
-                if (cfg.save_every and step % cfg.save_every == 0) or step == total:
-                    checkpoint(step)
-                postfix = {"loss": f"{row['train/loss']:.3f}"}
-                if "val/preference_accuracy" in row:
-                    postfix["val_acc"] = f"{row['val/preference_accuracy']:.3f}"
-                bar.set_postfix(postfix)
-                bar.update(1)
+        with run.guarded():
+            if start == 0:
+                logger.log({"step": 0, **validate(0)})
+            with tqdm(total=total, initial=start, desc="dpo", disable=not cfg.progress, dynamic_ncols=True) as bar:
+                for step in range(start + 1, total + 1):
+                    with run.step_block(step):
+                        row = _training_step(
+                            cfg, step, total, batch, model, optimizer, scheduler, train_tokens, train_ref, pad, backbone
+                        )
+                        if (cfg.eval_every and step % cfg.eval_every == 0) or step == total:
+                            row.update(validate(step))
+                            run.fields.update(best_step=loop["best_step"], best=loop["best"])
+                        if device.type == "cuda":
+                            row["mem/peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+                        logger.log(row)
+                    if (cfg.save_every and step % cfg.save_every == 0) or step == total:
+                        run.checkpoint()
+                    postfix = {"loss": f"{row['train/loss']:.3f}"}
+                    if "val/preference_accuracy" in row:
+                        postfix["val_acc"] = f"{row['val/preference_accuracy']:.3f}"
+                    bar.set_postfix(postfix)
+                    bar.update(1)
+            run.checkpoint()
     finally:
         logger.close()
-    summary = {"status": "finished", "step": step, "best_step": loop["best_step"], "best": loop["best"], **data_counts}
-    atomic_write_json(out / "summary.json", summary)
+    run.summary("finished")
     return out
+
+
+def _training_step(
+    cfg: DPOConfig,
+    step: int,
+    total: int,
+    batch: int,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    train_tokens: list[tuple[list[int], list[int]]],
+    train_ref: ReferenceCache,
+    pad: int,
+    backbone: Callable[..., Any] | None,
+) -> dict[str, Any]:
+    """One optimizer step of the loop and its metrics row."""
+    from rlvr.trainer import batch_indices
+
+    t0 = time.perf_counter()
+    lr_used = scheduler.get_last_lr()[0]
+    indices = batch_indices(len(train_tokens), batch, step - 1, cfg.seed)
+    row: dict[str, Any] = {
+        "step": step,
+        **dpo_step(
+            model,
+            optimizer,
+            train_tokens,
+            indices,
+            train_ref,
+            cfg.beta,
+            pad,
+            cfg.max_grad_norm,
+            backbone,
+            cfg.pairs_per_forward,
+        ),
+    }
+    scheduler.step()
+    row.update(
+        {"lr": lr_used, "time/step": time.perf_counter() - t0, "data/epoch": (step * batch) // len(train_tokens)}
+    )
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:

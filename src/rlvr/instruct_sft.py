@@ -15,16 +15,21 @@ model. No ``Trainer``.
 
 Output, in ``--out``: the model and tokenizer (``save_pretrained``: loadable by every rlvr command
 and by vLLM), ``sft_config.json`` and ``metrics.jsonl`` (``train/loss``, ``lr``, ``train/grad_norm`` per
-step; ``val/loss`` every ``--eval-every`` steps), mirrored to wandb / TensorBoard when asked.
+step; ``val/loss`` every ``--eval-every`` steps), mirrored to wandb / TensorBoard when asked, and
+``summary.json``. Checkpoints every ``--save-every`` steps and on Ctrl-C or SIGTERM (exit 130 / 143)
+go to ``checkpoints/``; ``--resume DIR`` continues the same run (``rlvr.scaffold``).
 
     rlvr sft instruct --model meta-llama/Llama-3.1-8B --data sft_train.jsonl.gz --out runs/sft
+    rlvr sft instruct --resume runs/sft
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
+import sys
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass
@@ -33,30 +38,35 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from rlvr.checkpoint import load_trainer_state, resumable_checkpoint, save_checkpoint
 from rlvr.errors import UserError
 from rlvr.instruct import alpaca_format, encode_pairs, load_prompt_response, pack_documents
 from rlvr.machine import usable_device
+from rlvr.logging_utils import truncate_metrics
 from rlvr.ranges import AT_LEAST_ONE, BELOW_ONE, NON_NEGATIVE, POSITIVE, PROBABILITY, Range, flag_name, range_problems
-from rlvr.scaffold import claimed_output_dir
+from rlvr.rundir import RunDirLock, atomic_write_json
+from rlvr.scaffold import TrainingRun, claimed_output_dir, remove_outputs
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from rlvr.instruct import PackedSFTDataset
 
-OUTPUT_FILES = ("model.safetensors", "metrics.jsonl", "sft_config.json")
+OUTPUT_FILES = ("model.safetensors", "metrics.jsonl", "sft_config.json", "summary.json", "checkpoints")
+RESUMABLE = ("steps", "eval_every", "save_every", "progress", "wandb", "tensorboard")
+"""Settings that ``--resume`` takes from the command line; the others come from the run's sft_config.json."""
 
 
 @dataclass
 class InstructSFTConfig:
     """Instruction-tune a causal LM on packed {prompt, response} data (the course's settings by default)."""
 
-    data: str
+    data: str = ""
     """Training data: a JSONL or JSONL.gz file of {prompt, response}, or a hub dataset with those columns."""
-    model: str
+    model: str = ""
     """Base model: a local directory, a hub id (meta-llama/Llama-3.1-8B), or a named size for a fresh model (tiny, small, 20m)."""
-    out: Path
-    """Run directory: the fine-tuned model and tokenizer, sft_config.json, metrics.jsonl."""
+    out: Path | None = None
+    """Run directory: the fine-tuned model and tokenizer, sft_config.json, metrics.jsonl, summary.json, checkpoints/."""
     val_data: str | None = None
     """Validation data in the same format (default: --val-size documents held out of --data)."""
     val_size: int = 256
@@ -117,11 +127,24 @@ class InstructSFTConfig:
     """Mirror metrics to TensorBoard event files under OUT/tensorboard."""
     progress: bool = True
     """Show a progress bar."""
+    save_every: int = 100
+    """Checkpoint for --resume every this many steps (and on Ctrl-C or SIGTERM; 0: only then)."""
     overwrite: bool = False
     """Replace a run already in --out."""
+    resume: Path | None = None
+    """Continue the run in this directory from its newest intact checkpoint (with its saved config; --steps, cadences and logging may change)."""
+    fresh_optimizer: bool = False
+    """With --resume: accept a checkpoint that holds weights only (its trainer_state.pt deleted or lost) and continue from its step with a fresh optimizer."""
 
     def validate(self) -> None:
         """Reject impossible settings (``UserError``) before any work."""
+        missing = [
+            flag for flag, value in (("--data", self.data), ("--model", self.model), ("--out", self.out)) if not value
+        ]
+        if missing:
+            raise UserError(f"{', '.join(missing)} required (or --resume DIR to continue a run)")
+        if self.fresh_optimizer and self.resume is None:
+            raise UserError("--fresh-optimizer applies to a resumed run: pass it with --resume DIR")
         problems = range_problems(self, INSTRUCT_SFT_RANGES, flag_name)
         if problems:
             raise UserError("; ".join(problems))
@@ -145,6 +168,7 @@ INSTRUCT_SFT_RANGES: dict[str, Range] = {
     "eval_every": NON_NEGATIVE,
     "seed": NON_NEGATIVE,
     "vocab_size": AT_LEAST_ONE,
+    "save_every": NON_NEGATIVE,
 }
 """The allowed range of every numeric field of ``InstructSFTConfig`` (``rlvr.ranges``)."""
 
@@ -256,17 +280,55 @@ def split_documents(pairs: list[dict], val_size: int, seed: int) -> tuple[list[d
 
 
 def run_instruct_sft(cfg: InstructSFTConfig) -> Path:
-    """Instruction-tune per ``cfg`` and save the model; returns the output directory. The directory
-    is locked before anything in it is read or replaced (``rlvr.scaffold.claimed_output_dir``)."""
-    cfg.validate()
-    with claimed_output_dir(
-        cfg.out, OUTPUT_FILES, cfg.overwrite, replaces=("metrics.jsonl",), command="rlvr sft instruct"
-    ):
-        return _run(cfg)
+    """Instruction-tune per ``cfg`` (or resume ``cfg.resume``) and save the model; returns the output
+    directory. The directory is locked before anything in it is read or replaced."""
+    if cfg.resume is None:
+        cfg.validate()
+        replaced = ("metrics.jsonl", "summary.json", "checkpoints")
+        with claimed_output_dir(
+            cfg.out or "", OUTPUT_FILES, cfg.overwrite, replaces=replaced, command="rlvr sft instruct"
+        ):
+            return _run(cfg, None)
+    run_dir = Path(cfg.resume)
+    if not run_dir.is_dir():
+        raise UserError(
+            f"--resume {run_dir}: no such directory; give the directory of an earlier `rlvr sft instruct` run"
+        )
+    with RunDirLock(run_dir, command="rlvr sft instruct"):
+        cfg = _resumed_config(cfg, run_dir)
+        cfg.validate()
+        ckpt = resumable_checkpoint(run_dir, fresh_optimizer=cfg.fresh_optimizer)
+        if ckpt is None:
+            print(f"rlvr: {run_dir} holds no checkpoint; starting the run again from step 0", file=sys.stderr)
+            remove_outputs(run_dir, ("metrics.jsonl", "summary.json"))
+        return _run(cfg, ckpt)
 
 
-def _run(cfg: InstructSFTConfig) -> Path:
-    """The work of ``run_instruct_sft`` in its claimed output directory."""
+def _resumed_config(cfg: InstructSFTConfig, run_dir: Path) -> InstructSFTConfig:
+    """The saved config of the run in ``run_dir`` with the resumable settings given now."""
+    path = run_dir / "sft_config.json"
+    try:
+        saved = json.loads(path.read_text())
+        fields = {f.name for f in dataclasses.fields(InstructSFTConfig)}
+        base = InstructSFTConfig(**{k: v for k, v in saved.items() if k in fields})
+    except (OSError, ValueError, TypeError, AttributeError):
+        raise UserError(
+            f"{path} is missing or unreadable: is {run_dir} an `rlvr sft instruct` run directory?"
+        ) from None
+    given = {k: getattr(cfg, k) for k in RESUMABLE if getattr(cfg, k) != getattr(InstructSFTConfig(), k)}
+    return dataclasses.replace(
+        base,
+        **given,
+        betas=(float(base.betas[0]), float(base.betas[1])),
+        out=run_dir,
+        resume=run_dir,
+        overwrite=False,
+        fresh_optimizer=cfg.fresh_optimizer,
+    )
+
+
+def _run(cfg: InstructSFTConfig, ckpt: Path | None) -> Path:
+    """The work of ``run_instruct_sft`` in its claimed output directory, from ``ckpt`` (None: step 0)."""
     from tqdm.auto import tqdm
 
     from rlvr.grpo import compile_backbone
@@ -291,7 +353,7 @@ def _run(cfg: InstructSFTConfig) -> Path:
     dtype = resolve_dtype(cfg.dtype, device)
     torch.manual_seed(cfg.seed)
     model, tokenizer = load_or_build_model(
-        cfg.model,
+        str(ckpt / "model") if ckpt is not None else cfg.model,
         device,
         dtype,
         lambda: [alpaca_format(p["prompt"], p["response"]) for p in train_pairs[:20000]],
@@ -328,8 +390,16 @@ def _run(cfg: InstructSFTConfig) -> Path:
     )
     rows_per_micro = max(1, cfg.max_tokens_per_microbatch // cfg.seq_length)
     batch = min(cfg.batch_size, len(train_ds))
+    out = Path(cfg.out or "")
+    start = 0
+    if ckpt is not None:
+        start = load_trainer_state(ckpt, optimizer, scheduler)["step"]
+        truncate_metrics(out / "metrics.jsonl", start)
 
-    config = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(cfg).items()}
+    config = {
+        k: str(v) if isinstance(v, Path) else v
+        for k, v in asdict(dataclasses.replace(cfg, resume=None, overwrite=False, fresh_optimizer=False)).items()
+    }
     config.update(
         command="sft instruct",
         train_windows=len(train_ds),
@@ -339,45 +409,76 @@ def _run(cfg: InstructSFTConfig) -> Path:
         train_documents=len(train_pairs),
         val_documents=len(val_pairs),
     )
-    (Path(cfg.out) / "sft_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    logger = MetricsLogger(
-        cfg.out, config, wandb=cfg.wandb, wandb_project=cfg.wandb_project, tensorboard=cfg.tensorboard
-    )
+    atomic_write_json(out / "sft_config.json", config)
+
+    def save(step: int) -> None:
+        save_checkpoint(out, step, model, tokenizer, optimizer, scheduler, state={})
+
+    run = TrainingRun(out, total, f"rlvr sft instruct --resume {out}", save, start=start, resumed=ckpt is not None)
+    logger = MetricsLogger(out, config, wandb=cfg.wandb, wandb_project=cfg.wandb_project, tensorboard=cfg.tensorboard)
     try:
-        if len(val_ds):
-            logger.log({"step": 0, "val/loss": validation_loss(model, val_ds, rows_per_micro)})
-        with tqdm(range(total), desc="sft instruct", disable=not cfg.progress, dynamic_ncols=True) as bar:
-            for step in bar:
-                t0 = time.perf_counter()
-                lr_used = scheduler.get_last_lr()[0]
-                loss, tokens = accumulate_step(
-                    model, train_ds, batch_indices(len(train_ds), batch, step, cfg.seed), rows_per_micro, backbone
-                )
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.max_grad_norm))
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                scheduler.step()
-                elapsed = time.perf_counter() - t0
-                row = {
-                    "step": step + 1,
-                    "train/loss": loss,
-                    "lr": lr_used,
-                    "train/grad_norm": grad_norm,
-                    "train/tokens": tokens,
-                    "time/step": elapsed,
-                    "tokens_per_s": tokens / elapsed,
-                }
-                if len(val_ds) and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or step + 1 == total):
-                    row["val/loss"] = validation_loss(model, val_ds, rows_per_micro)
-                if device.type == "cuda":
-                    row["mem/peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
-                logger.log(row)
-                bar.set_postfix(loss=f"{loss:.3f}")
+        with run.guarded():
+            if len(val_ds) and start == 0:
+                logger.log({"step": 0, "val/loss": validation_loss(model, val_ds, rows_per_micro)})
+            bar = tqdm(total=total, initial=start, desc="sft instruct", disable=not cfg.progress, dynamic_ncols=True)
+            with bar:
+                for step in range(start + 1, total + 1):
+                    with run.step_block(step):
+                        row = _training_step(
+                            model,
+                            optimizer,
+                            scheduler,
+                            train_ds,
+                            batch_indices(len(train_ds), batch, step - 1, cfg.seed),
+                            rows_per_micro,
+                            backbone,
+                            cfg.max_grad_norm,
+                        )
+                        row["step"] = step
+                        if len(val_ds) and ((cfg.eval_every and step % cfg.eval_every == 0) or step == total):
+                            row["val/loss"] = validation_loss(model, val_ds, rows_per_micro)
+                        if device.type == "cuda":
+                            row["mem/peak_gb"] = torch.cuda.max_memory_allocated(device) / 2**30
+                        logger.log(row)
+                    if cfg.save_every and step % cfg.save_every == 0 and step < total:
+                        run.checkpoint()
+                    bar.set_postfix(loss=f"{row['train/loss']:.3f}")
+                    bar.update(1)
+            model.eval()
+            save_model_and_tokenizer(model, tokenizer, out)
     finally:
         logger.close()
-    model.eval()
-    save_model_and_tokenizer(model, tokenizer, cfg.out)
-    return Path(cfg.out)
+    run.summary("finished")
+    return out
+
+
+def _training_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: torch.optim.lr_scheduler.LRScheduler,
+    train_ds: PackedSFTDataset,
+    indices: list[int],
+    rows_per_micro: int,
+    backbone: Callable[..., Any] | None,
+    max_grad_norm: float,
+) -> dict[str, Any]:
+    """One optimizer step over the windows ``indices`` and its metrics row (without the step number)."""
+    t0 = time.perf_counter()
+    lr_used = scheduler.get_last_lr()[0]
+    loss, tokens = accumulate_step(model, train_ds, indices, rows_per_micro, backbone)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm))
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    elapsed = time.perf_counter() - t0
+    return {
+        "train/loss": loss,
+        "lr": lr_used,
+        "train/grad_norm": grad_norm,
+        "train/tokens": tokens,
+        "time/step": elapsed,
+        "tokens_per_s": tokens / elapsed,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
