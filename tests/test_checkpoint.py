@@ -4,6 +4,7 @@ previous checkpoint usable; metrics are truncated to the checkpoint on resume.""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -194,6 +195,38 @@ def test_a_weights_only_checkpoint_is_passed_over_and_resumed_only_when_asked(ti
     with pytest.raises(ck.CheckpointError, match="step_000002 holds weights only .*resume with --fresh-optimizer"):
         ck.resumable_checkpoint(tmp_path, echo=lambda s: None)
     assert [p.name for p in ck.checkpoint_dirs(tmp_path)] == ["step_000001", "step_000002"]
+
+
+def test_a_kill_while_pruning_leaves_no_half_checkpoint(tiny_model, tiny_tokenizer, tmp_path, monkeypatch):
+    opt, sched = _setup(tiny_model)
+    ck.save_checkpoint(tmp_path, 1, tiny_model, tiny_tokenizer, opt, sched, state={})
+    root = tmp_path / "checkpoints"
+    real_rmtree = ck.shutil.rmtree
+
+    def killed_midway(path, *args, **kwargs):  # deletes one file of the pruned checkpoint, then the process dies
+        next(p for p in sorted(Path(path).rglob("*")) if p.is_file()).unlink()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ck.shutil, "rmtree", killed_midway)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save_checkpoint(tmp_path, 2, tiny_model, tiny_tokenizer, opt, sched, state={})
+    monkeypatch.setattr(ck.shutil, "rmtree", real_rmtree)
+    # The half-deleted step 1 is under its trash name only: every step_N left is whole.
+    assert [p.name for p in ck.checkpoint_dirs(tmp_path)] == ["step_000002"]
+    assert (root / ".trash-step_000001").is_dir()
+    assert ck.resumable_checkpoint(tmp_path, echo=lambda s: None).name == "step_000002"
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_000002"]  # cleaned at the start
+
+
+def test_a_kill_while_a_step_is_saved_again_puts_the_old_copy_back(tiny_model, tiny_tokenizer, tmp_path):
+    opt, sched = _setup(tiny_model)
+    ck.save_checkpoint(tmp_path, 1, tiny_model, tiny_tokenizer, opt, sched, state={})
+    root = tmp_path / "checkpoints"
+    # A kill between moving step 1 aside and renaming its new copy into place.
+    (root / "step_000001").rename(root / ".old-step_000001")
+    ck.clean_leftovers(tmp_path)
+    assert [p.name for p in ck.checkpoint_dirs(tmp_path)] == ["step_000001"]
+    assert ck.verify_checkpoint(root / "step_000001") == []
 
 
 def test_damaged_middle_metrics_line_is_skipped_and_the_rest_kept(tmp_path):

@@ -344,6 +344,29 @@ def test_checkpoint_without_trainer_state_never_restarts_the_run(
     assert "--fresh-optimizer applies to a resumed run" in one_line_error(capsys, "train")
 
 
+def test_a_checkpoint_without_checksums_is_never_called_intact(
+    gsm8k_path, tiny_model, tiny_tokenizer, tmp_path, capsys
+):
+    cfg = tiny_config(gsm8k_path, n_steps=1)
+    run(cfg, tmp_path, tiny_model, tiny_tokenizer)
+    ckpt = tmp_path / "checkpoints" / "step_000001"
+    (ckpt / "manifest.json").unlink()
+    weights = ckpt / "model" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)  # sixteen weights overwritten with zeros: it still loads
+    weights.write_bytes(bytes(data))
+
+    def broken(response, gt):
+        raise ValueError("grader bug")
+
+    with pytest.raises(GraderError) as failure:
+        run(dataclasses.replace(cfg, n_steps=2), tmp_path, fresh_model(tiny_tokenizer), tiny_tokenizer, True, broken)
+    assert "step_000001 has no manifest.json: its files load, but changed bytes cannot be detected" in (
+        capsys.readouterr().err
+    )
+    assert "is intact" not in str(failure.value) and "has no checksums (not known to be intact)" in str(failure.value)
+
+
 # -------------------------------------------------------------------------------------------------
 # Restarting a run: a kill while config.json is rewritten, a shorter run, a longer one
 # -------------------------------------------------------------------------------------------------

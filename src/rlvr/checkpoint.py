@@ -16,7 +16,8 @@ A checkpoint is written into a hidden temporary directory, every file is fsynced
 the directory renamed to its final name (a rename within one filesystem is atomic) and ``latest``
 replaced (a new link renamed over the old one). A crash at any point leaves the previous checkpoint complete and
 ``latest`` pointing at a complete directory; leftovers of an interrupted write are ignored and
-cleaned up by the next save.
+cleaned up by the next save or resume. Old checkpoints are pruned by renaming them to a trash name
+first, then deleting, so that a kill midway never leaves half a checkpoint under a step's name.
 
 A checkpoint damaged later (a truncated or overwritten file) is caught on resume:
 ``resumable_checkpoint`` checks every file against the manifest, sets a damaged checkpoint aside as
@@ -61,6 +62,8 @@ DAMAGED_PREFIX = "damaged-"
 LATEST = "latest"
 BEST_DIR = "best"
 BEST_RECORD = "best.json"
+TRASH_PREFIX = ".trash-"
+OLD_PREFIX = ".old-"
 
 __all__ = [
     "atomic_write_text",
@@ -298,20 +301,49 @@ def _commit(run_dir: str | Path, tmp: Path, final: Path, keep: int) -> None:
     write_manifest(tmp)
     _fsync_tree(tmp)
     if final.exists():  # re-saving the same step (e.g. the final save right after a periodic one)
-        old = root / f".old-{final.name}"
+        old = root / f"{OLD_PREFIX}{final.name}"
         if old.exists():
             shutil.rmtree(old)
         os.replace(final, old)
         os.replace(tmp, final)
-        shutil.rmtree(old)
+        _discard(old)
     else:
         os.replace(tmp, final)
     _fsync_dir(root)
     point_latest(root, final.name)
     for stale in list_checkpoints(run_dir)[:-keep]:
         if stale != final:
-            shutil.rmtree(stale, ignore_errors=True)
+            _discard(stale)
     for leftover in root.glob(".tmp-*"):
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _discard(path: Path) -> None:
+    """Delete a checkpoint directory so that a kill midway leaves no part of it under its name: it
+    is renamed to a trash name first (atomic), then deleted; ``clean_leftovers`` ends an
+    interrupted deletion."""
+    trash = path.with_name(TRASH_PREFIX + path.name)
+    if trash.exists():
+        shutil.rmtree(trash, ignore_errors=True)
+    os.replace(path, trash)
+    _fsync_dir(path.parent)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def clean_leftovers(run_dir: str | Path) -> None:
+    """Finish what a killed save or prune left in ``checkpoints/`` (call it under the run's lock):
+    trash and temporary directories are deleted, and a checkpoint that was being replaced by a
+    save of the same step is put back if its replacement never arrived."""
+    root = Path(run_dir) / CKPT_DIR
+    if not root.is_dir():
+        return
+    for old in root.glob(OLD_PREFIX + "*"):
+        final = root / old.name.removeprefix(OLD_PREFIX)
+        if final.exists():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(old, final)
+    for leftover in [*root.glob(TRASH_PREFIX + "*"), *root.glob(".tmp-*")]:
         shutil.rmtree(leftover, ignore_errors=True)
 
 
@@ -391,6 +423,7 @@ def resumable_checkpoint(
     """
     echo = echo or (lambda msg: print(msg, file=sys.stderr))
     run_dir = Path(run_dir)
+    clean_leftovers(run_dir)
     set_aside: list[Path] = []
     weights_only: list[Path] = []
     for ckpt in reversed(checkpoint_dirs(run_dir)):

@@ -87,6 +87,7 @@ from rlvr.checkpoint import (
     resumable_checkpoint,
     save_best_model,
     save_checkpoint,
+    verified_by_manifest,
 )
 from rlvr.config import (
     RESUMABLE_CHANGES,
@@ -1564,9 +1565,12 @@ class RunRecord:
                 f"No checkpoint was saved yet, so nothing is lost beyond the steps run: fix the cause and run "
                 f"`rlvr train --resume {self.run_dir}` to start again from step 0."
             )
+        saved = self.state.saved_step
+        # Only checksums make "intact" true; a checkpoint resumed without them was only seen to load.
+        verified = verified_by_manifest(self.run_dir / CKPT_DIR / f"step_{saved:06d}")
         return (
-            f"The checkpoint of step {self.state.saved_step} is intact: fix the cause and resume with "
-            f"`rlvr train --resume {self.run_dir}`."
+            f"The checkpoint of step {saved} {'is intact' if verified else 'has no checksums (not known to be intact)'}: "
+            f"fix the cause and resume with `rlvr train --resume {self.run_dir}`."
         )
 
     def interrupted(self, e: KeyboardInterrupt) -> None:
