@@ -367,6 +367,27 @@ def test_a_checkpoint_without_checksums_is_never_called_intact(
     assert "is intact" not in str(failure.value) and "has no checksums (not known to be intact)" in str(failure.value)
 
 
+def test_a_hand_edited_config_json_is_refused_naming_the_keys(gsm8k_path, tiny_model, tiny_tokenizer, tmp_path, capsys):
+    cfg = tiny_config(gsm8k_path, n_steps=1)
+    run(cfg, tmp_path, tiny_model, tiny_tokenizer)
+    path = tmp_path / "config.json"
+    original = path.read_text()
+    edited = json.loads(original)
+    edited["seed"], edited["optim"]["lr"] = 7, 0.5
+    path.write_text(json.dumps(edited))
+    capsys.readouterr()
+    assert cli(["train", "--resume", str(tmp_path), "--n_steps", "2"]) == 2
+    line = one_line_error(capsys, "train")
+    assert "optim.lr, seed differ from the config step_000001 was trained with" in line and "put them back" in line
+    assert path.read_text() == json.dumps(edited)  # nothing rewritten
+    # Put back, the change that the reward-timeout error suggests is a resumable one.
+    path.write_text(original)
+    longer = dataclasses.replace(cfg, n_steps=2, reward=dataclasses.replace(cfg.reward, timeout_s=30.0))
+    run(longer, tmp_path, fresh_model(tiny_tokenizer), tiny_tokenizer, resume=True)
+    assert read_summary(tmp_path)["status"] == "finished"
+    assert json.loads(path.read_text())["reward"]["timeout_s"] == 30.0
+
+
 # -------------------------------------------------------------------------------------------------
 # Restarting a run: a kill while config.json is rewritten, a shorter run, a longer one
 # -------------------------------------------------------------------------------------------------

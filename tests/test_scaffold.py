@@ -219,6 +219,12 @@ def test_dpo_sigterm_saves_exits_143_and_resumes_to_the_same_run(
     assert metric_rows(out) == metric_rows(straight)
     final = Path("checkpoints") / "step_000004" / "model" / "model.safetensors"
     assert same_weights(straight / final, out / final)
+    # config.json edited by hand: refused, naming what differs from the checkpoint's own copy.
+    edited = {**json.loads((out / "config.json").read_text()), "beta": 0.5, "seed": 3}
+    (out / "config.json").write_text(json.dumps(edited))
+    capsys.readouterr()
+    assert cli(["dpo", "--resume", str(out), "--steps", "6"]) == 2
+    assert "beta, seed in " in one_line_error(capsys, "dpo")
 
 
 def test_sft_instruct_ctrl_c_saves_exits_130_and_resumes_to_the_same_run(tmp_path, monkeypatch, capsys):
@@ -277,3 +283,9 @@ def test_sft_instruct_ctrl_c_saves_exits_130_and_resumes_to_the_same_run(tmp_pat
     assert json.loads((out / "summary.json").read_text())["status"] == "finished"
     assert metric_rows(out) == metric_rows(straight)
     assert same_weights(straight / "model.safetensors", out / "model.safetensors")
+    edited = {**json.loads((out / "sft_config.json").read_text()), "lr": 0.5}
+    (out / "sft_config.json").write_text(json.dumps(edited))
+    capsys.readouterr()
+    assert cli(["sft", "instruct", "--resume", str(out), "--steps", "8"]) == 2
+    line = one_line_error(capsys, "sft")
+    assert "cannot resume: lr in " in line and "differ from the config step_000003 was trained with" in line

@@ -63,6 +63,7 @@ LATEST = "latest"
 BEST_DIR = "best"
 BEST_RECORD = "best.json"
 TRASH_PREFIX = ".trash-"
+RUN_CONFIG = "run_config.json"
 OLD_PREFIX = ".old-"
 
 __all__ = [
@@ -236,10 +237,14 @@ def save_checkpoint(
     state: dict[str, Any],
     keep: int = 1,
     sharded: bool = False,
+    run_config: dict[str, Any] | None = None,
 ) -> Path:
     """Write checkpoint ``step`` atomically and drop all but the newest ``keep``. Returns its directory.
 
     ``state`` holds the loop's own position (data position, counters); RNG states are added here.
+    ``run_config`` (the run's config as a dict) is kept as ``run_config.json``, under the manifest's
+    checksum: the config the checkpoint was trained with, against which a resume checks the run's
+    ``config.json`` (``saved_run_config``).
     Under a process group every rank must call it: each writes its RNG state (``rng/rank_K.pt``), and
     rank 0 the rest. ``sharded`` (FSDP2, LoRA): the model's trainable tensors and the optimizer go to
     ``sharded/`` through ``torch.distributed.checkpoint`` (each rank its shards, loadable on any number
@@ -289,6 +294,8 @@ def save_checkpoint(
             },
             tmp / STATE_FILE,
         )
+        if run_config is not None:
+            (tmp / RUN_CONFIG).write_text(json.dumps(run_config, indent=2) + "\n")
         _commit(run_dir, tmp, final, keep)
     barrier()
     return final
@@ -345,6 +352,37 @@ def clean_leftovers(run_dir: str | Path) -> None:
             os.replace(old, final)
     for leftover in [*root.glob(TRASH_PREFIX + "*"), *root.glob(".tmp-*")]:
         shutil.rmtree(leftover, ignore_errors=True)
+
+
+def saved_run_config(ckpt_dir: str | Path) -> dict[str, Any] | None:
+    """The run config a checkpoint was trained with (its ``run_config.json``), or None when it has none."""
+    path = Path(ckpt_dir) / RUN_CONFIG
+    try:
+        saved = json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError):
+        return None
+    return saved if isinstance(saved, dict) else None
+
+
+def edited_settings(ckpt_dir: str | Path, current: dict[str, Any], may_change: tuple[str, ...]) -> list[str]:
+    """Top-level settings of ``current`` (a command's flat config) that differ from those the
+    checkpoint was trained with, but those in ``may_change``; empty when it kept no config."""
+    trained = saved_run_config(ckpt_dir)
+    if trained is None:
+        return []
+    return sorted(k for k in current if k not in may_change and k in trained and trained[k] != current[k])
+
+
+def refuse_edited_settings(ckpt_dir: Path, current: dict[str, Any], may_change: tuple[str, ...], file: Path) -> None:
+    """Raise ``CheckpointError`` naming the settings of ``file`` (the run's saved config) that differ
+    from those the checkpoint ``ckpt_dir`` was trained with."""
+    edited = edited_settings(ckpt_dir, current, may_change)
+    if edited:
+        raise CheckpointError(
+            f"cannot resume: {', '.join(edited)} in {file} differ from the config {ckpt_dir.name} was trained with "
+            f"({ckpt_dir.name}/{RUN_CONFIG}; was the file edited?); put them back (on resume only "
+            f"{', '.join(k for k in may_change if k != 'out')} may change, by flags)"
+        )
 
 
 def checkpoint_format(ckpt_dir: str | Path) -> str:

@@ -1137,6 +1137,7 @@ RESUMABLE_CHANGES = (
     "health.",
     "log.",
     "distributed.cpu_offload",
+    "reward.timeout_s",  # the reward-timeout error suggests raising it and resuming
 )
 
 

@@ -375,6 +375,11 @@ def _as_dict(cfg: DPOConfig) -> dict:
     }
 
 
+def _saved_form(cfg: DPOConfig) -> dict:
+    """``cfg`` as config.json (and each checkpoint) keeps it: without the flags of one invocation."""
+    return _as_dict(replace(cfg, **{k: getattr(DPOConfig(), k) for k in INVOCATION_ONLY}))
+
+
 def _from_dict(d: dict) -> DPOConfig:
     d = dict(d)
     for k in ("data", "val_data"):
@@ -542,7 +547,7 @@ def run_dpo(cfg: DPOConfig) -> Path:
     for the run (one writer): a second ``--resume`` or ``--overwrite`` on a live run is refused and
     touches nothing. A new run refuses a directory holding an earlier one unless ``overwrite``; a
     resumed run continues from its newest intact checkpoint."""
-    from rlvr.checkpoint import resumable_checkpoint
+    from rlvr.checkpoint import refuse_edited_settings, resumable_checkpoint
     from rlvr.rundir import RunDirLock, prepare_output_dir
 
     if cfg.resume is None:
@@ -556,6 +561,8 @@ def run_dpo(cfg: DPOConfig) -> Path:
         if cfg.resume is not None:
             cfg = _resumed_config(cfg, run_dir)
             ckpt = resumable_checkpoint(run_dir, fresh_optimizer=cfg.fresh_optimizer)
+            if ckpt is not None:
+                refuse_edited_settings(ckpt, _saved_form(cfg), (*RESUMABLE, "out"), run_dir / "config.json")
         cfg.validate()
         if ckpt is None:  # a new run (or a resumed one that never reached its first checkpoint)
             prepare_output_dir(run_dir, OUTPUT_FILES, overwrite=cfg.overwrite or cfg.resume is not None)
@@ -659,7 +666,7 @@ def _train(
             best = json.loads((out / "best.json").read_text())
             loop.update(best_step=best.pop("step", None), best=best)
         truncate_metrics(out / "metrics.jsonl", start)
-    atomic_write_json(out / "config.json", _as_dict(replace(cfg, resume=None, overwrite=False, fresh_optimizer=False)))
+    atomic_write_json(out / "config.json", _saved_form(cfg))
 
     def checkpoint(step: int) -> None:
         save_checkpoint(
@@ -670,6 +677,7 @@ def _train(
             optimizer,
             scheduler,
             state={"train_ref": train_ref.values, "val_ref": val_ref.values, **loop},
+            run_config=_saved_form(cfg),
         )
 
     def validate(step: int) -> dict:

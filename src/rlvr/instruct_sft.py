@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from rlvr.checkpoint import load_trainer_state, resumable_checkpoint, save_checkpoint
+from rlvr.checkpoint import load_trainer_state, refuse_edited_settings, resumable_checkpoint, save_checkpoint
 from rlvr.errors import UserError
 from rlvr.instruct import alpaca_format, encode_pairs, load_prompt_response, pack_documents
 from rlvr.machine import usable_device
@@ -298,10 +298,20 @@ def run_instruct_sft(cfg: InstructSFTConfig) -> Path:
         cfg = _resumed_config(cfg, run_dir)
         cfg.validate()
         ckpt = resumable_checkpoint(run_dir, fresh_optimizer=cfg.fresh_optimizer)
+        if ckpt is not None:
+            refuse_edited_settings(ckpt, _saved_form(cfg), (*RESUMABLE, "out"), run_dir / "sft_config.json")
         if ckpt is None:
             print(f"rlvr: {run_dir} holds no checkpoint; starting the run again from step 0", file=sys.stderr)
             remove_outputs(run_dir, ("metrics.jsonl", "summary.json"))
         return _run(cfg, ckpt)
+
+
+def _saved_form(cfg: InstructSFTConfig) -> dict[str, Any]:
+    """``cfg`` as sft_config.json (and each checkpoint) keeps it: without the flags of one invocation."""
+    kept = dataclasses.replace(cfg, resume=None, overwrite=False, fresh_optimizer=False)
+    return {
+        k: str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v for k, v in asdict(kept).items()
+    }
 
 
 def _resumed_config(cfg: InstructSFTConfig, run_dir: Path) -> InstructSFTConfig:
@@ -396,10 +406,7 @@ def _run(cfg: InstructSFTConfig, ckpt: Path | None) -> Path:
         start = load_trainer_state(ckpt, optimizer, scheduler)["step"]
         truncate_metrics(out / "metrics.jsonl", start)
 
-    config = {
-        k: str(v) if isinstance(v, Path) else v
-        for k, v in asdict(dataclasses.replace(cfg, resume=None, overwrite=False, fresh_optimizer=False)).items()
-    }
+    config = _saved_form(cfg)
     config.update(
         command="sft instruct",
         train_windows=len(train_ds),
@@ -412,7 +419,7 @@ def _run(cfg: InstructSFTConfig, ckpt: Path | None) -> Path:
     atomic_write_json(out / "sft_config.json", config)
 
     def save(step: int) -> None:
-        save_checkpoint(out, step, model, tokenizer, optimizer, scheduler, state={})
+        save_checkpoint(out, step, model, tokenizer, optimizer, scheduler, state={}, run_config=config)
 
     run = TrainingRun(out, total, f"rlvr sft instruct --resume {out}", save, start=start, resumed=ckpt is not None)
     logger = MetricsLogger(out, config, wandb=cfg.wandb, wandb_project=cfg.wandb_project, tensorboard=cfg.tensorboard)

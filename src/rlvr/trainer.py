@@ -87,6 +87,7 @@ from rlvr.checkpoint import (
     resumable_checkpoint,
     save_best_model,
     save_checkpoint,
+    saved_run_config,
     verified_by_manifest,
 )
 from rlvr.config import (
@@ -1217,13 +1218,29 @@ def _prepare_run_dir(
                 f"{run_dir} is at step {at} already, past n_steps={config.n_steps}; a run cannot be "
                 f"shortened: resume with --n_steps {at} or more"
             )
+        trained = saved_run_config(ckpt)
+        if trained is not None:
+            # The checkpoint's own copy is the truth: config.json may have been edited by hand since.
+            try:
+                reference = TrainConfig.from_dict(upgrade_moved_keys(trained))
+            except ValueError as e:
+                raise ConfigError(
+                    f"{ckpt}/run_config.json cannot be read ({e}); resume from another checkpoint"
+                ) from None
+            diffs = [d for d in config_differences(reference, config) if not d.startswith(RESUMABLE_CHANGES)]
+            if diffs:
+                raise ConfigError(
+                    f"cannot resume {run_dir}: {', '.join(diffs)} differ from the config {ckpt.name} was trained with "
+                    f"({ckpt.name}/run_config.json; was {run_dir}/config.json edited?); put them back (only n_steps, "
+                    "cadences, logging and reward.timeout_s may change on resume)"
+                )
         saved = _read_run_config(run_dir)
         if saved is not None:
             diffs = [d for d in config_differences(saved, config) if not d.startswith(RESUMABLE_CHANGES)]
             if diffs:
                 raise ConfigError(
-                    f"cannot resume {run_dir} with a different config: {', '.join(diffs)} changed; "
-                    "resume with the saved config (only n_steps, cadences and logging may change)"
+                    f"cannot resume {run_dir} with a different config: {', '.join(diffs)} changed; resume with the "
+                    "saved config (only n_steps, cadences, logging and reward.timeout_s may change)"
                 )
     else:
         # Nothing was checkpointed, so nothing can be continued: the run starts over (under the
@@ -1518,6 +1535,7 @@ class RunRecord:
             state=state.checkpoint_record(at * self.config.rollout.n_prompts_per_rollout_batch),
             keep=self.config.keep_checkpoints,
             sharded=run.sharded_checkpoints,
+            run_config=self.config.to_dict(),
         )
         state.saved_step = at
 
