@@ -6,6 +6,7 @@ be overwritten, and one-line errors from every command."""
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import json
 import math
 import os
@@ -584,6 +585,22 @@ ONE_LINE_CASES = [
     ("sft", ["--model", "./no/such/model", "--out", "{tmp}/s"], "no such directory"),
     ("demo", ["--sft-steps", "0", "--out", "{tmp}/d"], "--sft-steps must be >= 1"),
     ("sweep", ["{tmp}/missing.yaml", "--out", "{tmp}/w"], "not found"),
+    ("sft", ["instruct", "--data", "{tmp}/latin1.jsonl", "--model", "tiny", "--out", "{tmp}/i"], "not UTF-8 text"),
+    ("sft", ["instruct", "--data", "{tmp}/missing.jsonl", "--model", "tiny", "--out", "{tmp}/i"], "no such file"),
+    ("sft", ["instruct", "--data", "{tmp}/cut.jsonl.gz", "--model", "tiny", "--out", "{tmp}/i"], "not a whole gzip"),
+    ("dpo", ["--model", "m", "--data", "{tmp}/cut.jsonl.gz", "--out", "{tmp}/d"], "not a whole gzip file"),
+    ("dpo", ["--model", "m", "--data", "{tmp}/latin1.jsonl", "--out", "{tmp}/d"], "latin1.jsonl: not UTF-8 text"),
+    ("dpo", ["--model", "m", "--data", "{tmp}/missing.jsonl", "--out", "{tmp}/d"], "no such file or directory"),
+    ("dpo", ["--resume", "{tmp}/list_run"], "holds a JSON list, not the object of settings"),
+    ("train", ["--resume", "{tmp}/list_run"], "holds a JSON list, not the object of config keys"),
+    ("train", ["--config", "{tiny}", "--out", "{tmp}/r", "--data.train_source", "{tmp}/latin1.jsonl"], "not UTF-8"),
+    ("train", ["--config", "{tiny}", "--out", "{tmp}/r", "--optim.weight_decay", "-0.1"], "weight_decay must be >= 0"),
+    ("train", ["--config", "{tiny}", "--out", "{tmp}/r", "--plugins", "no_such_plugin"], "no module named 'no_such"),
+    (
+        "train",
+        ["--config", "{tiny}", "--out", "{tmp}/r", "--plugins", "{tmp}/bad_plugin.py"],
+        "raised ZeroDivisionError",
+    ),
 ]
 
 
@@ -595,9 +612,42 @@ def test_user_errors_are_one_line(command, args, expect, tmp_path, capsys):
     tiny.write_text(TINY_YAML)
     (tmp_path / "file").write_text("not a directory")
     (tmp_path / "old_keys.yaml").write_text(TINY_YAML + "engine: {name: hf-fast, release_memory: true}\n")
+    (tmp_path / "latin1.jsonl").write_bytes(
+        '{"prompt": "café", "response": "oui", "question": "café"}\n'.encode("latin-1")
+    )
+    (tmp_path / "cut.jsonl.gz").write_bytes(gzip.compress(b'{"prompt": "a", "response": "b"}\n' * 50)[:40])
+    (tmp_path / "list_run").mkdir()
+    (tmp_path / "list_run" / "config.json").write_text("[1, 2]\n")
+    (tmp_path / "bad_plugin.py").write_text("RATE = 1 / 0\n")
     argv = [a.format(tmp=tmp_path, tiny=tiny) for a in args]
     assert cli([command, *argv]) == 2
     assert expect in one_line_error(capsys, command)
+
+
+def test_a_truncated_model_file_is_one_line_naming_it(tiny_model_dir, tmp_path, capsys):
+    weights = tiny_model_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    argv = ["eval", "--model", str(tiny_model_dir), "--data", "arith", "--limit", "2", "--device", "cpu"]
+    assert cli([*argv, "--out", str(tmp_path / "e")]) == 2
+    assert "does not load: model.safetensors has 1000 bytes, fewer than its header alone" in one_line_error(
+        capsys, "eval"
+    )
+
+
+def test_ctrl_c_while_the_command_loads_is_one_line(monkeypatch, capsys):
+    import rlvr.cli
+
+    def ctrl_c(name):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(rlvr.cli.importlib, "import_module", ctrl_c)
+    assert cli(["train", "--help"]) == 130
+    monkeypatch.undo()
+    assert one_line_error(capsys, "train") == "rlvr train: interrupted"
+    # What loads before that handling is light: the command line imports no torch.
+    code = "import sys, rlvr.cli; print('torch' in sys.modules)"
+    started = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, check=True)
+    assert started.stdout.strip() == "False"
 
 
 # -------------------------------------------------------------------------------------------------

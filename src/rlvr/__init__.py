@@ -13,21 +13,29 @@ and so are those of instruction tuning, DPO and the assistant evaluations::
                       parse_mmlu_response, parse_gsm8k_response)
 """
 
+import importlib
 from typing import Any
 
-from rlvr.dpo import compute_per_instance_dpo_loss
-from rlvr.grpo import (
-    PRESETS,
-    aggregate_loss_across_microbatch,
-    compute_group_normalized_rewards,
-    compute_policy_gradient_loss,
-    compute_rollout_rewards,
-    get_response_log_probs,
-    grpo_train_step,
-    tokenize_prompt_and_output,
-)
-from rlvr.instruct import get_packed_sft_dataset, iterate_batches
-from rlvr.suites.parsing import parse_gsm8k_response, parse_mmlu_response
+# Where each name of the package's surface lives. They import on first use, so that `rlvr` starts at
+# once (torch loads with the command that needs it, inside the command line's Ctrl-C handling) and
+# grading's math-verify/sympy loads only for the rewards.
+_EXPORTS = {
+    "compute_per_instance_dpo_loss": "rlvr.dpo",
+    "PRESETS": "rlvr.grpo",
+    "aggregate_loss_across_microbatch": "rlvr.grpo",
+    "compute_group_normalized_rewards": "rlvr.grpo",
+    "compute_policy_gradient_loss": "rlvr.grpo",
+    "compute_rollout_rewards": "rlvr.grpo",
+    "get_response_log_probs": "rlvr.grpo",
+    "grpo_train_step": "rlvr.grpo",
+    "tokenize_prompt_and_output": "rlvr.grpo",
+    "get_packed_sft_dataset": "rlvr.instruct",
+    "iterate_batches": "rlvr.instruct",
+    "parse_gsm8k_response": "rlvr.suites.parsing",
+    "parse_mmlu_response": "rlvr.suites.parsing",
+    "r1_zero_reward_fn": "rlvr.rewards",
+    "question_only_reward_fn": "rlvr.rewards",
+}
 
 __version__ = "0.1.0"
 
@@ -51,9 +59,6 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    # Rewards import lazily: grading pulls in math-verify/sympy, which the math above does not need.
-    if name in ("r1_zero_reward_fn", "question_only_reward_fn"):
-        from rlvr import rewards
-
-        return getattr(rewards, name)
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
     raise AttributeError(f"module 'rlvr' has no attribute {name!r}")

@@ -161,15 +161,17 @@ def verified_by_manifest(ckpt_dir: str | Path) -> bool:
     return (Path(ckpt_dir) / MANIFEST).is_file()
 
 
-def _safetensors_problem(path: Path) -> str | None:
+def safetensors_problem(path: Path) -> str | None:
     """Why the safetensors file ``path`` cannot be whole (its header against its size), or None."""
     size = path.stat().st_size
     try:
         with open(path, "rb") as f:
             head = f.read(8)
             n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if not 0 < n <= size - 8:
+            if not 0 < n < 2**31:  # the safetensors format caps its header far below this
                 return "is not a safetensors file (no valid header)"
+            if n > size - 8:
+                return f"has {size} bytes, fewer than its header alone ({8 + n})"
             header = json.loads(f.read(n))
         ends = [int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"]
     except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError):
@@ -187,12 +189,18 @@ def _load_problems(ckpt_dir: Path) -> list[str]:
     weights = sorted(model_dir.glob("*.safetensors")) if model_dir.is_dir() else []
     if not weights and not (ckpt_dir / SHARDED_DIR).is_dir():
         problems.append(f"{MODEL_DIR}/ holds no *.safetensors weights")
-    for f in sorted(ckpt_dir.rglob("*")):
+    return problems + file_problems(ckpt_dir)
+
+
+def file_problems(root: Path) -> list[str]:
+    """``"<file> <why>"`` for each safetensors, JSON or torch file under ``root`` that does not load whole."""
+    problems = []
+    for f in sorted(root.rglob("*")):
         if not f.is_file():
             continue
-        rel = str(f.relative_to(ckpt_dir))
+        rel = str(f.relative_to(root))
         if f.suffix == ".safetensors":
-            why = _safetensors_problem(f)
+            why = safetensors_problem(f)
         elif f.suffix == ".json":
             try:
                 json.loads(f.read_text(encoding="utf-8"))

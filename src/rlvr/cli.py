@@ -19,6 +19,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
+from rlvr.errors import UserError
+from rlvr.interrupts import exit_code, sigterm_as_interrupt
+
 COMMANDS: dict[str, tuple[str, str]] = {
     "eval": ("rlvr.evaluate", "evaluate prompts on a model: accuracy, format categories, samples"),
     "train": ("rlvr.trainer", "train a policy with GRPO or a variant (on- or off-policy)"),
@@ -73,14 +76,14 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"rlvr: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    from rlvr.errors import UserError
-    from rlvr.interrupts import exit_code, sigterm_as_interrupt
-    from rlvr.modeling import attention_without_cudnn
-
     try:
-        with sigterm_as_interrupt(), _plain_warnings(name), attention_without_cudnn():
-            module = importlib.import_module(COMMANDS[name][0])
-            return int(module.main(rest) or 0)
+        # Ctrl-C or SIGTERM while torch and the command load is handled like one during the run.
+        with sigterm_as_interrupt(), _plain_warnings(name):
+            from rlvr.modeling import attention_without_cudnn
+
+            with attention_without_cudnn():
+                module = importlib.import_module(COMMANDS[name][0])
+                return int(module.main(rest) or 0)
     except UserError as e:
         print(f"rlvr {name}: {e}", file=sys.stderr)
         return e.exit_code

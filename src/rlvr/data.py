@@ -243,11 +243,19 @@ def load_file(path: str | Path, limit: int | None = None, fmt: RowFormat = GSM8K
     examples: list[Example] = []
     if limit is not None and limit <= 0:
         return examples
-    for row, where in reader(path):
-        examples.append(fmt.example(row, where))
-        if limit is not None and len(examples) >= limit:
-            break
+    try:
+        for row, where in reader(path):
+            examples.append(fmt.example(row, where))
+            if limit is not None and len(examples) >= limit:
+                break
+    except UnicodeDecodeError as e:
+        raise DataError(not_utf8(path, e)) from None
     return examples
+
+
+def not_utf8(path: Path, e: UnicodeDecodeError) -> str:
+    """The one-line message of a data file that is not UTF-8 text."""
+    return f"{path}: not UTF-8 text (it holds the byte {e.object[e.start : e.start + 1]!r}); save the file as UTF-8"
 
 
 def load_gsm8k_jsonl(path: str | Path, limit: int | None = None) -> list[Example]:

@@ -589,7 +589,15 @@ def _resumed_config(cfg: DPOConfig, run_dir: Path) -> DPOConfig:
     path = run_dir / "config.json"
     if not path.is_file():
         raise UserError(f"{path} not found: is {run_dir} a DPO run directory?")
-    saved = _from_dict(json.loads(path.read_text()))
+    try:
+        raw = json.loads(path.read_text())
+        if not isinstance(raw, dict):
+            raise ValueError(f"it holds a JSON {type(raw).__name__}, not the object of settings rlvr dpo writes")
+        saved = _from_dict(raw)
+    except (OSError, ValueError, TypeError) as e:
+        raise UserError(
+            f"{path} cannot be read ({e}); put the run's config.json back, or start a new run with --out"
+        ) from None
     return replace(
         saved,
         **{

@@ -22,6 +22,7 @@ from __future__ import annotations
 import gzip
 import json
 import random
+import zlib
 from functools import cache
 from importlib import resources
 from pathlib import Path
@@ -116,31 +117,38 @@ def _open_text(path: Path) -> TextIO:
 
 def read_jsonl(path: str | Path, required: tuple[str, ...] = (), limit: int | None = None) -> list[dict]:
     """Rows of a JSONL or JSONL.gz file; a malformed row is an error naming the file and the line."""
-    from rlvr.data import DataError
+    from rlvr.data import DataError, not_utf8
 
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: no such file; pass a JSONL or JSONL.gz file")
     rows: list[dict] = []
-    with _open_text(path) as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(
-                    f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object"
-                ) from None
-            missing = [k for k in required if not isinstance(row, dict) or not isinstance(row.get(k), str)]
-            if missing:
-                raise DataError(
-                    f"{path}:{lineno}: expected string fields {', '.join(required)}; "
-                    f"{', '.join(missing)} missing or not a string"
-                )
-            rows.append(row)
-            if limit is not None and len(rows) >= limit:
-                break
+    try:
+        with _open_text(path) as f:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(
+                        f"{path}:{lineno}: not valid JSON ({e.msg}); each line must be one JSON object"
+                    ) from None
+                missing = [k for k in required if not isinstance(row, dict) or not isinstance(row.get(k), str)]
+                if missing:
+                    raise DataError(
+                        f"{path}:{lineno}: expected string fields {', '.join(required)}; "
+                        f"{', '.join(missing)} missing or not a string"
+                    )
+                rows.append(row)
+                if limit is not None and len(rows) >= limit:
+                    break
+    except UnicodeDecodeError as e:
+        raise DataError(not_utf8(path, e)) from None
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise DataError(
+            f"{path}: not a whole gzip file ({e}); download it again, or give the uncompressed .jsonl"
+        ) from None
     return rows
 
 

@@ -14,6 +14,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors import SafetensorError
+
+from rlvr.checkpoint import file_problems
 
 if TYPE_CHECKING:
     from transformers import (
@@ -245,10 +248,16 @@ def load_model_and_tokenizer(
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(name_or_path))
         model = AutoModelForCausalLM.from_pretrained(str(name_or_path), dtype=dtype)
-    except OSError as e:
-        if local:
-            raise
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        if local:
+            damaged = file_problems(Path(str(name_or_path)).expanduser())
+            why = damaged[0] if damaged else f"{type(e).__name__}: {first}"
+            raise UserError(
+                f"{flag} {name_or_path} does not load: {why}; copy the model again or use another checkpoint"
+            ) from None
+        if not isinstance(e, OSError):
+            raise
         raise UserError(
             f"{flag} {name_or_path}: no such local directory, and it could not be loaded from the hub "
             f"({first}); check the name, your network and HF_TOKEN, or give a local directory"

@@ -1262,8 +1262,11 @@ def _read_run_config(run_dir: Path) -> TrainConfig | None:
     if not path.is_file():
         return None
     try:
+        saved = json.loads(path.read_text())
+        if not isinstance(saved, dict):
+            raise ValueError(f"it holds a JSON {type(saved).__name__}, not the object of config keys rlvr writes")
         # Written by rlvr, maybe by a version whose engine options had not moved yet.
-        return TrainConfig.from_dict(upgrade_moved_keys(json.loads(path.read_text())))
+        return TrainConfig.from_dict(upgrade_moved_keys(saved))
     except (ValueError, OSError) as e:  # ConfigError is a ValueError too
         raise ConfigError(f"{path} cannot be read ({e}); start a new run with --config FILE --out DIR") from None
 

@@ -24,6 +24,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from types import ModuleType
 
+from rlvr.errors import UserError
+
 
 def is_path(plugin: str) -> bool:
     return plugin.endswith(".py") or "/" in plugin or "\\" in plugin
@@ -65,7 +67,25 @@ def import_plugin(plugin: str, base_dir: str | Path | None = None) -> ModuleType
 
 
 def import_plugins(plugins: Iterable[str], base_dir: str | Path | None = None) -> list[ModuleType]:
-    return [import_plugin(p, base_dir) for p in plugins]
+    """Import every plugin; one that cannot be found or raises while importing is a ``UserError`` naming it."""
+    modules = []
+    for plugin in plugins:
+        try:
+            modules.append(import_plugin(plugin, base_dir))
+        except FileNotFoundError as e:
+            raise UserError(f"plugins: {e}; give a module name or the path of a .py file") from None
+        except ModuleNotFoundError as e:
+            if e.name is not None and plugin.startswith(e.name):  # the plugin itself, not one of its imports
+                raise UserError(
+                    f"plugins: no module named {plugin!r} can be imported; give an importable module name (on "
+                    "PYTHONPATH) or the path of a .py file"
+                ) from None
+            raise UserError(f"plugins: {plugin} imports {e.name!r}, which is not installed; install it") from None
+        except Exception as e:  # noqa: BLE001 (the plugin's own code may raise anything while importing)
+            raise UserError(
+                f"plugins: {plugin} raised {type(e).__name__} while importing: {e}; fix the plugin"
+            ) from None
+    return modules
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,7 +108,11 @@ def main(argv: list[str] | None = None) -> int:
         from rlvr.interrupts import stop_with_parent
 
         stop_with_parent(int(parent))
-    import_plugins(args.plugin)
+    try:
+        import_plugins(args.plugin)
+    except UserError as e:
+        print(f"rlvr {command[0]}: {e}", file=sys.stderr)
+        return e.exit_code
     from rlvr.cli import main as rlvr_main
 
     return int(rlvr_main(command) or 0)
