@@ -398,6 +398,8 @@ TRAIN_RANGES: dict[str, Range] = {
     "algorithm.cliprange": POSITIVE,
     "algorithm.cliprange_low": POSITIVE,
     "algorithm.cliprange_high": POSITIVE,
+    "algorithm.kl_coef": NON_NEGATIVE,
+    "algorithm.entropy_coef": NON_NEGATIVE,
     "rollout.n_prompts_per_rollout_batch": AT_LEAST_ONE,
     "rollout.group_size": AT_LEAST_ONE,
     "rollout.rollout_batch_size": AT_LEAST_ONE,
