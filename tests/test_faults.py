@@ -6,6 +6,7 @@ be overwritten, and one-line errors from every command."""
 from __future__ import annotations
 
 import dataclasses
+import errno
 import gzip
 import json
 import math
@@ -648,6 +649,49 @@ def test_ctrl_c_while_the_command_loads_is_one_line(monkeypatch, capsys):
     code = "import sys, rlvr.cli; print('torch' in sys.modules)"
     started = subprocess.run([sys.executable, "-c", code], env=ENV, capture_output=True, text=True, check=True)
     assert started.stdout.strip() == "False"
+
+
+def test_disk_full_is_recognised_however_the_writer_reports_it():
+    from safetensors import SafetensorError
+
+    from rlvr.errors import disk_full
+
+    assert "(No space left on device)" in str(disk_full(OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))))
+    assert "(File too large)" in str(
+        disk_full(SafetensorError("Error while serializing: I/O error: File too large (os error 27)"))
+    )
+    wrapped = RuntimeError("saving failed")
+    wrapped.__cause__ = RuntimeError("PytorchStreamWriter failed writing file data/0: file write failed")
+    assert "(file write failed)" in str(disk_full(wrapped))
+    assert disk_full(OSError(errno.EACCES, "Permission denied")) is None and disk_full(ValueError("x")) is None
+
+
+def test_disk_full_is_one_line_and_leaves_a_true_summary(tmp_path):
+    """A real file-size limit (RLIMIT_FSIZE) on ``rlvr train``: its first large write fails."""
+    import resource
+
+    cfg_file = tmp_path / "tiny.yaml"
+    cfg_file.write_text(TINY_YAML.replace("\nn_steps: 1\n", "\nn_steps: 3\nsave_every: 1\n"))
+    out = tmp_path / "run"
+    limit = 256 * 1024  # more than config.json and metrics.jsonl, less than the model's weights
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    done = subprocess.run(
+        [sys.executable, "-m", "rlvr", "train", "--config", str(cfg_file), "--out", str(out)],
+        preexec_fn=limited,
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=300,
+    )
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("rlvr train: ")]
+    assert len(lines) == 1 and "out of disk space while writing (File too large)" in lines[0]
+    summary = read_summary(out)
+    assert summary["status"] == "failed" and "out of disk space" in summary["message"]
 
 
 # -------------------------------------------------------------------------------------------------

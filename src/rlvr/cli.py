@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TextIO
 
-from rlvr.errors import UserError
+from rlvr.errors import UserError, disk_full
 from rlvr.interrupts import exit_code, sigterm_as_interrupt
 
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -90,6 +90,12 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:
         print(f"rlvr {name}: interrupted", file=sys.stderr)
         return exit_code(e)
+    except Exception as e:
+        full = disk_full(e)
+        if full is None:
+            raise
+        print(f"rlvr {name}: {full}", file=sys.stderr)
+        return full.exit_code
 
 
 if __name__ == "__main__":

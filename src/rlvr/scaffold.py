@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from rlvr.errors import UserError
+from rlvr.errors import UserError, disk_full
 from rlvr.interrupts import DeferInterrupts, Terminated
 from rlvr.rundir import RunDirLock, atomic_write_json, prepare_output_dir
 
@@ -128,7 +128,14 @@ class TrainingRun:
             self._interrupted(e)
             raise
         except Exception as e:
-            self.summary("failed", f"{type(e).__name__}: {e}" if not isinstance(e, UserError) else str(e))
+            full = disk_full(e)
+            message = str(full or e) if isinstance(full or e, UserError) else f"{type(e).__name__}: {e}"
+            try:
+                self.summary("failed", message)
+            except OSError:  # no room even for the summary: none is truer than one saying "running"
+                (self.run_dir / SUMMARY_FILE).unlink(missing_ok=True)
+            if full is not None:
+                raise full from None
             raise
 
     def _interrupted(self, e: KeyboardInterrupt) -> None:

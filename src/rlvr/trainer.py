@@ -103,7 +103,7 @@ from rlvr.config import (
 from rlvr.distributed.world import World, gather_objects, rank_row_range
 from rlvr.engines.base import Engine, SamplingParams, WorkerEngine
 from rlvr.engines.rollouts import RolloutBatch, RolloutRequest, Rollouts, SyncRollouts, tokenize_groups
-from rlvr.errors import EngineError, GraderError, NonFiniteError, TrainingError, UserError
+from rlvr.errors import EngineError, GraderError, NonFiniteError, TrainingError, UserError, disk_full
 from rlvr.grpo import (
     REWEIGHTINGS,
     compile_backbone,
@@ -1705,6 +1705,15 @@ def _train(
         except TrainingError as e:
             record.failed(e)
             raise
+        except Exception as e:
+            full = disk_full(e)
+            if full is None:
+                raise
+            try:
+                record.failed(full)
+            except OSError:  # no room even for the summary: none is truer than one saying "running"
+                (run_dir / "summary.json").unlink(missing_ok=True)
+            raise full from None
 
 
 class _NoLogger:
