@@ -11,6 +11,7 @@ import gzip
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -692,6 +693,40 @@ def test_disk_full_is_one_line_and_leaves_a_true_summary(tmp_path):
     assert len(lines) == 1 and "out of disk space while writing (File too large)" in lines[0]
     summary = read_summary(out)
     assert summary["status"] == "failed" and "out of disk space" in summary["message"]
+
+
+def test_a_prompt_longer_than_the_context_is_refused_before_any_generation(tmp_path, capsys, monkeypatch):
+    import rlvr.engines.hf as hf_engine
+
+    data = tmp_path / "long.jsonl"
+    rows = [{"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"} for i in range(8)]
+    rows[6]["question"] = "Count the words. " + "word " * 3000  # more tokens than the model's positions
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cfg_file = tmp_path / "tiny.yaml"
+    cfg_file.write_text(
+        TINY_YAML.replace('"arith:steps=1,max_value=9"', f'"{data}"').replace("val_split: validation, ", "")
+    )
+    generated: list[int] = []
+    original = hf_engine.HFEngine.generate
+    monkeypatch.setattr(
+        hf_engine.HFEngine, "generate", lambda self, *a, **k: generated.append(1) or original(self, *a, **k)
+    )
+    assert cli(["train", "--config", str(cfg_file), "--out", str(tmp_path / "run"), "--data.val_size", "0"]) == 2
+    line = one_line_error(capsys, "train")
+    assert re.search(r"training example \d+ makes a prompt of \d+ tokens; with rollout.max_new_tokens=4", line), line
+    assert "the model's context of 2048 positions" in line and generated == []
+
+
+def test_eval_refuses_a_question_longer_than_the_context(tiny_model_dir, tmp_path, capsys):
+    data = tmp_path / "long.jsonl"
+    rows = [{"question": "What is 1 + 1?", "answer": "#### 2"}, {"question": "word " * 3000, "answer": "#### 1"}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["eval", "--model", str(tiny_model_dir), "--data", str(data), "--device", "cpu", "--max-tokens", "8"]
+    assert cli([*argv, "--out", str(tmp_path / "e")]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("rlvr eval: ")]
+    assert "Traceback" not in err and len(lines) == 1  # beside transformers' weight-loading bar
+    assert re.search(r"question 2 of .*long.jsonl makes a r1_zero prompt of \d+ tokens; with --max-tokens 8", lines[0])
 
 
 # -------------------------------------------------------------------------------------------------

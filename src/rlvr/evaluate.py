@@ -44,6 +44,7 @@ from rlvr.errors import UserError
 from rlvr.machine import usable_device
 from rlvr.ranges import ABOVE_ZERO_TO_ONE, AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range, flag_name, range_problems
 from rlvr.scaffold import claimed_output_dir
+from rlvr.tokens import context_length, longest_prompt
 
 if TYPE_CHECKING:
     import torch
@@ -387,6 +388,29 @@ def run(cfg: EvalConfig) -> dict:
         return _run(cfg, tasks)
 
 
+def _check_prompt_lengths(
+    cfg: EvalConfig,
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    tasks: EvalTasks,
+    data_sets: list[tuple[str, list[Example]]],
+) -> None:
+    """Refuse, before any generation, a prompt that leaves no room for --max-tokens in the model's context."""
+    context = context_length(model)
+    if context is None:
+        return
+    for set_name, examples in data_sets:
+        for prompt in tasks.prompts:
+            bound = prompt.bind(tokenizer)
+            index, tokens = longest_prompt(tokenizer, [bound.render(ex.question) for ex in examples])
+            if tokens > context - cfg.max_tokens:
+                raise UserError(
+                    f"question {index + 1} of {set_name or cfg.data} makes a {prompt.name} prompt of {tokens} tokens; "
+                    f"with --max-tokens {cfg.max_tokens} it needs more than the model's context of {context} positions. "
+                    "Leave out the long questions (--limit, or a smaller data file) or lower --max-tokens"
+                )
+
+
 def _run(cfg: EvalConfig, tasks: EvalTasks) -> dict:
     import torch
 
@@ -404,6 +428,12 @@ def _run(cfg: EvalConfig, tasks: EvalTasks) -> dict:
             raise UserError(f"no examples loaded from {set_name or cfg.data!r}; check --data and --split")
     rewards = tasks.rewards(data_sets[0][1])
     model, tokenizer = load_model_and_tokenizer(cfg.model, device=device, dtype=dtype)
+    try:
+        _check_prompt_lengths(cfg, model, tokenizer, tasks, data_sets)
+    except UserError:
+        for reward in rewards:
+            reward.close()
+        raise
     # A vLLM server takes the second GPU, beside the model loaded here for the tokenizer and grading.
     engine_device = "cuda:1" if cfg.engine == "vllm" else device
     engine = build_engine(

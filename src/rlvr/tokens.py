@@ -49,3 +49,18 @@ def decode_texts(
     if backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", True):
         return tokenizer.batch_decode([list(s) for s in sequences], skip_special_tokens=skip_special_tokens)
     return backend.decode_batch([list(s) for s in sequences], skip_special_tokens=skip_special_tokens)  # type: ignore[no-any-return]
+
+
+def longest_prompt(tokenizer: PreTrainedTokenizerBase, prompts: Sequence[str]) -> tuple[int, int]:
+    """``(index, tokens)`` of the longest of ``prompts`` in tokens (``(-1, 0)`` for none)."""
+    lengths = [len(ids) for ids in encode_texts(tokenizer, prompts)] if prompts else []
+    if not lengths:
+        return -1, 0
+    index = max(range(len(lengths)), key=lengths.__getitem__)
+    return index, lengths[index]
+
+
+def context_length(model: Any) -> int | None:
+    """The positions a model can attend over (``max_position_embeddings``), when its config says."""
+    value = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return value if isinstance(value, int) and value > 0 else None

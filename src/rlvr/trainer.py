@@ -125,6 +125,7 @@ from rlvr.modeling import attention_without_cudnn, fresh_model, load_model_and_t
 from rlvr.optim import lr_factor, make_adamw
 from rlvr.reward_functions import row_fields
 from rlvr.rundir import RunDirLock, atomic_write_json
+from rlvr.tokens import context_length, longest_prompt
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -1425,6 +1426,7 @@ def _setup(
         on_device = config.algorithm.kl_reference_device if world.backend is None else None
         reference_model = _frozen_reference(initial, torch.device(on_device) if on_device else device, dtype)
     prompt = prompt.bind(tokenizer)
+    _check_prompt_lengths(config, model, tokenizer, prompt, train_examples, val_examples)
     # An engine cannot read sharded or adapted weights in place: it samples from a plain copy.
     engine_copy = None
     if strategy == "fsdp" or lora.rank:
@@ -1489,6 +1491,30 @@ def _setup(
         reference=reference,
     )
     return run, state
+
+
+def _check_prompt_lengths(
+    config: TrainConfig,
+    model: torch.nn.Module,
+    tokenizer: PreTrainedTokenizerBase,
+    prompt: Prompt,
+    train_examples: Sequence[Example],
+    val_examples: list[tuple[str, list[Example]]],
+) -> None:
+    """Refuse, before any generation, a prompt that leaves no room for rollout.max_new_tokens in the
+    model's context: an engine would otherwise size its cache for it or fail midway."""
+    context = context_length(model)
+    if context is None:
+        return
+    budget = context - config.rollout.max_new_tokens
+    for name, examples in [("training", train_examples), *((f"validation {n}".strip(), e) for n, e in val_examples)]:
+        index, tokens = longest_prompt(tokenizer, [prompt.render(ex.question) for ex in examples])
+        if tokens > budget:
+            raise ConfigError(
+                f"{name} example {index + 1} makes a prompt of {tokens} tokens; with rollout.max_new_tokens="
+                f"{config.rollout.max_new_tokens} it needs more than the model's context of {context} positions. "
+                "Drop or shorten the long examples, or lower rollout.max_new_tokens"
+            )
 
 
 def _start_rollouts(
