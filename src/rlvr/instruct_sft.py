@@ -41,8 +41,8 @@ import torch
 from rlvr.checkpoint import load_trainer_state, refuse_edited_settings, resumable_checkpoint, save_checkpoint
 from rlvr.errors import UserError
 from rlvr.instruct import alpaca_format, encode_pairs, load_prompt_response, pack_documents
-from rlvr.machine import usable_device
 from rlvr.logging_utils import truncate_metrics
+from rlvr.machine import usable_device
 from rlvr.ranges import AT_LEAST_ONE, BELOW_ONE, NON_NEGATIVE, POSITIVE, PROBABILITY, Range, flag_name, range_problems
 from rlvr.rundir import RunDirLock, atomic_write_json
 from rlvr.scaffold import TrainingRun, claimed_output_dir, remove_outputs
