@@ -393,6 +393,8 @@ TRAIN_RANGES: dict[str, Range] = {
     "reward.weights": NON_NEGATIVE,
     "reward.timeout_s": POSITIVE,
     "reward.workers": AT_LEAST_ONE,
+    "reward.overlong_buffer": NON_NEGATIVE,
+    "reward.overlong_penalty": NON_NEGATIVE,
     "algorithm.advantage_eps": POSITIVE,
     "algorithm.normalization_constant": POSITIVE,
     "algorithm.cliprange": POSITIVE,
