@@ -428,12 +428,6 @@ def _run(cfg: EvalConfig, tasks: EvalTasks) -> dict:
             raise UserError(f"no examples loaded from {set_name or cfg.data!r}; check --data and --split")
     rewards = tasks.rewards(data_sets[0][1])
     model, tokenizer = load_model_and_tokenizer(cfg.model, device=device, dtype=dtype)
-    try:
-        _check_prompt_lengths(cfg, model, tokenizer, tasks, data_sets)
-    except UserError:
-        for reward in rewards:
-            reward.close()
-        raise
     # A vLLM server takes the second GPU, beside the model loaded here for the tokenizer and grading.
     engine_device = "cuda:1" if cfg.engine == "vllm" else device
     engine = build_engine(
@@ -447,6 +441,7 @@ def _run(cfg: EvalConfig, tasks: EvalTasks) -> dict:
     )
     results, all_samples = {}, []
     try:
+        _check_prompt_lengths(cfg, model, tokenizer, tasks, data_sets)  # before the engine generates
         for set_name, examples in data_sets:
             for prompt, reward in zip(tasks.prompts, rewards):
                 metrics, samples = evaluate(
