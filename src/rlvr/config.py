@@ -408,6 +408,7 @@ TRAIN_RANGES: dict[str, Range] = {
     "rollout.temperature": POSITIVE,
     "rollout.top_p": ABOVE_ZERO_TO_ONE,
     "rollout.max_new_tokens": AT_LEAST_ONE,
+    "rollout.filter_max_rounds": NON_NEGATIVE,
     "optim.lr": POSITIVE,
     "optim.warmup_steps": NON_NEGATIVE,
     "optim.min_lr_ratio": PROBABILITY,
