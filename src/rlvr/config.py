@@ -455,8 +455,8 @@ class HealthConfig:
     """Watch the run and warn (progress bar / log, metrics.jsonl's "health" records, rlvr report)."""
     val_drop: float = 0.1
     """Warn when the main validation reward falls this far (absolute) below its best so far."""
-    entropy_min: float = 0.01
-    """Warn when the policy's mean token entropy (nats) falls below this."""
+    entropy_min: float = 0.001
+    """Warn when the policy's mean token entropy (nats, averaged over `patience` steps) falls below this. Warm-started runs that learn can sit at a few thousandths: the GPU study's healthy runs ended at 0.003-0.03."""
     length_collapse: float = 0.3
     """Warn when the mean response length falls below this fraction of the first step's."""
     truncated_max: float = 0.5
@@ -464,7 +464,7 @@ class HealthConfig:
     no_signal_max: float = 0.95
     """Warn when this share of groups or more has all-equal rewards (no gradient) for `patience` steps in a row."""
     patience: int = 5
-    """Steps in a row the no-signal share must stay high before it warns."""
+    """Steps in a row the no-signal share must stay high before it warns; also the steps the entropy is averaged over."""
     clip_fraction_max: float = 0.2
     """Off-policy: warn when this share of tokens in an update has an importance ratio outside [0.8, 1.2]."""
     ratio_kl_max: float = 0.1

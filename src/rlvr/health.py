@@ -5,7 +5,8 @@ warnings that step raises. Each signal names the likely cause and the setting to
 
 ``val_drop``        the main validation reward has fallen well below its best so far (a learning rate
                     too high for the model is the usual cause; the best model is kept apart)
-``entropy``         the policy's token entropy has collapsed (it samples nearly one answer per prompt)
+``entropy``         the policy's token entropy (mean of recent steps) has collapsed: it samples nearly one
+                    answer per prompt
 ``length_collapse`` the mean response length has fallen far below where the run started
 ``length_cap``      many responses hit ``rollout.max_new_tokens`` (truncated answers score as wrong)
 ``no_signal``       nearly every group has all-equal rewards, so nearly nothing trains
@@ -74,6 +75,7 @@ class HealthMonitor:
     first_entropy: float | None = None
     first_length: float | None = None
     grad_norms: list[float] = field(default_factory=list)
+    entropies: list[float] = field(default_factory=list)
     active: list[str] = field(default_factory=list)
     """Signals whose condition held at the last step (they do not fire again until it clears)."""
     no_signal_streak: int = 0
@@ -86,6 +88,7 @@ class HealthMonitor:
             "first_entropy": self.first_entropy,
             "first_length": self.first_length,
             "grad_norms": list(self.grad_norms),
+            "entropies": list(self.entropies),
             "active": list(self.active),
             "no_signal_streak": self.no_signal_streak,
             "nonfinite_seen": self.nonfinite_seen,
@@ -143,18 +146,21 @@ class HealthMonitor:
     def _entropy(self, m: dict[str, Any]) -> dict[str, str]:
         entropy = _finite(m.get("train/entropy"))
         if entropy is None:
-            return {}
+            return {"entropy": ""} if "entropy" in self.active else {}
         if self.first_entropy is None:
             self.first_entropy = entropy
+        # The mean of the last `patience` steps: one step's entropy swings with the prompts it drew.
+        self.entropies = (self.entropies + [entropy])[-self.config.patience :]
+        recent = sum(self.entropies) / len(self.entropies)
         floor = self.config.entropy_min
-        if entropy >= floor:
+        if len(self.entropies) < self.config.patience or recent >= floor:
             return {}
         return {
             "entropy": (
-                f"token entropy {entropy:.4f} nats is below health.entropy_min={floor:g} (it started at "
-                f"{self.first_entropy:.4f}): the policy samples nearly one answer per prompt, so groups stop "
-                "differing and learning stalls or degrades. Lower optim.lr, or add algorithm.entropy_coef or a "
-                "KL to the reference (algorithm.kl_coef)."
+                f"token entropy {recent:.2g} nats over the last {len(self.entropies)} steps is below "
+                f"health.entropy_min={floor:g} (it started at {self.first_entropy:.2g}): the policy samples nearly "
+                "one answer per prompt, so groups stop differing and learning stalls. Lower optim.lr, or add "
+                "algorithm.entropy_coef or a KL to the reference (algorithm.kl_coef)."
             )
         }
 
