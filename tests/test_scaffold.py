@@ -289,3 +289,30 @@ def test_sft_instruct_ctrl_c_saves_exits_130_and_resumes_to_the_same_run(tmp_pat
     assert cli(["sft", "instruct", "--resume", str(out), "--steps", "8"]) == 2
     line = one_line_error(capsys, "sft")
     assert "cannot resume: lr in " in line and "differ from the config step_000003 was trained with" in line
+
+
+def test_dpo_weights_only_checkpoint_resumes_only_with_fresh_optimizer(tiny_model, tiny_tokenizer, tmp_path, capsys):
+    from rlvr.modeling import save_model_and_tokenizer
+
+    model_dir = save_model_and_tokenizer(tiny_model, tiny_tokenizer, tmp_path / "sft")
+    pairs = tmp_path / "pairs.jsonl"
+    rows = [
+        {"prompt": f"Colour {i}?", "chosen": f"It is {w}.", "rejected": f"No {i}."} for i, w in enumerate("abcdefgh")
+    ]
+    pairs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / "run"
+    argv = ["dpo", "--model", str(model_dir), "--data", str(pairs), "--out", str(out), "--val-size", "2"]
+    flags = ["--batch-size", "2", "--steps", "2", "--save-every", "1", "--eval-every", "1", "--no-progress"]
+    assert cli([*argv, *flags, "--device", "cpu"]) == 0
+    (out / "checkpoints" / "step_000002" / "trainer_state.pt").unlink()
+    metrics = (out / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert cli(["dpo", "--resume", str(out), "--steps", "3"]) == 2
+    line = one_line_error(capsys, "dpo")
+    assert "step_000002 holds weights only (trainer_state.pt is missing)" in line and "--fresh-optimizer" in line
+    assert (out / "metrics.jsonl").read_text() == metrics
+    assert cli(["dpo", "--resume", str(out), "--steps", "3", "--fresh-optimizer"]) == 0
+    assert "resuming from the weights of step_000002 with a fresh optimizer" in capsys.readouterr().err
+    assert [json.loads(r)["step"] for r in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["step"] == 3 and summary["best_step"] is not None

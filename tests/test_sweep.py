@@ -560,6 +560,18 @@ def test_locked_run_is_busy_and_left_alone(tmp_path, fake):
     assert [p.action for p in plan(SweepSpec.from_file(spec), out)] == [RUN, SKIP]  # free again
 
 
+def test_a_second_sweep_on_the_same_directory_is_refused_and_touches_nothing(tmp_path, fake):
+    from rlvr.rundir import RunDirBusy, RunDirLock
+
+    spec = write_spec(tmp_path / "s.yaml", seeds=[0])
+    out = tmp_path / "sweep"
+    calls: list[Path] = []
+    with RunDirLock(out / "_sweep", command="rlvr sweep (the first one)"):
+        with pytest.raises(RunDirBusy, match="in use by another process"):
+            run_sweep(spec, out, train_fn=lambda c, o, r: calls.append(o), echo=lambda s: None)
+    assert calls == [] and sorted(p.name for p in (out / "_sweep").iterdir()) == [".rlvr.lock"]
+
+
 def test_killed_sweep_takes_its_runs_down(tmp_path):
     """SIGKILL leaves the sweep no chance to stop its runs: the kernel tells each run (SIGTERM) and it
     stops as for Ctrl-C; a second sweep then resumes them instead of racing them."""
