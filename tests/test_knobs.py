@@ -208,3 +208,18 @@ def _train_examples(cfg: TrainConfig):
     from rlvr.task_config import load_task_data
 
     return load_task_data(cfg.resolve())[0]
+
+
+@pytest.mark.slow
+def test_kl_under_lora_uses_the_adapters_off_policy_and_resumes(gsm8k_path, tiny_tokenizer, tmp_path):
+    from rlvr.config import LoraConfig
+
+    cfg = knob_config(
+        gsm8k_path,
+        model=ModelConfig(lora=LoraConfig(rank=4, alpha=8, target_modules=("q_proj", "v_proj"))),
+        algorithm=AlgorithmConfig(kl_coef=0.5),
+        optim=OptimConfig(lr=3e-2, gradient_accumulation_steps=2),
+    )
+    rows = trains_and_resumes_exactly(cfg, tiny_tokenizer, tmp_path)
+    kl = [r["train/kl_ref"] for r in rows]
+    assert kl[0] == 0.0 and kl[2] > 0, kl  # the adapters start at zero: the policy is its base model
