@@ -3,6 +3,7 @@ deletes or writes anything there (two real processes on one directory)."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -316,3 +317,41 @@ def test_dpo_weights_only_checkpoint_resumes_only_with_fresh_optimizer(tiny_mode
     assert [json.loads(r)["step"] for r in (out / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2, 3]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["status"] == "finished" and summary["step"] == 3 and summary["best_step"] is not None
+
+
+def test_training_run_saves_whole_steps_only_and_says_how_the_run_ended(tmp_path, capsys):
+    from rlvr.errors import DiskFullError
+    from rlvr.interrupts import Terminated, sigterm_as_interrupt
+    from rlvr.scaffold import TrainingRun
+
+    saved: list[int] = []
+
+    def summary() -> dict:
+        return json.loads((tmp_path / "summary.json").read_text())
+
+    # A first SIGTERM during a step: the step ends, is saved, and the run stops (Terminated).
+    run = TrainingRun(tmp_path, 5, "rlvr x --resume DIR", saved.append)
+    with pytest.raises(Terminated), sigterm_as_interrupt(), run.guarded():
+        for step in (1, 2, 3):
+            with run.step_block(step):
+                assert summary()["status"] == "running"
+                if step == 2:
+                    os.kill(os.getpid(), signal.SIGTERM)
+    assert saved == [2] and summary()["status"] == "interrupted" and summary()["last_checkpoint"] == 2
+    assert "stopped by SIGTERM; saved a checkpoint at step 2" in summary()["message"]
+    # A second Ctrl-C in the middle of step 4 stops at once: half a step is never saved.
+    run = TrainingRun(tmp_path, 5, "rlvr x --resume DIR", saved.append, start=2, resumed=True)
+    with pytest.raises(KeyboardInterrupt), run.guarded():
+        for step in (3, 4):
+            with run.step_block(step):
+                if step == 4:
+                    os.kill(os.getpid(), signal.SIGINT)
+                    os.kill(os.getpid(), signal.SIGINT)
+    assert saved == [2] and summary()["step"] == 3 and summary()["last_checkpoint"] == 2
+    assert "in the middle of step 4, which was not saved; the checkpoint of step 2 is the last" in summary()["message"]
+    # Any other error: failed, with its message; a full disk becomes one line (DiskFullError).
+    run = TrainingRun(tmp_path, 5, "rlvr x --resume DIR", saved.append)
+    with pytest.raises(DiskFullError), run.guarded():
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert summary()["status"] == "failed" and "out of disk space" in summary()["message"]
+    capsys.readouterr()
