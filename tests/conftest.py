@@ -1,5 +1,7 @@
 """Shared fixtures: a tiny real transformers model (Olmo2ForCausalLM, random weights) and a byte-level
-BPE tokenizer trained locally on GSM8K text and the prompt templates; GSM8K read from ../shared."""
+BPE tokenizer trained locally on GSM8K text and the prompt templates. ``gsm8k_path`` is the project's
+own GSM8K-format rows (tests/fixtures/gsm8k, written for rlvr), there in every clone; ``gsm8k_real_path``
+is the real GSM8K read from ../shared, for the tests about that data (skipped without it)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 GSM8K_DIR = REPO.parent / "shared" / "data" / "gsm8k"
+GSM8K_FORMAT_ROWS = Path(__file__).resolve().parent / "fixtures" / "gsm8k"
 
 
 def gsm8k_dir() -> Path:
@@ -22,6 +25,12 @@ def gsm8k_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def gsm8k_path() -> Path:
+    """A folder of GSM8K-format rows (train.jsonl: 200, test.jsonl: 100) for tests that need the format only."""
+    return GSM8K_FORMAT_ROWS
+
+
+@pytest.fixture(scope="session")
+def gsm8k_real_path() -> Path:
     return gsm8k_dir()
 
 

@@ -29,17 +29,17 @@ def _run(script: str, *args: str, gsm8k: str | None, env: dict | None = None) ->
     return proc.stdout
 
 
-def test_profile_step_trainer_part_runs(gsm8k_path):
+def test_profile_step_trainer_part_runs(gsm8k_real_path):
     """The trainer against the same update alone: phases of a steady step, then the comparison table."""
-    out = _run("profile_step.py", "--only", "trainer", gsm8k=str(gsm8k_path))
+    out = _run("profile_step.py", "--only", "trainer", gsm8k=str(gsm8k_real_path))
     assert "seconds per phase" in out and "time/train" in out
     assert "policy_gradient_update alone, 3 calls" in out
     assert "kernels by kind: the trainer's train phase" in out and "kernels by kind: the same update alone" in out
 
 
-def test_profile_step_whole_step_part_runs(gsm8k_path):
+def test_profile_step_whole_step_part_runs(gsm8k_real_path):
     """One whole trainer step under the profiler, its host regions labelled."""
-    out = _run("profile_step.py", "--only", "step", gsm8k=str(gsm8k_path))
+    out = _run("profile_step.py", "--only", "step", gsm8k=str(gsm8k_real_path))
     assert "under the profiler: wall" in out and "GPU busy" in out
     regions = out.split("host region | wall s")[1].split("##")[0]
     for label in ("rollout", "generate", "encode texts", "pad batch", "update", "policy_gradient_update"):
@@ -57,7 +57,7 @@ def test_idle_gaps_names_the_innermost_region_under_way(monkeypatch):
     assert idle_gaps(spans, regions, least_us=40) == [(100, 50, "step"), (400, 600, "encode"), (1100, 50, "step")]
 
 
-def test_bench_trainer_step_runs_packed_and_padded(gsm8k_path):
+def test_bench_trainer_step_runs_packed_and_padded(gsm8k_real_path):
     """The whole-step rows with and without ``--shared-prefix``: the packed run puts fewer tokens
     through the model for the same rollouts (same seed, same prompts)."""
     tokens = {}
@@ -70,7 +70,7 @@ def test_bench_trainer_step_runs_packed_and_padded(gsm8k_path):
             *flag,
             "--trainer-steps",
             "2",
-            gsm8k=str(gsm8k_path),
+            gsm8k=str(gsm8k_real_path),
         )
         row = next(line for line in out.splitlines() if line.startswith("| (f) rlvr trainer"))
         assert ("packed, shared prompts" in row) == bool(flag), row
@@ -96,9 +96,9 @@ def test_decode_gemms_probe_runs():
 
 
 @pytest.mark.parametrize("family", ["qwen2.5-1.5b", "llama-3.2-1b"])
-def test_profile_step_family_decode_part_runs(gsm8k_path, family):
+def test_profile_step_family_decode_part_runs(gsm8k_real_path, family):
     """The decode profile on a grouped-query family's layout (at a tiny size)."""
-    out = _run("profile_step.py", "--only", "decode", "--family", family, gsm8k=str(gsm8k_path))
+    out = _run("profile_step.py", "--only", "decode", "--family", family, gsm8k=str(gsm8k_real_path))
     assert f"# model: {family}" in out and "graph replay time" in out and "eager decode step" in out
 
 
@@ -110,9 +110,9 @@ def test_sampling_probe_runs():
     assert "counter noise written out" in out and "logits read once" in out
 
 
-def test_generate_overhead_probe_runs(gsm8k_path):
+def test_generate_overhead_probe_runs(gsm8k_real_path):
     """The forced and realistic calls against their fixed part, replays and GPU busy time."""
-    out = _run("probes/generate_overhead.py", gsm8k=str(gsm8k_path))
+    out = _run("probes/generate_overhead.py", gsm8k=str(gsm8k_real_path))
     assert "forced: one new token" in out and "replays of the captured step" in out
     assert "realistic: one call profiled: wall / GPU busy" in out
     assert "trainer's rollout 4x4, up to 24 tokens" in out and "trainer's rollout: one call profiled" in out
@@ -124,7 +124,7 @@ def test_bench_rewards_runs():
     assert "I/O-bound reward" in out and "CPU-bound reward" in out and "speed-up" in out
 
 
-def test_bench_trainer_step_with_a_kl_reference(gsm8k_path):
+def test_bench_trainer_step_with_a_kl_reference(gsm8k_real_path):
     """The whole-step rows with a KL penalty: a full-copy reference, LoRA without and with KL (the
     adapters-off reference), each a row with its step time, peak memory and (with KL) the logged KL."""
     out = _run(
@@ -134,7 +134,7 @@ def test_bench_trainer_step_with_a_kl_reference(gsm8k_path):
         "--no-trl",
         "--trainer-steps",
         "2",
-        gsm8k=str(gsm8k_path),
+        gsm8k=str(gsm8k_real_path),
     )
     assert "FAILED" not in out, out[-3000:]
     rows = [line for line in out.splitlines() if line.startswith(("| (fk) rlvr trainer", "| (fl) rlvr trainer"))]

@@ -25,16 +25,16 @@ def row(question: str = "q?", answer: str = "work\n#### 7") -> str:
 
 
 @pytest.mark.parametrize("split, n_rows", [("train", 7473), ("test", 1319)])
-def test_gsm8k_split_sizes_and_every_ground_truth_grades_as_itself(gsm8k_path, split, n_rows):
-    examples = load_gsm8k_jsonl(gsm8k_path / f"{split}.jsonl")
+def test_gsm8k_split_sizes_and_every_ground_truth_grades_as_itself(gsm8k_real_path, split, n_rows):
+    examples = load_gsm8k_jsonl(gsm8k_real_path / f"{split}.jsonl")
     assert len(examples) == n_rows
     assert all(e.question and e.ground_truth and e.ground_truth == e.ground_truth.strip() for e in examples)
     assert all(grade(e.ground_truth, e.ground_truth) for e in examples)
 
 
-def test_gsm8k_known_rows(gsm8k_path):
-    train = load_gsm8k_jsonl(gsm8k_path / "train.jsonl")
-    test = load_gsm8k_jsonl(gsm8k_path / "test.jsonl")
+def test_gsm8k_known_rows(gsm8k_real_path):
+    train = load_gsm8k_jsonl(gsm8k_real_path / "train.jsonl")
+    test = load_gsm8k_jsonl(gsm8k_real_path / "test.jsonl")
     assert train[0].question.startswith("Natalia sold clips to 48 of her friends in April")
     assert train[0].ground_truth == "72"
     assert test[0].question.startswith("Janet\u2019s ducks lay 16 eggs per day.")
@@ -48,9 +48,9 @@ def test_gsm8k_known_rows(gsm8k_path):
     assert "She makes 9 * 2 = $18 every day" in test[0].solution
 
 
-def test_load_examples_from_a_directory_a_file_and_with_a_limit(gsm8k_path):
-    by_dir = load_examples(str(gsm8k_path), split="test", limit=5)
-    by_file = load_examples(str(gsm8k_path / "test.jsonl"), limit=5)
+def test_load_examples_from_a_directory_a_file_and_with_a_limit(gsm8k_real_path):
+    by_dir = load_examples(str(gsm8k_real_path), split="test", limit=5)
+    by_file = load_examples(str(gsm8k_real_path / "test.jsonl"), limit=5)
     assert by_dir == by_file
     assert [e.ground_truth for e in by_dir] == ["18", "3", "70000", "540", "20"]
 
