@@ -150,6 +150,9 @@ def test_data_parallel_settings_that_cannot_work_are_clear_errors():
     config(optim={"shared_prefix": True}).check_world(1)
     with pytest.raises(ConfigError, match="shared_prefix packs microbatches in one process; set it false"):
         config(optim={"shared_prefix": True}).check_world(2)
+    config(algorithm={"kl_coef": 0.1, "kl_reference_device": "cpu"}).check_world(1)
+    with pytest.raises(ConfigError, match="kl_reference_device places the reference in one process"):
+        config(algorithm={"kl_coef": 0.1, "kl_reference_device": "cpu"}).check_world(2)
 
 
 def test_global_metrics_combines_equal_rank_shares_by_hand():

@@ -906,6 +906,11 @@ class TrainConfig:
                 "processes: each rank samples its share with an in-process engine; use engine.name hf, hf-fast or auto "
                 "(see docs/scaling.md)"
             )
+        if self.algorithm.kl_reference_device is not None:
+            problems.append(
+                "algorithm.kl_reference_device places the reference in one process; with several ranks it sits on "
+                "each rank's device: drop the setting"
+            )
         if self.model.compile:
             problems.append(
                 "model.compile trains through a compiled stand-in for the decoder that bypasses the data-parallel "
