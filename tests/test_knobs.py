@@ -147,7 +147,7 @@ def test_overlong_filtering_and_soft_penalty_train_and_resume(gsm8k_path, tiny_t
     # A stop string that random text often reaches: some responses stop, the others are cut at 6 tokens.
     cfg = knob_config(
         gsm8k_path,
-        algorithm=AlgorithmConfig(mask_truncated=True),
+        algorithm=AlgorithmConfig(mask_truncated=True, loss_normalization="token"),  # DAPO's, with its token-level loss
         reward=RewardConfig(overlong_buffer=3, overlong_penalty=0.5),
         prompt_options=PromptOptions(stop=("e",)),
         rollout=RolloutConfig(n_prompts_per_rollout_batch=2, group_size=4, max_new_tokens=6),
