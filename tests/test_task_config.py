@@ -14,6 +14,7 @@ from rlvr.config import DataConfig, ModelConfig, PromptOptions, RewardConfig
 from rlvr.errors import UserError
 from rlvr.logging_utils import read_metrics
 from rlvr.prompts import PromptError, resolve_prompt
+from rlvr.task_config import validation_metrics
 from rlvr.trainer import train
 
 CHAT_TEMPLATE = (
@@ -242,3 +243,68 @@ def test_eval_gives_system_and_user_template_to_the_chat_prompt_among_several(tm
         TaskConfigError, match="^--system applies to --prompt chat .* not to r1_zero, question_only; add"
     ):
         eval_tasks(EvalConfig(prompt=("r1_zero", "question_only"), **common))
+
+
+# --- validation with k samples per question -----------------------------------------------------
+
+
+def test_validation_metrics_add_avg_and_pass_at_k_for_every_set():
+    metrics = {
+        "accuracy": 0.5,
+        "format_rate": 1.0,
+        "mean_response_length": 3.0,
+        "truncated_rate": 0.0,
+        "avg_at_k": 0.5,
+        "pass_at_k": {"1": 0.5, "2": 0.75, "4": 1.0},
+    }
+    first = validation_metrics(metrics, "gsm", first=True)
+    assert {k: first[k] for k in ("val/avg@4", "val/pass@1", "val/pass@2", "val/pass@4")} == {
+        "val/avg@4": 0.5,
+        "val/pass@1": 0.5,
+        "val/pass@2": 0.75,
+        "val/pass@4": 1.0,
+    }
+    assert first["val/gsm/avg@4"] == 0.5 and first["val/gsm/pass@4"] == 1.0
+    single = validation_metrics({k: v for k, v in metrics.items() if "_at_k" not in k}, "", first=True)
+    assert not [k for k in single if "@" in k]
+
+
+PARITY_REWARD = """
+def score(response, ground_truth, **fields):
+    right = float(len(response) % 2 == 0)
+    return {"reward": right, "format_reward": 1.0, "answer_reward": right}
+"""
+
+
+def test_training_validation_samples_k_per_question_and_logs_pass_at_k(tmp_path, monkeypatch):
+    """eval_n 4 on two questions: pass@j from each question's count c of correct samples among its 4,
+    1 - C(4 - c, j) / C(4, j) averaged over the questions, worked from the dumped validation samples."""
+    from math import comb
+
+    from rlvr.cli import main as cli
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "score.py").write_text(PARITY_REWARD)
+    (tmp_path / "run.yaml").write_text(
+        "model: {fresh: tiny, tokenizer_vocab_size: 300}\n"
+        'data: {train_source: "arith:steps=1,max_value=9", train_size: 8, val_split: validation, val_size: 2}\n'
+        "reward: {fn: score.py:score}\n"
+        "rollout: {n_prompts_per_rollout_batch: 2, group_size: 2, max_new_tokens: 6}\n"
+        "optim: {lr: 1e-3, gradient_accumulation_steps: 1}\n"
+        "log: {progress: false, val_samples: 8}\n"
+        "n_steps: 1\neval_every: 0\neval_n: 4\n"
+    )
+    assert cli(["train", "--config", "run.yaml", "--out", "run"]) == 0
+    [start] = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if r["step"] == 0]
+    dumped = [
+        json.loads(line) for line in (tmp_path / "run" / "rollouts" / "val_step_0.jsonl").read_text().splitlines()
+    ]
+    assert len(dumped) == 8
+    correct: dict[str, int] = {}
+    for sample in dumped:
+        correct[sample["prompt"]] = correct.get(sample["prompt"], 0) + (sample["category"] == "correct")
+    assert len(correct) == 2
+    for j in (1, 2, 4):
+        want = sum(1 - comb(4 - c, j) / comb(4, j) for c in correct.values()) / 2
+        assert start[f"val/pass@{j}"] == pytest.approx(want)
+    assert start["val/avg@4"] == pytest.approx(sum(correct.values()) / 8) == pytest.approx(start["val/reward"])

@@ -494,6 +494,8 @@ class TrainConfig:
     """Evaluate on the validation set every this many steps (0: only at the start and the end)."""
     eval_at_start: bool = True
     """Evaluate the initial policy (logged as step 0)."""
+    eval_n: int = 1
+    """Samples per validation question (at rollout.temperature); above 1 each validation set also logs avg@k (the mean share of a question's k samples that are correct) and pass@j for j = 1, 2, 4, ..., k."""
     dump_every: int = 40
     """Write the step's rollouts to DIR/rollouts/step_N.jsonl every this many steps (0: never)."""
     save_every: int = 50
@@ -816,6 +818,7 @@ class TrainConfig:
         need(self.n_steps >= 1, f"n_steps must be >= 1, got {self.n_steps}")
         for name in ("eval_every", "dump_every", "save_every"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0 (0 disables it)")
+        need(self.eval_n >= 1, f"eval_n must be >= 1 (samples per validation question), got {self.eval_n}")
         need(self.log.gradient_variance_every >= 0, "log.gradient_variance_every must be >= 0 (0 disables it)")
         if self.log.gradient_variance_every:
             need(
@@ -1140,6 +1143,7 @@ RESUMABLE_CHANGES = (
     "n_steps",
     "eval_every",
     "eval_at_start",
+    "eval_n",
     "dump_every",
     "save_every",
     "keep_checkpoints",

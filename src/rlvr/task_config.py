@@ -254,8 +254,13 @@ def check_chat_tokenizer(model_source: str) -> None:
 
 def validation_metrics(metrics: dict, name: str, first: bool) -> dict:
     """The logged values of one validation set's ``evaluate`` metrics: ``val/reward``, ... for the first
-    set, and ``val/NAME/accuracy``, ... for a named one (both for a first named one)."""
+    set, and ``val/NAME/accuracy``, ... for a named one (both for a first named one); with k samples per
+    question also ``avg@k`` and ``pass@j`` beside them."""
     out = {}
+    samples: dict = {}
+    if "avg_at_k" in metrics:
+        k = max(int(j) for j in metrics["pass_at_k"])
+        samples = {f"avg@{k}": metrics["avg_at_k"], **{f"pass@{j}": v for j, v in metrics["pass_at_k"].items()}}
     if first:
         out.update(
             {
@@ -266,6 +271,7 @@ def validation_metrics(metrics: dict, name: str, first: bool) -> dict:
             }
         )
         out.update({f"val/reward/{k}": v for k, v in metrics.get("rewards", {}).items()})
+        out.update({f"val/{k}": v for k, v in samples.items()})
     if name:
         out.update(
             {
@@ -276,6 +282,7 @@ def validation_metrics(metrics: dict, name: str, first: bool) -> dict:
             }
         )
         out.update({f"val/{name}/reward/{k}": v for k, v in metrics.get("rewards", {}).items()})
+        out.update({f"val/{name}/{k}": v for k, v in samples.items()})
     return out
 
 

@@ -1121,7 +1121,7 @@ def _validate(
         val_sets = [("", cast("Sequence[Example]", val_sets))]
     r = config.rollout
     params = SamplingParams(
-        n=1,
+        n=config.eval_n,
         temperature=r.temperature,
         top_p=r.top_p,
         max_new_tokens=r.max_new_tokens,
