@@ -12,10 +12,14 @@ checkpoint, then the summary. One rollout step is five phases, each a function b
 3. **advantages** (``_advantages``): group-normalised advantages, and the **old log-probs**:
    off-policy runs (several optimizer steps per rollout batch) compute them once, under the sampling
    weights, before the first update; on-policy runs skip this forward (ratio 1) unless the
-   reweighting method insists on receiving them;
+   reweighting method insists on receiving them. The rewards behind the advantages lose DAPO's soft
+   overlong penalty and a KL in the reward when configured; ``rollout.filter_groups`` first replaces
+   the groups without signal (``_fill_groups``), ``algorithm.mask_truncated`` then empties the loss
+   mask of cut responses (docs/knobs.md);
 4. **update** (``_update``): ``epochs_per_rollout_batch`` passes over minibatches of
    ``train_batch_size`` rollouts, one ``policy_gradient_update`` (one optimizer step, zero-advantage
-   rollouts skipped) each, as the run's ``UpdateSpec`` says;
+   rollouts skipped) each, as the run's ``UpdateSpec`` says (with the KL to the run's frozen reference
+   and the entropy bonus when configured);
 5. **dump** the step's rollouts every ``dump_every`` steps;
 
 then the loop **validates** every ``eval_every`` steps (``_validate``), **logs** one line to
