@@ -207,6 +207,16 @@ def _signature(run: Run, keys: Sequence[str]) -> str:
     return ", ".join(f"{k.rsplit('.', 1)[-1]}={flat.get(k)}" for k in keys)
 
 
+def _fewest_keys(groups: Sequence[Sequence[Run]], keys: Sequence[str]) -> list[str]:
+    """The one key of ``keys`` that alone tells the groups' lines apart (a preset, say, rather than
+    the preset and every field it sets), else all of ``keys``."""
+    full = {_signature(g[0], keys) for g in groups}
+    for key in keys:
+        if len({_signature(g[0], [key]) for g in groups}) == len(full):
+            return [key]
+    return list(keys)
+
+
 def _mean_best(group: Sequence[Run], metric: str) -> float:
     """Mean over runs of each run's best logged ``metric`` (NaN when none logged it)."""
     bests = [
@@ -231,6 +241,7 @@ def plot_final_vs_lr(
     if len({lr for lr in lrs.values() if lr is not None}) < 2:
         return None
     other = [k for k in varying_config_keys(runs, ignore=_NOT_SETTING_KEYS) if k.rsplit(".", 1)[-1] not in LR_KEYS]
+    other = _fewest_keys(list(by_setting.values()), other)
     lines: dict[str, list[tuple[float, str]]] = {}
     for setting, group in by_setting.items():
         if lrs[setting] is None or not finals[setting].n:
@@ -272,7 +283,7 @@ def plot_final_vs_lr(
             f"final and best {metric} vs learning rate (dots: seeds' finals; bars: {BAND_LABEL[band]})", fontsize=10
         )
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=8, loc="lower right")
         return _save(fig, path)
     finally:
         plt.close(fig)
