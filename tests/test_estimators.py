@@ -8,10 +8,10 @@ import json
 import math
 import re
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from rlvr import compute_group_normalized_rewards
 from rlvr.experiments import load_runs
@@ -195,7 +195,7 @@ class Unigram(torch.nn.Module):
         self.theta = torch.nn.Parameter(torch.zeros(vocab))
 
     def forward(self, input_ids, use_cache=False, **kwargs):
-        return SimpleNamespace(logits=self.theta.expand(*input_ids.shape, self.theta.numel()))
+        return CausalLMOutputWithPast(logits=self.theta.expand(*input_ids.shape, self.theta.numel()))
 
 
 def _hand_batch():
