@@ -438,6 +438,7 @@ TRAIN_RANGES: dict[str, Range] = {
     "health.grad_spike": Range(1),
     "n_steps": AT_LEAST_ONE,
     "eval_every": NON_NEGATIVE,
+    "eval_n": AT_LEAST_ONE,
     "dump_every": NON_NEGATIVE,
     "save_every": NON_NEGATIVE,
     "keep_checkpoints": AT_LEAST_ONE,
