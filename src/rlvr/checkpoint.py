@@ -235,6 +235,26 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def write_model(
+    model_dir: Path, model: nn.Module, tokenizer: PreTrainedTokenizerBase | None, sharded: bool = False
+) -> None:
+    """The full model (LoRA merged) and its tokenizer in Hugging Face format in ``model_dir``: gathered
+    tensor by tensor when ``sharded`` (every rank calls), else written by rank 0 alone."""
+    from rlvr.distributed.world import current_world
+
+    if sharded:
+        from rlvr.distributed.checkpoint import export_hf
+
+        export_hf(model, model_dir, tokenizer)
+    elif current_world().is_main:
+        from rlvr.distributed.wrap import unwrap_model
+
+        plain: Any = unwrap_model(model)
+        plain.save_pretrained(str(model_dir))
+        if tokenizer is not None:
+            tokenizer.save_pretrained(str(model_dir))
+
+
 def save_checkpoint(
     run_dir: str | Path,
     step: int,
@@ -274,17 +294,10 @@ def save_checkpoint(
         tmp.mkdir()
     barrier()
     if sharded:
-        from rlvr.distributed.checkpoint import export_hf, save_sharded
+        from rlvr.distributed.checkpoint import save_sharded
 
         save_sharded(tmp / SHARDED_DIR, model, optimizer)
-        export_hf(model, tmp / MODEL_DIR, tokenizer)
-    elif world.is_main:
-        from rlvr.distributed.wrap import unwrap_model
-
-        plain: Any = unwrap_model(model)
-        plain.save_pretrained(str(tmp / MODEL_DIR))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp / MODEL_DIR))
+    write_model(tmp / MODEL_DIR, model, tokenizer, sharded)
     if world.distributed:
         (tmp / RNG_DIR).mkdir(exist_ok=True)
         torch.save(rng_state(), tmp / RNG_DIR / f"rank_{world.rank}.pt")
@@ -537,17 +550,7 @@ def save_best_model(
                 shutil.rmtree(leftover)
         tmp.mkdir()
     barrier()
-    if sharded:
-        from rlvr.distributed.checkpoint import export_hf
-
-        export_hf(model, tmp / MODEL_DIR, tokenizer)
-    elif world.is_main:
-        from rlvr.distributed.wrap import unwrap_model
-
-        plain: Any = unwrap_model(model)
-        plain.save_pretrained(str(tmp / MODEL_DIR))
-        if tokenizer is not None:
-            tokenizer.save_pretrained(str(tmp / MODEL_DIR))
+    write_model(tmp / MODEL_DIR, model, tokenizer, sharded)
     barrier()
     if world.is_main:
         (tmp / BEST_RECORD).write_text(json.dumps(record, indent=2) + "\n")
