@@ -148,7 +148,9 @@ def help_exit_code(argv: list[str]) -> int | str | None:
         return done.code
 
 
-@pytest.mark.parametrize("command", ["train", "eval", "sft", "dpo", "demo", "sft instruct", "eval --suite mmlu"])
+@pytest.mark.parametrize(
+    "command", ["train", "eval", "sft", "dpo", "demo", "export", "sft instruct", "eval --suite mmlu"]
+)
 def test_help_is_named_after_the_command(command, capsys):
     words = command.split()
     assert help_exit_code([*words, "--help"]) == 0

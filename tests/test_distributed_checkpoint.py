@@ -1,6 +1,7 @@
 """Sharded checkpoints (DCP) written by two FSDP2 ranks load into one plain process with identical
 weights and optimizer state, and one process's load on two FSDP2 ranks; the Hugging Face export loads with plain transformers; LoRA under FSDP2
-trains only its adapters, checkpoints only them, and exports a merged model."""
+trains only its adapters, checkpoints only them, and exports a merged model and a peft adapter folder
+gathered from the shards."""
 
 from __future__ import annotations
 
@@ -102,7 +103,7 @@ def test_dcp_from_one_process_loads_on_two_fsdp_ranks(tmp_path):
 
 def _lora_worker(world, out):
     from rlvr.config import LoraConfig
-    from rlvr.distributed import export_hf, save_sharded, wrap_model
+    from rlvr.distributed import export_adapter, export_hf, save_sharded, wrap_model
     from rlvr.lora import apply_lora
 
     torch.manual_seed(11)  # the same adapter initialisation on every rank
@@ -116,6 +117,7 @@ def _lora_worker(world, out):
     changed = sorted(n for n, p in model.named_parameters() if not torch.equal(p.full_tensor(), before[n]))
     save_sharded(out / "dcp", model, optimizer)
     export_hf(model, out / "hf")
+    export_adapter(model, out / "adapter")
     if world.is_main:
         torch.save({"trainable": trainable, "changed": changed}, out / "lora.pt")
 
@@ -148,3 +150,10 @@ def test_lora_under_fsdp_trains_adapters_and_exports_merged(tmp_path):
         base = tiny_causal_lm(seed=0).eval()(input_ids=ids).logits
     assert (want - base).abs().max() > 1e-4, "the adapters changed nothing"
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    # the adapter folder, gathered from the two ranks' shards, loads with peft onto a fresh base
+    from peft import PeftModel
+
+    with torch.no_grad():
+        from_adapter = PeftModel.from_pretrained(tiny_causal_lm(seed=0), tmp_path / "adapter").eval()(input_ids=ids)
+    torch.testing.assert_close(from_adapter.logits, want, rtol=1e-5, atol=1e-5)

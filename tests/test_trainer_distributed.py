@@ -228,6 +228,20 @@ def test_lora_over_two_ranks_equals_one_process_and_exports_a_model_eval_loads(s
     moved = {n for n in merged if not torch.equal(merged[n], start[n])}
     assert moved and all(any(t in n for t in ("q_proj", "v_proj", "up_proj")) for n in moved), sorted(moved)
 
+    # The adapters the two ranks wrote (gathered from shards under FSDP2) load with peft onto the base
+    # and give the merged model's logits.
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    written = tmp_path / "two" / "checkpoints" / "step_000003"
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(root / "model"), written / "adapter")
+    plain = AutoModelForCausalLM.from_pretrained(written / "model")
+    ids = torch.randint(2, 40, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(
+            adapted.eval()(input_ids=ids).logits, plain.eval()(input_ids=ids).logits, rtol=1e-4, atol=1e-4
+        )
+
     from rlvr.cli import main
 
     out = tmp_path / "eval"

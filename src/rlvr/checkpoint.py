@@ -3,6 +3,7 @@
 Layout under a run directory::
 
     checkpoints/step_000040/model/        save_pretrained (weights, config) + tokenizer
+    checkpoints/step_000040/adapter/      (LoRA runs) the adapters alone, a folder peft loads onto the base model
     checkpoints/step_000040/trainer_state.pt   optimizer, scheduler, RNG states, step, data position, counters
     checkpoints/step_000040/sharded/      (FSDP2 and LoRA runs) model and optimizer shards, torch.distributed.checkpoint
     checkpoints/step_000040/rng/rank_K.pt (several processes) each rank's RNG states
@@ -10,6 +11,7 @@ Layout under a run directory::
     checkpoints/latest                    a relative symbolic link to the newest complete checkpoint
     checkpoints/best/model/               the model of the best validation so far (by the main validation
                                           reward, ties to the later step), kept apart from the rolling ones
+    checkpoints/best/adapter/             (LoRA runs) that model's adapters alone
     checkpoints/best/best.json            its step and validation metrics
 
 A checkpoint is written into a hidden temporary directory, every file is fsynced, and only then is
@@ -43,7 +45,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from rlvr.distributed.checkpoint import export_adapter
+from rlvr.distributed.wrap import unwrap_model
 from rlvr.errors import UserError
+from rlvr.lora import is_lora
 from rlvr.rundir import atomic_write_text
 from rlvr.rundir import fsync_dir as _fsync_dir
 
@@ -55,6 +60,7 @@ if TYPE_CHECKING:
 CKPT_DIR = "checkpoints"
 STATE_FILE = "trainer_state.pt"
 MODEL_DIR = "model"
+ADAPTER_DIR = "adapter"
 MANIFEST = "manifest.json"
 SHARDED_DIR = "sharded"
 RNG_DIR = "rng"
@@ -247,12 +253,17 @@ def write_model(
 
         export_hf(model, model_dir, tokenizer)
     elif current_world().is_main:
-        from rlvr.distributed.wrap import unwrap_model
-
         plain: Any = unwrap_model(model)
         plain.save_pretrained(str(model_dir))
         if tokenizer is not None:
             tokenizer.save_pretrained(str(model_dir))
+
+
+def write_adapter(adapter_dir: Path, model: nn.Module) -> None:
+    """A LoRA model's adapters alone in ``adapter_dir``, the folder ``peft.PeftModel.from_pretrained``
+    loads onto the base model (gathered when sharded; every rank calls); nothing for other models."""
+    if is_lora(unwrap_model(model)):
+        export_adapter(model, adapter_dir)
 
 
 def save_checkpoint(
@@ -298,6 +309,7 @@ def save_checkpoint(
 
         save_sharded(tmp / SHARDED_DIR, model, optimizer)
     write_model(tmp / MODEL_DIR, model, tokenizer, sharded)
+    write_adapter(tmp / ADAPTER_DIR, model)
     if world.distributed:
         (tmp / RNG_DIR).mkdir(exist_ok=True)
         torch.save(rng_state(), tmp / RNG_DIR / f"rank_{world.rank}.pt")
@@ -551,6 +563,7 @@ def save_best_model(
         tmp.mkdir()
     barrier()
     write_model(tmp / MODEL_DIR, model, tokenizer, sharded)
+    write_adapter(tmp / ADAPTER_DIR, model)
     barrier()
     if world.is_main:
         (tmp / BEST_RECORD).write_text(json.dumps(record, indent=2) + "\n")

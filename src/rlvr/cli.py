@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("rlvr.experiments.sweep", "run a grid of settings x seeds"),
     "plot": ("rlvr.experiments.plot", "plot metrics of runs with the spread across seeds"),
     "report": ("rlvr.experiments.report", "write a Markdown report with plots and tables"),
+    "export": ("rlvr.export", "a run's model as a clean folder with its tokenizer and model card (--push-to-hub)"),
     "demo": ("rlvr.demo", "the CPU story: warm start, GRPO, accuracy before/after, a plot"),
 }
 

@@ -2,7 +2,7 @@
 rollout batch, exact loss aggregation across ranks (``GlobalBatch``), DDP and FSDP2 wrapping, full
 weights gathered tensor by tensor, metrics reduced across ranks, and sharded checkpoints (DCP)."""
 
-from rlvr.distributed.checkpoint import export_hf, load_sharded, save_sharded
+from rlvr.distributed.checkpoint import export_adapter, export_hf, load_sharded, save_sharded
 from rlvr.distributed.world import (
     GlobalBatch,
     World,
@@ -47,6 +47,7 @@ __all__ = [
     "current_world",
     "copy_full_weights",
     "decoder_layers",
+    "export_adapter",
     "export_hf",
     "full_state_dict_on_main",
     "gather_objects",

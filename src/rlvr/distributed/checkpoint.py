@@ -8,18 +8,22 @@ and optimizer entries by the parameters' plain names whatever the wrapper, so a 
 a wrapped model loads into an unwrapped one and back. With LoRA (peft) only the trainable tensors
 (the adapters) and their optimizer state are saved.
 
-``export_hf`` writes one ``save_pretrained`` folder (LoRA merged) that transformers and vLLM load.
+``export_hf`` writes one ``save_pretrained`` folder (LoRA merged) that transformers and vLLM load;
+``export_adapter`` the LoRA adapters alone as a folder that ``peft.PeftModel.from_pretrained`` loads
+onto the base model.
 """
 
 from __future__ import annotations
 
+import copy
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-from rlvr.distributed.wrap import full_state_dict_on_main, unwrap_model
+from rlvr.distributed.wrap import adapter_state_dict_on_main, full_state_dict_on_main, unwrap_model
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.state_dict import StateDictOptions
@@ -115,4 +119,38 @@ def export_hf(
     plain.config.save_pretrained(str(out_dir))
     if tokenizer is not None:
         tokenizer.save_pretrained(str(out_dir))
+    return out_dir
+
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def export_adapter(model: nn.Module, out_dir: str | Path) -> Path | None:
+    """The active LoRA adapter of a peft model (maybe inside DDP or sharded by FSDP2) as a peft folder
+    (``adapter_config.json``, ``adapter_model.safetensors``) that ``peft.PeftModel.from_pretrained``
+    loads onto the base model, written by rank 0 from the adapter tensors gathered one at a time;
+    every rank must call it. Returns the folder on rank 0."""
+    from safetensors.torch import save_file
+
+    state = adapter_state_dict_on_main(model)
+    if state is None:
+        return None
+    peft_model: Any = unwrap_model(model)
+    adapter = peft_model.active_adapter
+    # peft's folder names each tensor without the adapter's name (``...q_proj.lora_A.weight``). The
+    # renaming is done here rather than by peft's save_pretrained, which finds its tensors by module
+    # name and so finds none once a checkpoint wrapper renames the modules (FSDP2 with checkpointing).
+    in_file = re.compile(rf"\.(lora_\w+)\.{re.escape(adapter)}(?=\.|$)")
+    weights = {}
+    for name, tensor in state.items():
+        key = in_file.sub(r".\1", name)
+        if key != name:
+            weights[key] = tensor.contiguous()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    # Saved for inference, as peft saves it; PeftModel.from_pretrained(..., is_trainable=True) trains it on.
+    saved_config = copy.copy(peft_model.peft_config[adapter])
+    saved_config.inference_mode = True
+    saved_config.save_pretrained(str(out_dir))
+    save_file(weights, str(out_dir / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     return out_dir

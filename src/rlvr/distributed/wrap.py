@@ -223,6 +223,23 @@ def copy_full_weights(source: nn.Module, target: nn.Module) -> int:
     return len(copied)
 
 
+def adapter_state_dict_on_main(model: nn.Module) -> dict[str, torch.Tensor] | None:
+    """The LoRA adapter tensors alone (peft names), on the CPU, on rank 0 (None elsewhere): each is
+    gathered in the same order on every rank and the frozen base weights are never gathered. Every
+    rank must call it."""
+    import torch.distributed as dist
+
+    main = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+    out: dict[str, torch.Tensor] | None = {} if main else None
+    for name, tensor in unwrap_model(model).state_dict().items():
+        if ".lora_" not in name:
+            continue
+        full = _full(tensor)
+        if out is not None:
+            out[name] = full.detach().to("cpu", copy=True)
+    return out
+
+
 def full_state_dict_on_main(model: nn.Module, merge_lora: bool = True) -> dict[str, torch.Tensor] | None:
     """The full weights, on the CPU, on rank 0 (None elsewhere), gathered tensor by tensor: for a
     Hugging Face export. Every rank must call it."""
