@@ -64,7 +64,7 @@ def test_registered_aggregation_is_selectable(sequence_sum):
 def test_unknown_aggregation_names_the_registry():
     loss, mask = torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool)
     with pytest.raises(ValueError, match="register_aggregation"):
-        aggregate_loss_across_microbatch(loss, mask, "token")
+        aggregate_loss_across_microbatch(loss, mask, "no_such_normalization")
 
 
 class _RecordingSGD(torch.optim.SGD):

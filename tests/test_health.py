@@ -93,7 +93,7 @@ def test_response_length_collapse_and_cap() -> None:
         healthy(1, **{"train/response_length": 50.0}),
         healthy(2, **{"train/response_length": 16.0}),  # 0.32 x the first: not yet
         healthy(3, **{"train/response_length": 14.0}),  # 0.28 x: fires
-        healthy(4, **{"train/truncated_frac": 0.5, "train/response_length": 64.0}),  # at the cap
+        healthy(4, **{"train/truncated_frac": 0.6, "train/response_length": 64.0}),  # at the cap
     ]
     assert stream(mon, rows) == [(3, "length_collapse"), (4, "length_cap")]
 

@@ -71,7 +71,7 @@ def test_a_run_pushed_to_collapse_warns_in_one_line_in_the_metrics_and_the_summa
 
 def test_a_healthy_run_warns_of_nothing(tmp_path, tiny_model, tiny_tokenizer, capsys) -> None:
     # A random model never writes EOS, so every response hits the cap: that signal has its own test.
-    cfg = dataclasses.replace(config(lr=1e-3), health=HealthConfig(truncated_max=1.1))
+    cfg = dataclasses.replace(config(lr=1e-3), health=HealthConfig(truncated_max=1.0))
     run(cfg, tmp_path / "run", tiny_model, tiny_tokenizer)
     assert not any("health" in row for row in read_metrics(tmp_path / "run" / "metrics.jsonl"))
     assert "health warning" not in capsys.readouterr().err

@@ -461,7 +461,7 @@ class HealthConfig:
     length_collapse: float = 0.3
     """Warn when the mean response length falls below this fraction of the first step's."""
     truncated_max: float = 0.5
-    """Warn when this share of responses or more hit rollout.max_new_tokens."""
+    """Warn when more than this share of responses hit rollout.max_new_tokens (1: never)."""
     no_signal_max: float = 0.95
     """Warn when this share of groups or more has all-equal rewards (no gradient) for `patience` steps in a row."""
     patience: int = 5

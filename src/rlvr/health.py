@@ -178,7 +178,7 @@ class HealthMonitor:
                     "DIR/rollouts and the reward, or lower optim.lr."
                 )
         truncated = _finite(m.get("train/truncated_frac"))
-        if truncated is not None and truncated >= self.config.truncated_max:
+        if truncated is not None and truncated > self.config.truncated_max:
             out["length_cap"] = (
                 f"{truncated:.0%} of responses hit rollout.max_new_tokens and are cut off (graded as they "
                 "stand): raise rollout.max_new_tokens, or leave truncated responses out of the loss "
