@@ -70,6 +70,22 @@ def pairs_file(tmp_path: Path) -> Path:
     return path
 
 
+def signal_at_step(monkeypatch, module, step_fn: str, out, n: int, sig: int) -> list[str]:
+    """Wrap ``module.step_fn`` so that each call records the run's summary status and the ``n``-th
+    sends ``sig`` to this process before stepping; returns the recorded statuses."""
+    statuses: list[str] = []
+    original = getattr(module, step_fn)
+
+    def step_then_signal(*args, **kwargs):
+        statuses.append(json.loads((out / "summary.json").read_text())["status"])
+        if len(statuses) == n:
+            os.kill(os.getpid(), sig)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, step_fn, step_then_signal)
+    return statuses
+
+
 def test_dpo_resume_and_overwrite_on_a_live_run_are_refused_and_touch_nothing(tmp_path, pairs_file, capsys):
     run_dir = tmp_path / "dpo"
     run_dir.mkdir()
@@ -198,16 +214,7 @@ def test_dpo_sigterm_saves_exits_143_and_resumes_to_the_same_run(
         "--device",
         "cpu",
     ]
-    statuses: list[str] = []
-    original = dpo.dpo_step
-
-    def step_then_sigterm(*args, **kwargs):
-        statuses.append(json.loads((out / "summary.json").read_text())["status"])
-        if len(statuses) == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(dpo, "dpo_step", step_then_sigterm)
+    statuses = signal_at_step(monkeypatch, dpo, "dpo_step", out, 2, signal.SIGTERM)
     assert cli([*argv, *flags]) == 143
     monkeypatch.undo()
     assert statuses == ["running", "running"]
@@ -261,16 +268,7 @@ def test_sft_instruct_ctrl_c_saves_exits_130_and_resumes_to_the_same_run(tmp_pat
         "--device",
         "cpu",
     ]
-    statuses: list[str] = []
-    original = instruct_sft.accumulate_step
-
-    def step_then_ctrl_c(*args, **kwargs):
-        statuses.append(json.loads((out / "summary.json").read_text())["status"])
-        if len(statuses) == 3:
-            os.kill(os.getpid(), signal.SIGINT)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(instruct_sft, "accumulate_step", step_then_ctrl_c)
+    statuses = signal_at_step(monkeypatch, instruct_sft, "accumulate_step", out, 3, signal.SIGINT)
     assert cli([*argv, *flags]) == 130
     monkeypatch.undo()
     assert statuses == ["running"] * 3
