@@ -6,6 +6,7 @@ line and exit status 2."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import torch
@@ -30,6 +31,7 @@ def _one_line_error(capsys, argv: list[str], says: str) -> None:
 def test_export_writes_a_complete_folder_that_transformers_loads(tmp_path, tiny_model, tiny_tokenizer, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
+    tiny_tokenizer = copy.deepcopy(tiny_tokenizer)  # the fixture is shared by the session: never mutate it
     tiny_tokenizer.chat_template = CHAT_TEMPLATE
     cfg = with_parity_validation(config(lr=0.05, n_steps=4), tmp_path)
     run_dir, out = tmp_path / "run", tmp_path / "exported"
