@@ -57,6 +57,27 @@ def tiny_tokenizer():
     return train_tokenizer(_tokenizer_corpus(), vocab_size=400)
 
 
+# A chat template in the style of OLMo-2/Tulu, with its role markers as single special tokens so that a
+# conversation's tokens can be written out by hand: the assistant's turn ends with EOS (where
+# generation stops), every other turn with <|end|>.
+CHAT_ROLE_TOKENS = ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
+TOKEN_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}<|endoftext|>{% else %}<|end|>{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def chat_tokenizer(tokenizer):
+    """A copy of ``tokenizer`` with the role tokens and ``TOKEN_CHAT_TEMPLATE`` (the original is untouched)."""
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": CHAT_ROLE_TOKENS})
+    tok.chat_template = TOKEN_CHAT_TEMPLATE
+    return tok
+
+
 @pytest.fixture()
 def tiny_model(tiny_tokenizer):
     from rlvr.modeling import build_model, small_olmo2_config
