@@ -184,3 +184,67 @@ def test_bad_rows_name_the_line(tmp_path, llama_tok):
     path.write_text(json.dumps(PAIRS[0]) + "\n" + json.dumps({"prompt": "x"}) + "\n")
     with pytest.raises(ValueError, match=r"bad.jsonl:2: .*response"):
         get_packed_sft_dataset(llama_tok, path, 8, shuffle=False)
+
+
+# --- conversational rows (TRL's messages and prompt/completion formats) --------------------------
+
+
+def test_packed_windows_keep_the_loss_mask():
+    # stream 1..7 with mask [0 1 1 | 0 0 1 1]: a label carries loss where the mask of its token is 1
+    ds = pack_documents([[1, 2, 3], [4, 5, 6, 7]], 3, masks=[[0, 1, 1], [0, 0, 1, 1]])
+    assert ds.masked and len(ds) == 2
+    assert ds[0]["input_ids"].tolist() == [1, 2, 3] and ds[0]["labels"].tolist() == [2, 3, -100]
+    assert ds[1]["input_ids"].tolist() == [4, 5, 6] and ds[1]["labels"].tolist() == [-100, 6, 7]
+    assert not pack_documents([[1, 2, 3]], 2).masked
+
+
+def test_the_three_row_shapes_are_read_and_a_fourth_is_named(tmp_path):
+    from rlvr.data import DataError
+    from rlvr.instruct import load_sft_rows
+
+    chat = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
+    rows = [
+        {"instruction": "Say hi.", "output": "hi"},
+        {"messages": chat},
+        {"instruction": chat[:1], "completion": chat[1:]},
+    ]
+    path = write_jsonl(tmp_path / "rows.jsonl", rows)
+    assert load_sft_rows(path, prompt_field="instruction", response_field="output") == [
+        {"prompt": "Say hi.", "response": "hi"},
+        {"messages": chat},
+        {"prompt": chat[:1], "completion": chat[1:]},
+    ]
+    write_jsonl(path, [{"text": "plain"}])
+    with pytest.raises(DataError, match=r"row 1: expected prompt and response strings \(Alpaca\), a messages list"):
+        load_sft_rows(path)
+    write_jsonl(path, [{"messages": [{"role": "user"}]}])
+    with pytest.raises(DataError, match=r"row 1, messages: message 0 \(user\) has no string 'content'"):
+        load_sft_rows(path)
+
+
+def test_conversations_carry_loss_on_the_assistant_and_alpaca_rows_on_every_token(tiny_tokenizer):
+    from conftest import chat_tokenizer
+
+    from rlvr.instruct import encode_pairs, encode_sft_rows
+
+    tok = chat_tokenizer(tiny_tokenizer)
+    alpaca = {"prompt": "Say hi.", "response": "hi"}
+    chat = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
+    rows = [alpaca, {"messages": chat}, {"prompt": chat[:1], "completion": chat[1:]}]
+    documents, masks = encode_sft_rows(tok, rows)
+    ids = tok.convert_tokens_to_ids
+    conversation = ids(["<|user|>", "Q", "<|end|>", "<|assistant|>", "A", "<|endoftext|>"])
+    assert documents == [encode_pairs(tok, [alpaca])[0], conversation, conversation]
+    assert masks == [[1] * len(documents[0]), [0, 0, 0, 0, 1, 1], [0, 0, 0, 0, 1, 1]]
+    _, every = encode_sft_rows(tok, rows, assistant_only=False)
+    assert every == [[1] * len(d) for d in documents]
+    assert encode_sft_rows(tok, [alpaca]) == (encode_pairs(tok, [alpaca]), None)  # no mask: today's windows
+
+
+def test_conversations_need_a_chat_template(tiny_tokenizer):
+    from rlvr.chat import ChatTemplateError
+    from rlvr.instruct import encode_sft_rows
+
+    rows = [{"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]}]
+    with pytest.raises(ChatTemplateError, match="no chat template; pass --chat-template FILE"):
+        encode_sft_rows(tiny_tokenizer, rows)

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
+from rlvr.data import DataError
 from rlvr.errors import UserError
 
 if TYPE_CHECKING:
@@ -38,7 +39,7 @@ class ChatTemplateError(UserError, ValueError):
     """The tokenizer has no chat template, or its template cannot give an assistant-token mask."""
 
 
-class ChatFormatError(UserError, ValueError):
+class ChatFormatError(DataError):
     """A conversation that is not a list of ``{role, content}`` messages."""
 
 

@@ -14,6 +14,12 @@ the label of a window's last token is the first token of the next one. A window 
 documents and attends across the boundary (no block-diagonal mask), and every token carries loss:
 this is the course's packing, cheap and padding-free.
 
+Conversational rows (TRL's formats) are rendered with the tokenizer's chat template (``rlvr.chat``):
+``{"messages": [...]}`` carries loss on its assistant turns, ``{"prompt": [...], "completion": [...]}``
+on its completion; ``assistant_only=False`` puts loss on every token. The packed stream then keeps a
+mask beside it, and a label whose token carries no loss is ``-100``. A file of Alpaca rows only has
+no mask: its windows are exactly the course's.
+
 The training loop that uses them is ``rlvr.instruct_sft`` (``rlvr sft instruct``).
 """
 
@@ -26,7 +32,7 @@ import zlib
 from functools import cache
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO, cast
+from typing import TYPE_CHECKING, Any, TextIO, cast
 
 import torch
 
@@ -183,6 +189,103 @@ def load_prompt_response(
     return [{"prompt": r[prompt_field], "response": r[response_field]} for r in rows]
 
 
+def load_sft_rows(
+    source: str | Path,
+    split: str = "train",
+    limit: int | None = None,
+    prompt_field: str = "prompt",
+    response_field: str = "response",
+) -> list[dict]:
+    """Instruction-tuning rows from a JSONL(.gz) file or a hub dataset, each in one of three shapes:
+
+    - ``{"prompt": str, "response": str}``: an Alpaca pair (read from ``prompt_field`` / ``response_field``);
+    - ``{"messages": [...]}``: a conversation (TRL's conversational language-modeling rows);
+    - ``{"prompt": [...], "completion": [...]}``: message lists (TRL's conversational prompt-completion rows).
+
+    A row of none of these shapes is a ``DataError`` naming it and the shapes."""
+    from rlvr.chat import check_messages, is_messages
+    from rlvr.data import DataError
+
+    source = str(source)
+    if _is_local(source):
+        raw: Any = read_jsonl(source, limit=limit)
+    else:
+        import datasets
+
+        raw = datasets.load_dataset(source, split=split)
+        if limit is not None:
+            raw = raw.select(range(min(limit, len(raw))))
+    rows = []
+    for i, row in enumerate(raw):
+        where = f"{source} row {i + 1}"
+        if not isinstance(row, dict):
+            raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
+        if "messages" in row:
+            rows.append({"messages": check_messages(row["messages"], f"{where}, messages")})
+        elif is_messages(row.get(prompt_field)) or is_messages(row.get("completion")):
+            rows.append(
+                {
+                    "prompt": check_messages(row.get(prompt_field), f"{where}, {prompt_field}"),
+                    "completion": check_messages(row.get("completion"), f"{where}, completion"),
+                }
+            )
+        elif isinstance(row.get(prompt_field), str) and isinstance(row.get(response_field), str):
+            rows.append({"prompt": row[prompt_field], "response": row[response_field]})
+        else:
+            raise DataError(
+                f"{where}: expected {prompt_field} and {response_field} strings (Alpaca), a messages list, or "
+                f"{prompt_field} and completion message lists; its fields are {sorted(row)} (name the Alpaca "
+                "ones with --prompt-field / --response-field)"
+            )
+    return rows
+
+
+def is_alpaca(row: dict) -> bool:
+    """Whether an instruction-tuning row (``load_sft_rows``) is an Alpaca pair rather than a conversation."""
+    return "response" in row
+
+
+def row_text(row: dict) -> str:
+    """Plain text of a row, for training a fresh tokenizer: the Alpaca document, or a conversation's messages."""
+    if is_alpaca(row):
+        return alpaca_format(row["prompt"], row["response"])
+    messages = row.get("messages") or [*row["prompt"], *row["completion"]]
+    return "\n".join(m["content"] for m in messages)
+
+
+def encode_sft_rows(
+    tokenizer: PreTrainedTokenizerBase, rows: list[dict], assistant_only: bool = True
+) -> tuple[list[list[int]], list[list[int]] | None]:
+    """``(documents, loss masks)`` of ``load_sft_rows`` rows: Alpaca pairs as ``encode_pairs`` makes them
+    (every token carries loss), conversations rendered with the chat template with loss on the
+    assistant's turns (``messages``) or on the completion (``prompt``/``completion``); every token with
+    ``assistant_only=False``. The masks are None when every row is an Alpaca pair."""
+    from rlvr.chat import check_chat_template, tokenize_chat, tokenize_prompt_completion
+
+    alpaca = [i for i, r in enumerate(rows) if is_alpaca(r)]
+    alpaca_docs = encode_pairs(tokenizer, [rows[i] for i in alpaca])
+    if len(alpaca) == len(rows):
+        return alpaca_docs, None
+    check_chat_template(
+        tokenizer, "conversational rows (messages, prompt/completion lists)", "pass --chat-template FILE"
+    )
+    documents: list[list[int]] = [[] for _ in rows]
+    masks: list[list[int]] = [[] for _ in rows]
+    for i, doc in zip(alpaca, alpaca_docs, strict=True):
+        documents[i], masks[i] = doc, [1] * len(doc)
+    for i, row in enumerate(rows):
+        if is_alpaca(row):
+            continue
+        if "messages" in row:
+            chat = tokenize_chat(tokenizer, row["messages"], assistant_only)
+            documents[i], masks[i] = chat.input_ids, chat.assistant_mask
+        else:
+            prompt_ids, completion_ids = tokenize_prompt_completion(tokenizer, row["prompt"], row["completion"])
+            documents[i] = prompt_ids + completion_ids
+            masks[i] = [int(not assistant_only)] * len(prompt_ids) + [1] * len(completion_ids)
+    return documents, masks
+
+
 # ---------------------------------------------------------------------------------------------
 # Packing
 # ---------------------------------------------------------------------------------------------
@@ -191,12 +294,21 @@ def load_prompt_response(
 class PackedSFTDataset(torch.utils.data.Dataset):
     """Windows of ``seq_length`` tokens over one token stream (see the module docstring)."""
 
-    def __init__(self, stream: torch.Tensor, seq_length: int):
+    def __init__(self, stream: torch.Tensor, seq_length: int, loss_mask: torch.Tensor | None = None):
         if seq_length < 1:
             raise ValueError(f"seq_length must be >= 1, got {seq_length}")
+        if loss_mask is not None and loss_mask.shape != stream.shape:
+            raise ValueError(f"the loss mask has shape {tuple(loss_mask.shape)}, the stream {tuple(stream.shape)}")
         # int32 storage halves the memory of a large corpus; items come out as int64
         self.stream = stream.to(torch.int32 if stream.numel() == 0 or int(stream.max()) < 2**31 else torch.long)
         self.seq_length = seq_length
+        self.loss_mask = None if loss_mask is None else loss_mask.bool()
+        """Which stream tokens carry loss as labels (None: every one)."""
+
+    @property
+    def masked(self) -> bool:
+        """Whether some labels are ``-100`` (tokens without loss)."""
+        return self.loss_mask is not None
 
     def __len__(self) -> int:
         return max(0, (self.stream.numel() - 1) // self.seq_length)
@@ -208,21 +320,32 @@ class PackedSFTDataset(torch.utils.data.Dataset):
         if not 0 <= i < n:
             raise IndexError(f"index {i} is out of range for {n} packed sequences")
         m = self.seq_length
-        return {
-            "input_ids": self.stream[i * m : (i + 1) * m].long(),
-            "labels": self.stream[i * m + 1 : (i + 1) * m + 1].long(),
-        }
+        labels = self.stream[i * m + 1 : (i + 1) * m + 1].long()
+        if self.loss_mask is not None:
+            labels = labels.masked_fill(~self.loss_mask[i * m + 1 : (i + 1) * m + 1], IGNORE_INDEX)
+        return {"input_ids": self.stream[i * m : (i + 1) * m].long(), "labels": labels}
 
 
-def pack_documents(documents: list[list[int]], seq_length: int) -> PackedSFTDataset:
-    """Concatenate token-id documents (already ordered) into one stream and window it."""
+IGNORE_INDEX = -100
+"""The label of a token that carries no loss (the value PyTorch and transformers use)."""
+
+
+def pack_documents(
+    documents: list[list[int]], seq_length: int, masks: list[list[int]] | None = None
+) -> PackedSFTDataset:
+    """Concatenate token-id documents (already ordered) into one stream and window it; ``masks``
+    (one 0/1 list per document) says which tokens carry loss as labels."""
     import itertools
 
     import numpy as np
 
-    total = sum(len(doc) for doc in documents)
-    stream = torch.from_numpy(np.fromiter(itertools.chain.from_iterable(documents), dtype=np.int64, count=total))
-    return PackedSFTDataset(stream, seq_length)
+    def flat(lists: list[list[int]]) -> torch.Tensor:
+        total = sum(len(x) for x in lists)
+        return torch.from_numpy(np.fromiter(itertools.chain.from_iterable(lists), dtype=np.int64, count=total))
+
+    if masks is not None and [len(m) for m in masks] != [len(d) for d in documents]:
+        raise ValueError("each document needs a loss mask of its own length")
+    return PackedSFTDataset(flat(documents), seq_length, None if masks is None else flat(masks))
 
 
 def encode_pairs(tokenizer: PreTrainedTokenizerBase, pairs: list[dict]) -> list[list[int]]:

@@ -3,8 +3,12 @@
 The defaults are the course's settings for turning a base model (there Llama-3.1-8B) into an
 assistant: packed windows of 512 tokens (``rlvr.instruct``), 32 windows per optimizer step through
 gradient accumulation, AdamW at lr 2e-5 with weight decay 0.1, a cosine schedule after a 3 % linear
-warm-up, gradient norm clipped at 1.0, one epoch. Every token carries loss (packed documents have no
-prompt mask). Held-out documents (``--val-data``, else ``--val-size`` documents taken out of the
+warm-up, gradient norm clipped at 1.0, one epoch. Every token of an Alpaca ``{prompt, response}`` row
+carries loss (packed documents have no prompt mask). Conversational rows, TRL's ``{messages}`` and
+``{prompt, completion}`` message lists, are rendered with the model's chat template (``--chat-template
+FILE`` gives one to a base model) with loss on the assistant's turns (on the completion), or on every
+token with ``--no-assistant-only-loss``; the packed windows keep that mask (labels -100 elsewhere) and
+the loss is the mean over the tokens that carry it. Held-out documents (``--val-data``, else ``--val-size`` documents taken out of the
 training file before packing) give the validation loss curve.
 
 Speed on a GPU comes from the pieces ``rlvr train`` uses: microbatches cut by a token budget
@@ -20,6 +24,7 @@ step; ``val/loss`` every ``--eval-every`` steps), mirrored to wandb / TensorBoar
 go to ``checkpoints/``; ``--resume DIR`` continues the same run (``rlvr.scaffold``).
 
     rlvr sft instruct --model meta-llama/Llama-3.1-8B --data sft_train.jsonl.gz --out runs/sft
+    rlvr sft instruct --model allenai/OLMo-2-0425-1B-Instruct --data chats.jsonl --out runs/chat-sft
     rlvr sft instruct --resume runs/sft
 """
 
@@ -40,7 +45,7 @@ import torch
 
 from rlvr.checkpoint import load_trainer_state, refuse_edited_settings, resumable_checkpoint, save_checkpoint
 from rlvr.errors import UserError
-from rlvr.instruct import alpaca_format, encode_pairs, load_prompt_response, pack_documents
+from rlvr.instruct import IGNORE_INDEX, encode_sft_rows, is_alpaca, load_sft_rows, pack_documents, row_text
 from rlvr.logging_utils import truncate_metrics
 from rlvr.machine import usable_device
 from rlvr.ranges import AT_LEAST_ONE, BELOW_ONE, NON_NEGATIVE, POSITIVE, PROBABILITY, Range, flag_name, range_problems
@@ -62,7 +67,7 @@ class InstructSFTConfig:
     """Instruction-tune a causal LM on packed {prompt, response} data (the course's settings by default)."""
 
     data: str = ""
-    """Training data: a JSONL or JSONL.gz file of {prompt, response}, or a hub dataset with those columns."""
+    """Training data: a JSONL or JSONL.gz file (or hub dataset) of {prompt, response} strings, {messages} lists, or {prompt, completion} message lists."""
     model: str = ""
     """Base model: a local directory, a hub id (meta-llama/Llama-3.1-8B), or a named size for a fresh model (tiny, small, 20m)."""
     out: Path | None = None
@@ -76,9 +81,13 @@ class InstructSFTConfig:
     val_split: str = "test"
     """Split of a hub dataset for --val-data."""
     prompt_field: str = "prompt"
-    """Field holding the instruction."""
+    """Field holding the instruction (or, in conversational rows, the prompt's messages)."""
     response_field: str = "response"
-    """Field holding the response."""
+    """Field holding the response of an Alpaca row."""
+    assistant_only_loss: bool = True
+    """In conversational rows, loss only on the assistant's turns (on the completion of prompt/completion rows); off: on every token."""
+    chat_template: Path | None = None
+    """A Jinja chat template file for the tokenizer (a base model or a named size has none); saved with the model."""
     max_examples: int | None = None
     """Use only the first this-many documents of --data."""
     seq_length: int = 512
@@ -232,6 +241,25 @@ def token_nll(
     return -get_response_log_probs(model, input_ids, labels, backbone=backbone)["log_probs"].mean()
 
 
+def masked_nll_sum(
+    model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, backbone: Callable[..., Any] | None = None
+) -> torch.Tensor:
+    """Summed negative log-likelihood of the labels that are not ``IGNORE_INDEX`` (only their positions
+    reach the vocabulary projection)."""
+    from rlvr.grpo import get_response_log_probs
+
+    keep = labels != IGNORE_INDEX
+    log_probs = get_response_log_probs(model, input_ids, labels.clamp(min=0), backbone=backbone, positions=keep)[
+        "log_probs"
+    ]
+    return -(log_probs * keep.to(log_probs.device)).sum()
+
+
+def _block(dataset: PackedSFTDataset, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    batch = [dataset[i] for i in rows]
+    return torch.stack([b["input_ids"] for b in batch]), torch.stack([b["labels"] for b in batch])
+
+
 def accumulate_step(
     model: torch.nn.Module,
     dataset: PackedSFTDataset,
@@ -240,15 +268,18 @@ def accumulate_step(
     backbone: Callable[..., Any] | None = None,
 ) -> tuple[float, int]:
     """Backpropagate the mean token NLL of the windows ``indices`` in microbatches of at most
-    ``rows_per_microbatch`` rows; the accumulated gradient is that of the whole batch (every window
-    has the same length, so a microbatch weighs rows / batch). Returns ``(loss, tokens)``."""
+    ``rows_per_microbatch`` rows; the accumulated gradient is that of the whole batch. Unmasked
+    windows all have the same length, so a microbatch weighs rows / batch; in masked ones a
+    microbatch's summed NLL is divided by the batch's count of labels with loss. Returns ``(loss, tokens)``."""
     total = 0.0
+    counted = sum(int((dataset[i]["labels"] != IGNORE_INDEX).sum()) for i in indices) if dataset.masked else 0
     for start in range(0, len(indices), rows_per_microbatch):
         rows = indices[start : start + rows_per_microbatch]
-        batch = [dataset[i] for i in rows]
-        input_ids = torch.stack([b["input_ids"] for b in batch])
-        labels = torch.stack([b["labels"] for b in batch])
-        loss = token_nll(model, input_ids, labels, backbone) * (len(rows) / len(indices))
+        input_ids, labels = _block(dataset, rows)
+        if dataset.masked:
+            loss = masked_nll_sum(model, input_ids, labels, backbone) / max(counted, 1)
+        else:
+            loss = token_nll(model, input_ids, labels, backbone) * (len(rows) / len(indices))
         loss.backward()
         total += float(loss.detach())
     return total, len(indices) * dataset.seq_length
@@ -256,19 +287,49 @@ def accumulate_step(
 
 @torch.no_grad()
 def validation_loss(model: torch.nn.Module, dataset: PackedSFTDataset, rows_per_microbatch: int) -> float:
-    """Mean token NLL over every window of ``dataset``."""
+    """Mean token NLL over every window of ``dataset`` (over the labels with loss, when masked)."""
     if len(dataset) == 0:
         return float("nan")
     was_training = model.training
     model.eval()
-    total = 0.0
+    total, counted = 0.0, 0
     for start in range(0, len(dataset), rows_per_microbatch):
-        batch = [dataset[i] for i in range(start, min(len(dataset), start + rows_per_microbatch))]
-        input_ids = torch.stack([b["input_ids"] for b in batch])
-        labels = torch.stack([b["labels"] for b in batch])
-        total += float(token_nll(model, input_ids, labels)) * len(batch)
+        input_ids, labels = _block(dataset, list(range(start, min(len(dataset), start + rows_per_microbatch))))
+        if dataset.masked:
+            total += float(masked_nll_sum(model, input_ids, labels))
+            counted += int((labels != IGNORE_INDEX).sum())
+        else:
+            total += float(token_nll(model, input_ids, labels)) * len(labels)
     model.train(was_training)
+    if dataset.masked:
+        return total / counted if counted else float("nan")
     return total / len(dataset)
+
+
+def check_chat_template_before_load(model: str) -> None:
+    """``ChatTemplateError`` (one line) when conversational rows meet a model whose tokenizer has no chat
+    template: read from the tokenizer alone, before the model loads."""
+    from rlvr.chat import ChatTemplateError, check_chat_template
+    from rlvr.modeling import MODEL_SIZES
+
+    what = "conversational rows (messages, prompt/completion lists)"
+    if model in MODEL_SIZES:
+        raise ChatTemplateError(
+            f"{what}: a fresh model of size {model} has a new tokenizer without a chat template; pass --chat-template FILE"
+        )
+    from transformers import AutoTokenizer
+
+    check_chat_template(AutoTokenizer.from_pretrained(model), what, "pass --chat-template FILE")
+
+
+def read_chat_template(path: Path | None) -> str | None:
+    """The text of a ``--chat-template`` file (None when not given)."""
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--chat-template {path}: cannot be read ({e}); pass a UTF-8 Jinja template file") from None
 
 
 def split_documents(pairs: list[dict], val_size: int, seed: int) -> tuple[list[dict], list[dict]]:
@@ -348,16 +409,19 @@ def _run(cfg: InstructSFTConfig, ckpt: Path | None) -> Path:
     from rlvr.trainer import batch_indices
 
     # Data first: a bad path fails in seconds, not after a model load.
-    pairs = load_prompt_response(cfg.data, cfg.split, cfg.max_examples, cfg.prompt_field, cfg.response_field)
+    pairs = load_sft_rows(cfg.data, cfg.split, cfg.max_examples, cfg.prompt_field, cfg.response_field)
     if cfg.val_data:
         train_pairs = pairs
-        val_pairs = load_prompt_response(cfg.val_data, cfg.val_split, None, cfg.prompt_field, cfg.response_field)
+        val_pairs = load_sft_rows(cfg.val_data, cfg.val_split, None, cfg.prompt_field, cfg.response_field)
     else:
         if cfg.val_size >= len(pairs):
             raise UserError(f"--val-size {cfg.val_size} leaves no training documents out of {len(pairs)}; lower it")
         train_pairs, val_pairs = split_documents(pairs, cfg.val_size, cfg.seed)
     if not train_pairs:
         raise UserError(f"no training documents in {cfg.data!r}")
+    chat_template = read_chat_template(cfg.chat_template)
+    if chat_template is None and not all(is_alpaca(r) for r in (*train_pairs, *val_pairs)):
+        check_chat_template_before_load(str(ckpt / "model") if ckpt is not None else cfg.model)
 
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.dtype, device)
@@ -366,15 +430,21 @@ def _run(cfg: InstructSFTConfig, ckpt: Path | None) -> Path:
         str(ckpt / "model") if ckpt is not None else cfg.model,
         device,
         dtype,
-        lambda: [alpaca_format(p["prompt"], p["response"]) for p in train_pairs[:20000]],
+        lambda: [row_text(p) for p in train_pairs[:20000]],
         cfg.vocab_size,
         cfg.seed,
         max_position_embeddings=max(2048, cfg.seq_length),
     )
-    documents = encode_pairs(tokenizer, train_pairs)
-    random.Random(cfg.seed).shuffle(documents)
-    train_ds = pack_documents(documents, cfg.seq_length)
-    val_ds = pack_documents(encode_pairs(tokenizer, val_pairs), cfg.seq_length)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    documents, masks = encode_sft_rows(tokenizer, train_pairs, cfg.assistant_only_loss)
+    order = list(range(len(documents)))
+    random.Random(cfg.seed).shuffle(order)
+    train_ds = pack_documents(
+        [documents[i] for i in order], cfg.seq_length, None if masks is None else [masks[i] for i in order]
+    )
+    val_documents, val_masks = encode_sft_rows(tokenizer, val_pairs, cfg.assistant_only_loss)
+    val_ds = pack_documents(val_documents, cfg.seq_length, val_masks)
     if len(train_ds) == 0:
         raise UserError(
             f"the training data holds fewer than {cfg.seq_length + 1} tokens: nothing to pack into "
