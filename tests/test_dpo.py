@@ -268,3 +268,83 @@ def test_cli_errors_are_one_line(capsys, tmp_path):
     assert "--model is required" in capsys.readouterr().err
     assert main(["dpo", "--model", "m", "--data", str(tmp_path / "none.jsonl"), "--out", str(tmp_path / "o")]) == 2
     assert "none.jsonl" in capsys.readouterr().err
+
+
+# --- conversational pairs (TRL's preference rows as message lists) ---------------------------------
+
+USER_Q = [{"role": "user", "content": "Q"}]
+ANSWER_A, ANSWER_B = [{"role": "assistant", "content": "A"}], [{"role": "assistant", "content": "B"}]
+
+
+@pytest.mark.parametrize(
+    "row",
+    [
+        {"prompt": USER_Q, "chosen": ANSWER_A, "rejected": ANSWER_B},  # explicit prompt
+        {"prompt": USER_Q, "chosen": USER_Q + ANSWER_A, "rejected": USER_Q + ANSWER_B},  # whole conversations
+        {"chosen": USER_Q + ANSWER_A, "rejected": USER_Q + ANSWER_B},  # implicit prompt: the shared start
+        {"prompt": USER_Q, "chosen": "A", "rejected": "B"},  # strings as one assistant message
+    ],
+)
+def test_conversational_rows_give_one_pair(tmp_path, row):
+    path = tmp_path / "chat_pairs.jsonl"
+    path.write_text(json.dumps(row) + "\n")
+    pairs, _ = load_preference_pairs([str(path)])
+    assert (pairs[0].prompt, pairs[0].chosen, pairs[0].rejected) == (USER_Q, ANSWER_A, ANSWER_B)
+    assert pairs[0].conversational
+
+
+def test_conversational_rows_without_a_shared_prompt_are_named(tmp_path):
+    path = tmp_path / "chat_pairs.jsonl"
+    path.write_text(json.dumps({"chosen": ANSWER_A, "rejected": ANSWER_B}) + "\n")
+    with pytest.raises(UserError, match="chat_pairs.jsonl:1: no prompt column and chosen and rejected share no"):
+        load_preference_pairs([str(path)])
+
+
+def test_conversational_pairs_score_the_response_tokens_only(tiny_tokenizer):
+    from conftest import chat_tokenizer
+
+    from rlvr.dpo import PreferencePair, TokenPair, sequence_log_probs, tokenize_pairs
+    from rlvr.modeling import build_model, small_olmo2_config
+
+    tok = chat_tokenizer(tiny_tokenizer)
+    model = build_model(small_olmo2_config(tok, hidden_size=32, num_layers=2, num_heads=4), seed=0).eval()
+    chat = PreferencePair(USER_Q, ANSWER_A, [{"role": "assistant", "content": "B longer"}])
+    plain = PreferencePair("Q", "A", "B")
+    (chat_ids, plain_ids), _, dropped = tokenize_pairs(tok, [chat, plain], max_tokens=1024)
+    head = tok.convert_tokens_to_ids(["<|user|>", "Q", "<|end|>", "<|assistant|>"])
+    eos = tok.eos_token_id
+    b_longer = tok("B longer", add_special_tokens=False)["input_ids"]
+    assert chat_ids == TokenPair(head + [tok.convert_tokens_to_ids("A"), eos], head + b_longer + [eos], 4)
+    assert plain_ids.scored_from == 1 and dropped == 0  # Alpaca pairs: every token after the first, as before
+    with torch.no_grad():
+        got = sequence_log_probs(model, [chat_ids.chosen, chat_ids.rejected], tok.pad_token_id, scored_from=[4, 4])
+        for sequence, value in zip((chat_ids.chosen, chat_ids.rejected), got):
+            assert value.item() == pytest.approx(_manual_sequence_logp(model, sequence, 4).item(), rel=1e-5)
+        # scored from 1 is the old whole-sequence sum, bit for bit
+        whole = sequence_log_probs(model, [plain_ids.chosen, plain_ids.rejected], tok.pad_token_id)
+        same = sequence_log_probs(model, [plain_ids.chosen, plain_ids.rejected], tok.pad_token_id, scored_from=[1, 1])
+    assert torch.equal(whole, same)
+
+
+def test_dpo_run_on_conversational_pairs(tiny_tokenizer, tmp_path):
+    from conftest import chat_tokenizer
+
+    from rlvr.modeling import build_model, save_model_and_tokenizer, small_olmo2_config
+
+    tok = chat_tokenizer(tiny_tokenizer)
+    model = build_model(small_olmo2_config(tok, hidden_size=32, num_layers=2, num_heads=4), seed=0)
+    model_dir = save_model_and_tokenizer(model, tok, tmp_path / "sft")
+    path = tmp_path / "chat_pairs.jsonl"
+    with path.open("w") as f:
+        for i, w in enumerate(WORDS):
+            prompt = [{"role": "user", "content": f"Name colour {i}."}]
+            chosen = [{"role": "assistant", "content": f"The colour is {w}."}]
+            rejected = [{"role": "assistant", "content": f"No colour, sorry {i}."}]
+            f.write(json.dumps({"prompt": prompt, "chosen": chosen, "rejected": rejected}) + "\n")
+    tiny_tokenizer.save_pretrained(tmp_path / "no-template")  # a tokenizer alone: the model never loads
+    with pytest.raises(UserError, match="has no chat template; start from a model trained on chat rows"):
+        run_dpo(_config(tmp_path / "no-template", path, tmp_path / "refused"))
+    out = run_dpo(_config(model_dir, path, tmp_path / "run", epochs=2.0))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["val/loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert rows[-1]["val/preference_accuracy"] > 0.5 and rows[-1]["val/loss"] < math.log(2)

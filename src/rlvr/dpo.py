@@ -19,6 +19,12 @@ is kept in ``OUT/best``.
 Data: Anthropic HH (``--format hh``: ``{chosen, rejected}`` transcripts ``"\\n\\nHuman: ...\\n\\nAssistant: ..."``;
 only conversations with a single human turn are kept, split into instruction / chosen / rejected, and
 each pair remembers its source file) or generic ``{prompt, chosen, rejected}`` JSONL (``--format pairs``).
+In a generic row the three may be strings (the Alpaca template, as above) or TRL's conversational
+preference rows: ``prompt`` a message list, ``chosen`` / ``rejected`` the assistant's messages (or
+whole conversations that start with the prompt, or, with no ``prompt`` column, two conversations
+whose shared first messages are the prompt). Those are rendered with the model's chat template, and
+``log pi(y)`` sums the log-probs of the response's tokens only (the prompt rendered with the
+generation prompt is cut off, as TRL does).
 The course's settings are the defaults: beta 0.1, RMSprop at lr 1e-6, one pair per forward,
 64 pairs per optimizer step, 200 held-out pairs.
 
@@ -38,10 +44,10 @@ import re
 import shutil
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
 
 import torch
 import torch.nn.functional as F
@@ -62,13 +68,53 @@ OUTPUT_FILES = ("metrics.jsonl", "config.json", "best", "checkpoints", "summary.
 # ---------------------------------------------------------------------------------------------
 
 
+Messages = list[dict[str, str]]
+
+
 @dataclass(frozen=True)
 class PreferencePair:
-    prompt: str
-    chosen: str
-    rejected: str
+    prompt: str | Messages
+    chosen: str | Messages
+    rejected: str | Messages
     source: str = ""
     """Where the pair came from (for HH: the subset's file, e.g. ``harmless-base/train.jsonl.gz``)."""
+
+    @property
+    def conversational(self) -> bool:
+        """Whether the pair is rendered with the chat template (its prompt is a message list)."""
+        return isinstance(self.prompt, list)
+
+
+def conversational_pair(row: dict, where: str, source: str = "") -> PreferencePair:
+    """The pair of a TRL conversational preference row: ``prompt`` messages (a string is one user
+    message; absent, the messages that ``chosen`` and ``rejected`` share from the start) and the two
+    responses (a string is one assistant message; a conversation that starts with the prompt keeps
+    what follows it)."""
+    from rlvr.chat import check_messages
+
+    def as_messages(value: Any, role: str, key: str) -> Messages:
+        if isinstance(value, str):
+            return [{"role": role, "content": value}]
+        return check_messages(value, f"{where}, {key}")
+
+    chosen = as_messages(row.get("chosen"), "assistant", "chosen")
+    rejected = as_messages(row.get("rejected"), "assistant", "rejected")
+    if row.get("prompt") is None:
+        shared = 0
+        while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+            shared += 1
+        if shared == 0:
+            raise DataError(
+                f"{where}: no prompt column and chosen and rejected share no first message; give the prompt's messages"
+            )
+        prompt = chosen[:shared]
+    else:
+        prompt = as_messages(row["prompt"], "user", "prompt")
+    cut = lambda response: response[len(prompt) :] if response[: len(prompt)] == prompt else response  # noqa: E731
+    chosen, rejected = cut(chosen), cut(rejected)
+    if not chosen or not rejected:
+        raise DataError(f"{where}: chosen or rejected holds the prompt only; give each response's messages")
+    return PreferencePair(prompt, chosen, rejected, source)
 
 
 _HH_TURN = re.compile(r"\n\n(Human|Assistant): ")
@@ -103,13 +149,17 @@ def _data_files(path: Path, split: str) -> list[Path]:
 
 
 def _detect_format(row: dict, where: str) -> str:
+    from rlvr.chat import is_messages
+
     if all(isinstance(row.get(k), str) for k in ("prompt", "chosen", "rejected")):
+        return "pairs"
+    if any(is_messages(row.get(k)) for k in ("prompt", "chosen", "rejected")):
         return "pairs"
     if all(isinstance(row.get(k), str) for k in ("chosen", "rejected")) and "Human:" in row["chosen"]:
         return "hh"
     raise DataError(
-        f"{where}: cannot tell the format: expected {{prompt, chosen, rejected}} strings (pairs) or "
-        "HH transcripts {chosen, rejected}; pass --format"
+        f"{where}: cannot tell the format: expected {{prompt, chosen, rejected}} strings or message lists "
+        "(pairs) or HH transcripts {chosen, rejected}; pass --format"
     )
 
 
@@ -144,6 +194,8 @@ def load_preference_pairs(
                     if pair is None:
                         counts["multi_turn"] += 1
                         continue
+                elif any(isinstance(row.get(k), list) for k in ("prompt", "chosen", "rejected")):
+                    pair = conversational_pair(row, f"{name}:{i + 1}", row.get("source", name))
                 else:
                     pair = PreferencePair(row["prompt"], row["chosen"], row["rejected"], row.get("source", name))
                 if pair.chosen == pair.rejected:
@@ -194,10 +246,15 @@ def pair_token_ids(tokenizer: PreTrainedTokenizerBase, prompt: str, responses: l
 
 
 def sequence_log_probs(
-    model: torch.nn.Module, sequences: list[list[int]], pad_id: int = 0, backbone: Callable[..., Any] | None = None
+    model: torch.nn.Module,
+    sequences: list[list[int]],
+    pad_id: int = 0,
+    backbone: Callable[..., Any] | None = None,
+    scored_from: list[int] | None = None,
 ) -> torch.Tensor:
-    """Summed log-probability of each token sequence (every token after the first), in one
-    right-padded forward; shape (len(sequences),), float32, on the model's device."""
+    """Summed log-probability of each token sequence, in one right-padded forward; shape
+    (len(sequences),), float32, on the model's device. Tokens from index ``scored_from[i]`` of sequence
+    ``i`` count (default 1: every token after the first)."""
     from rlvr.grpo import get_response_log_probs
 
     width = max(len(s) for s in sequences)
@@ -209,10 +266,29 @@ def sequence_log_probs(
         ids[i, : len(s)] = torch.tensor(s, dtype=torch.long)
         mask[i, : len(s)] = 1
     padded = bool((mask == 0).any())
+    scored = mask[:, 1:]
+    if scored_from is not None:
+        scored = scored * (torch.arange(1, width) >= torch.tensor(scored_from).unsqueeze(1))
     lp = get_response_log_probs(
         model, ids[:, :-1], ids[:, 1:], attention_mask=mask[:, :-1] if padded else None, backbone=backbone
     )["log_probs"]
-    return (lp * mask[:, 1:].to(lp.device)).sum(-1)
+    return (lp * scored.to(lp.device)).sum(-1)
+
+
+class TokenPair(NamedTuple):
+    """A tokenized pair: the two whole sequences and where their scored tokens start."""
+
+    chosen: list[int]
+    rejected: list[int]
+    scored_from: int = 1
+    """Index of the first token whose log-prob counts: 1 (every token after the first) for Alpaca
+    pairs, the rendered prompt's length for conversational ones."""
+
+
+def pair_sequences(token_pairs: Sequence[tuple], indices: list[int]) -> tuple[list[list[int]], list[int]]:
+    """The sequences of pairs ``indices`` (chosen, rejected, chosen, ...) and where each one's scored tokens start."""
+    pairs = [TokenPair(*token_pairs[i]) for i in indices]
+    return [s for p in pairs for s in (p.chosen, p.rejected)], [p.scored_from for p in pairs for _ in range(2)]
 
 
 def compute_per_instance_dpo_loss(
@@ -248,7 +324,7 @@ class DPOConfig:
     model: str = ""
     """The SFT checkpoint (local directory or hub id): the starting policy and the frozen reference."""
     data: tuple[str, ...] = ()
-    """Preference data: HH files or directories (their train.jsonl.gz), {prompt, chosen, rejected} JSONL files, or Anthropic/hh-rlhf[:subset] from the hub."""
+    """Preference data: HH files or directories (their train.jsonl.gz), {prompt, chosen, rejected} JSONL files (strings, or message lists rendered with the chat template), or Anthropic/hh-rlhf[:subset] from the hub."""
     out: Path | None = None
     """Run directory: metrics.jsonl, checkpoints/, best/ (the best model by validation preference accuracy)."""
     format: Literal["auto", "hh", "pairs"] = "auto"
@@ -391,15 +467,25 @@ def _from_dict(d: dict) -> DPOConfig:
 
 def tokenize_pairs(
     tokenizer: PreTrainedTokenizerBase, pairs: list[PreferencePair], max_tokens: int
-) -> tuple[list[tuple[list[int], list[int]]], list[PreferencePair], int]:
-    """``(token pairs, kept pairs, dropped)``: each kept pair as (chosen ids, rejected ids)."""
-    texts = [alpaca_format(p.prompt, r) for p in pairs for r in (p.chosen, p.rejected)]
-    ids = encode_documents(tokenizer, texts)
+) -> tuple[list[TokenPair], list[PreferencePair], int]:
+    """``(token pairs, kept pairs, dropped)``: each kept pair as its two sequences (``TokenPair``);
+    a pair whose longer sequence has more than ``max_tokens`` tokens is dropped."""
+    from rlvr.chat import tokenize_prompt_completion
+
+    plain = [p for p in pairs if not p.conversational]
+    texts = [alpaca_format(str(p.prompt), str(r)) for p in plain for r in (p.chosen, p.rejected)]
+    ids = iter(encode_documents(tokenizer, texts))
     tokens, kept = [], []
-    for i, p in enumerate(pairs):
-        c, r = ids[2 * i], ids[2 * i + 1]
-        if max(len(c), len(r)) <= max_tokens:
-            tokens.append((c, r))
+    for p in pairs:
+        if p.conversational:
+            prompt = cast(Messages, p.prompt)
+            head, chosen = tokenize_prompt_completion(tokenizer, prompt, cast(Messages, p.chosen))
+            _, rejected = tokenize_prompt_completion(tokenizer, prompt, cast(Messages, p.rejected))
+            pair = TokenPair(head + chosen, head + rejected, max(len(head), 1))
+        else:
+            pair = TokenPair(next(ids), next(ids))
+        if max(len(pair.chosen), len(pair.rejected)) <= max_tokens:
+            tokens.append(pair)
             kept.append(p)
     return tokens, kept, len(pairs) - len(kept)
 
@@ -422,8 +508,10 @@ class ReferenceCache:
         todo = [i for i in dict.fromkeys(indices) if torch.isnan(self.values[i]).any()]
         for start in range(0, len(todo), pairs_per_forward):
             chunk = todo[start : start + pairs_per_forward]
-            seqs = [s for i in chunk for s in token_pairs[i]]
-            self.values[chunk] = sequence_log_probs(self.model, seqs, self.pad_id).float().cpu().view(-1, 2)
+            seqs, starts = pair_sequences(token_pairs, chunk)
+            self.values[chunk] = (
+                sequence_log_probs(self.model, seqs, self.pad_id, scored_from=starts).float().cpu().view(-1, 2)
+            )
             self.computed += len(chunk)
         return self.values[indices]
 
@@ -444,7 +532,7 @@ def _metrics_of(out: dict[str, torch.Tensor], policy: torch.Tensor, prefix: str)
 def evaluate_pairs(
     model: torch.nn.Module,
     ref_cache: ReferenceCache,
-    token_pairs: list[tuple[list[int], list[int]]],
+    token_pairs: list[TokenPair],
     beta: float,
     pad_id: int,
     pairs_per_forward: int = 8,
@@ -454,8 +542,8 @@ def evaluate_pairs(
     model.eval()
     policy = []
     for start in range(0, len(token_pairs), pairs_per_forward):
-        chunk = token_pairs[start : start + pairs_per_forward]
-        policy.append(sequence_log_probs(model, [s for p in chunk for s in p], pad_id).float().cpu().view(-1, 2))
+        seqs, starts = pair_sequences(token_pairs, list(range(start, min(len(token_pairs), start + pairs_per_forward))))
+        policy.append(sequence_log_probs(model, seqs, pad_id, scored_from=starts).float().cpu().view(-1, 2))
     model.train(was_training)
     policy_t = torch.cat(policy)
     ref = ref_cache.get(list(range(len(token_pairs))), token_pairs, pairs_per_forward)
@@ -466,7 +554,7 @@ def evaluate_pairs(
 def dpo_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    token_pairs: list[tuple[list[int], list[int]]],
+    token_pairs: list[TokenPair],
     indices: list[int],
     ref_cache: ReferenceCache,
     beta: float,
@@ -483,9 +571,8 @@ def dpo_step(
     policy_rows, outs = [], []
     for start in range(0, len(indices), pairs_per_forward):
         chunk = indices[start : start + pairs_per_forward]
-        policy = sequence_log_probs(model, [s for i in chunk for s in token_pairs[i]], pad_id, backbone=backbone).view(
-            -1, 2
-        )
+        seqs, starts = pair_sequences(token_pairs, chunk)
+        policy = sequence_log_probs(model, seqs, pad_id, backbone=backbone, scored_from=starts).view(-1, 2)
         out = dpo_loss(
             policy[:, 0], policy[:, 1], ref[start : start + len(chunk), 0], ref[start : start + len(chunk), 1], beta
         )
@@ -581,6 +668,14 @@ def run_dpo(cfg: DPOConfig) -> Path:
             held = set(order[: cfg.val_size])
             val_pairs = [pairs[i] for i in sorted(held)]
             train_pairs = [p for i, p in enumerate(pairs) if i not in held]
+        if any(p.conversational for p in (*train_pairs, *val_pairs)):
+            from rlvr.instruct_sft import check_chat_template_before_load
+
+            check_chat_template_before_load(
+                cfg.model,
+                "conversational preference rows (message lists)",
+                "start from a model trained on chat rows (rlvr sft instruct saves its template)",
+            )
         return _train(cfg, run_dir, ckpt, train_pairs, val_pairs, counts)
 
 
@@ -738,7 +833,7 @@ def _training_step(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler,
-    train_tokens: list[tuple[list[int], list[int]]],
+    train_tokens: list[TokenPair],
     train_ref: ReferenceCache,
     pad: int,
     backbone: Callable[..., Any] | None,

@@ -306,20 +306,23 @@ def validation_loss(model: torch.nn.Module, dataset: PackedSFTDataset, rows_per_
     return total / len(dataset)
 
 
-def check_chat_template_before_load(model: str) -> None:
+def check_chat_template_before_load(
+    model: str,
+    what: str = "conversational rows (messages, prompt/completion lists)",
+    fix: str = "pass --chat-template FILE",
+) -> None:
     """``ChatTemplateError`` (one line) when conversational rows meet a model whose tokenizer has no chat
     template: read from the tokenizer alone, before the model loads."""
     from rlvr.chat import ChatTemplateError, check_chat_template
     from rlvr.modeling import MODEL_SIZES
 
-    what = "conversational rows (messages, prompt/completion lists)"
     if model in MODEL_SIZES:
         raise ChatTemplateError(
-            f"{what}: a fresh model of size {model} has a new tokenizer without a chat template; pass --chat-template FILE"
+            f"{what}: a fresh model of size {model} has a new tokenizer without a chat template; {fix}"
         )
     from transformers import AutoTokenizer
 
-    check_chat_template(AutoTokenizer.from_pretrained(model), what, "pass --chat-template FILE")
+    check_chat_template(AutoTokenizer.from_pretrained(model), what, fix)
 
 
 def read_chat_template(path: Path | None) -> str | None:
