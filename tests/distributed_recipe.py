@@ -45,14 +45,9 @@ def _policy(lora: bool):
 def train(variant: str | None, rank: int = 0, world_size: int = 1) -> dict[str, torch.Tensor]:
     """Full weights (plain names, LoRA merged) after ``STEPS`` rollout steps; ``variant`` None is the
     one-process run, else a strategy with or without LoRA over the started process group."""
-    from rlvr.distributed import (
-        GlobalBatch,
-        iter_full_weights,
-        local_rows,
-        rank_batch_indices,
-        rank_row_range,
-        wrap_model,
-    )
+    from rlvr.data_order import batch_indices
+    from rlvr.distributed import GlobalBatch, local_rows, rank_prompt_range, rank_row_range
+    from rlvr.distributed.wrap import iter_full_weights, wrap_model
     from rlvr.grpo import (
         compute_group_normalized_rewards,
         compute_log_probs_batched,
@@ -67,8 +62,9 @@ def train(variant: str | None, rank: int = 0, world_size: int = 1) -> dict[str, 
         model = wrap_model(model, variant.split("-")[0])
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3)
     held = rank_row_range(P, G, rank, world_size)
+    share = rank_prompt_range(P, rank, world_size)
     for step in range(STEPS):
-        examples = rank_batch_indices(N_EXAMPLES, P, step, SEED, rank, world_size)
+        examples = batch_indices(N_EXAMPLES, P, step, SEED)[share.start : share.stop]
         prompts = [_ids(1000 + e, 3, 6) for e in examples]
         responses = [_ids(10_000 * step + 10 * e + s, 2, 7) for e in examples for s in range(G)]
         rewards = torch.tensor([float((e + s + step) % 3 == 0) for e in examples for s in range(G)])

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlvr.checks import resolve_config
 from rlvr.cli import main as cli
 from rlvr.config import ConfigError, EngineConfig, TrainConfig
 from rlvr.machine import check_machine, cuda_device_problem
@@ -117,7 +118,7 @@ def test_cuda_device_problems_by_hand():
     )
     assert cuda_device_problem("--device", "cuda", 0).startswith("--device cuda but this machine has no CUDA device")
     # the README's one-GPU setting passes on one GPU; the two-GPU config does not
-    one_gpu = TrainConfig(policy_device="cuda:0").resolve()
+    one_gpu = resolve_config(TrainConfig(policy_device="cuda:0"))
     check_machine(one_gpu, n_gpu=1)
     two_gpu = TrainConfig(policy_device="cuda:0", engine=EngineConfig(name="hf-worker", device="cuda:1"))
     with pytest.raises(ConfigError, match="engine.device cuda:1 but only cuda:0..cuda:0 are visible"):

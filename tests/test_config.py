@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from rlvr.checks import resolve_config, validate_config
 from rlvr.config import (
     AlgorithmConfig,
     ConfigError,
@@ -22,15 +23,15 @@ from rlvr.config import (
     RolloutConfig,
     TrainConfig,
     load_config_file,
-    parse_overrides,
     save_config,
 )
+from rlvr.trainer import parse_command
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
 
 def resolved(**kw) -> TrainConfig:
-    return TrainConfig(**kw).resolve()
+    return resolve_config(TrainConfig(**kw))
 
 
 def test_defaults_are_spec_hyperparameters():
@@ -46,7 +47,7 @@ def test_defaults_are_spec_hyperparameters():
         "std",
         "sequence",
     )
-    assert c.validate() == []
+    assert validate_config(c) == []
 
 
 @pytest.mark.parametrize(
@@ -81,8 +82,8 @@ def test_cliprange_defaults_per_method_and_off_policy_32x():
     assert c.algorithm.cliprange == 3e-4 and c.off_policy and c.updates_per_rollout_batch == 32
     assert resolved(algorithm=AlgorithmConfig(reweighting="grpo")).algorithm.cliprange == 0.2
     assert resolved(algorithm=AlgorithmConfig(reweighting="grpo", cliprange=0.1)).algorithm.cliprange == 0.1
-    assert c.resolve() == c  # idempotent
-    assert c.validate() == []
+    assert resolve_config(c) == c  # idempotent
+    assert validate_config(c) == []
 
 
 def test_clip_higher_is_a_config():
@@ -90,15 +91,15 @@ def test_clip_higher_is_a_config():
     assert (a.cliprange, a.cliprange_low, a.cliprange_high) == (0.2, 0.2, 0.28)  # low from the method's default
     b = resolved(algorithm=AlgorithmConfig(reweighting="ppo_clip", cliprange_low=0.1, cliprange_high=0.3))
     assert (b.algorithm.cliprange, b.algorithm.cliprange_low, b.algorithm.cliprange_high) == (0.1, 0.1, 0.3)
-    assert b.resolve() == b and b.validate() == []
+    assert resolve_config(b) == b and validate_config(b) == []
     sym = resolved(algorithm=AlgorithmConfig(reweighting="gspo")).algorithm
     assert sym.cliprange_low == sym.cliprange_high == 3e-4
     with pytest.raises(ConfigError, match="disagree"):
         resolved(algorithm=AlgorithmConfig(reweighting="ppo_clip", cliprange=0.2, cliprange_low=0.1))
     with pytest.raises(ConfigError, match="does not clip asymmetrically"):
-        resolved(algorithm=AlgorithmConfig(reweighting="noclip", cliprange_high=0.28)).validate()
+        validate_config(resolved(algorithm=AlgorithmConfig(reweighting="noclip", cliprange_high=0.28)))
     with pytest.raises(ConfigError, match="cliprange_high must be > 0"):
-        resolved(algorithm=AlgorithmConfig(reweighting="ppo_clip", cliprange_high=-1.0)).validate()
+        validate_config(resolved(algorithm=AlgorithmConfig(reweighting="ppo_clip", cliprange_high=-1.0)))
 
 
 @pytest.mark.parametrize(
@@ -154,7 +155,7 @@ def test_clip_higher_is_a_config():
 )
 def test_impossible_settings_name_the_fix(kw, fix):
     with pytest.raises(ConfigError, match=fix.replace("(", r"\(").replace(".", r"\.")):
-        TrainConfig(**kw).resolve().validate()
+        validate_config(resolve_config(TrainConfig(**kw)))
 
 
 def test_clip_method_without_cliprange_is_an_error(monkeypatch):
@@ -162,16 +163,16 @@ def test_clip_method_without_cliprange_is_an_error(monkeypatch):
 
     monkeypatch.setitem(presets.DEFAULT_CLIPRANGE, "grpo", None)
     with pytest.raises(ConfigError, match="needs algorithm.cliprange"):
-        resolved(algorithm=AlgorithmConfig(reweighting="grpo")).validate()
+        validate_config(resolved(algorithm=AlgorithmConfig(reweighting="grpo")))
 
 
 def test_off_policy_without_reweighting_warns_but_on_policy_clip_is_fine():
     off = resolved(optim=OptimConfig(epochs_per_rollout_batch=2))
     with pytest.warns(UserWarning, match="stale samples without importance weights"):
-        off.validate()
+        validate_config(off)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert resolved(algorithm=AlgorithmConfig(reweighting="grpo")).validate() == []  # on-policy, ratio 1
+        assert validate_config(resolved(algorithm=AlgorithmConfig(reweighting="grpo"))) == []  # on-policy, ratio 1
 
 
 def test_eval_size_larger_than_data_is_an_error():
@@ -189,7 +190,8 @@ def test_yaml_and_toml_files_plus_overrides(tmp_path):
     t.write_text('seed = 3\n[algorithm]\npreset = "dr_grpo"\n[optim]\nlr = 2e-6\nbetas = [0.8, 0.9]\n')
     a, b = load_config_file(y), load_config_file(t)
     assert a == b and a.optim.betas == (0.8, 0.9) and a.seed == 3 and a.rollout.group_size == 8
-    c = parse_overrides(["--optim.lr", "5e-6", "--algorithm.reweighting", "gspo", "--rollout.group_size", "4"], a)
+    flags = ["--optim.lr", "5e-6", "--algorithm.reweighting", "gspo", "--rollout.group_size", "4"]
+    c, _, _, _ = parse_command(["--config", str(y), "--out", str(tmp_path / "run"), *flags])
     assert c.optim.lr == 5e-6 and c.algorithm.reweighting == "gspo" and c.rollout.group_size == 4
     assert c.algorithm.preset == "dr_grpo" and c.seed == 3  # the file's values survive
     bad = tmp_path / "bad.yaml"
@@ -217,10 +219,10 @@ def test_config_json_round_trips(tmp_path):
     ],
 )
 def test_example_configs_validate(name):
-    c = load_config_file(CONFIGS / name).resolve()
+    c = resolve_config(load_config_file(CONFIGS / name))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        c.validate()
+        validate_config(c)
     if "async" in name:
         assert c.engine.max_staleness == 1 and c.engine.name == "hf-worker" and c.engine.device != c.policy_device
         assert c.algorithm.reweighting == "grpo" and c.algorithm.cliprange == 0.2 and not c.off_policy
@@ -236,7 +238,7 @@ def test_example_configs_validate(name):
     if "32x" in name:
         assert c.updates_per_rollout_batch == 32 and c.algorithm.cliprange == 0.2
     if "olmo2_1b_grpo" in name:
-        defaults = TrainConfig().resolve()
+        defaults = resolve_config(TrainConfig())
         assert (
             dataclasses.replace(
                 c, engine=defaults.engine, policy_device=defaults.policy_device, save_every=defaults.save_every
@@ -248,10 +250,13 @@ def test_example_configs_validate(name):
 def test_async_on_the_policy_gpu_warns_that_nothing_overlaps():
     kw = dict(algorithm=AlgorithmConfig(reweighting="grpo"), policy_device="cuda:0")
     with pytest.warns(UserWarning, match="barely overlap"):
-        resolved(engine=EngineConfig(name="hf-worker", device="cuda:0", max_staleness=1), **kw).validate()
+        validate_config(resolved(engine=EngineConfig(name="hf-worker", device="cuda:0", max_staleness=1), **kw))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert resolved(engine=EngineConfig(name="hf-worker", device="cuda:1", max_staleness=1), **kw).validate() == []
+        assert (
+            validate_config(resolved(engine=EngineConfig(name="hf-worker", device="cuda:1", max_staleness=1), **kw))
+            == []
+        )
 
 
 # -------------------------------------------------------------------------------------------------
@@ -315,10 +320,12 @@ def test_yaml_files_read_exponents_as_numbers(tmp_path):
 
 def test_group_of_one_with_a_mean_baseline_is_an_error():
     with pytest.raises(ConfigError, match="rollout.group_size=1 with algorithm.baseline=mean makes every advantage 0"):
-        resolved(rollout=RolloutConfig(group_size=1), algorithm=AlgorithmConfig(advantage_normalizer="none")).validate()
+        validate_config(
+            resolved(rollout=RolloutConfig(group_size=1), algorithm=AlgorithmConfig(advantage_normalizer="none"))
+        )
     rft = resolved(rollout=RolloutConfig(group_size=1), algorithm=AlgorithmConfig(preset="rft"))
     assert rft.algorithm.baseline == "none"
-    rft.validate()  # no baseline: the rewards themselves are the advantages, so a group of one trains
+    validate_config(rft)  # no baseline: the rewards themselves are the advantages, so a group of one trains
 
 
 def test_no_shipped_config_uses_the_vllm_engine():

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import REPO, family_model
 
+from rlvr.checks import resolve_config, validate_config
 from rlvr.logging_utils import read_metrics
 
 EXAMPLE = REPO / "examples" / "sort_words"
@@ -200,8 +201,8 @@ def test_copying_the_example_elsewhere_works_with_paths_relative_to_the_run(chat
     from rlvr.config import load_config_file
     from rlvr.task_config import load_task_data, prepare_reward
 
-    config = load_config_file("my_task/config.yaml").resolve()
-    config.validate()
+    config = resolve_config(load_config_file("my_task/config.yaml"))
+    validate_config(config)
     train, val = load_task_data(config)
     reward = prepare_reward(config, train)
     try:

@@ -31,7 +31,8 @@ def _full_optimizer_state(model, optimizer):
 
 
 def _save_worker(world, out):
-    from rlvr.distributed import export_hf, full_state_dict_on_main, save_sharded, wrap_model
+    from rlvr.distributed.checkpoint import export_hf, save_sharded
+    from rlvr.distributed.wrap import full_state_dict_on_main, wrap_model
 
     model = wrap_model(tiny_causal_lm(seed=0), "fsdp")
     optimizer = _train_one_step(model, world)
@@ -46,7 +47,7 @@ def _save_worker(world, out):
 def test_dcp_from_two_fsdp_ranks_loads_in_one_process(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from rlvr.distributed import load_sharded
+    from rlvr.distributed.checkpoint import load_sharded
 
     run_ranks(_save_worker, tmp_path)
     expected = torch.load(tmp_path / "expected.pt")
@@ -72,7 +73,8 @@ def test_dcp_from_two_fsdp_ranks_loads_in_one_process(tmp_path):
 
 
 def _load_worker(world, out):
-    from rlvr.distributed import full_state_dict_on_main, load_sharded, wrap_model
+    from rlvr.distributed.checkpoint import load_sharded
+    from rlvr.distributed.wrap import full_state_dict_on_main, wrap_model
 
     model = wrap_model(tiny_causal_lm(seed=7), "fsdp")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -84,7 +86,7 @@ def _load_worker(world, out):
 
 
 def test_dcp_from_one_process_loads_on_two_fsdp_ranks(tmp_path):
-    from rlvr.distributed import save_sharded
+    from rlvr.distributed.checkpoint import save_sharded
 
     model = tiny_causal_lm(seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -103,7 +105,8 @@ def test_dcp_from_one_process_loads_on_two_fsdp_ranks(tmp_path):
 
 def _lora_worker(world, out):
     from rlvr.config import LoraConfig
-    from rlvr.distributed import export_adapter, export_hf, save_sharded, wrap_model
+    from rlvr.distributed.checkpoint import export_adapter, export_hf, save_sharded
+    from rlvr.distributed.wrap import wrap_model
     from rlvr.lora import apply_lora
 
     torch.manual_seed(11)  # the same adapter initialisation on every rank
@@ -126,7 +129,7 @@ def test_lora_under_fsdp_trains_adapters_and_exports_merged(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from rlvr.config import LoraConfig
-    from rlvr.distributed import load_sharded
+    from rlvr.distributed.checkpoint import load_sharded
     from rlvr.lora import apply_lora
 
     run_ranks(_lora_worker, tmp_path)

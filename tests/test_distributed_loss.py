@@ -90,7 +90,8 @@ def _refuse_full_logits(*args, **kwargs):
 
 def _compare_worker(world, strategy, out_path):
     import rlvr.grpo.logprobs
-    from rlvr.distributed import GlobalBatch, gather_objects, iter_full_weights, rank_row_range, wrap_model
+    from rlvr.distributed import GlobalBatch, gather_objects, rank_row_range
+    from rlvr.distributed.wrap import iter_full_weights, wrap_model
 
     rlvr.grpo.logprobs._stats_from_logits = _refuse_full_logits  # DDP and FSDP2 keep the fused head
 
@@ -148,7 +149,8 @@ def test_two_ranks_give_the_one_process_gradient(strategy, tmp_path):
 
 
 def _precision_worker(world, out_path):
-    from rlvr.distributed import GlobalBatch, copy_full_weights, full_state_dict_on_main, wrap_model
+    from rlvr.distributed import GlobalBatch
+    from rlvr.distributed.wrap import copy_full_weights, full_state_dict_on_main, wrap_model
     from rlvr.grpo import policy_gradient_update
 
     g = torch.Generator().manual_seed(world.rank)

@@ -7,10 +7,20 @@ import json
 import pytest
 from distributed_helpers import run_ranks
 
+from rlvr.checks import check_world, resolve_config, validate_config
+
+
+def rank_batch_indices(n_examples: int, n_prompts: int, step: int, seed: int, rank: int, world_size: int) -> list[int]:
+    """Rank ``rank``'s examples at a step, as the trainer takes them: its prompt range of the one-process batch."""
+    from rlvr.data_order import batch_indices
+    from rlvr.distributed import rank_prompt_range
+
+    share = rank_prompt_range(n_prompts, rank, world_size)
+    return batch_indices(n_examples, n_prompts, step, seed)[share.start : share.stop]
+
 
 def test_rank_shares_are_the_one_process_batch_in_order():
-    from rlvr.distributed import rank_batch_indices
-    from rlvr.trainer import batch_indices
+    from rlvr.data_order import batch_indices
 
     n_examples, n_prompts, seed = 23, 6, 7
     for world_size in (1, 2, 3, 6):
@@ -21,8 +31,6 @@ def test_rank_shares_are_the_one_process_batch_in_order():
 
 
 def test_every_prompt_once_per_epoch_across_ranks():
-    from rlvr.distributed import rank_batch_indices
-
     n_examples, n_prompts, world_size = 24, 8, 4  # three steps per epoch
     for epoch in range(3):
         seen = [
@@ -51,7 +59,7 @@ def test_groups_never_span_ranks():
 
 def test_prompts_not_divisible_by_ranks_is_a_clear_error():
     from rlvr.config import ConfigError
-    from rlvr.distributed import check_prompts_divisible, rank_batch_indices
+    from rlvr.distributed import check_prompts_divisible
 
     with pytest.raises(ConfigError, match=r"n_prompts_per_rollout_batch=6 does not split over 4 ranks.*multiple of 4"):
         check_prompts_divisible(6, 4)
@@ -72,14 +80,7 @@ def test_one_process_world_without_torchrun(monkeypatch):
 
 
 def _metrics_worker(world, out_dir):
-    from rlvr.distributed import (
-        gather_objects,
-        max_metrics,
-        mean_metrics,
-        on_main,
-        reduce_values,
-        sum_metrics,
-    )
+    from rlvr.distributed import gather_objects, max_metrics, mean_metrics, on_main, reduce_values, sum_metrics
 
     r = world.rank
     local = {"loss": 1.0 + r, "tokens": 10.0 * (r + 1)}
@@ -130,29 +131,29 @@ def test_data_parallel_settings_that_cannot_work_are_clear_errors():
     from rlvr.config import ConfigError, TrainConfig
 
     def config(**sections):
-        return TrainConfig.from_dict({"rollout": {"n_prompts_per_rollout_batch": 4}, **sections}).resolve()
+        return resolve_config(TrainConfig.from_dict({"rollout": {"n_prompts_per_rollout_batch": 4}, **sections}))
 
     with pytest.raises(ConfigError, match="distributed.cpu_offload needs distributed.strategy fsdp"):
-        config(distributed={"cpu_offload": True}).validate()
+        validate_config(config(distributed={"cpu_offload": True}))
     assert config().data_parallel_strategy(1) == "none" and config().data_parallel_strategy(2) == "ddp"
-    config().check_world(1)
-    config().check_world(2)
+    check_world(config(), 1)
+    check_world(config(), 2)
     with pytest.raises(ConfigError, match="strategy is none; set it to ddp or fsdp"):
-        config(distributed={"strategy": "none"}).check_world(2)
+        check_world(config(distributed={"strategy": "none"}), 2)
     with pytest.raises(ConfigError, match="does not split over 3 ranks"):
-        config().check_world(3)
+        check_world(config(), 3)
     with pytest.raises(ConfigError, match="engine.name=hf-worker"):
-        config(engine={"name": "hf-worker"}).check_world(2)
+        check_world(config(engine={"name": "hf-worker"}), 2)
     with pytest.raises(ConfigError, match="set model.compile false"):
-        config(model={"compile": True}, distributed={"strategy": "fsdp"}).check_world(1)
+        check_world(config(model={"compile": True}, distributed={"strategy": "fsdp"}), 1)
     with pytest.raises(ConfigError, match="set optim.shared_prefix false"):
-        config(optim={"shared_prefix": True}, distributed={"strategy": "ddp"}).validate()
-    config(optim={"shared_prefix": True}).check_world(1)
+        validate_config(config(optim={"shared_prefix": True}, distributed={"strategy": "ddp"}))
+    check_world(config(optim={"shared_prefix": True}), 1)
     with pytest.raises(ConfigError, match="shared_prefix packs microbatches in one process; set it false"):
-        config(optim={"shared_prefix": True}).check_world(2)
-    config(algorithm={"kl_coef": 0.1, "kl_reference_device": "cpu"}).check_world(1)
+        check_world(config(optim={"shared_prefix": True}), 2)
+    check_world(config(algorithm={"kl_coef": 0.1, "kl_reference_device": "cpu"}), 1)
     with pytest.raises(ConfigError, match="kl_reference_device places the reference in one process"):
-        config(algorithm={"kl_coef": 0.1, "kl_reference_device": "cpu"}).check_world(2)
+        check_world(config(algorithm={"kl_coef": 0.1, "kl_reference_device": "cpu"}), 2)
 
 
 def test_global_metrics_combines_equal_rank_shares_by_hand():

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from rlvr.checks import resolve_config, validate_config
 from rlvr.config import (
     MOVED_KEYS,
     ConfigError,
@@ -17,11 +18,11 @@ from rlvr.config import (
     VLLMEngineConfig,
     WorkerEngineConfig,
     load_config_file,
-    parse_overrides,
     upgrade_moved_keys,
 )
 from rlvr.engines import ENGINES, UnknownEngineError, build_engine, engine_entry, engine_names, register_engine
 from rlvr.errors import UserError
+from rlvr.trainer import parse_command
 
 
 def test_table_names_every_engine_and_its_class():
@@ -42,7 +43,7 @@ def test_unknown_engine_names_the_choices():
         engine_entry("nope")
     assert issubclass(UnknownEngineError, UserError) and issubclass(UnknownEngineError, ValueError)
     with pytest.raises(ConfigError, match="unknown engine.name 'nope'"):
-        TrainConfig(engine=EngineConfig(name="nope")).resolve().validate()
+        validate_config(resolve_config(TrainConfig(engine=EngineConfig(name="nope"))))
 
 
 def test_options_come_from_the_engine_section():
@@ -81,7 +82,7 @@ def test_build_engine_and_a_registered_engine(tiny_model, tiny_tokenizer):
     register_engine("test-hf", "rlvr.engines.hf:HFEngine")
     try:
         assert "test-hf" in engine_names()
-        TrainConfig(engine=EngineConfig(name="test-hf")).resolve().validate()
+        validate_config(resolve_config(TrainConfig(engine=EngineConfig(name="test-hf"))))
         engine = build_engine(EngineConfig(name="test-hf", max_batch_size=3), tiny_model, tiny_tokenizer)
         assert isinstance(engine, HFEngine) and engine.max_batch_size == 64  # no options: the class's defaults
     finally:
@@ -99,17 +100,22 @@ def test_old_flat_key_in_a_file_names_the_new_key(old, tmp_path):
     assert f"config key {old} is now {MOVED_KEYS[old]}" in message and "\n" not in message
 
 
+def train_flags(args: list[str]) -> TrainConfig:
+    """The config of ``rlvr train`` with these flags."""
+    return parse_command([*args, "--out", "run"])[0]
+
+
 def test_old_flag_names_the_new_flag():
     with pytest.raises(ConfigError, match=r"^--engine.cascade_min_rows is now --engine.fast.cascade_min_rows"):
-        parse_overrides(["--engine.cascade_min_rows", "32"])
+        train_flags(["--engine.cascade_min_rows", "32"])
     with pytest.raises(ConfigError, match=r"--engine.fuse_projections is now --engine.fast.fuse_projections"):
-        parse_overrides(["--engine.no-fuse-projections"])
+        train_flags(["--engine.no-fuse-projections"])
     with pytest.raises(ConfigError, match=r"--engine.vllm_base_url is now --engine.vllm.base_url"):
-        parse_overrides(["--engine.vllm-base-url=http://x"])
+        train_flags(["--engine.vllm-base-url=http://x"])
 
 
 def test_grouped_flags_override():
-    c = parse_overrides(
+    c = train_flags(
         [
             "--engine.fast.cascade_min_rows",
             "32",

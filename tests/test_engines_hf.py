@@ -9,7 +9,8 @@ from conftest import greedy_generate_reference
 
 from rlvr.engines import make_engine
 from rlvr.engines.base import SamplingParams
-from rlvr.engines.hf import HFEngine, find_stop, sample_next, sequence_logprobs, truncate_at_stop
+from rlvr.engines.hf import HFEngine, sequence_logprobs
+from rlvr.engines.sampling import find_stop, sample_next, truncate_at_stop
 
 PROMPTS = [
     "Natalia sold clips to 48 of her friends in April.",

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlvr.checks import resolve_config, validate_config
 from rlvr.config import AlgorithmConfig, TrainConfig
 from rlvr.grpo import (
     AGGREGATIONS,
@@ -34,9 +35,9 @@ def test_ppo_clip_alias_is_the_same_method():
 
 
 def test_both_names_resolve_to_the_same_config():
-    by_name = {m: TrainConfig(algorithm=AlgorithmConfig(reweighting=m)).resolve() for m in ("grpo", "ppo_clip")}
+    by_name = {m: resolve_config(TrainConfig(algorithm=AlgorithmConfig(reweighting=m))) for m in ("grpo", "ppo_clip")}
     for cfg in by_name.values():
-        cfg.validate()
+        validate_config(cfg)
     assert by_name["grpo"].algorithm.cliprange == by_name["ppo_clip"].algorithm.cliprange == 0.2
 
 
@@ -56,8 +57,8 @@ def test_registered_aggregation_is_selectable(sequence_sum):
     loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
     assert aggregate_loss_across_microbatch(loss, mask, sequence_sum).item() == pytest.approx((3.0 + 4.0) / 2)
-    cfg = TrainConfig(algorithm=AlgorithmConfig(loss_normalization=sequence_sum)).resolve()
-    cfg.validate()
+    cfg = resolve_config(TrainConfig(algorithm=AlgorithmConfig(loss_normalization=sequence_sum)))
+    validate_config(cfg)
     assert cfg.algorithm.normalization_constant is None
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rlvr.checkpoint import latest_checkpoint
+from rlvr.checks import resolve_config
 from rlvr.config import (
     AlgorithmConfig,
     DataConfig,
@@ -207,7 +208,7 @@ def test_dynamic_sampling_fills_the_batch_and_resumes(gsm8k_path, tiny_tokenizer
 def _train_examples(cfg: TrainConfig):
     from rlvr.task_config import load_task_data
 
-    return load_task_data(cfg.resolve())[0]
+    return load_task_data(resolve_config(cfg))[0]
 
 
 @pytest.mark.slow

@@ -8,11 +8,14 @@ import pytest
 import torch
 from distributed_helpers import tiny_causal_lm
 
+from rlvr.checks import resolve_config, validate_config
+
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def test_config_section():
-    from rlvr.config import ConfigError, LoraConfig, TrainConfig, parse_overrides
+    from rlvr.config import ConfigError, LoraConfig, TrainConfig
+    from rlvr.trainer import parse_command
 
     assert TrainConfig().model.lora.rank == 0
     config = TrainConfig.from_dict(
@@ -20,7 +23,7 @@ def test_config_section():
     )
     assert config.model.lora == LoraConfig(rank=8, alpha=16.0, dropout=0.05, target_modules=("q_proj", "v_proj"))
     assert TrainConfig.from_dict(config.to_dict()) == config
-    assert parse_overrides(["--model.lora.rank", "4"]).model.lora.rank == 4
+    assert parse_command(["--model.lora.rank", "4", "--out", "run"])[0].model.lora.rank == 4
     with pytest.raises(ConfigError, match="model.lora.rank must be >= 0"):
         LoraConfig(rank=-2)
     with pytest.raises(ConfigError, match="model.lora.dropout"):
@@ -66,7 +69,8 @@ def test_only_adapters_train_and_the_update_moves_them():
 def test_merged_export_gives_the_adapted_logits(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from rlvr.distributed import export_hf, iter_full_weights
+    from rlvr.distributed.checkpoint import export_hf
+    from rlvr.distributed.wrap import iter_full_weights
     from rlvr.lora import merge_lora
 
     model = _adapted()
@@ -113,14 +117,14 @@ def test_adapters_added_at_load(tmp_path, tiny_model, tiny_tokenizer):
 def test_train_accepts_lora():
     from rlvr.config import TrainConfig
 
-    config = TrainConfig.from_dict({"model": {"lora": {"rank": 4}}}).resolve()
-    config.validate()
+    config = resolve_config(TrainConfig.from_dict({"model": {"lora": {"rank": 4}}}))
+    validate_config(config)
     assert config.model.lora.rank == 4
 
 
 def test_lora_with_model_compile_is_a_clear_error():
     from rlvr.config import ConfigError, TrainConfig
 
-    config = TrainConfig.from_dict({"model": {"lora": {"rank": 4}, "compile": True}}).resolve()
+    config = resolve_config(TrainConfig.from_dict({"model": {"lora": {"rank": 4}, "compile": True}}))
     with pytest.raises(ConfigError, match="model.compile does not run LoRA models"):
-        config.validate()
+        validate_config(config)

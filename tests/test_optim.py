@@ -5,6 +5,7 @@ import copy
 import pytest
 import torch
 
+from rlvr.checks import resolve_config
 from rlvr.optim import MasterWeightAdamW, make_adamw, make_rmsprop
 
 
@@ -100,13 +101,15 @@ def test_trainer_steps_a_bf16_policy_through_master_weights(gsm8k_path, tiny_mod
     from rlvr.config import DataConfig, LogConfig, OptimConfig, RolloutConfig, TrainConfig
     from rlvr.trainer import _optimizer_and_scheduler
 
-    cfg = TrainConfig(
-        data=DataConfig(train_source=str(gsm8k_path), train_size=16, val_size=2),
-        rollout=RolloutConfig(n_prompts_per_rollout_batch=2, group_size=4, max_new_tokens=4),
-        optim=OptimConfig(lr=1e-5, gradient_accumulation_steps=1),
-        log=LogConfig(progress=False),
-        n_steps=1,
-    ).resolve()
+    cfg = resolve_config(
+        TrainConfig(
+            data=DataConfig(train_source=str(gsm8k_path), train_size=16, val_size=2),
+            rollout=RolloutConfig(n_prompts_per_rollout_batch=2, group_size=4, max_new_tokens=4),
+            optim=OptimConfig(lr=1e-5, gradient_accumulation_steps=1),
+            log=LogConfig(progress=False),
+            n_steps=1,
+        )
+    )
     model = copy.deepcopy(tiny_model).bfloat16()
     opt, _ = _optimizer_and_scheduler(cfg, model, torch.device("cpu"))
     assert isinstance(opt, MasterWeightAdamW)

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from conftest import family_model, padded_and_packed
 
+from rlvr.checks import resolve_config, validate_config
 from rlvr.grpo import get_response_log_probs, policy_gradient_update, tokenize_prompt_and_output
 from rlvr.grpo.packing import (
     _pack_to,
@@ -332,7 +333,7 @@ def test_packing_with_gradient_checkpointing_is_a_clear_error():
 
     config = TrainConfig.from_dict({"optim": {"shared_prefix": True}, "model": {"gradient_checkpointing": True}})
     with pytest.raises(ConfigError, match="optim.shared_prefix cannot recompute a packed forward"):
-        config.resolve().validate()
+        validate_config(resolve_config(config))
 
 
 def test_packed_attention_outside_a_packed_forward_says_what_to_do():

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from rlvr.checks import resolve_config, validate_config
 from rlvr.cli import main as cli
 from rlvr.config import TRAIN_RANGES, AlgorithmConfig, ConfigError, OptimConfig, RewardConfig, TrainConfig
 from rlvr.dpo import DPO_RANGES, DPOConfig
@@ -93,7 +94,7 @@ def test_every_numeric_field_has_a_range(config, table):
 )
 def test_train_config_values_out_of_range_are_refused(section, key, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")) as e:
-        TrainConfig(**section).resolve().validate()
+        validate_config(resolve_config(TrainConfig(**section)))
     assert "\n" not in str(e.value)
 
 

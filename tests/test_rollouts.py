@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from rlvr.checks import resolve_config
 from rlvr.engines import WorkerEngine, make_engine
 from rlvr.engines.async_rollout import AsyncRollouts
 from rlvr.engines.base import Completion, SamplingParams
@@ -128,12 +129,14 @@ def test_update_spec_is_read_from_the_config_once():
     from rlvr.config import AlgorithmConfig, OptimConfig, TrainConfig
     from rlvr.trainer import UpdateSpec
 
-    on_policy = UpdateSpec.from_config(TrainConfig().resolve())
+    on_policy = UpdateSpec.from_config(resolve_config(TrainConfig()))
     assert not on_policy.shuffle and not on_policy.uses_old_log_probs and on_policy.epochs == 1
-    cfg = TrainConfig(
-        algorithm=AlgorithmConfig(preset="dr_grpo", reweighting="ppo_clip"),
-        optim=OptimConfig(train_batch_size=64, epochs_per_rollout_batch=2),
-    ).resolve()
+    cfg = resolve_config(
+        TrainConfig(
+            algorithm=AlgorithmConfig(preset="dr_grpo", reweighting="ppo_clip"),
+            optim=OptimConfig(train_batch_size=64, epochs_per_rollout_batch=2),
+        )
+    )
     spec = UpdateSpec.from_config(cfg)
     assert spec.shuffle and spec.uses_old_log_probs and spec.train_batch_size == 64 and spec.epochs == 2
     assert (spec.reweighting, spec.cliprange, spec.loss_normalization) == ("ppo_clip", (0.2, 0.2), "constant")
@@ -141,13 +144,13 @@ def test_update_spec_is_read_from_the_config_once():
     knobs = TrainConfig(
         algorithm=AlgorithmConfig(reweighting="ppo_clip", cliprange_high=0.28, kl_coef=0.1, entropy_coef=0.01)
     )
-    knob_spec = UpdateSpec.from_config(knobs.resolve())
+    knob_spec = UpdateSpec.from_config(resolve_config(knobs))
     assert (knob_spec.cliprange, knob_spec.kl_coef_in_loss, knob_spec.kl_estimator, knob_spec.entropy_coef) == (
         (0.2, 0.28),
         0.1,
         "k3",
         0.01,
     )
-    reward_kl = TrainConfig(algorithm=AlgorithmConfig(kl_coef=0.1, kl_in="reward")).resolve()
+    reward_kl = resolve_config(TrainConfig(algorithm=AlgorithmConfig(kl_coef=0.1, kl_in="reward")))
     assert UpdateSpec.from_config(reward_kl).kl_coef_in_loss == 0.0  # the KL went into the reward
     assert spec.normalization_constant == cfg.algorithm.normalization_constant

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rlvr.checks import resolve_config, validate_config
 from rlvr.experiments import load_runs
 from rlvr.experiments.sweep import (
     CONFLICT,
@@ -413,8 +414,8 @@ def test_shipped_specs_give_valid_train_configs(path, recwarn):
     gpu_suite = not path.stem.endswith("_cpu")  # the *_cpu specs are one-seed CPU estimator studies
     assert spec.name and (len(spec.seeds) == 4 or not gpu_suite)
     for setting in spec.settings:
-        cfg = config_mod.TrainConfig.from_dict(spec.config_for(setting, spec.seeds[-1])).resolve()
-        cfg.validate()
+        cfg = resolve_config(config_mod.TrainConfig.from_dict(spec.config_for(setting, spec.seeds[-1])))
+        validate_config(cfg)
         assert cfg.seed == spec.seeds[-1]
         if path.stem.startswith("offpolicy") and gpu_suite:
             assert cfg.updates_per_rollout_batch == 32 and cfg.rollout_batch_size == 256 and cfg.microbatch_size == 8

@@ -223,8 +223,8 @@ def test_eval_refuses_bad_settings_in_one_line_before_loading(
 def test_eval_gives_system_and_user_template_to_the_chat_prompt_among_several(tmp_path, tiny_tokenizer):
     """``rlvr eval --prompt r1_zero --prompt chat --system ...``: the system message is the chat prompt's;
     the built-in keeps its template. With no chat prompt among them, the flag is refused with the fix."""
-    from rlvr.evaluate import EvalConfig
-    from rlvr.task_config import TaskConfigError, eval_tasks
+    from rlvr.evaluate import EvalConfig, eval_tasks
+    from rlvr.task_config import TaskConfigError
 
     tok = copy.deepcopy(tiny_tokenizer)
     tok.chat_template = CHAT_TEMPLATE

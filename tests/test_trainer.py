@@ -12,9 +12,11 @@ import torch
 
 import rlvr.trainer as trainer_mod
 from rlvr.checkpoint import latest_checkpoint, load_model_weights
+from rlvr.checks import resolve_config, validate_config
 from rlvr.config import AlgorithmConfig, DataConfig, LogConfig, OptimConfig, RolloutConfig, TrainConfig
+from rlvr.data_order import batch_indices
 from rlvr.logging_utils import read_metrics
-from rlvr.trainer import EngineError, GraderError, NonFiniteError, batch_indices, read_summary, train
+from rlvr.trainer import EngineError, GraderError, NonFiniteError, read_summary, train
 
 REQUIRED = [
     "step",
@@ -422,7 +424,7 @@ def test_token_budget_must_be_positive(gsm8k_path):
     from rlvr.config import ConfigError
 
     with pytest.raises(ConfigError, match="max_tokens_per_microbatch must be >= 1"):
-        tiny_config(gsm8k_path, optim=OptimConfig(max_tokens_per_microbatch=0)).resolve().validate()
+        validate_config(resolve_config(tiny_config(gsm8k_path, optim=OptimConfig(max_tokens_per_microbatch=0))))
 
 
 def test_model_compile_trains_on_one_graph(gsm8k_path, tiny_model, tiny_tokenizer, tmp_path):
@@ -484,14 +486,14 @@ def test_hf_fast_engine_gets_the_engine_config(gsm8k_path, tiny_model, tiny_toke
         return EngineConfig(name=name, fast=FastEngineConfig(**options))
 
     with pytest.raises(ConfigError, match="engine.fast.release_memory applies to the hf-fast engine"):
-        tiny_config(gsm8k_path, engine=fast_engine("hf", release_memory=True)).resolve().validate()
+        validate_config(resolve_config(tiny_config(gsm8k_path, engine=fast_engine("hf", release_memory=True))))
     with pytest.raises(ConfigError, match="engine.fast.attention must be auto, triton or sdpa, got 'flash'"):
-        tiny_config(gsm8k_path, engine=fast_engine("hf-fast", attention="flash")).resolve().validate()
+        validate_config(resolve_config(tiny_config(gsm8k_path, engine=fast_engine("hf-fast", attention="flash"))))
     with pytest.raises(ConfigError, match="engine.fast.attention applies to the hf-fast engine"):
-        tiny_config(gsm8k_path, engine=fast_engine("hf", attention="sdpa")).resolve().validate()
+        validate_config(resolve_config(tiny_config(gsm8k_path, engine=fast_engine("hf", attention="sdpa"))))
     with pytest.raises(ConfigError, match="engine.fast.fuse_projections applies to the hf-fast engine"):
-        tiny_config(gsm8k_path, engine=fast_engine("hf", fuse_projections=False)).resolve().validate()
+        validate_config(resolve_config(tiny_config(gsm8k_path, engine=fast_engine("hf", fuse_projections=False))))
     with pytest.raises(ConfigError, match="engine.fast.cascade_min_rows applies to the hf-fast engine"):
-        tiny_config(gsm8k_path, engine=fast_engine("hf", cascade_min_rows=8)).resolve().validate()
+        validate_config(resolve_config(tiny_config(gsm8k_path, engine=fast_engine("hf", cascade_min_rows=8))))
     with pytest.raises(ConfigError, match="engine.fast.cascade_min_rows must be >= 1"):
-        tiny_config(gsm8k_path, engine=fast_engine("hf-fast", cascade_min_rows=0)).resolve().validate()
+        validate_config(resolve_config(tiny_config(gsm8k_path, engine=fast_engine("hf-fast", cascade_min_rows=0))))

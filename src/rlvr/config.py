@@ -16,9 +16,11 @@ Options of one engine sit in that engine's section (``engine.fast.*``, ``engine.
 ``engine.vllm.*``); a key or flag from before that grouping (``engine.cascade_min_rows``) is an error
 that names the new key (``MOVED_KEYS``).
 
-``resolve()`` fills what follows from other fields (the preset's axes, the clip range of the
-reweighting method, the Dr. GRPO normalisation constant, the devices) and ``validate()`` rejects
-impossible combinations with a message that names the fix. Both run before any model loads.
+``validate()`` rejects impossible combinations of these fields with a message that names the fix.
+This module imports no other rlvr package: what a value may be that a registry or another package
+decides (estimator and engine names, model sizes, the task's prompt, data and reward, the number of
+processes) is checked in ``rlvr.checks``, which also fills the defaults that follow from other fields
+(``resolve_config``). Each command runs those checks before any model loads.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import tomllib
 import types
 import typing
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -47,6 +51,7 @@ from rlvr.ranges import (
     Range,
     range_problems,
 )
+from rlvr.rundir import atomic_write_text
 
 SCHEDULES = ("constant", "cosine", "linear")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -537,75 +542,13 @@ class TrainConfig:
         return self.train_batch_size // self.optim.gradient_accumulation_steps
 
     # -- resolution and validation ------------------------------------------------------------
-    def resolve(self) -> TrainConfig:
-        """A copy with every default that depends on other fields filled in (idempotent)."""
-        from rlvr.grpo import AGGREGATIONS, DEFAULT_CLIPRANGE, PRESETS
-
-        r = self.rollout
-        if r.rollout_batch_size is not None:
-            if r.group_size < 1 or r.rollout_batch_size % r.group_size:
-                raise ConfigError(
-                    f"rollout.rollout_batch_size={r.rollout_batch_size} is not divisible by rollout.group_size={r.group_size}; "
-                    "make it a multiple of the group size (or set rollout.n_prompts_per_rollout_batch instead)"
-                )
-            r = dataclasses.replace(
-                r, n_prompts_per_rollout_batch=r.rollout_batch_size // r.group_size, rollout_batch_size=None
-            )
-        a = self.algorithm
-        if a.preset not in PRESETS:
-            raise ConfigError(f"unknown algorithm.preset {a.preset!r}: choose one of {', '.join(sorted(PRESETS))}")
-        preset = PRESETS[a.preset]
-        cfg = dataclasses.replace(self, rollout=r)
-        o = cfg.optim
-        if o.train_batch_size is None:
-            o = dataclasses.replace(o, train_batch_size=cfg.rollout_batch_size)
-        if a.cliprange is not None and a.cliprange_low is not None and a.cliprange != a.cliprange_low:
-            raise ConfigError(
-                f"algorithm.cliprange={a.cliprange} and algorithm.cliprange_low={a.cliprange_low} disagree; "
-                "set cliprange (both sides) or cliprange_low/cliprange_high, not both"
-            )
-        cliprange_low = next(
-            (c for c in (a.cliprange_low, a.cliprange, DEFAULT_CLIPRANGE.get(a.reweighting)) if c is not None), None
-        )
-        a = dataclasses.replace(
-            a,
-            baseline=a.baseline or preset.baseline,
-            advantage_normalizer=a.advantage_normalizer or preset.advantage_normalizer,
-            loss_normalization=a.loss_normalization or preset.loss_normalization,
-            cliprange=cliprange_low,
-            cliprange_low=cliprange_low,
-            cliprange_high=a.cliprange_high if a.cliprange_high is not None else cliprange_low,
-        )
-        aggregation = AGGREGATIONS.get(a.loss_normalization)
-        if a.normalization_constant is None and aggregation is not None and aggregation.needs_normalization_constant:
-            # Dr. GRPO: batch size x max generation length, where the batch is what one optimizer
-            # step sees; on-policy that is the rollout batch.
-            a = dataclasses.replace(a, normalization_constant=float(o.train_batch_size * r.max_new_tokens))
-        if o.logprob_batch_size is None and o.gradient_accumulation_steps >= 1:
-            o = dataclasses.replace(o, logprob_batch_size=max(1, o.train_batch_size // o.gradient_accumulation_steps))
-        policy_device = cfg.policy_device
-        engine = cfg.engine
-        if policy_device == "auto" or engine.device == "auto":
-            import torch
-
-            n_gpu = torch.cuda.device_count()
-            if policy_device == "auto":
-                policy_device = "cuda:0" if n_gpu else "cpu"
-            if engine.device == "auto":
-                engine = dataclasses.replace(
-                    engine, device="cuda:1" if n_gpu >= 2 and engine.name != "hf" else policy_device
-                )
-        return dataclasses.replace(cfg, algorithm=a, optim=o, policy_device=policy_device, engine=engine)
-
-    def validate(self) -> list[str]:
+    def validate(self, problems: Sequence[str] = ()) -> list[str]:
         """Raise ``ConfigError`` for impossible settings; return (and emit) warnings for dubious ones.
 
-        Call on a resolved config (``resolve()`` first).
+        ``problems`` are those found outside this module (``rlvr.checks``: names that registries and other
+        packages decide), reported together with the ones found here. Call on a resolved config.
         """
-        from rlvr.engines import engine_names
-        from rlvr.grpo import AGGREGATIONS, BASELINES, NORMALIZERS, REWEIGHTINGS, kl_estimator_names
-
-        errors: list[str] = []
+        errors: list[str] = list(problems)
         warns: list[str] = []
         a, r, o = self.algorithm, self.rollout, self.optim
 
@@ -613,40 +556,12 @@ class TrainConfig:
             if not cond:
                 errors.append(msg)
 
-        need(a.baseline in BASELINES, f"unknown algorithm.baseline {a.baseline!r}: choose one of {sorted(BASELINES)}")
-        need(
-            a.advantage_normalizer in NORMALIZERS,
-            f"unknown algorithm.advantage_normalizer {a.advantage_normalizer!r}: choose one of {sorted(NORMALIZERS)}",
-        )
-        need(
-            a.loss_normalization in AGGREGATIONS,
-            f"unknown algorithm.loss_normalization {a.loss_normalization!r}: use {' or '.join(AGGREGATIONS)}",
-        )
-        need(
-            a.reweighting in REWEIGHTINGS,
-            f"unknown algorithm.reweighting {a.reweighting!r}: choose one of {sorted(REWEIGHTINGS)}",
-        )
-        if a.reweighting in REWEIGHTINGS and REWEIGHTINGS[a.reweighting].needs_cliprange:
-            need(
-                a.cliprange is not None,
-                f"algorithm.reweighting={a.reweighting!r} clips, so it needs algorithm.cliprange (e.g. 0.2)",
-            )
         if a.cliprange is not None:
             need(a.cliprange > 0, f"algorithm.cliprange must be > 0, got {a.cliprange}")
         if a.cliprange_high is not None:
             need(a.cliprange_high > 0, f"algorithm.cliprange_high must be > 0, got {a.cliprange_high}")
-            if a.reweighting in REWEIGHTINGS and a.cliprange_high != a.cliprange_low:
-                need(
-                    REWEIGHTINGS[a.reweighting].asymmetric_clip,
-                    f"algorithm.reweighting={a.reweighting!r} does not clip asymmetrically; drop "
-                    "algorithm.cliprange_high or use ppo_clip, gspo or cispo",
-                )
         need(a.kl_coef >= 0, f"algorithm.kl_coef must be >= 0 (0 turns the KL off), got {a.kl_coef}")
         need(a.entropy_coef >= 0, f"algorithm.entropy_coef must be >= 0 (0 turns the bonus off), got {a.entropy_coef}")
-        need(
-            a.kl_estimator in kl_estimator_names(),
-            f"unknown algorithm.kl_estimator {a.kl_estimator!r}: choose one of {', '.join(kl_estimator_names())}",
-        )
         need(a.kl_in in ("loss", "reward"), f"algorithm.kl_in must be loss or reward, got {a.kl_in!r}")
         need(
             a.kl_reference_device is None or self.distributed.strategy in ("auto", "none"),
@@ -658,15 +573,6 @@ class TrainConfig:
             "algorithm.kl_reference_device: under LoRA the reference is the policy with its adapters off (no copy "
             "to place); drop the setting",
         )
-        if a.loss_normalization in AGGREGATIONS and AGGREGATIONS[a.loss_normalization].needs_normalization_constant:
-            need(
-                a.normalization_constant is not None and a.normalization_constant > 0,
-                f"algorithm.loss_normalization={a.loss_normalization} needs a positive algorithm.normalization_constant "
-                "(Dr. GRPO: train batch size x max_new_tokens)",
-            )
-        from rlvr.task_config import task_config_problems
-
-        errors += task_config_problems(self)
 
         need(r.group_size >= 1, f"rollout.group_size must be >= 1, got {r.group_size}")
         need(
@@ -740,7 +646,6 @@ class TrainConfig:
 
         fast_engines = ("hf-fast", "auto")  # auto: hf-fast where it runs the model (these settings apply there)
         e, fast = self.engine, self.engine.fast
-        need(e.name in engine_names(), f"unknown engine.name {e.name!r}: choose one of {', '.join(engine_names())}")
         need(
             not fast.release_memory or e.name in fast_engines,
             f"engine.fast.release_memory applies to the hf-fast engine (its static KV cache), not to "
@@ -776,13 +681,6 @@ class TrainConfig:
                 "engine.max_staleness=1 needs an engine with its own copy of the weights that can run ahead of the "
                 f"trainer; engine.name={self.engine.name!r} cannot. Set engine.name=hf-worker (or max_staleness=0)",
             )
-            if a.reweighting in REWEIGHTINGS:
-                need(
-                    REWEIGHTINGS[a.reweighting].needs_old_log_probs,
-                    "engine.max_staleness=1 samples every batch with weights one step old, and "
-                    f"algorithm.reweighting={a.reweighting!r} does not correct for that. Set algorithm.reweighting to "
-                    "grpo (also called ppo_clip: PPO token clip, cliprange 0.2), noclip, gspo or cispo (or max_staleness=0)",
-                )
         need(self.model.dtype in DTYPES, f"unknown model.dtype {self.model.dtype!r}: choose one of {DTYPES}")
         need(
             not (self.model.compile and self.model.lora.rank),
@@ -809,13 +707,6 @@ class TrainConfig:
             self.engine.worker.dtype in DTYPES,
             f"unknown engine.worker.dtype {self.engine.worker.dtype!r}: choose one of {DTYPES}",
         )
-        if self.model.fresh is not None:
-            from rlvr.modeling import MODEL_SIZES
-
-            need(
-                self.model.fresh in MODEL_SIZES,
-                f"unknown model.fresh size {self.model.fresh!r}: choose one of {sorted(MODEL_SIZES)}",
-            )
         need(self.n_steps >= 1, f"n_steps must be >= 1, got {self.n_steps}")
         for name in ("eval_every", "dump_every", "save_every"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0 (0 disables it)")
@@ -889,43 +780,6 @@ class TrainConfig:
         if s == "auto":
             return "ddp" if world_size > 1 else "none"
         return s
-
-    def check_world(self, world_size: int) -> None:
-        """Checks that need the number of processes (after the process group starts, before the model loads)."""
-        strategy = self.data_parallel_strategy(world_size)
-        if world_size == 1 and strategy != "fsdp":
-            return
-        if strategy == "none":
-            raise ConfigError(
-                f"torchrun started {world_size} processes but distributed.strategy is none; set it to ddp or fsdp "
-                "(or auto), or run one process"
-            )
-        from rlvr.distributed.world import check_prompts_divisible
-
-        check_prompts_divisible(self.rollout.n_prompts_per_rollout_batch, world_size)
-        problems = []
-        if self.engine.name in ("hf-worker", "vllm") or self.engine.max_staleness:
-            problems.append(
-                f"engine.name={self.engine.name} (max_staleness={self.engine.max_staleness}) with several trainer "
-                "processes: each rank samples its share with an in-process engine; use engine.name hf, hf-fast or auto "
-                "(see docs/scaling.md)"
-            )
-        if self.algorithm.kl_reference_device is not None:
-            problems.append(
-                "algorithm.kl_reference_device places the reference in one process; with several ranks it sits on "
-                "each rank's device: drop the setting"
-            )
-        if self.model.compile:
-            problems.append(
-                "model.compile trains through a compiled stand-in for the decoder that bypasses the data-parallel "
-                "wrapper; set model.compile false under ddp or fsdp"
-            )
-        if self.log.gradient_variance_every:
-            problems.append("log.gradient_variance_every is a one-process diagnostic; set it to 0 under ddp or fsdp")
-        if self.optim.shared_prefix:
-            problems.append("optim.shared_prefix packs microbatches in one process; set it false under ddp or fsdp")
-        if problems:
-            raise ConfigError("; ".join(problems))
 
     # -- (de)serialisation --------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -1090,8 +944,6 @@ def read_config_file(path: str | Path) -> dict:
         data = load_yaml(path)
         data = {} if data is None else data
     elif path.suffix == ".toml":
-        import tomllib
-
         try:
             data = tomllib.loads(path.read_text(encoding="utf-8"))
         except tomllib.TOMLDecodeError as e:
@@ -1122,20 +974,8 @@ def load_config_file(path: str | Path) -> TrainConfig:
         raise ConfigError(f"{path}: {e}") from None
 
 
-def parse_overrides(
-    args: list[str], base: TrainConfig | None = None, prog: str = "rlvr train", description: str | None = None
-) -> TrainConfig:
-    """Apply command-line overrides (``--optim.lr 3e-6 --seed 2``) to ``base`` with tyro."""
-    import tyro
-
-    check_moved_flags(args)
-    return tyro.cli(TrainConfig, args=args, default=base or TrainConfig(), prog=prog, description=description)
-
-
 def save_config(config: TrainConfig, path: str | Path) -> None:
     """Write ``config`` as JSON, atomically (a kill mid-write leaves the previous file whole)."""
-    from rlvr.rundir import atomic_write_text
-
     atomic_write_text(path, json.dumps(config.to_dict(), indent=2) + "\n")
 
 

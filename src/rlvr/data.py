@@ -27,33 +27,15 @@ import json
 import random
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlvr.errors import UserError
+from rlvr import tasks
+from rlvr.example import DataError, Example
 
 ANSWER_FORMATS = ("gsm8k", "boxed", "raw")
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
-
-
-@dataclass(frozen=True)
-class Example:
-    question: str
-    ground_truth: str
-    solution: str | None = None
-    """A worked solution when the source has one (GSM8K rationales), for supervised warm starts."""
-    meta: dict = field(default_factory=dict, compare=False, hash=False)
-    """The row's other columns: they reach the reward function as keyword arguments."""
-
-    @property
-    def fields(self) -> dict:
-        """The keyword arguments of the reward function for this example (the row's other columns)."""
-        return self.meta
-
-
-class DataError(UserError, ValueError):
-    """Malformed task data."""
 
 
 @dataclass(frozen=True)
@@ -351,8 +333,6 @@ def load_examples(
 ) -> list[Example]:
     """Load a task by source (see the module docstring); the field and format arguments say how rows
     become examples (they do not apply to registered tasks, which build their examples themselves)."""
-    from rlvr import tasks
-
     if tasks.is_task_spec(source):
         return tasks.load_task(source, split=split, limit=limit, seed=seed)
     fmt = RowFormat(question_field, answer_field, answer_format, option_prefix)

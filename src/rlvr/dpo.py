@@ -839,7 +839,7 @@ def _training_step(
     backbone: Callable[..., Any] | None,
 ) -> dict[str, Any]:
     """One optimizer step of the loop and its metrics row."""
-    from rlvr.trainer import batch_indices
+    from rlvr.data_order import batch_indices
 
     t0 = time.perf_counter()
     lr_used = scheduler.get_last_lr()[0]

@@ -39,11 +39,22 @@ from typing import TYPE_CHECKING, Annotated, Literal
 import tyro
 
 from rlvr.checkpoint import run_model
+from rlvr.config import DataConfig, ModelConfig, PromptOptions, RewardConfig, TrainConfig, load_config_file
 from rlvr.engines.base import SamplingParams
 from rlvr.errors import UserError
 from rlvr.machine import usable_device
+from rlvr.prompts import CHAT
 from rlvr.ranges import ABOVE_ZERO_TO_ONE, AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range, flag_name, range_problems
 from rlvr.scaffold import claimed_output_dir
+from rlvr.task_config import (
+    DataSource,
+    TaskConfigError,
+    build_prompt,
+    check_chat_tokenizer,
+    prepare_reward,
+    task_config_problems,
+    val_sources,
+)
 from rlvr.tokens import context_length, longest_prompt
 
 if TYPE_CHECKING:
@@ -53,7 +64,7 @@ if TYPE_CHECKING:
     from rlvr.data import Example
     from rlvr.engines.base import Engine
     from rlvr.prompts import Prompt
-    from rlvr.task_config import EvalTasks
+    from rlvr.reward_functions import Reward
 
 CATEGORIES = ("correct", "formatted_wrong", "unformatted")
 
@@ -372,9 +383,125 @@ def check_args(cfg: EvalConfig) -> None:
     check_model_source(cfg.model)
 
 
-def run(cfg: EvalConfig) -> dict:
-    from rlvr.task_config import eval_tasks
+# -- the task of rlvr eval --------------------------------------------------------------------------------------
 
+# The rlvr eval flags that a training config file (--config) sets instead.
+EVAL_TASK_FLAGS = (
+    "prompt",
+    "system",
+    "user_template",
+    "stop",
+    "reward",
+    "reward_fns",
+    "reward_weights",
+    "reward_timeout_s",
+    "data",
+    "split",
+    "data_config",
+    "question_field",
+    "answer_field",
+    "answer_format",
+)
+
+
+@dataclass
+class EvalTasks:
+    """What ``rlvr eval`` evaluates: prompts x data sets, graded by the reward of each prompt."""
+
+    configs: list
+    """One ``TrainConfig`` per prompt, holding that prompt's prompt, data and reward settings."""
+    prompts: list
+    sources: list[DataSource]
+
+    def load_data(self) -> list[tuple[str, list]]:
+        return [(s.name, s.load()) for s in self.sources]
+
+    def rewards(self, examples: list[Example]) -> list[Reward]:
+        """One started ``Reward`` per prompt (user functions checked against the fields of ``examples``)."""
+        return [prepare_reward(c, examples, p) for c, p in zip(self.configs, self.prompts)]
+
+    def result_name(self, set_name: str, prompt: Prompt) -> str:
+        if not set_name:
+            return prompt.name
+        return set_name if len(self.prompts) == 1 else f"{set_name}/{prompt.name}"
+
+
+def eval_tasks(cfg: EvalConfig) -> EvalTasks:
+    """The prompts, data sets and rewards of ``rlvr eval`` flags (an ``EvalConfig``), or of the training
+    config file it names with ``--config`` (its validation sets, as validation in training reads them).
+    ``TaskConfigError`` for settings that cannot work, before anything loads."""
+    if cfg.config is not None:
+        defaults = EvalConfig(model=cfg.model, out=cfg.out)
+        given = [f"--{k.replace('_', '-')}" for k in EVAL_TASK_FLAGS if getattr(cfg, k) != getattr(defaults, k)]
+        if given:
+            raise TaskConfigError(
+                f"--config {cfg.config} sets the prompt, data and reward; leave out "
+                f"{', '.join(given)} (or leave out --config)"
+            )
+        train_config = dataclasses.replace(load_config_file(cfg.config), model=ModelConfig(name_or_path=cfg.model))
+        configs = [train_config]
+        sources = val_sources(train_config) if (train_config.data.val_size or train_config.data.val_sources) else []
+        if not sources:
+            raise TaskConfigError(
+                f"{cfg.config} has no validation set (data.val_size is 0); set data.val_size or data.val_sources there"
+            )
+        if cfg.limit is not None:
+            sources = [dataclasses.replace(s, size=cfg.limit) for s in sources]
+    else:
+        data = DataConfig(
+            train_source=cfg.data,
+            val_split=cfg.split,
+            config=cfg.data_config,
+            question_field=cfg.question_field,
+            answer_field=cfg.answer_field,
+            answer_format=cfg.answer_format,
+        )
+        names = list(dict.fromkeys(cfg.prompt or ("r1_zero",)))
+        chat_flags = [f for f, v in (("--system", cfg.system), ("--user-template", cfg.user_template)) if v is not None]
+        if chat_flags and CHAT not in names:
+            flags, verb = " and ".join(chat_flags), "apply" if len(chat_flags) > 1 else "applies"
+            raise TaskConfigError(
+                f"{flags} {verb} to --prompt chat (the model's chat template), not to {', '.join(names)}; "
+                f"add --prompt chat or leave {flags} out"
+            )
+        # Beside a chat prompt, --system and --user-template are that prompt's; the others keep --stop alone.
+        chat_options = PromptOptions(system=cfg.system, user_template=cfg.user_template, stop=cfg.stop)
+        other_options = PromptOptions(stop=cfg.stop)
+        reward = RewardConfig(
+            fn=cfg.reward, fns=cfg.reward_fns, weights=cfg.reward_weights, timeout_s=cfg.reward_timeout_s
+        )
+        configs = [
+            TrainConfig(
+                model=ModelConfig(name_or_path=cfg.model),
+                data=data,
+                prompt=p,
+                prompt_options=chat_options if p == CHAT else other_options,
+                reward=reward,
+            )
+            for p in names
+        ]
+        sources = [
+            DataSource(
+                "",
+                cfg.data,
+                cfg.split,
+                cfg.limit,
+                cfg.data_config,
+                cfg.question_field,
+                cfg.answer_field,
+                cfg.answer_format,
+            )
+        ]
+    problems = list(dict.fromkeys(p for c in configs for p in task_config_problems(c)))
+    if problems:
+        raise TaskConfigError("; ".join(problems))
+    prompts = [build_prompt(c) for c in configs]
+    if any(p.kind == "chat" for p in prompts):
+        check_chat_tokenizer(cfg.model)
+    return EvalTasks(configs, prompts, sources)
+
+
+def run(cfg: EvalConfig) -> dict:
     cfg = resolve_run_model(cfg)
     out_of_range = range_problems(cfg, EVAL_RANGES, flag_name)  # named by flag, before the task is built
     if out_of_range:

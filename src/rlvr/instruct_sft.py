@@ -405,11 +405,11 @@ def _run(cfg: InstructSFTConfig, ckpt: Path | None) -> Path:
     """The work of ``run_instruct_sft`` in its claimed output directory, from ``ckpt`` (None: step 0)."""
     from tqdm.auto import tqdm
 
+    from rlvr.data_order import batch_indices
     from rlvr.grpo import compile_backbone
     from rlvr.logging_utils import MetricsLogger
     from rlvr.modeling import save_model_and_tokenizer
     from rlvr.optim import lr_factor, make_adamw
-    from rlvr.trainer import batch_indices
 
     # Data first: a bad path fails in seconds, not after a model load.
     pairs = load_sft_rows(cfg.data, cfg.split, cfg.max_examples, cfg.prompt_field, cfg.response_field)

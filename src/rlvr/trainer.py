@@ -64,7 +64,6 @@ import argparse
 import contextlib
 import copy
 import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -94,6 +93,7 @@ from rlvr.checkpoint import (
     saved_run_config,
     verified_by_manifest,
 )
+from rlvr.checks import check_world, resolve_config, validate_config
 from rlvr.config import (
     RESUMABLE_CHANGES,
     ConfigError,
@@ -104,6 +104,7 @@ from rlvr.config import (
     save_config,
     upgrade_moved_keys,
 )
+from rlvr.data_order import batch_indices, derive_seed
 from rlvr.distributed.world import World, gather_objects, rank_row_range
 from rlvr.engines.base import Engine, SamplingParams, WorkerEngine
 from rlvr.engines.rollouts import RolloutBatch, RolloutRequest, Rollouts, SyncRollouts, tokenize_groups
@@ -147,8 +148,6 @@ __all__ = [
     "TrainingError",
     "TrainState",
     "UpdateSpec",
-    "batch_indices",
-    "derive_seed",
     "lr_factor",
     "main",
     "read_summary",
@@ -157,36 +156,7 @@ __all__ = [
 
 
 # ---------------------------------------------------------------------------------------------
-# 1. Seeds and data order
-# ---------------------------------------------------------------------------------------------
-
-
-def derive_seed(seed: int, *parts: object) -> int:
-    """A 62-bit seed that depends only on ``seed`` and ``parts`` (stable across processes and runs)."""
-    digest = hashlib.sha256(repr((seed, *parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 2
-
-
-def epoch_permutation(n: int, seed: int, epoch: int) -> list[int]:
-    g = torch.Generator().manual_seed(derive_seed(seed, "data", epoch))
-    return torch.randperm(n, generator=g).tolist()
-
-
-def batch_indices(n_examples: int, n_prompts: int, step: int, seed: int) -> list[int]:
-    """Example indices of 0-based rollout step ``step``: positions ``step*n .. step*n+n-1`` of the
-    stream made by concatenating one seeded permutation of the data per epoch."""
-    perms: dict[int, list[int]] = {}
-    out = []
-    for pos in range(step * n_prompts, (step + 1) * n_prompts):
-        epoch, i = divmod(pos, n_examples)
-        if epoch not in perms:
-            perms[epoch] = epoch_permutation(n_examples, seed, epoch)
-        out.append(perms[epoch][i])
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# 2. Building the pieces
+# 1. Building the pieces
 # ---------------------------------------------------------------------------------------------
 
 
@@ -474,7 +444,7 @@ class TrainBatch:
 
 
 # ---------------------------------------------------------------------------------------------
-# 3. The phases of one rollout step
+# 2. The phases of one rollout step
 # ---------------------------------------------------------------------------------------------
 
 
@@ -1180,7 +1150,7 @@ def _validation(config: TrainConfig, step: int, run_dir: Path, run: RunParts, st
 
 
 # ---------------------------------------------------------------------------------------------
-# 4. The loop
+# 3. The loop
 # ---------------------------------------------------------------------------------------------
 
 
@@ -1321,12 +1291,12 @@ def train(
             raise ConfigError(
                 f"{e}; run from the directory the plugin path is relative to, or make it absolute"
             ) from None
-    config = config.resolve()
-    config.validate()
+    config = resolve_config(config)
+    validate_config(config)
     check_machine(config)
     world, started_group = _start_world(config)
     try:
-        config.check_world(world.world_size)
+        check_world(config, world.world_size)
         # Rank 0 owns the run directory (lock, config, summary, metrics); the others follow its decisions.
         with sigterm_as_interrupt(), RunDirLock(run_dir) if world.is_main else contextlib.nullcontext():
             prepared = _prepare_run_dir(config, run_dir, resume, fresh_optimizer) if world.is_main else None
@@ -1769,7 +1739,7 @@ def progress_postfix(metrics: dict, last_val: dict) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------
-# 5. Command line
+# 4. Command line
 # ---------------------------------------------------------------------------------------------
 
 USAGE = """rlvr train --config FILE [--section.field VALUE ...] --out DIR

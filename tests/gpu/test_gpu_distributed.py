@@ -33,7 +33,8 @@ def _step(model, optimizer, world):
 
 
 def _worker(world, out):
-    from rlvr.distributed import iter_full_weights, save_sharded, wrap_model
+    from rlvr.distributed.checkpoint import save_sharded
+    from rlvr.distributed.wrap import iter_full_weights, wrap_model
 
     assert "nccl" in world.backend and world.device.type == "cuda"
     start = tiny_causal_lm(seed=0).state_dict()
@@ -78,7 +79,7 @@ def _worker(world, out):
 
 
 def test_fsdp2_mixed_precision_offload_and_ddp_on_a_gpu(tmp_path):
-    from rlvr.distributed import load_sharded
+    from rlvr.distributed.checkpoint import load_sharded
 
     run_ranks(_worker, tmp_path, world_size=1, device="cuda")
     saved = torch.load(tmp_path / "results.pt")

@@ -1,8 +1,12 @@
 """Data-parallel training on torch.distributed: process groups from torchrun, each rank's share of a
 rollout batch, exact loss aggregation across ranks (``GlobalBatch``), DDP and FSDP2 wrapping, full
-weights gathered tensor by tensor, metrics reduced across ranks, and sharded checkpoints (DCP)."""
+weights gathered tensor by tensor, metrics reduced across ranks, and sharded checkpoints (DCP).
 
-from rlvr.distributed.checkpoint import export_adapter, export_hf, load_sharded, save_sharded
+The package exports the process-group layer (``rlvr.distributed.world``), which the training step
+itself uses; the wrapping (``rlvr.distributed.wrap``) and the sharded checkpoints
+(``rlvr.distributed.checkpoint``) sit above the training core and are imported from their modules.
+"""
+
 from rlvr.distributed.world import (
     GlobalBatch,
     World,
@@ -19,7 +23,6 @@ from rlvr.distributed.world import (
     max_metrics,
     mean_metrics,
     on_main,
-    rank_batch_indices,
     rank_prompt_range,
     rank_row_range,
     reduce_metrics,
@@ -27,14 +30,6 @@ from rlvr.distributed.world import (
     shutdown_distributed,
     start_process_group,
     sum_metrics,
-)
-from rlvr.distributed.wrap import (
-    copy_full_weights,
-    decoder_layers,
-    full_state_dict_on_main,
-    iter_full_weights,
-    unwrap_model,
-    wrap_model,
 )
 
 __all__ = [
@@ -45,30 +40,19 @@ __all__ = [
     "broadcast_from_main",
     "check_prompts_divisible",
     "current_world",
-    "copy_full_weights",
-    "decoder_layers",
-    "export_adapter",
-    "export_hf",
-    "full_state_dict_on_main",
     "gather_objects",
     "init_distributed",
-    "iter_full_weights",
     "launched_by_torchrun",
-    "load_sharded",
     "local_rows",
     "main_first",
     "max_metrics",
     "mean_metrics",
     "on_main",
-    "rank_batch_indices",
     "rank_prompt_range",
     "rank_row_range",
     "reduce_metrics",
     "reduce_values",
-    "save_sharded",
     "shutdown_distributed",
     "start_process_group",
     "sum_metrics",
-    "unwrap_model",
-    "wrap_model",
 ]

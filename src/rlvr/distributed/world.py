@@ -156,15 +156,6 @@ def rank_row_range(n_prompts: int, group_size: int, rank: int, world_size: int) 
     return range(prompts.start * group_size, prompts.stop * group_size)
 
 
-def rank_batch_indices(n_examples: int, n_prompts: int, step: int, seed: int, rank: int, world_size: int) -> list[int]:
-    """Example indices that rank ``rank`` samples at 0-based rollout step ``step``: its slice of the
-    one-process batch (``rlvr.trainer.batch_indices``), so every rank sees every prompt of the global
-    batch exactly once per epoch, in the one-process order."""
-    from rlvr.trainer import batch_indices
-
-    return batch_indices(n_examples, n_prompts, step, seed)[_as_slice(rank_prompt_range(n_prompts, rank, world_size))]
-
-
 def local_rows(global_rows: Sequence[int], rows_held: range) -> list[int]:
     """The rows of a global minibatch that this rank holds, as indices into its own share (its row
     ``rows_held.start`` is local row 0), in the minibatch's order."""

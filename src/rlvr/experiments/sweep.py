@@ -68,6 +68,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from rlvr import config as train_config
+from rlvr.checks import resolve_config, validate_config
 from rlvr.config import flatten
 from rlvr.errors import UserError
 from rlvr.experiments.plugins import import_plugins, resolve_plugin
@@ -416,7 +417,7 @@ def check_configs(planned: Sequence[PlannedRun]) -> list[str]:
         try:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # returned below, once per message instead of once per run
-                warns = train_config.TrainConfig.from_dict(p.config).resolve().validate()
+                warns = validate_config(resolve_config(train_config.TrainConfig.from_dict(p.config)))
         except train_config.ConfigError as e:
             message = " ".join(line.strip() for line in str(e).splitlines())
             errors.setdefault((p.setting, message), []).append(p.seed)

@@ -50,7 +50,7 @@ from rlvr.grpo.tokenize import tokenize_prompt_and_output
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from rlvr.distributed import GlobalBatch
+    from rlvr.distributed.world import GlobalBatch
 
 
 def _check_divisible(batch: int, gradient_accumulation_steps: int) -> None:

@@ -12,10 +12,10 @@ import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from rlvr.data import DataError
+from rlvr.example import DataError
 
 if TYPE_CHECKING:
-    from rlvr.data import Example
+    from rlvr.example import Example
 
 
 class _LazyTask:

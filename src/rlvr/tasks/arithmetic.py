@@ -41,7 +41,7 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from rlvr.data import DataError, Example
+from rlvr.example import DataError, Example
 
 SPLITS = ("train", "validation", "test")
 DEFAULT_SIZES = {"train": 5000, "validation": 500, "test": 500}

@@ -14,7 +14,7 @@ import json
 import random
 from pathlib import Path
 
-from rlvr.data import DataError, Example
+from rlvr.example import DataError, Example
 
 PROBLEMS = Path(__file__).with_name("code_problems.jsonl")
 SPLITS = {"train": "train", "test": "test", "validation": "test"}

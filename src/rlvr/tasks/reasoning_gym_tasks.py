@@ -23,7 +23,7 @@ import hashlib
 import json
 from typing import Any
 
-from rlvr.data import DataError, Example
+from rlvr.example import DataError, Example
 from rlvr.rewards import final_answer_text
 
 SPLITS = ("train", "validation", "test")

@@ -43,7 +43,7 @@ distribution; it differs in how the work reaches the GPU:
   logits, so a step writes and reads no noise tensor and a row's draws do not depend on where it sits
   in the batch; elsewhere a noise buffer is filled from the generator outside the graph by one kernel
   per step. Either way the same seed reproduces the batch. Temperature 0 is argmax; top-p keeps the
-  smallest set of tokens whose mass reaches p (same rule as ``hf.sample_next``). The sampled
+  smallest set of tokens whose mass reaches p (same rule as ``sampling.sample_next``). The sampled
   token's log-probability under the temperature-1 full-vocabulary distribution comes from the
   same logits.
 * **Few host syncs, overlapped** (``stops``). The host reads the new tokens every ``sync_every`` steps

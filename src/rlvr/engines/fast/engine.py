@@ -24,7 +24,7 @@ from rlvr.engines.fast.families import layer_weights, layout_of
 from rlvr.engines.fast.graphs import StepGraphs
 from rlvr.engines.fast.state import State, allocate, ensure_noise, refresh_stacked
 from rlvr.engines.fast.stops import RowChecks
-from rlvr.engines.hf import eos_token_ids, generate_in_chunks
+from rlvr.engines.sampling import eos_token_ids, generate_in_chunks
 from rlvr.engines.sampling_kernel import CounterNoise, exponential_noise, triton_sample
 
 if TYPE_CHECKING:

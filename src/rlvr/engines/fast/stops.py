@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlvr.engines.base import Completion
-from rlvr.engines.hf import _stop_window_tokens, find_stop, truncate_at_stop
+from rlvr.engines.sampling import find_stop, stop_window_tokens, truncate_at_stop
 from rlvr.tokens import decode_texts
 
 if TYPE_CHECKING:
@@ -39,7 +39,7 @@ class RowChecks:
     ) -> None:
         self.tok = tokenizer
         self.stops = stops
-        self.window = _stop_window_tokens(stops)
+        self.window = stop_window_tokens(stops)
         self.eos_ids = eos_ids
         self.stats = stats
         self.generated: list[list[int]] = [[] for _ in range(rows)]

@@ -1,0 +1,27 @@
+"""One task example and the error for malformed task data: what the loaders (``rlvr.data``) and the
+generated tasks (``rlvr.tasks``) share, in a module that imports neither."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from rlvr.errors import UserError
+
+
+@dataclass(frozen=True)
+class Example:
+    question: str
+    ground_truth: str
+    solution: str | None = None
+    """A worked solution when the source has one (GSM8K rationales), for supervised warm starts."""
+    meta: dict = field(default_factory=dict, compare=False, hash=False)
+    """The row's other columns: they reach the reward function as keyword arguments."""
+
+    @property
+    def fields(self) -> dict:
+        """The keyword arguments of the reward function for this example (the row's other columns)."""
+        return self.meta
+
+
+class DataError(UserError, ValueError):
+    """Malformed task data."""
