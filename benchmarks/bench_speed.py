@@ -45,10 +45,18 @@ decode are masked out of sampling, never out of the log-probs).
    and the key/value heads' K/V read once per step), and the sampled log-probs of a few rows against
    the model's own bf16 forward, teacher-forced.
 
-Sections that would start after ``--deadline-s`` are skipped; a failing section prints its error and
-the others still run; the table is printed last.
+Each section runs on its own (``section_runner.run_sections``): one that fails or runs out of GPU memory
+prints its error, frees its memory and is listed with a one-line reason, and the others still run; a
+section that reads another's results (``SECTIONS``: ``needs``) is skipped, with the reason, when that
+one did not run to its end. Before a section starts, its GPU memory is estimated from the model's shape
+and checked against ``torch.cuda.mem_get_info``: token budgets that would not fit are scaled down (the
+trainer sections) or left out (the training section's second budget), and a section or family that
+would not fit at all is skipped with the estimate as its reason. Sections that would start after
+``--deadline-s`` are skipped. The card (name, memory, the ceilings of step 1) heads the table, which is
+printed last with every section's outcome under it; the exit status is 0 unless ``--strict`` is given
+and a section failed or ran out of memory.
 
-Usage: ``PYTHONPATH=src python benchmarks/bench_speed.py --data-dir DIR [--out DIR] [--tiny]``
+Usage: ``PYTHONPATH=src python benchmarks/bench_speed.py --data-dir DIR [--out DIR] [--tiny] [--strict]``
 (``--tiny``: a small model on CPU, a smoke test of every section; ``--smoke``: the same small model on
 the GPU, part of ``make gpu-check``).
 """
@@ -67,11 +75,27 @@ import zlib
 from pathlib import Path
 
 import torch
+from section_runner import (
+    FAILED,
+    OK,
+    OOM,
+    Section,
+    SectionSkipped,
+    available_bytes,
+    card_info,
+    card_line,
+    memory_reason,
+    one_line,
+    outcome_table,
+    run_sections,
+    with_ceilings,
+)
 
 from rlvr.data import load_gsm8k_jsonl
 from rlvr.engines.base import SamplingParams
 from rlvr.engines.fast import FastHFEngine
 from rlvr.engines.hf import HFEngine, sequence_logprobs
+from rlvr.grpo.fused_logprobs import DEFAULT_CHUNK_TOKENS
 from rlvr.grpo.tokenize import tokenize_from_ids
 from rlvr.grpo.train_step import policy_gradient_update
 from rlvr.modeling import OLMO2_1B, build_model, tokenizer_corpus, train_tokenizer
@@ -85,6 +109,9 @@ def coin_reward(response: str, ground_truth: str) -> dict:
     return {"reward": r, "answer_reward": r, "format_reward": 0.0}
 
 
+# The smallest token budget a trainer section is scaled down to when its own does not fit: a few of
+# the longest rows (prompt and response) still share a microbatch.
+TRAINER_MIN_BUDGET = 2048
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, datasheet
 
 # The exact shapes of three models the fast engine runs besides OLMo-2 (each model's config.json on the
@@ -221,9 +248,15 @@ def parse_args(argv=None):
     ap.add_argument(
         "--sections",
         default=None,
-        help="comma-separated subset of: checks, forced_length, realistic, training, compiled, "
-        "trainer_step, trainer_step_lean, trl, families (default: all; ceilings always run; "
-        "compiled needs training)",
+        help="comma-separated subset of the sections (default: all, in this order: "
+        + ", ".join(SECTIONS)
+        + "; ceilings always run; a section is skipped with the reason when one it needs did not run: "
+        "training needs realistic, compiled needs training)",
+    )
+    ap.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit with status 1 when a section failed or ran out of memory (default: 0, the table says why)",
     )
     ap.add_argument(
         "--families",
@@ -347,10 +380,12 @@ class Bench:
         import transformers
 
         self.log["transformers"] = transformers.__version__
+        self.card = self.log["card"] = card_info(self.device)
         print(
             f"model: {self.n_params / 1e9:.3f} B params on {self.log['device']}, tokenizer {len(self.tok)} tokens",
             flush=True,
         )
+        print(card_line(self.card), flush=True)
 
     # ------------------------------------------------------------ ceilings
     def ceilings(self):
@@ -358,6 +393,7 @@ class Bench:
             self.bw, self.mm = 50e9, 1e12  # nominal CPU figures, only so that the smoke test prints floors
             return
         self.bw, self.mm = measure_ceilings(self.timed)
+        self.card = self.log["card"] = with_ceilings(self.card, self.bw, self.mm)
         self.row("copy bandwidth (D2D, read+write)", f"{self.bw / 1e12:.2f} TB/s", "", "", "measured ceiling")
         self.row("bf16 matmul 8192^3", f"{self.mm / 1e12:.0f} TFLOP/s", "", "", "measured ceiling")
 
@@ -377,6 +413,62 @@ class Bench:
         bytes_ = steps * weight_bytes + kv
         flops = 2 * n_matmul * sum(new_lens)
         return max(bytes_ / self.bw, flops / self.mm)
+
+    # ------------------------------------------------------------ memory
+    def memory_skip(self, need: int | None) -> str | None:
+        """Why work estimated at ``need`` GPU bytes (beyond what is resident) should not start here, or
+        None (always None off a GPU)."""
+        return memory_reason(need, available_bytes(self.device))
+
+    def weight_size(self) -> int:
+        return 2 if self.dtype == torch.bfloat16 else 4
+
+    def prompt_slots(self) -> int:
+        """The longest r1_zero prompt of the first examples, in tokens: the prompt cache the trainer's
+        engine holds."""
+        if not hasattr(self, "_prompt_slots"):
+            texts = [render("r1_zero", ex.question) for ex in self.examples[:512]]
+            self._prompt_slots = max(len(ids) for ids in self.tok(texts, add_special_tokens=False)["input_ids"])
+        return self._prompt_slots
+
+    def forced_bytes(self) -> int:
+        """Section 3's estimate: the larger of the fast engine's buffers and ``model.generate``'s dynamic
+        cache (its K/V, once more while ``torch.cat`` grows it)."""
+        cfg, size = self.model.config, self.weight_size()
+        fast = engine_bytes(cfg, self.n_prompts, self.n_prompts, self.prompt_len, self.new_tokens, size)
+        dynamic = 2 * kv_bytes_per_token(cfg, size) * self.n_prompts * (self.prompt_len + self.new_tokens)
+        return max(fast, 0 if self.args.skip_baselines else dynamic)
+
+    def realistic_bytes(self) -> int:
+        """Section 4's estimate: the fast engine's buffers for its rows, groups and longest prompt."""
+        return engine_bytes(
+            self.model.config,
+            self.rl_prompts * self.group,
+            self.rl_prompts,
+            self.prompt_slots(),
+            self.len_hi,
+            self.weight_size(),
+        )
+
+    def trainer_bytes(self, budget: int, lean: bool = False, kl: str | None = None, lora: bool = False) -> int:
+        """Section 7's estimate for one configuration: the engine's buffers beside the training step's
+        (the lean run frees the engine's before training, so the larger of the two), and the copy of the
+        weights that a KL copy reference or LoRA (on a copy of the model) keeps."""
+        cfg, size = self.model.config, self.weight_size()
+        n_prompts, group, new = (2, 4, 8) if self.tiny else (32, 8, 512)
+        engine = engine_bytes(cfg, n_prompts * group, n_prompts, self.prompt_slots(), new, size)
+        train = training_bytes(
+            cfg,
+            self.n_params,
+            budget,
+            size=size,
+            compiled=not lora,
+            master_weights=not lean,
+            keep_head_logits=self.args.keep_head_logits,
+            trainable=0 if lora else None,
+        )
+        copy = self.n_params * size if (kl == "copy" or lora) else 0
+        return copy + (max(engine, train) if lean and self.engine_name == "hf-fast" else engine + train)
 
     # ------------------------------------------------------------ prompts
     def fixed_length_prompts(self) -> list[str]:
@@ -693,23 +785,28 @@ class Bench:
             torch.cuda.reset_peak_memory_stats()
         steps = steps or (2 if self.tiny else 4)
         first = None
-        for k in range(steps):
-            (loss, meta), t = self.timed(
-                lambda: policy_gradient_update(
-                    model,
-                    opt,
-                    batch["input_ids"],
-                    batch["labels"],
-                    batch["response_mask"],
-                    adv,
-                    max_grad_norm=1.0,
-                    **kw,
+        try:
+            for k in range(steps):
+                (loss, meta), t = self.timed(
+                    lambda: policy_gradient_update(
+                        model,
+                        opt,
+                        batch["input_ids"],
+                        batch["labels"],
+                        batch["response_mask"],
+                        adv,
+                        max_grad_norm=1.0,
+                        **kw,
+                    )
                 )
-            )
-            if k == 0:
-                first = t
-            else:
-                times.append(t)
+                if k == 0:
+                    first = t
+                else:
+                    times.append(t)
+        finally:  # a step that raised (out of memory) leaves the model as the next case expects it
+            del opt
+            model.zero_grad(set_to_none=True)
+            model.eval()
         peak = torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else float("nan")
         t = statistics.median(times)
         mask = batch["response_mask"]
@@ -742,44 +839,65 @@ class Bench:
             mfu_strict=mfu_strict,
             n_microbatches=meta["n_microbatches"],
         )
-        del opt
-        model.zero_grad(set_to_none=True)
-        model.eval()
         self.free()
         return t
+
+    def train_case_within_memory(self, name, need, batch, adv, **kw) -> float | str:
+        """``train_case``'s seconds, or the reason it did not run (its estimate ``need`` above the free
+        memory) or did not finish (out of memory: its memory is freed, the section goes on), also a row."""
+        why = self.memory_skip(need)
+        if why is None:
+            try:
+                return self.train_case(name, batch, adv, **kw)
+            except torch.OutOfMemoryError as e:
+                why = f"out of memory: {one_line(e)}"
+        self.free()  # outside the except clause, where the failed step's tensors are no longer referenced
+        self.row(f"(e) train step: {name} SKIPPED", why)
+        return why
 
     def training(self):
         batch, adv = self.training_batch()
         self.train_batch = (batch, adv)
         B = batch["input_ids"].shape[0]
         budgets = (1024, 2048) if self.tiny else (16384, 32768)
-        best = None
+        best, reasons = None, []
         for budget in budgets:
-            t = self.train_case(
+            need = training_bytes(self.model.config, self.n_params, budget, size=self.weight_size())
+            t = self.train_case_within_memory(
                 f"rlvr: {B} seqs, token budget {budget:,}, chunked log-probs, zero-adv skip, eager",
+                need,
                 batch,
                 adv,
                 gradient_accumulation_steps=1,
                 max_tokens_per_microbatch=budget,
             )
-            if best is None or t < best[0]:
+            if isinstance(t, str):
+                reasons.append(f"{budget:,}: {t}")
+            elif best is None or t < best[0]:
                 best = (t, budget)
+        if best is None:
+            why = f"no token budget fit ({'; '.join(reasons)})"
+            if any("out of memory" in r for r in reasons):
+                raise torch.OutOfMemoryError(why)
+            raise SectionSkipped(why)
         self.train_time, self.best_budget = best
-        t_naive = self.train_case(
+        t_naive = self.train_case_within_memory(
             "naive: microbatch 8, full float32 logits, no skip",
+            None,
             batch,
             adv,
             gradient_accumulation_steps=B // 8,
             chunk_tokens=10**9,
             skip_zero_advantage=False,
         )
-        self.row(
-            "(e') train speed-up over naive",
-            f"{t_naive / self.train_time:.2f}x",
-            "",
-            "",
-            f"best eager budget ({self.best_budget:,} tokens)",
-        )
+        if not isinstance(t_naive, str):
+            self.row(
+                "(e') train speed-up over naive",
+                f"{t_naive / self.train_time:.2f}x",
+                "",
+                "",
+                f"best eager budget ({self.best_budget:,} tokens)",
+            )
         step = self.rollout_time + self.train_time
         self.row(
             "GRPO step (realistic rollout + train, in-process, sync 0 s)",
@@ -787,6 +905,12 @@ class Bench:
             "",
             "",
             "goal <= 10 s; rewards/tokenisation not included",
+        )
+
+    def compiled_bytes(self) -> int:
+        """Section 6's estimate: the training step through ``model.compile`` at the best eager budget."""
+        return training_bytes(
+            self.model.config, self.n_params, self.best_budget, size=self.weight_size(), compiled=True
         )
 
     def compiled(self):
@@ -849,6 +973,7 @@ class Bench:
         engine_rows = n_prompts * group
         if lean:
             budget = self.args.lean_budget or (1024 if self.tiny else 10240)
+        budget, scaled = self.trainer_budget(budget, lean=lean, kl=kl, lora=lora)
         config = TrainConfig(
             data=DataConfig(train_source=str(Path(self.args.data_dir)), train_size=6400, val_size=0),
             prompt="r1_zero",
@@ -938,10 +1063,25 @@ class Bench:
             f"{result['response_length']:.0f} tokens; {result['backbone_tokens']:,.0f} tokens through the model a "
             f"step ({'packed, shared prompts' if self.args.shared_prefix else 'padded'}"
             f"{', head logits kept' if self.args.keep_head_logits else ''}); model.compile; mean of steps {first_steady + 1}-{len(rows)}"
-            f" (all steps: {steps_s} s)",
+            f" (all steps: {steps_s} s){scaled}",
         )
         self.model.eval()
         self.free()
+
+    def trainer_budget(self, budget: int, **kind) -> tuple[int, str]:
+        """The largest of ``budget`` and its halves (down to ``TRAINER_MIN_BUDGET``) whose run fits the free
+        memory by its estimate (``trainer_bytes``), and a note for the row when that is not ``budget``;
+        ``SectionSkipped`` when none fits."""
+        first_reason = reason = self.memory_skip(self.trainer_bytes(budget, **kind))
+        wanted = budget
+        while reason is not None and budget // 2 >= TRAINER_MIN_BUDGET:
+            budget //= 2
+            reason = self.memory_skip(self.trainer_bytes(budget, **kind))
+        if reason is not None:
+            raise SectionSkipped(f"token budget {wanted:,} down to {budget:,}: {reason}")
+        if budget == wanted:
+            return budget, ""
+        return budget, f"; token budget scaled down from {wanted:,} ({wanted:,} {first_reason})"
 
     def trainer_step_lean(self):
         self.trainer_step(lean=True)
@@ -963,11 +1103,14 @@ class Bench:
         reward, and the same sampling distribution (ids the tokenizer cannot decode suppressed, as rlvr's
         engines mask them). Gradient checkpointing off, as in rlvr (TRL's GRPO default is on)."""
         if self.args.no_trl:
-            return
+            raise SectionSkipped("--no-trl")
         import tempfile
 
-        import datasets
-        import trl
+        try:
+            import datasets
+            import trl
+        except ImportError as e:
+            raise SectionSkipped(f"TRL not importable ({one_line(e)})") from e
         from datasets.table import InMemoryTable
         from transformers import TrainerCallback
 
@@ -1082,9 +1225,12 @@ class Bench:
         ids = dict(
             pad_token_id=self.tok.pad_token_id, eos_token_id=self.tok.eos_token_id, bos_token_id=self.tok.bos_token_id
         )
-        for name in self.args.families.split(","):
+        names = self.args.families.split(",")
+        for name in names:
             if name not in FAMILY_MODELS:
                 raise ValueError(f"unknown --families entry {name!r}: choose from {', '.join(FAMILY_MODELS)}")
+        failures = []
+        for name in names:
             if time.perf_counter() - self.t_start > self.args.deadline_s:
                 self.row(f"(h) {name} SKIPPED", f"past the {self.args.deadline_s:.0f} s deadline")
                 continue
@@ -1093,14 +1239,43 @@ class Bench:
             if self.tiny:
                 shape["vocab_size"] = len(self.tok) + 64
             config = AutoConfig.for_model(model_type, **shape, **ids)
-            with torch.device(self.device):
-                model = build_model(config, seed=self.args.seed, dtype=self.dtype)
-            model.eval()
+            why = self.family_memory_skip(config, len(prompts), T)
+            if why is not None:
+                self.row(f"(h) {name} SKIPPED", why)
+                continue
+            # One family out of memory or broken leaves the others to run; the section fails at the end.
+            failed = None
             try:
+                with torch.device(self.device):
+                    model = build_model(config, seed=self.args.seed, dtype=self.dtype)
+                model.eval()
                 self.family_case(name, model, prompts, params)
-            finally:
-                del model
-                self.free()
+            except Exception as e:
+                if not isinstance(e, torch.OutOfMemoryError):
+                    traceback.print_exc()
+                failed = one_line(e, 120)
+            model = None
+            self.free()  # outside the except clause, where the failed call's tensors are no longer referenced
+            if failed is not None:
+                failures.append(f"{name}: {failed}")
+                self.row(f"(h) {name} FAILED", failed)
+        if failures:
+            raise RuntimeError(f"{len(failures)} of {len(names)} families did not finish: " + "; ".join(failures))
+
+    def family_memory_skip(self, config, rows: int, new_tokens: int) -> str | None:
+        """Why a family's model and engine should not be built here (its weights and the engine's
+        buffers, estimated from its shape, above the free memory), or None."""
+        if self.device.type != "cuda":
+            return None
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        h, f, n = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+        layer = h * (heads + 2 * kv_heads) * head_dim + heads * head_dim * h + 3 * h * f
+        embeddings = config.vocab_size * h * (1 if config.tie_word_embeddings else 2)
+        weights = (n * layer + embeddings) * self.weight_size()
+        need = weights + engine_bytes(config, rows, rows, self.prompt_len, new_tokens, self.weight_size())
+        return self.memory_skip(need)
 
     def family_case(self, name, model, prompts, params):
         P, T = len(prompts), params.max_new_tokens
@@ -1154,8 +1329,21 @@ class Bench:
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
+    def after_section(self):
+        """Run after every section however it ended: one that raised mid-step leaves gradients on the
+        model and the model in training mode, which the next sections must not inherit."""
+        self.model.zero_grad(set_to_none=True)
+        self.model.eval()
+        self.free()
+
     def table(self) -> str:
-        lines = ["| measure | measured | hardware floor | vs (a) | note |", "|---|---|---|---|---|"]
+        """The rows as a markdown table, under the line naming the card they were measured on."""
+        lines = [
+            card_line(self.card),
+            "",
+            "| measure | measured | hardware floor | vs (a) | note |",
+            "|---|---|---|---|---|",
+        ]
         for r in self.rows:
             lines.append(f"| {r['what']} | {r['measured']} | {r['floor']} | {r['ratio']} | {r['note']} |")
         return "\n".join(lines)
@@ -1189,6 +1377,49 @@ def kv_bytes_per_token(cfg, size: int) -> int:
     return 2 * cfg.num_hidden_layers * kv_width * size
 
 
+# Values a token leaves saved for the backward in each decoder layer, as multiples of (hidden size, FFN
+# width), eager and through model.compile (inductor fuses elementwise chains and saves fewer results):
+# fitted to the training peaks of the OLMo-2-1B shape recorded in docs/benchmarks.md.
+SAVED_PER_TOKEN = {False: (16, 6), True: (8, 4)}
+
+
+def training_bytes(
+    cfg,
+    n_params: int,
+    tokens: int,
+    *,
+    size: int = 2,
+    compiled: bool = False,
+    master_weights: bool = False,
+    keep_head_logits: bool = False,
+    trainable: int | None = None,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> int:
+    """GPU bytes a training step adds to the resident model, from the model's shape: gradients and AdamW
+    moments of the ``trainable`` parameters (default all; moments in the weights' dtype, or float32
+    moments and a float32 master copy with ``master_weights``), the activations a microbatch of
+    ``tokens`` saves for the backward (``SAVED_PER_TOKEN``), two float32 logit chunks of the fused
+    log-prob and, with ``keep_head_logits``, the microbatch's logits in the weights' dtype."""
+    trainable = n_params if trainable is None else trainable
+    states = trainable * (size + (12 if master_weights else 2 * size))
+    per_hidden, per_ffn = SAVED_PER_TOKEN[compiled]
+    saved = tokens * cfg.num_hidden_layers * (per_hidden * cfg.hidden_size + per_ffn * cfg.intermediate_size) * size
+    head = 2 * chunk_tokens * cfg.vocab_size * 4 + (tokens * cfg.vocab_size * size if keep_head_logits else 0)
+    return states + saved + head
+
+
+def engine_bytes(cfg, rows: int, groups: int, prompt_slots: int, new_tokens: int, size: int = 2) -> int:
+    """GPU bytes of the fast engine's buffers, from the model's shape: the prompt K/V of ``groups``
+    prompts and the response K/V of ``rows`` rows, the stacked copies of the q/k/v and gate/up weights,
+    and float32 logits of every row twice (the head's output and the sampling pass)."""
+    kv = kv_bytes_per_token(cfg, size) * (rows * new_tokens + groups * prompt_slots)
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    stacked = cfg.num_hidden_layers * cfg.hidden_size * ((heads + 2 * kv_heads) * head_dim + 2 * cfg.intermediate_size)
+    return kv + stacked * size + 2 * rows * cfg.vocab_size * 4
+
+
 def param_counts(model) -> tuple[int, int]:
     """Parameters (a tied embedding once) and the matmul parameters of a decode step (all but the input
     embedding lookup; with tied embeddings the LM head's matrix is the embedding and counts)."""
@@ -1198,58 +1429,82 @@ def param_counts(model) -> tuple[int, int]:
     return n, n - embed.numel() + (embed.numel() if tied else 0)
 
 
-def main(argv=None):
+# The sections in the order they run, each with the sections whose results it reads and, where its
+# size is fixed before it starts, its memory estimate (the trainer, training and families sections
+# scale down or skip their parts themselves). The trainer first: it then runs as ``rlvr train`` does,
+# in a process that has compiled and allocated nothing else (the families last: they swap the model).
+SECTIONS: dict[str, Section] = {
+    "ceilings": Section(Bench.ceilings),
+    "trainer_step": Section(Bench.trainer_step),
+    "trainer_step_lean": Section(Bench.trainer_step_lean),
+    "trainer_step_kl_copy": Section(Bench.trainer_step_kl_copy),
+    "trainer_step_lora": Section(Bench.trainer_step_lora),
+    "trainer_step_kl_lora": Section(Bench.trainer_step_kl_lora),
+    "checks": Section(Bench.checks),
+    "forced_length": Section(Bench.forced_length, needs=("ceilings",), memory=Bench.forced_bytes),
+    "realistic": Section(Bench.realistic, needs=("ceilings",), memory=Bench.realistic_bytes),
+    "training": Section(Bench.training, needs=("ceilings", "realistic")),
+    "compiled": Section(Bench.compiled, needs=("ceilings", "training"), memory=Bench.compiled_bytes),
+    "trl": Section(Bench.trl),
+    "families": Section(Bench.families, needs=("ceilings",)),
+}
+
+
+def chosen_sections(args) -> list[str]:
+    """The names of ``SECTIONS`` that ``--sections`` picks, in table order (ceilings always)."""
+    if not args.sections:
+        return list(SECTIONS)
+    wanted = [name for name in args.sections.split(",") if name]
+    unknown = [name for name in wanted if name not in SECTIONS]
+    if unknown:
+        raise SystemExit(f"unknown --sections {', '.join(unknown)}: choose from {', '.join(SECTIONS)}")
+    return [name for name in SECTIONS if name == "ceilings" or name in wanted]
+
+
+def main(argv=None) -> int:
+    """Run the chosen sections and print (and with ``--out`` write) the table; the exit status (module
+    docstring)."""
     args = parse_args(argv)
+    names = chosen_sections(args)
     bench = Bench(args)
     t_start = bench.t_start
     bench.setup()
-    # The trainer first: it then runs as ``rlvr train`` does, in a process that has compiled and
-    # allocated nothing else (the families last: they swap the model).
-    sections = (
-        bench.ceilings,
-        bench.trainer_step,
-        bench.trainer_step_lean,
-        bench.trainer_step_kl_copy,
-        bench.trainer_step_lora,
-        bench.trainer_step_kl_lora,
-        bench.checks,
-        bench.forced_length,
-        bench.realistic,
-        bench.training,
-        bench.compiled,
-        bench.trl,
-        bench.families,
+
+    def report(outcome):
+        if outcome.status != OK:
+            bench.row(f"{outcome.name} {outcome.status.upper()}", outcome.reason)
+        bench.log[f"section_{outcome.name}_s"] = outcome.seconds
+        print(f"[time] {outcome.name}: {outcome.seconds:.1f} s ({outcome.status})", flush=True)
+
+    outcomes = run_sections(
+        SECTIONS,
+        names,
+        bench,
+        available=lambda: available_bytes(bench.device),
+        free=bench.after_section,
+        deadline_s=args.deadline_s,
+        started=t_start,
+        report=report,
     )
-    if args.sections:
-        wanted = {"ceilings", *args.sections.split(",")}
-        sections = tuple(s for s in sections if s.__name__ in wanted)
-    for section in sections:
-        if time.perf_counter() - t_start > args.deadline_s:
-            bench.row(f"{section.__name__} SKIPPED", f"past the {args.deadline_s:.0f} s deadline")
-            continue
-        t0 = time.perf_counter()
-        try:
-            section()
-        except Exception as e:  # one broken section must not hide the others' numbers
-            traceback.print_exc()
-            bench.row(f"{section.__name__} FAILED", f"{type(e).__name__}: {str(e)[:160]}")
-            bench.free()
-        bench.log[f"section_{section.__name__}_s"] = time.perf_counter() - t0
-        print(f"[time] {section.__name__}: {time.perf_counter() - t0:.1f} s", flush=True)
     bench.log["total_s"] = time.perf_counter() - t_start
     bench.log["rows"] = bench.rows
-    table = bench.table()
+    bench.log["sections"] = [o.as_dict() for o in outcomes]
+    text = bench.table() + "\n\n" + outcome_table(outcomes)
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "bench_speed.json").write_text(json.dumps(bench.log, indent=1, default=str))
-        (out / "bench_speed.md").write_text(table + "\n")
+        (out / "bench_speed.md").write_text(text + "\n")
     print(
-        f"\n{bench.log['date']} | {bench.log['device']} | torch {bench.log['torch']} | transformers "
+        f"\n{bench.log['date']} | {card_line(bench.card)} | torch {bench.log['torch']} | transformers "
         f"{bench.log['transformers']} | total {bench.log['total_s']:.0f} s\n"
     )
-    print(table)
+    print(text)
+    broken = [o.name for o in outcomes if o.status in (FAILED, OOM)]
+    if broken:
+        print(f"\n{len(broken)} section(s) did not finish: {', '.join(broken)}", flush=True)
+    return 1 if args.strict and broken else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

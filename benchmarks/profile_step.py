@@ -18,18 +18,25 @@ A diagnostic companion to ``bench_speed.py`` (which measures end to end): prints
 ``--family NAME`` (one of ``bench_speed.FAMILY_MODELS``) runs the decode part on that model's exact shape
 (random weights) instead of OLMo-2-1B's.
 
-Usage: ``PYTHONPATH=src python benchmarks/profile_step.py --data-dir DIR [--tiny] [--only PART] [--family NAME]``.
+Each part runs on its own (``section_runner.run_sections``): one that fails or runs out of memory is
+listed with its reason in the summary printed last, under the card it ran on, and the others still
+run; the exit status is 0 unless ``--strict`` is given and a part failed or ran out of memory.
+
+Usage: ``PYTHONPATH=src python benchmarks/profile_step.py --data-dir DIR [--tiny] [--only PART] [--family NAME]
+[--strict]``.
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import sys
 import time
 from collections import defaultdict
 
 import torch
 from bench_speed import FAMILY_MODELS, TINY_FAMILY_SHAPE, Bench, parse_args
+from section_runner import FAILED, OOM, Section, card_line, outcome_table, run_sections
 from torch.profiler import ProfilerActivity, profile
 
 from rlvr.engines.base import SamplingParams
@@ -470,11 +477,11 @@ def use_family_model(bench: Bench, name: str) -> None:
     print(f"\n# model: {name} ({sum(p.numel() for p in bench.model.parameters()) / 1e9:.2f} B parameters)", flush=True)
 
 
-def main():
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data-dir", required=True)
     ap.add_argument("--tiny", action="store_true")
-    ap.add_argument("--only", choices=("decode", "attention", "training", "trainer", "step"), default=None)
+    ap.add_argument("--only", choices=tuple(PARTS), default=None)
     ap.add_argument(
         "--family",
         choices=tuple(FAMILY_MODELS),
@@ -491,27 +498,51 @@ def main():
         action="store_true",
         help="profile the trainer with the head's logits kept for the backward (optim.keep_head_logits true)",
     )
-    args = ap.parse_args()
+    ap.add_argument(
+        "--strict",
+        action="store_true",
+        help="exit with status 1 when a part failed or ran out of memory (default: 0, the summary says why)",
+    )
+    args = ap.parse_args(argv)
     # The bench's own settings (its defaults), so that the two scripts cannot drift apart.
     flags = ["--tiny"] if args.tiny else []
     flags += [f"--{name.replace('_', '-')}" for name in ("shared_prefix", "keep_head_logits") if getattr(args, name)]
     bench_args = parse_args(["--data-dir", args.data_dir, "--skip-baselines", *flags])
     bench = Bench(bench_args)
     bench.setup()
-    bench.ceilings()
     if args.family:
         use_family_model(bench, args.family)
-    if args.only in (None, "decode"):
-        decode(bench)
-    if args.only in (None, "attention"):
-        attention(bench)
-    if args.only in (None, "training"):
-        training(bench)
-    if args.only in (None, "trainer"):
-        trainer(bench)
-    if args.only in (None, "step"):
-        whole_step(bench)
+    names = ["ceilings"] + [name for name in PARTS if args.only in (None, name)]
+    table = dict(PARTS, ceilings=Section(Bench.ceilings))
+
+    def report(outcome):
+        print(f"[part] {outcome.name}: {outcome.status} in {outcome.seconds:.1f} s {outcome.reason}", flush=True)
+
+    # Each part on its own: one that fails or runs out of memory leaves the others to run.
+    outcomes = run_sections(table, names, bench, free=bench.after_section, report=report)
+    print(f"\n## parts run\n\n{card_line(bench.card)}\n\n{outcome_table(outcomes)}", flush=True)
+    return 1 if args.strict and any(o.status in (FAILED, OOM) for o in outcomes) else 0
+
+
+def with_card(part):
+    """``part``, first printing which card its tables are measured on."""
+
+    def run(bench: Bench) -> None:
+        print(f"\n# {part.__name__}: {card_line(bench.card)}", flush=True)
+        part(bench)
+
+    return run
+
+
+# The parts in the order they run; the training part's realistic batch computes its decode floor.
+PARTS = {
+    "decode": Section(with_card(decode)),
+    "attention": Section(with_card(attention)),
+    "training": Section(with_card(training), needs=("ceilings",)),
+    "trainer": Section(with_card(trainer)),
+    "step": Section(with_card(whole_step)),
+}
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

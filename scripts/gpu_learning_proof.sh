@@ -7,7 +7,10 @@
 #   4. `rlvr report` with the validation accuracy over steps (mean and spread over the seeds).
 # Usage: scripts/gpu_learning_proof.sh OUT_DIR [DEVICE] [SCALE]
 #   SCALE=tiny runs the same pipeline on a CPU in a minute (plumbing check, no learning claim).
+# Each step runs unless one it needs failed (scripts/steps.sh); a table of every step's outcome is
+# printed last, and the exit status is 1 when a step failed.
 set -euo pipefail
+source "$(dirname "$0")/steps.sh"
 OUT=${1:?usage: gpu_learning_proof.sh OUT_DIR [DEVICE] [SCALE]}
 DEVICE=${2:-cuda}
 SCALE=${3:-full}
@@ -19,17 +22,21 @@ else
 fi
 PY=${PYTHON:-python}
 mkdir -p "$OUT"
-$PY -m rlvr sft --data "$TASK" --model $SIZE --out "$OUT/warm" --device "$DEVICE" --steps $SFT_STEPS \
+step sft -- $PY -m rlvr sft --data "$TASK" --model $SIZE --out "$OUT/warm" --device "$DEVICE" --steps $SFT_STEPS \
     --batch-size 64 --lr 1e-3 --vocab-size 1024 --no-progress
-$PY -m rlvr eval --model "$OUT/warm" --data "$TASK" --split validation --limit $VAL --max-tokens 64 \
-    --device "$DEVICE" --out "$OUT/warm_eval" > "$OUT/warm_eval.txt" 2>&1 || true
-$PY -m rlvr sweep configs/sweeps/main_arith.yaml --out "$OUT/sweep" --max-parallel $PAR \
+warm_eval() {
+  $PY -m rlvr eval --model "$OUT/warm" --data "$TASK" --split validation --limit $VAL --max-tokens 64 \
+      --device "$DEVICE" --out "$OUT/warm_eval" > "$OUT/warm_eval.txt" 2>&1
+}
+step eval sft -- warm_eval
+step sweep sft -- $PY -m rlvr sweep configs/sweeps/main_arith.yaml --out "$OUT/sweep" --max-parallel $PAR \
     --set model.name_or_path="$OUT/warm" data.train_source="$TASK" data.val_size=$VAL n_steps=$STEPS \
           rollout.n_prompts_per_rollout_batch=$PROMPTS rollout.max_new_tokens=64 \
           optim.gradient_accumulation_steps=1 engine.name=$ENGINE policy_device="$DEVICE" engine.device="$DEVICE" \
           save_every=0
-$PY -m rlvr report "$OUT/sweep" --out "$OUT/report.md"
-$PY - "$OUT/sweep" <<'PYEOF'
+# A sweep with a failed seed still reports the seeds that finished.
+step report sft -- $PY -m rlvr report "$OUT/sweep" --out "$OUT/report.md"
+step seeds sft -- $PY - "$OUT/sweep" <<'PYEOF'
 import json, statistics, sys
 from pathlib import Path
 rows = []
@@ -43,3 +50,4 @@ start, end = statistics.mean(r[1] for r in rows), statistics.mean(r[2] for r in 
 print(f"| mean | {start:.3f} | {end:.3f} | |")
 print(f"\nbar: final >= 2 x start ({end >= 2 * start}) and final >= start + 0.25 ({end >= start + 0.25})")
 PYEOF
+steps_summary
