@@ -1148,7 +1148,6 @@ class Bench:
             gen_times.append(time.perf_counter() - t0)
             return out
 
-        model.generate = timed_generate
         vocab = model.config.vocab_size
         cfg = trl.GRPOConfig(
             output_dir=tempfile.mkdtemp(prefix="bench_trl_"),
@@ -1178,16 +1177,19 @@ class Bench:
         )
         tok = self.tok
         tok.padding_side = "left"
-        trainer = trl.GRPOTrainer(
-            model=model, reward_funcs=coin, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[Clock()]
-        )
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        self.sync()
-        t0 = time.perf_counter()
-        trainer.train()
+        model.generate = timed_generate
+        try:
+            trainer = trl.GRPOTrainer(
+                model=model, reward_funcs=coin, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[Clock()]
+            )
+            if self.device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            self.sync()
+            t0 = time.perf_counter()
+            trainer.train()
+        finally:  # back to the class method, also for the sections after a run that raised
+            del model.generate
         peak = torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else float("nan")
-        del model.generate  # back to the class method
         step_times = [b - a for a, b in zip([t0] + stamps[:-1], stamps)]
         t_trl = step_times[-1]
         self.log["trl"] = dict(version=trl.__version__, step_times=step_times, gen_times=gen_times, peak_gb=peak)
