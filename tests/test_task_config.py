@@ -177,9 +177,35 @@ def test_named_validation_sets_are_logged_under_their_names(gsm8k_path, tiny_mod
     assert [s["val_set"] for s in samples] == ["gsm8k", "gsm8k", "doubles", "doubles"]  # log.val_samples=2 per set
 
 
+def test_a_validation_set_may_name_its_own_reward(gsm8k_path, tiny_model, tiny_tokenizer, tmp_path):
+    """Two sets of the same rows: ``own`` graded by the built-in ``exact``, ``run`` by the run's reward
+    (the prompt question_only's own); each dumped sample's reward is its set's function of its response."""
+    from rlvr.reward_functions import BUILTIN_REWARDS
+
+    data = DataConfig(
+        train_source=str(gsm8k_path),
+        train_size=16,
+        val_sources=(f"run={gsm8k_path} size=2", f"own={gsm8k_path} size=2 reward=exact"),
+    )
+    run(tiny_config(gsm8k_path, data=data), tmp_path / "run", tiny_model, tiny_tokenizer)
+    samples = [json.loads(x) for x in (tmp_path / "run" / "rollouts" / "val_step_0.jsonl").read_text().splitlines()]
+    graded_by = {"run": BUILTIN_REWARDS["question_only"], "own": BUILTIN_REWARDS["exact"]}
+    assert [s["val_set"] for s in samples] == ["run", "run", "own", "own"]
+    for s in samples:
+        want = graded_by[s["val_set"]](s["response"], s["ground_truth"])
+        assert (s["reward"], s["format_reward"]) == (want["reward"], want["format_reward"])
+    first = read_metrics(tmp_path / "run" / "metrics.jsonl")[0]
+    for name in ("run", "own"):
+        mine = [s for s in samples if s["val_set"] == name]
+        assert first[f"val/{name}/format_reward"] == pytest.approx(sum(s["format_reward"] for s in mine) / 2)
+    # exact accepts any non-empty answer as formatted; question_only wants a \boxed{}: the two differ here
+    assert first["val/own/format_reward"] != first["val/run/format_reward"]
+
+
 @pytest.mark.parametrize(
     "spec, message",
     [
+        ("a=b reward=nope", "unknown reward 'nope'; choose one of r1_zero, question_only, boxed, exact, code"),
         ("gsm8k", "has no NAME=SOURCE"),
         ("a=b colour=red", "unknown option 'colour=red'"),
         ("a=b size=many", "size must be a whole number"),
@@ -308,3 +334,87 @@ def test_training_validation_samples_k_per_question_and_logs_pass_at_k(tmp_path,
         want = sum(1 - comb(4 - c, j) / comb(4, j) for c in correct.values()) / 2
         assert start[f"val/pass@{j}"] == pytest.approx(want)
     assert start["val/avg@4"] == pytest.approx(sum(correct.values()) / 8) == pytest.approx(start["val/reward"])
+
+
+# --- chat rows: a question column of messages ----------------------------------------------------
+
+FEW_SHOT = [
+    {"role": "user", "content": "1+1?"},
+    {"role": "assistant", "content": "2"},
+    {"role": "user", "content": "2+2?"},
+]
+
+
+def _chat_rows(tmp_path):
+    path = tmp_path / "chat_rows.jsonl"
+    rows = [
+        {"question": FEW_SHOT, "answer": "#### 4"},
+        {"question": [{"role": "system", "content": "Own."}, {"role": "user", "content": "3+3?"}], "answer": "#### 6"},
+        {"question": "5+5?", "answer": "#### 10"},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_chat_rows_render_with_the_chat_template(tiny_tokenizer, tmp_path):
+    from rlvr.data import load_examples
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = CHAT_TEMPLATE
+    few_shot, own_system, plain = load_examples(str(_chat_rows(tmp_path)))
+    assert few_shot.messages == tuple(FEW_SHOT) and few_shot.question == "2+2?" and plain.messages is None
+    prompt = resolve_prompt("chat", system="Be brief.").bind(tok)
+    assert (
+        prompt.render_example(few_shot) == "[system] Be brief.\n[user] 1+1?\n[assistant] 2\n[user] 2+2?\n[assistant] "
+    )
+    assert prompt.render_example(own_system) == "[system] Own.\n[user] 3+3?\n[assistant] "  # the row's system wins
+    assert prompt.render_example(plain) == prompt.render("5+5?") == "[system] Be brief.\n[user] 5+5?\n[assistant] "
+    assert prompt.example_messages(own_system) == list(own_system.messages)
+
+
+def test_chat_rows_in_rlvr_eval(tiny_tokenizer, tmp_path):
+    from test_evaluate import ScriptedEngine
+
+    from rlvr.data import load_examples
+    from rlvr.engines import SamplingParams
+    from rlvr.evaluate import evaluate
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = CHAT_TEMPLATE
+    examples = load_examples(str(_chat_rows(tmp_path)))
+    engine = ScriptedEngine([("\\boxed{4}", "stop"), ("\\boxed{7}", "stop"), ("\\boxed{10}", "stop")])
+    metrics, samples = evaluate(None, tok, examples, resolve_prompt("chat"), engine, SamplingParams(n=1))
+    assert [s["prompt"] for s in samples] == [
+        "[user] 1+1?\n[assistant] 2\n[user] 2+2?\n[assistant] ",
+        "[system] Own.\n[user] 3+3?\n[assistant] ",
+        "[user] 5+5?\n[assistant] ",
+    ]
+    assert metrics["accuracy"] == pytest.approx(2 / 3)
+
+
+def test_chat_rows_need_the_chat_prompt_before_any_model_loads(
+    tiny_model, tiny_tokenizer, tmp_path, capsys, monkeypatch
+):
+    from rlvr.cli import main
+    from rlvr.modeling import save_model_and_tokenizer
+
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = CHAT_TEMPLATE
+    save_model_and_tokenizer(tiny_model, tok, tmp_path / "model")
+    capsys.readouterr()  # the save's progress bar
+    monkeypatch.setattr("rlvr.modeling.load_model_and_tokenizer", refuse_to_load)
+    args = [
+        "eval",
+        "--model",
+        str(tmp_path / "model"),
+        "--data",
+        str(_chat_rows(tmp_path)),
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "question column holds chat messages" in err and "set the prompt to chat" in err
+    assert len(err.strip().splitlines()) == 1
+    assert main([*args, "--prompt", "chat", "--user-template", "Q: {question}"]) == 2
+    assert "prompt_options.user_template wraps one-string questions" in capsys.readouterr().err

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from rlvr.data import DataError
+from rlvr.example import DataError
 from rlvr.errors import UserError
 
 if TYPE_CHECKING:

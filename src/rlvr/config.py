@@ -129,7 +129,7 @@ class DataConfig:
     answer_format: str = "gsm8k"
     """How the ground truth comes out of the answer column: gsm8k (the text after the last ####), boxed (the last \\boxed{...}) or raw (the whole answer)."""
     val_sources: tuple[str, ...] = ()
-    """Several validation sets, each 'NAME=SOURCE [split=...] [size=...] [config=...] [question_field=...] [answer_field=...] [answer_format=...]' (unset options as for val_source), logged as val/NAME/...; the first one is also logged as val/reward. Replaces val_source."""
+    """Several validation sets, each 'NAME=SOURCE [split=...] [size=...] [config=...] [question_field=...] [answer_field=...] [answer_format=...] [reward=NAME]' (unset options as for val_source; reward: a built-in reward that grades this set instead of the run's), logged as val/NAME/...; the first one is also logged as val/reward. Replaces val_source."""
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,10 @@ answer: ``gsm8k`` (the text after the last ``####``, stripped; it may keep thous
 solutions) or ``raw`` (the whole answer, stripped; numbers become text). Every other column is kept
 in ``Example.meta`` and reaches the reward function as keyword arguments.
 
+The question column may hold a conversation instead of a string: a list of ``{role, content}``
+messages (system, few-shot turns, user), a *chat row*. It is rendered with the model's chat template
+(the ``chat`` prompt) and ends with the generation prompt of the assistant's turn.
+
 A malformed row is an error that names the file and the line (the row for Parquet and the hub):
 nothing is skipped silently.
 """
@@ -74,6 +78,13 @@ class RowFormat:
                 f"(columns: {', '.join(map(str, row)) or 'none'}); set {setting[missing[0]]} to one of them"
             )
         question, answer = row[q], row[a]
+        messages = None
+        if isinstance(question, list):  # a chat row: the conversation that the model answers
+            from rlvr.chat import check_messages
+
+            messages = tuple(check_messages(question, f"{where}, column {q!r}"))
+            users = [m["content"] for m in messages if m["role"] == "user"]
+            question = users[-1] if users else messages[-1]["content"]
         raw_number = self.answer_format == "raw" and isinstance(answer, (int, float)) and not isinstance(answer, bool)
         if not isinstance(question, str) or not (isinstance(answer, str) or raw_number):
             raise DataError(
@@ -92,7 +103,7 @@ class RowFormat:
             truth, solution = extract_gsm8k_answer(answer), _rationale(answer)
             if not truth:
                 raise DataError(f"{where}: the final answer after '####' is empty")
-            return Example(question, truth, solution, meta)
+            return Example(question, truth, solution, meta, messages)
         if self.answer_format == "boxed":
             from rlvr.rewards import last_boxed
 
@@ -102,11 +113,11 @@ class RowFormat:
                     f"{where}: the answer has no \\boxed{{...}} with a final answer "
                     "(for other answers set data.answer_format to gsm8k or raw)"
                 )
-            return Example(question, truth.strip(), answer, meta)
+            return Example(question, truth.strip(), answer, meta, messages)
         truth = answer.strip()
         if not truth:
             raise DataError(f"{where}: the answer in column {a!r} is empty")
-        return Example(question, truth, None, meta)
+        return Example(question, truth, None, meta, messages)
 
 
 GSM8K_FORMAT = RowFormat()

@@ -190,7 +190,7 @@ def evaluate(
     params = params or SamplingParams()
     params = dataclasses.replace(params, stop=prompt.stop, include_stop_str_in_output=True)
     reward_fn = reward if reward is not None else BUILTIN_REWARDS[prompt.default_reward]
-    prompts = [prompt.render(ex.question) for ex in examples]
+    prompts = [prompt.render_example(ex) for ex in examples]
 
     bar = None
     if progress:
@@ -219,7 +219,7 @@ def evaluate(
             reward_fn,
             [f[4].text for f in flat],
             [f[2].ground_truth for f in flat],
-            [row_fields(f[2].fields, f[3], prompt.messages(f[2].question)) for f in flat],
+            [row_fields(f[2].fields, f[3], prompt.example_messages(f[2])) for f in flat],
         )
         scores, extra = meta["scores"], meta["logged"]
     else:
@@ -529,7 +529,7 @@ def _check_prompt_lengths(
     for set_name, examples in data_sets:
         for prompt in tasks.prompts:
             bound = prompt.bind(tokenizer)
-            index, tokens = longest_prompt(tokenizer, [bound.render(ex.question) for ex in examples])
+            index, tokens = longest_prompt(tokenizer, [bound.render_example(ex) for ex in examples])
             if tokens > context - cfg.max_tokens:
                 raise UserError(
                     f"question {index + 1} of {set_name or cfg.data} makes a {prompt.name} prompt of {tokens} tokens; "
@@ -546,6 +546,7 @@ def _run(cfg: EvalConfig, tasks: EvalTasks) -> dict:
     from rlvr.errors import UserError
     from rlvr.modeling import load_model_and_tokenizer
     from rlvr.rundir import atomic_write_json, atomic_write_jsonl
+    from rlvr.task_config import check_chat_rows, set_rewards
 
     device = usable_device(cfg.device)
     dtype = None if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
@@ -553,7 +554,10 @@ def _run(cfg: EvalConfig, tasks: EvalTasks) -> dict:
     for set_name, examples in data_sets:
         if not examples:
             raise UserError(f"no examples loaded from {set_name or cfg.data!r}; check --data and --split")
+    for prompt in tasks.prompts:
+        check_chat_rows(prompt, data_sets)
     rewards = tasks.rewards(data_sets[0][1])
+    own_rewards = set_rewards(tasks.configs[0], tasks.sources, data_sets)
     model, tokenizer = load_model_and_tokenizer(cfg.model, device=device, dtype=dtype)
     # A vLLM server takes the second GPU, beside the model loaded here for the tokenizer and grading.
     engine_device = "cuda:1" if cfg.engine == "vllm" else device
@@ -572,14 +576,21 @@ def _run(cfg: EvalConfig, tasks: EvalTasks) -> dict:
         for set_name, examples in data_sets:
             for prompt, reward in zip(tasks.prompts, rewards):
                 metrics, samples = evaluate(
-                    model, tokenizer, examples, prompt, engine, params, progress=True, reward=reward
+                    model,
+                    tokenizer,
+                    examples,
+                    prompt,
+                    engine,
+                    params,
+                    progress=True,
+                    reward=own_rewards.get(set_name, reward),
                 )
                 key = tasks.result_name(set_name, prompt)
                 results[key] = metrics
                 all_samples += [dict(s, prompt_name=key) for s in samples]
     finally:
         engine.close()
-        for reward in rewards:
+        for reward in [*rewards, *own_rewards.values()]:
             reward.close()
 
     cfg.out.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,9 @@ class Example:
     """A worked solution when the source has one (GSM8K rationales), for supervised warm starts."""
     meta: dict = field(default_factory=dict, compare=False, hash=False)
     """The row's other columns: they reach the reward function as keyword arguments."""
+    messages: tuple[dict[str, str], ...] | None = field(default=None, hash=False)
+    """A chat row's conversation (system, few-shot turns, user), rendered with the model's chat template;
+    ``question`` is then its last user message."""
 
     @property
     def fields(self) -> dict:

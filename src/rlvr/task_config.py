@@ -12,7 +12,9 @@ validation and a separate evaluation read the same settings the same way:
 
 A validation source of ``data.val_sources`` is ``NAME=SOURCE`` followed by options ``key=value``
 separated by spaces (``split``, ``size``, ``config``, ``question_field``, ``answer_field``,
-``answer_format``); an option left out is taken from the ``data`` section (``val_split``, ``val_size``, ...).
+``answer_format``, ``reward``); an option left out is taken from the ``data`` section (``val_split``,
+``val_size``, ...). ``reward=NAME`` grades that set with the built-in reward NAME instead of the run's
+(``reward.fn``, else the prompt's own), in training validation and in ``rlvr eval --config``.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ if TYPE_CHECKING:
     from rlvr.prompts import Prompt
     from rlvr.reward_functions import Reward
 
-VAL_SOURCE_OPTIONS = ("split", "size", "config", "question_field", "answer_field", "answer_format")
+VAL_SOURCE_OPTIONS = ("split", "size", "config", "question_field", "answer_field", "answer_format", "reward")
 
 
 class TaskConfigError(UserError, ValueError):
@@ -49,6 +51,8 @@ class DataSource:
     question_field: str
     answer_field: str
     answer_format: str
+    reward: str | None = None
+    """The built-in reward that grades this set (None: the run's)."""
 
     def load(self, seed: int = 0) -> list[Example]:
         from rlvr.data import load_examples
@@ -118,6 +122,14 @@ def parse_val_source(spec: str, base: dict) -> DataSource:
                 f"data.val_sources entry {spec!r}: unknown option {word!r}; the options are "
                 f"{', '.join(VAL_SOURCE_OPTIONS)}"
             )
+        if key == "reward":
+            from rlvr.reward_functions import BUILTIN_REWARDS
+
+            if value not in BUILTIN_REWARDS:
+                raise TaskConfigError(
+                    f"data.val_sources entry {spec!r}: unknown reward {value!r}; choose one of "
+                    f"{', '.join(BUILTIN_REWARDS)}"
+                )
         if key == "size":
             if not value.isdigit():
                 raise TaskConfigError(f"data.val_sources entry {spec!r}: size must be a whole number, got {value!r}")
@@ -224,6 +236,25 @@ def load_task_data(config: TrainConfig) -> tuple[list[Example], list[tuple[str, 
     return train, sets
 
 
+def set_rewards(
+    config: TrainConfig, sources: list[DataSource], data_sets: list[tuple[str, list[Example]]]
+) -> dict[str, Reward]:
+    """The started ``Reward`` of each validation set whose source names its own (``reward=NAME``), by
+    set name; the other sets are graded by the run's reward."""
+    from rlvr.reward_functions import build_reward as build
+
+    examples = dict(data_sets)
+    r = config.reward
+    rewards = {}
+    for s in sources:
+        if s.reward is None or s.name not in examples:
+            continue
+        reward = build(s.reward, (), (), r.timeout_s, s.reward, None, r.workers, r.worker_kind, r.code_isolation)
+        reward.start(sorted({k for ex in examples[s.name][:1] for k in ex.fields}))
+        rewards[s.name] = reward
+    return rewards
+
+
 def prepare_reward(config: TrainConfig, examples: list[Example], prompt: Prompt | None = None) -> Reward:
     """The run's ``Reward``, its user functions loaded and checked against the fields of ``examples``."""
     reward = build_reward(config, prompt)
@@ -236,6 +267,22 @@ def prepare_reward(config: TrainConfig, examples: list[Example], prompt: Prompt 
         )
     reward.start(fields)
     return reward
+
+
+def check_chat_rows(prompt: Prompt, sets: list[tuple[str, list[Example]]]) -> None:
+    """``TaskConfigError`` when chat rows (questions that are message lists) meet a prompt that cannot
+    render them: a text prompt, or a chat prompt with a user-message template (the rows hold their own)."""
+    from rlvr.prompts import CHAT, chat_rows_need_chat
+
+    if not any(ex.messages is not None for _, examples in sets for ex in examples):
+        return
+    if prompt.kind != CHAT:
+        raise TaskConfigError(chat_rows_need_chat(prompt.name))
+    if prompt.user_template is not None:
+        raise TaskConfigError(
+            "prompt_options.user_template wraps one-string questions, and the data's chat rows hold their own "
+            "user messages; leave it out"
+        )
 
 
 def check_chat_tokenizer(model_source: str) -> None:

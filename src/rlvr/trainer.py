@@ -371,6 +371,8 @@ class RunParts:
     """Started with the engine, once the run's summary says it is running."""
     reference: Reference | None = None
     """The frozen initial policy of the KL penalty (``algorithm.kl_coef > 0``), else None."""
+    set_rewards: dict[str, Reward] = field(default_factory=dict)
+    """The reward of each validation set that names its own (``data.val_sources`` ``reward=NAME``), by set name."""
 
 
 @dataclass
@@ -498,7 +500,7 @@ def _rollout_request(
     prompt = prompt or build_prompt(config)
 
     def request(s: int) -> tuple[list[str], SamplingParams]:
-        prompts = [prompt.render(ex.question) for ex in _step_examples(config, train_examples, s, world)]
+        prompts = [prompt.render_example(ex) for ex in _step_examples(config, train_examples, s, world)]
         return prompts, _sampling_params(config, s, prompt, world)
 
     return request
@@ -585,7 +587,7 @@ def _score(
     completions = batch.flat_completions
     truths = [ex.ground_truth for ex in examples for _ in range(G)]
     fields = [
-        row_fields(ex.fields, text, prompt.messages(ex.question))
+        row_fields(ex.fields, text, prompt.example_messages(ex))
         for ex, text in zip(examples, batch.prompts, strict=True)
         for _ in range(G)
     ]
@@ -642,7 +644,7 @@ def _fill_groups(
         rounds = k
         picks = [derive_seed(config.seed, "filter", step, k, positions[j]) % len(run.train_examples) for j in todo]
         new_examples = [run.train_examples[i] for i in picks]
-        new_prompts = [run.prompt.render(ex.question) for ex in new_examples]
+        new_prompts = [run.prompt.render_example(ex) for ex in new_examples]
         params = dataclasses.replace(
             batch.params,
             seed=derive_seed(config.seed, "filter", step, k),
@@ -1085,9 +1087,11 @@ def _validate(
     run_dir: Path,
     prompt: Prompt | None = None,
     reward: Callable[[str, str], dict] | None = None,
+    set_rewards: dict[str, Reward] | None = None,
 ) -> dict:
-    """Validate on each ``(name, examples)`` of ``val_sets`` (a bare list of examples: one unnamed set).
-    The first set is logged as val/reward, ...; each named one also as val/NAME/accuracy, ..."""
+    """Validate on each ``(name, examples)`` of ``val_sets`` (a bare list of examples: one unnamed set),
+    graded by ``reward``, or by a set's own one in ``set_rewards``. The first set is logged as
+    val/reward, ...; each named one also as val/NAME/accuracy, ..."""
     from rlvr.evaluate import evaluate
     from rlvr.task_config import validation_metrics
 
@@ -1113,7 +1117,7 @@ def _validate(
                 engine=engine,
                 params=params,
                 chunk_size=max(1, config.engine.max_batch_size),
-                reward=reward,
+                reward=(set_rewards or {}).get(name, reward),
             )
         except Exception as e:  # noqa: BLE001
             raise EngineError(
@@ -1141,7 +1145,16 @@ def _validation(config: TrainConfig, step: int, run_dir: Path, run: RunParts, st
     if run.world.is_main:  # the other ranks wait for rank 0's result (the engine holds plain weights)
         engine = run.rollouts.engine_for_eval(model, step)
         val = _validate(
-            model, run.tokenizer, engine, config, run.val_examples, step, run_dir, run.prompt, run.val_reward
+            model,
+            run.tokenizer,
+            engine,
+            config,
+            run.val_examples,
+            step,
+            run_dir,
+            run.prompt,
+            run.val_reward,
+            run.set_rewards,
         )
     if run.world.distributed:
         val = gather_objects(val)[0]
@@ -1357,7 +1370,15 @@ def _setup(
     np.random.seed(config.seed % 2**32)
 
     # Data and reward before the model: a bad setting should fail in seconds, not after a model load.
-    from rlvr.task_config import build_prompt, check_chat_tokenizer, load_task_data, prepare_reward
+    from rlvr.task_config import (
+        build_prompt,
+        check_chat_rows,
+        check_chat_tokenizer,
+        load_task_data,
+        prepare_reward,
+        set_rewards,
+        val_sources,
+    )
 
     train_examples, val_examples = load_task_data(config)
     config.check_data(
@@ -1365,11 +1386,13 @@ def _setup(
         len(val_examples[0][1]) if val_examples and not val_examples[0][0] else config.data.val_size,
     )
     prompt = build_prompt(config)
+    check_chat_rows(prompt, [("train", train_examples), *val_examples])
     if prompt.kind == "chat" and model is None and ckpt is None:
         check_chat_tokenizer(config.model.name_or_path)
     val_reward = prepare_reward(config, train_examples, prompt)  # the configured reward; validation always uses it
     if reward_fn is None:
         reward_fn = val_reward
+    own_rewards = set_rewards(config, val_sources(config), val_examples)
 
     device = world.device if world.backend is not None else torch.device(config.policy_device)
     strategy = config.data_parallel_strategy(world.world_size)
@@ -1463,6 +1486,7 @@ def _setup(
         ),
         sharded_checkpoints=strategy == "fsdp" or bool(lora.rank),
         reference=reference,
+        set_rewards=own_rewards,
     )
     return run, state
 
@@ -1482,7 +1506,7 @@ def _check_prompt_lengths(
         return
     budget = context - config.rollout.max_new_tokens
     for name, examples in [("training", train_examples), *((f"validation {n}".strip(), e) for n, e in val_examples)]:
-        index, tokens = longest_prompt(tokenizer, [prompt.render(ex.question) for ex in examples])
+        index, tokens = longest_prompt(tokenizer, [prompt.render_example(ex) for ex in examples])
         if tokens > budget:
             raise ConfigError(
                 f"{name} example {index + 1} makes a prompt of {tokens} tokens; with rollout.max_new_tokens="
@@ -1638,6 +1662,8 @@ def _train(
     # The reward, engine, rollouts, logger and progress bar: closed on every way out, in reverse order.
     with contextlib.ExitStack() as resources:
         resources.callback(run.val_reward.close)
+        for own in run.set_rewards.values():
+            resources.callback(own.close)
         resources.enter_context(attention_without_cudnn())
         try:
             record.summary("running")

@@ -12,7 +12,9 @@ the last ``\\boxed{...}``.
   field; literal braces are written ``{{`` and ``}}``);
 - ``chat``: the model tokenizer's chat template over an optional system message and a user message
   (the question, or an optional user-message template with ``{question}``), ending with the
-  generation prompt of the assistant's turn.
+  generation prompt of the assistant's turn. A chat row (a data row whose question column holds
+  ``{role, content}`` messages) is rendered the same way from its own messages
+  (``Prompt.render_example``).
 
 Every prompt carries its stop strings; ``PromptOptions.stop`` replaces them.
 """
@@ -32,6 +34,8 @@ from rlvr.errors import UserError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from rlvr.data import Example
 
 CHAT = "chat"
 
@@ -144,6 +148,29 @@ class Prompt:
             raise PromptError("prompt chat renders with the model's tokenizer; bind it first (Prompt.bind)")
         return self.tokenizer.apply_chat_template(self.messages(question), tokenize=False, add_generation_prompt=True)
 
+    def render_example(self, example: Example) -> str:
+        """The model's input for a data row: a chat row's messages through the chat template (with the
+        generation prompt), else ``render(question)``."""
+        if example.messages is None:
+            return self.render(example.question)
+        if self.kind != CHAT:
+            raise PromptError(chat_rows_need_chat(self.name))
+        if self.tokenizer is None:
+            raise PromptError("chat rows render with the model's tokenizer; bind it first (Prompt.bind)")
+        from rlvr.chat import render
+
+        return render(self.tokenizer, self.example_messages(example), add_generation_prompt=True)
+
+    def example_messages(self, example: Example) -> list[dict[str, str]]:
+        """The chat messages of a data row: a chat row's own (after the prompt's system message when the
+        row has none), else ``messages(question)``."""
+        if example.messages is None:
+            return self.messages(example.question)
+        messages = [dict(m) for m in example.messages]
+        if self.system is not None and messages[0]["role"] != "system":
+            messages.insert(0, {"role": "system", "content": self.system})
+        return messages
+
     def messages(self, question: str) -> list[dict[str, str]]:
         """The chat messages of ``question``: a chat prompt's system and user turns; for a text
         template, one user turn holding the rendered text."""
@@ -224,6 +251,14 @@ def resolve_prompt(
         tuple(stop or ()),
         OTHER_PROMPTS_REWARD,
         template=_check_template(text, f"prompt file {prompt}"),
+    )
+
+
+def chat_rows_need_chat(prompt_name: str) -> str:
+    """The one-line error of chat rows under a text prompt."""
+    return (
+        f"the data's question column holds chat messages, which render with the model's chat template, but the "
+        f"prompt is {prompt_name!r}: set the prompt to chat (prompt: chat in a config, --prompt chat in rlvr eval)"
     )
 
 
