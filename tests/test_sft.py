@@ -138,3 +138,59 @@ def test_unknown_model_is_a_clear_error(tmp_path):
 
     with pytest.raises(UserError, match="named size"):
         run_sft(SFTConfig(data=TASK, model="not-a-size", out=tmp_path, steps=1, max_examples=4, progress=False))
+
+
+# --- the data options of rlvr train: a training config, the chat prompt, chat rows -----------------
+
+
+def test_a_chat_pair_is_the_rendered_prompt_then_the_response_and_end_of_turn(tiny_tokenizer):
+    from conftest import chat_tokenizer
+
+    from rlvr.prompts import resolve_prompt
+    from rlvr.sft import chat_pair_ids
+
+    tok = chat_tokenizer(tiny_tokenizer)
+    example = Example("2+3?", "5", "2+3=5 </think> <answer> 5 </answer>")
+    prompt_ids, response_ids = chat_pair_ids(tok, resolve_prompt("chat", system="Add.").bind(tok), example)
+    ids = tok.convert_tokens_to_ids
+    plain = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    assert prompt_ids == ids(["<|system|>"]) + plain("Add.") + ids(["<|end|>", "<|user|>"]) + plain("2+3?") + ids(
+        ["<|end|>", "<|assistant|>"]
+    )
+    assert response_ids == plain("2+3=5 </think> <answer> 5 </answer>") + [tok.eos_token_id]
+
+
+def test_sft_takes_the_data_and_prompt_of_a_training_config(tmp_path):
+    from conftest import TOKEN_CHAT_TEMPLATE
+
+    from rlvr.errors import UserError
+    from rlvr.modeling import load_model_and_tokenizer
+
+    (tmp_path / "chat.jinja").write_text(TOKEN_CHAT_TEMPLATE)
+    (tmp_path / "grpo.yaml").write_text(
+        "prompt: chat\n"
+        "prompt_options: {system: Add the numbers.}\n"
+        'data: {train_source: "arith:steps=1,max_value=9", train_size: 24}\n'
+        "seed: 3\n"
+    )
+    common = dict(model="tiny", vocab_size=300, steps=3, batch_size=4, progress=False)
+    with pytest.raises(UserError, match="sets the data and the prompt; leave out --data, --prompt"):
+        run_sft(
+            SFTConfig(config=tmp_path / "grpo.yaml", data="arith", prompt="question_only", out=tmp_path / "x", **common)
+        )
+    with pytest.raises(UserError, match="--prompt chat: a fresh model of size tiny .* pass --chat-template FILE"):
+        run_sft(SFTConfig(config=tmp_path / "grpo.yaml", out=tmp_path / "y", **common))
+    out = run_sft(
+        SFTConfig(config=tmp_path / "grpo.yaml", chat_template=tmp_path / "chat.jinja", out=tmp_path / "sft", **common)
+    )
+    saved = json.loads((out / "sft_config.json").read_text())
+    assert (saved["data"], saved["max_examples"], saved["prompt"], saved["system"], saved["data_seed"]) == (
+        "arith:steps=1,max_value=9",
+        24,
+        "chat",
+        "Add the numbers.",
+        3,
+    )
+    _, tokenizer = load_model_and_tokenizer(out)
+    assert tokenizer.chat_template == TOKEN_CHAT_TEMPLATE
+    assert len((out / "sft_log.jsonl").read_text().splitlines()) == 3

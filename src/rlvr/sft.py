@@ -12,6 +12,13 @@ Responses in the r1_zero format:
 - GSM8K (a directory or JSONL path, or ``openai/gsm8k``) ships rationales; the response is the
   rationale (calculator annotations removed) followed by ``" </think> <answer> {ground_truth} </answer>"``.
 
+The data options are ``rlvr train``'s: the source, split, dataset config, columns and answer format,
+the prompt (a built-in, a template file, or ``chat`` with ``--system`` / ``--user-template``), and chat
+rows (a question column of messages); ``--config FILE`` reads all of them from a training config, so
+that the warm start sees the prompts that GRPO will. Under the chat prompt a pair is rendered with the
+model's chat template (``--chat-template FILE`` gives one to a fresh or base model) and the response
+ends with the template's end of turn.
+
 The model is a local checkpoint directory, a hub id, or a fresh OLMo-2 model of a named size
 (``tiny``, ``small``, ``20m``, ``olmo2-1b``); a fresh model gets a byte-level BPE tokenizer trained on
 the training prompts and responses first. The output directory holds the model and tokenizer
@@ -43,6 +50,8 @@ from rlvr.scaffold import claimed_output_dir
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+    from rlvr.prompts import Prompt
+
 
 @dataclass
 class SFTConfig:
@@ -54,8 +63,16 @@ class SFTConfig:
     """A named size for a fresh model (tiny, small, 20m, olmo2-1b), a local checkpoint directory, or a hub id."""
     out: Path = Path("runs/sft")
     """Directory for the checkpoint (model + tokenizer), config and log."""
+    config: Path | None = None
+    """A training config file (rlvr train --config): its data and prompt settings replace --data, --split, --max-examples, --data-config, the columns, --answer-format, --prompt, --system, --user-template and --data-seed."""
     prompt: str = "r1_zero"
-    """Prompt template that wraps each question (see ``rlvr.prompts``)."""
+    """Prompt template that wraps each question: a built-in, a template file, or chat (the model's chat template; see ``rlvr.prompts``)."""
+    system: str | None = None
+    """--prompt chat: the system message (as prompt_options.system of rlvr train)."""
+    user_template: str | None = None
+    """--prompt chat: the user message, a template text or file with a {question} placeholder (as prompt_options.user_template)."""
+    chat_template: Path | None = None
+    """A Jinja chat template file for the tokenizer (a fresh model or a base model has none); saved with the model."""
     split: str = "train"
     """Which split of ``data`` to train on."""
     data_config: str | None = None
@@ -67,7 +84,7 @@ class SFTConfig:
     answer_format: str = "gsm8k"
     """How the answer column ends in its final answer: gsm8k (after '####'), boxed (the last \\boxed{}), raw."""
     max_examples: int | None = None
-    """Use at most this many training examples (the first ones of the split)."""
+    """Use at most this many training examples (the first ones of the split; data.train_size of rlvr train)."""
     steps: int | None = None
     """Optimizer steps; when unset, ``epochs`` passes over the data decide."""
     epochs: float = 1.0
@@ -119,6 +136,16 @@ def sft_pairs(examples: list[Example], prompt: str = "r1_zero") -> tuple[list[st
     return [render(prompt, ex.question) for ex in examples], [sft_response(ex) for ex in examples]
 
 
+def chat_pair_ids(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, example: Example) -> tuple[list[int], list[int]]:
+    """The token ids of ``example``'s chat prompt (with the generation prompt) and of its SFT response as
+    the assistant's message, ending with the template's end of turn (``rlvr.chat``)."""
+    from rlvr.chat import tokenize_prompt_completion
+
+    return tokenize_prompt_completion(
+        tokenizer, prompt.example_messages(example), [{"role": "assistant", "content": sft_response(example)}]
+    )
+
+
 def response_nll(
     model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, response_mask: torch.Tensor
 ) -> torch.Tensor:
@@ -141,14 +168,27 @@ def sft_loss(
     return loss, int(batch["response_mask"].sum())
 
 
+def sft_loss_from_ids(
+    model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, pairs: list[tuple[list[int], list[int]]]
+) -> tuple[torch.Tensor, int]:
+    """``sft_loss`` for pairs already tokenized as ``(prompt ids, response ids)``."""
+    from rlvr.grpo.tokenize import pad_token_id, tokenize_from_ids
+
+    batch = tokenize_from_ids([p for p, _ in pairs], [r for _, r in pairs], pad_token_id(tokenizer))
+    loss = response_nll(model, batch["input_ids"], batch["labels"], batch["response_mask"])
+    return loss, int(batch["response_mask"].sum())
+
+
 def init_model(config: SFTConfig, examples: list[Example]) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """``(model, tokenizer)``: a fresh model of a named size (with a tokenizer trained on ``examples``),
     or a checkpoint from a local directory or the hub."""
     from rlvr import modeling
+    from rlvr.prompts import CHAT
 
     device = usable_device(config.device)
     if config.model in modeling.MODEL_SIZES:
-        tokenizer = modeling.train_tokenizer(modeling.tokenizer_corpus(examples, config.prompt), config.vocab_size)
+        corpus = modeling.tokenizer_corpus(examples, None if config.prompt == CHAT else config.prompt)
+        tokenizer = modeling.train_tokenizer(corpus, config.vocab_size)
         model = modeling.fresh_model(config.model, tokenizer, seed=config.seed).to(device)  # type: ignore[arg-type]  # transformers' stub of .to
         return model, tokenizer
     _check_model(config.model)
@@ -218,9 +258,60 @@ def check_args(config: SFTConfig) -> None:
     _check_model(config.model)
 
 
+# The flags that a training config file (--config) sets instead, and the keys they come from.
+CONFIG_FLAGS = (
+    "data",
+    "split",
+    "max_examples",
+    "data_config",
+    "question_field",
+    "answer_field",
+    "answer_format",
+    "prompt",
+    "system",
+    "user_template",
+    "data_seed",
+)
+
+
+def with_training_config(config: SFTConfig) -> SFTConfig:
+    """``config`` with the data and prompt settings of its ``--config`` training config file (none: as is);
+    ``UserError`` when flags that the file sets are also given."""
+    import dataclasses
+
+    from rlvr.config import load_config_file
+    from rlvr.errors import UserError
+
+    if config.config is None:
+        return config
+    defaults = SFTConfig()
+    given = [f"--{k.replace('_', '-')}" for k in CONFIG_FLAGS if getattr(config, k) != getattr(defaults, k)]
+    if given:
+        raise UserError(
+            f"--config {config.config} sets the data and the prompt; leave out {', '.join(given)} (or leave out --config)"
+        )
+    train = load_config_file(config.config)
+    d, o = train.data, train.prompt_options
+    return dataclasses.replace(
+        config,
+        data=d.train_source,
+        split=d.train_split,
+        max_examples=d.train_size,
+        data_config=d.config,
+        question_field=d.question_field,
+        answer_field=d.answer_field,
+        answer_format=d.answer_format,
+        prompt=train.prompt,
+        system=o.system,
+        user_template=o.user_template,
+        data_seed=train.seed,
+    )
+
+
 def run_sft(config: SFTConfig) -> Path:
     """Fine-tune per ``config`` and save the checkpoint; returns the output directory, locked before
     anything in it is read or replaced (``rlvr.scaffold.claimed_output_dir``)."""
+    config = with_training_config(config)
     check_args(config)
     with claimed_output_dir(config.out, OUTPUT_FILES, config.overwrite, command="rlvr sft"):
         return _run(config)
@@ -247,9 +338,25 @@ def _run(config: SFTConfig) -> Path:
     )
     if not examples:
         raise UserError(f"no training examples in {config.data!r} (split {config.split!r}); check --data and --split")
-    prompts, responses = sft_pairs(examples, config.prompt)
+    from rlvr.instruct_sft import check_chat_template_before_load, read_chat_template
+    from rlvr.prompts import CHAT, resolve_prompt
+    from rlvr.task_config import check_chat_rows
+
+    prompt = resolve_prompt(config.prompt, config.system, config.user_template)
+    check_chat_rows(prompt, [("train", examples)])
+    chat_template = read_chat_template(config.chat_template)
+    if prompt.kind == CHAT and chat_template is None:
+        check_chat_template_before_load(config.model, "--prompt chat", "pass --chat-template FILE")
+    responses = [sft_response(ex) for ex in examples]
     torch.manual_seed(config.seed)
     model, tokenizer = init_model(config, examples)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
+    prompt = prompt.bind(tokenizer)
+    if prompt.kind == CHAT:  # token ids cut where the generation prompt ends, as rlvr.chat renders them
+        pair_ids = [chat_pair_ids(tokenizer, prompt, ex) for ex in examples]
+    else:
+        prompts = [prompt.render_example(ex) for ex in examples]
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, betas=(0.9, 0.95), weight_decay=config.weight_decay)
 
@@ -271,7 +378,10 @@ def _run(config: SFTConfig) -> Path:
             scale = lr_factor(step, total, "cosine", config.warmup_steps, config.min_lr_ratio)
             for group in optimizer.param_groups:
                 group["lr"] = config.lr * scale
-            loss, n_tokens = sft_loss(model, tokenizer, [prompts[i] for i in idx], [responses[i] for i in idx])
+            if prompt.kind == CHAT:
+                loss, n_tokens = sft_loss_from_ids(model, tokenizer, [pair_ids[i] for i in idx])
+            else:
+                loss, n_tokens = sft_loss(model, tokenizer, [prompts[i] for i in idx], [responses[i] for i in idx])
             loss.backward()
             grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm))
             optimizer.step()
