@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
-from rlvr.example import DataError
 from rlvr.errors import UserError
+from rlvr.example import DataError
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
