@@ -418,3 +418,24 @@ def test_chat_rows_need_the_chat_prompt_before_any_model_loads(
     assert len(err.strip().splitlines()) == 1
     assert main([*args, "--prompt", "chat", "--user-template", "Q: {question}"]) == 2
     assert "prompt_options.user_template wraps one-string questions" in capsys.readouterr().err
+
+
+def test_rlvr_eval_config_grades_a_set_with_its_own_reward(gsm8k_path, tmp_path):
+    from rlvr.data import load_examples
+    from rlvr.evaluate import EvalConfig, eval_tasks
+    from rlvr.task_config import set_rewards
+
+    (tmp_path / "run.yaml").write_text(
+        f"data: {{val_sources: ['plain={gsm8k_path} size=2', 'own={gsm8k_path} size=2 reward=exact']}}\n"
+    )
+    tasks = eval_tasks(EvalConfig(model="m", out=tmp_path / "out", config=tmp_path / "run.yaml"))
+    assert [s.reward for s in tasks.sources] == [None, "exact"]
+    examples = load_examples(str(gsm8k_path), "test", limit=2)
+    own = set_rewards(tasks.configs[0], tasks.sources, [("plain", examples), ("own", examples)])
+    try:
+        assert list(own) == ["own"]
+        # exact reads the whole response as the answer; the run's r1_zero would want <answer> tags
+        assert own["own"]("72", "72")["reward"] == 1.0 and own["own"]("71", "72")["reward"] == 0.0
+    finally:
+        for reward in own.values():
+            reward.close()
