@@ -439,3 +439,25 @@ def test_rlvr_eval_config_grades_a_set_with_its_own_reward(gsm8k_path, tmp_path)
     finally:
         for reward in own.values():
             reward.close()
+
+
+def test_grpo_samples_from_chat_rows(gsm8k_path, tiny_model, tiny_tokenizer, tmp_path):
+    """rlvr train on chat rows: every rollout's prompt is its row's conversation through the chat template."""
+    rows = [
+        {"question": [*FEW_SHOT[:2], {"role": "user", "content": f"{i}+{i}?"}], "answer": f"#### {2 * i}"}
+        for i in range(8)
+    ]
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.chat_template = CHAT_TEMPLATE
+    data = DataConfig(train_source=str(tmp_path / "train.jsonl"), train_size=8, val_size=2, val_split="train")
+    run(tiny_config(gsm8k_path, data=data, prompt="chat"), tmp_path / "run", tiny_model, tok)
+    dumped = [
+        json.loads(line)
+        for path in (tmp_path / "run" / "rollouts").glob("step_*.jsonl")
+        for line in path.read_text().splitlines()
+    ]
+    assert dumped
+    for sample in dumped:
+        i = int(sample["ground_truth"]) // 2
+        assert sample["prompt"] == f"[user] 1+1?\n[assistant] 2\n[user] {i}+{i}?\n[assistant] "
