@@ -414,6 +414,8 @@ TRAIN_RANGES: dict[str, Range] = {
     "rollout.top_p": ABOVE_ZERO_TO_ONE,
     "rollout.max_new_tokens": AT_LEAST_ONE,
     "rollout.filter_max_rounds": NON_NEGATIVE,
+    "env.max_turns": AT_LEAST_ONE,
+    "env.max_tokens": AT_LEAST_ONE,
     "optim.lr": POSITIVE,
     "optim.warmup_steps": NON_NEGATIVE,
     "optim.min_lr_ratio": PROBABILITY,
@@ -480,6 +482,22 @@ class HealthConfig:
 
 
 @dataclass(frozen=True)
+class EnvConfig:
+    """What answers the model between its turns (rlvr.environments, docs/environments.md)."""
+
+    name: str = "single_turn"
+    """single_turn (one answer per prompt: the usual GRPO rollout) or tool (the model may call the tools of env.tools; each result comes back as a tool message and the model goes on), or a name added with rlvr.environments.register_environment (a plugin)."""
+    max_turns: int = 4
+    """Model turns per conversation at most; a conversation still going at this point ends as cut off (finish_reason length)."""
+    max_tokens: int = 1024
+    """Tokens after the prompt per conversation at most (the model's turns and the environment's messages together); each model turn is also capped at rollout.max_new_tokens."""
+    tools: tuple[str, ...] = ("calculator",)
+    """env.name tool: the tools offered, by name (rlvr.environments.tools.TOOLS: calculator, python; more with register_tool)."""
+    tool_format: str = "auto"
+    """How the model writes tool calls: hermes (Qwen2.5/Qwen3: <tool_call>{json}</tool_call>), llama3 (a JSON object as the message), plain (base models: the hermes call, stopped at </tool_call>, the result appended as <tool_response>...</tool_response>), or auto (from the chat template; plain without one)."""
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -491,6 +509,7 @@ class TrainConfig:
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     log: LogConfig = field(default_factory=LogConfig)
     distributed: DistributedConfig = field(default_factory=DistributedConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
@@ -727,6 +746,9 @@ class TrainConfig:
                 f"data.train_size={self.data.train_size} is smaller than one rollout batch of "
                 f"{r.n_prompts_per_rollout_batch} prompts; raise it or lower rollout.n_prompts_per_rollout_batch",
             )
+        from rlvr.environments import env_problems
+
+        errors += env_problems(self)
         errors += range_problems(self, TRAIN_RANGES, known=errors)
         if errors:
             # One problem: one line. Several: one line each, so that each names its own fix.

@@ -167,6 +167,7 @@ def evaluate(
     progress: bool = False,
     chunk_size: int = 256,
     reward: Callable[[str, str], dict] | None = None,
+    render: Callable[[Sequence[Example], Prompt], list[str]] | None = None,
 ) -> tuple[dict, list[dict]]:
     """Sample, grade and summarise ``examples`` under a prompt: a ``Prompt`` or a name ``resolve_prompt`` takes.
 
@@ -175,6 +176,8 @@ def evaluate(
     ``chunk_size`` (chunk ``i`` uses seed ``params.seed + i``), which is what the progress bar counts.
     ``reward`` grades the responses (default: the prompt's own); a ``Reward`` also gets each
     example's other fields and adds ``rewards`` (the mean of each extra number it reports) to the metrics.
+    ``render(examples, prompt)`` makes the engine's inputs instead of the prompt (a multi-turn
+    environment's openings, with an engine that plays whole conversations).
     Returns ``(metrics, samples)``; see the module docstring for the metric keys.
     """
     from rlvr.prompts import Prompt, resolve_prompt
@@ -190,7 +193,7 @@ def evaluate(
     params = params or SamplingParams()
     params = dataclasses.replace(params, stop=prompt.stop, include_stop_str_in_output=True)
     reward_fn = reward if reward is not None else BUILTIN_REWARDS[prompt.default_reward]
-    prompts = [prompt.render_example(ex) for ex in examples]
+    prompts = render(examples, prompt) if render is not None else [prompt.render_example(ex) for ex in examples]
 
     bar = None
     if progress:
@@ -263,6 +266,11 @@ def evaluate(
     }
     if extra:
         metrics["rewards"] = {k.removeprefix("reward/"): v for k, v in extra.items()}
+    conversations = [f[4] for f in flat if "pieces" in f[4].meta]
+    if conversations:
+        from rlvr.environments.rollout import episode_metrics
+
+        metrics["episodes"] = {k.removeprefix("train/"): v for k, v in episode_metrics(conversations).items()}
     k = params.n
     if n and k > 1:
         metrics.update(sample_metrics([s["category"] == "correct" for s in samples], k))

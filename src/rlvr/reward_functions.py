@@ -55,8 +55,9 @@ WORKER_REPLY_GRACE_S = 10.0
 """Seconds a worker may take beyond its calls' timeouts to answer a batch before it is taken as hung."""
 WORKER_KINDS = ("thread", "process")
 _PROTOCOL_KEYS = ("reward", "format_reward", "answer_reward")
-ROW_CONTEXT = ("prompt", "messages")
-"""What a user function may also take by keyword: the rendered prompt and its chat messages."""
+ROW_CONTEXT = ("prompt", "messages", "conversation", "env")
+"""What a user function may also take by keyword: the rendered prompt and its chat messages; under a
+multi-turn environment also the whole ``conversation`` and the environment's reward fields ``env``."""
 
 
 class RewardConfigError(UserError, ValueError):

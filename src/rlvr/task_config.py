@@ -318,6 +318,7 @@ def validation_metrics(metrics: dict, name: str, first: bool) -> dict:
         )
         out.update({f"val/reward/{k}": v for k, v in metrics.get("rewards", {}).items()})
         out.update({f"val/{k}": v for k, v in samples.items()})
+        out.update({f"val/{k}": v for k, v in metrics.get("episodes", {}).items()})
     if name:
         out.update(
             {

@@ -108,6 +108,7 @@ from rlvr.data_order import batch_indices, derive_seed
 from rlvr.distributed.world import World, gather_objects, rank_row_range
 from rlvr.engines.base import Engine, SamplingParams, WorkerEngine
 from rlvr.engines.rollouts import RolloutBatch, RolloutRequest, Rollouts, SyncRollouts, tokenize_groups
+from rlvr.environments import episodes_for
 from rlvr.errors import EngineError, GraderError, NonFiniteError, TrainingError, UserError, disk_full
 from rlvr.grpo import (
     REWEIGHTINGS,
@@ -138,6 +139,7 @@ if TYPE_CHECKING:
     from rlvr.data import Example
     from rlvr.distributed.world import GlobalBatch
     from rlvr.engines.base import Completion
+    from rlvr.environments.rollout import Episodes
     from rlvr.prompts import Prompt
     from rlvr.reward_functions import Reward
 
@@ -373,6 +375,8 @@ class RunParts:
     """The frozen initial policy of the KL penalty (``algorithm.kl_coef > 0``), else None."""
     set_rewards: dict[str, Reward] = field(default_factory=dict)
     """The reward of each validation set that names its own (``data.val_sources`` ``reward=NAME``), by set name."""
+    episodes: Episodes | None = None
+    """Multi-turn sampling (``env.name`` other than single_turn), else None."""
 
 
 @dataclass
@@ -489,8 +493,19 @@ def _sampling_params(
     )
 
 
+def _render_prompts(prompt: Prompt, episodes: Episodes | None, examples: Sequence[Example]) -> list[str]:
+    """The model's input for each example: the prompt's, or the opening of its conversation."""
+    if episodes is None:
+        return [prompt.render_example(ex) for ex in examples]
+    return episodes.open(examples, [prompt.example_messages(ex) for ex in examples])
+
+
 def _rollout_request(
-    config: TrainConfig, train_examples: Sequence[Example], prompt: Prompt | None = None, world: World | None = None
+    config: TrainConfig,
+    train_examples: Sequence[Example],
+    prompt: Prompt | None = None,
+    world: World | None = None,
+    episodes: Episodes | None = None,
 ) -> RolloutRequest:
     """``request(s)``: this rank's prompts and sampling parameters of 1-based step s (a pure function of the
     seed, s and the rank). ``prompt``: the run's bound ``Prompt`` (default: the config's, which needs no
@@ -500,7 +515,7 @@ def _rollout_request(
     prompt = prompt or build_prompt(config)
 
     def request(s: int) -> tuple[list[str], SamplingParams]:
-        prompts = [prompt.render_example(ex) for ex in _step_examples(config, train_examples, s, world)]
+        prompts = _render_prompts(prompt, episodes, _step_examples(config, train_examples, s, world))
         return prompts, _sampling_params(config, s, prompt, world)
 
     return request
@@ -591,6 +606,12 @@ def _score(
         for ex, text in zip(examples, batch.prompts, strict=True)
         for _ in range(G)
     ]
+    multi_turn = any("pieces" in c.meta for c in completions)
+    if multi_turn:
+        from rlvr.environments.rollout import episode_fields, episode_metrics
+
+        fields = [episode_fields(f, c) for f, c in zip(fields, completions, strict=True)]
+        log.update(episode_metrics(completions))
     t0 = time.perf_counter()
     raw_rewards, reward_meta = _grade(reward_fn, batch.responses, truths, step, fields)
     log["time/reward"] = time.perf_counter() - t0
@@ -644,7 +665,7 @@ def _fill_groups(
         rounds = k
         picks = [derive_seed(config.seed, "filter", step, k, positions[j]) % len(run.train_examples) for j in todo]
         new_examples = [run.train_examples[i] for i in picks]
-        new_prompts = [run.prompt.render_example(ex) for ex in new_examples]
+        new_prompts = _render_prompts(run.prompt, run.episodes, new_examples)
         params = dataclasses.replace(
             batch.params,
             seed=derive_seed(config.seed, "filter", step, k),
@@ -1000,6 +1021,11 @@ def _dump_rollouts(
             "finish_reason": completions[i].finish_reason,
             "n_tokens": len(completions[i].token_ids),
             "n_train_tokens": n_train_tokens[i],
+            **(
+                {"turns": completions[i].meta["turns"], "messages": completions[i].meta["messages"]}
+                if "pieces" in completions[i].meta
+                else {}
+            ),
         }
         for i in range(len(responses))
     ]
@@ -1088,6 +1114,7 @@ def _validate(
     prompt: Prompt | None = None,
     reward: Callable[[str, str], dict] | None = None,
     set_rewards: dict[str, Reward] | None = None,
+    episodes: Episodes | None = None,
 ) -> dict:
     """Validate on each ``(name, examples)`` of ``val_sets`` (a bare list of examples: one unnamed set),
     graded by ``reward``, or by a set's own one in ``set_rewards``. The first set is logged as
@@ -1118,6 +1145,7 @@ def _validate(
                 params=params,
                 chunk_size=max(1, config.engine.max_batch_size),
                 reward=(set_rewards or {}).get(name, reward),
+                render=None if episodes is None else lambda exs, p: _render_prompts(p, episodes, exs),
             )
         except Exception as e:  # noqa: BLE001
             raise EngineError(
@@ -1155,6 +1183,7 @@ def _validation(config: TrainConfig, step: int, run_dir: Path, run: RunParts, st
             run.prompt,
             run.val_reward,
             run.set_rewards,
+            run.episodes,
         )
     if run.world.distributed:
         val = gather_objects(val)[0]
@@ -1423,6 +1452,7 @@ def _setup(
         on_device = config.algorithm.kl_reference_device if world.backend is None else None
         reference_model = _frozen_reference(initial, torch.device(on_device) if on_device else device, dtype)
     prompt = prompt.bind(tokenizer)
+    episodes = episodes_for(config, tokenizer, prompt)
     _check_prompt_lengths(config, model, tokenizer, prompt, train_examples, val_examples)
     # An engine cannot read sharded or adapted weights in place: it samples from a plain copy.
     engine_copy = None
@@ -1478,7 +1508,7 @@ def _setup(
         prompt=prompt,
         train_examples=train_examples,
         val_examples=val_examples,
-        request=_rollout_request(config, train_examples, prompt, world),
+        request=_rollout_request(config, train_examples, prompt, world, episodes),
         engine_weights=EngineWeights(model, scheduler, engine_copy),
         world=world,
         rows_held=rank_row_range(
@@ -1487,6 +1517,7 @@ def _setup(
         sharded_checkpoints=strategy == "fsdp" or bool(lora.rank),
         reference=reference,
         set_rewards=own_rewards,
+        episodes=episodes,
     )
     return run, state
 
@@ -1525,6 +1556,8 @@ def _start_rollouts(
         except Exception as e:  # noqa: BLE001
             raise EngineError(f"could not start the {config.engine.name} engine: {type(e).__name__}: {e}") from e
         resources.callback(engine.close)
+    if run.episodes is not None:  # whole conversations, for training and validation alike
+        engine = run.episodes.engine(engine)
     rollouts = _make_rollouts(config, engine, run.tokenizer, run.request)
     # Closed before the engine: it waits for the request in flight.
     resources.callback(rollouts.close)

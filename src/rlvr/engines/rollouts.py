@@ -108,6 +108,10 @@ def tokenize_groups(
     from rlvr.grpo.tokenize import pad_token_id
     from rlvr.tokens import encode_texts
 
+    if any("pieces" in c.meta for g in groups for c in g):
+        from rlvr.environments.rollout import tokenize_episodes
+
+        return tokenize_episodes(tokenizer, prompts, groups)
     responses = [c.text for g in groups for c in g]
     output_ids = encode_texts(tokenizer, responses)
     prompt_ids = encode_texts(tokenizer, prompts)

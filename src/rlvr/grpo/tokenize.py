@@ -60,3 +60,23 @@ def tokenize_from_ids(prompt_ids: list[list[int]], output_ids: list[list[int]], 
     position = torch.arange(width)
     mask = (position >= prompt_len[:, None]) & (position < lengths[:, None])
     return {"input_ids": padded[:, :-1], "labels": padded[:, 1:], "response_mask": mask[:, 1:]}
+
+
+def tokenize_from_pieces(
+    prompt_ids: list[list[int]], pieces: list[list[tuple[list[int], bool]]], pad_id: int
+) -> dict[str, torch.Tensor]:
+    """``tokenize_from_ids`` for outputs made of pieces ``(ids, trained)``: a multi-turn conversation's
+    model turns (trained) and the environment's messages between them (not). ``response_mask`` is
+    True only where the label is a token of a trained piece; with one trained piece per output it is
+    ``tokenize_from_ids``'s."""
+    output_ids = [[t for ids, _ in row for t in ids] for row in pieces]
+    out = tokenize_from_ids(prompt_ids, output_ids, pad_id)
+    trained = torch.zeros(len(pieces), out["labels"].shape[1] + 1, dtype=torch.bool)
+    for r, (prompt, row) in enumerate(zip(prompt_ids, pieces, strict=True)):
+        at = len(prompt)
+        for ids, is_trained in row:
+            if is_trained:
+                trained[r, at : at + len(ids)] = True
+            at += len(ids)
+    out["response_mask"] = trained[:, 1:]
+    return out

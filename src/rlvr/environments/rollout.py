@@ -1,0 +1,269 @@
+"""Multi-turn rollouts: the engine samples, the environment answers, the engine continues.
+
+``Episodes.generate`` samples ``params.n`` first turns per row (one engine call, as a single-turn rollout
+does), then, turn after turn, asks the environment about each unfinished conversation and sends
+every conversation that goes on back to the engine in one call: the conversation's text so far
+(prompt, the model's turns and the environment's messages, as rendered), one sample each. A
+conversation ends when the environment says so, when the model's turn is cut at
+``max_new_tokens``, at ``max_turns`` model turns or at ``max_tokens`` tokens after the prompt (the
+last three end it with ``finish_reason`` ``"length"``).
+
+Each conversation comes back as one ``Completion``: ``text`` everything after the prompt (every
+turn, so rollout dumps show them all), ``meta["pieces"]`` the same text as ``(text, by the model)``
+pieces, ``meta["messages"]`` the conversation, ``meta["turns"]`` and ``meta["reward_fields"]``.
+``tokenize_episodes`` tokenises a batch of them piece by piece: the loss mask holds only the
+model's own pieces (the single-turn tokenisation when a conversation is one model turn).
+
+Rendering: with a chat prompt the conversation is the chat template's (the tools' schemas passed
+as ``tools``), and the text between two model turns is what the template adds after the model's
+turn; with a text prompt (base models) the tool format writes the results into the text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from rlvr.engines.base import Completion, Engine, SamplingParams
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from rlvr.data import Example
+    from rlvr.environments import Environment
+    from rlvr.environments.formats import ToolFormat
+
+
+class RenderError(ValueError):
+    """A chat template that rewrites earlier turns, so a conversation cannot be continued as text."""
+
+
+class TextRenderer:
+    """Conversations of a text prompt: the prompt's text, then the turns as written; a tool message
+    appears as the tool format writes its result, any other message as its content."""
+
+    def __init__(self, fmt: ToolFormat | None = None) -> None:
+        self.fmt = fmt
+
+    def prompt(self, messages: list[dict]) -> str:
+        return "".join(m["content"] for m in messages)
+
+    def after(self, conversation: list[dict], new: list[dict]) -> str:
+        render = self.fmt.render_result if self.fmt is not None else None
+        return "".join(
+            render(m["content"]) if m["role"] == "tool" and render is not None else m["content"] for m in new
+        )
+
+
+class ChatRenderer:
+    """Conversations of a chat prompt, rendered by the tokenizer's chat template."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, tools: list[dict] | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.tools = tools or None
+
+    def _render(self, messages: list[dict], generation_prompt: bool) -> str:
+        return self.tokenizer.apply_chat_template(  # type: ignore[no-any-return]
+            messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt
+        )
+
+    def prompt(self, messages: list[dict]) -> str:
+        return self._render(messages, True)
+
+    def after(self, conversation: list[dict], new: list[dict]) -> str:
+        """The text between the model's last turn (``conversation[-1]``) and its next one: the template's
+        end of that turn, ``new`` and the next turn's header."""
+        head = self._render(conversation[:-1], True) + conversation[-1]["content"]
+        closed = self._render(conversation, False)
+        full = self._render(conversation + new, True)
+        if not closed.startswith(head) or not full.startswith(closed):
+            raise RenderError(
+                "the chat template renders earlier turns differently once a conversation goes on, so rlvr "
+                "cannot continue it as text; use a template that appends turns (e.g. without reasoning "
+                "stripping) or env.name single_turn"
+            )
+        return full[len(head) :]
+
+
+def _seed(base: int, *parts: object) -> int:
+    return int.from_bytes(hashlib.sha256(repr((base, *parts)).encode()).digest()[:8], "little") >> 2
+
+
+@dataclass
+class _Episode:
+    row: int
+    sample: int
+    messages: list[dict]
+    pieces: list[tuple[str, bool]] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    turns: int = 0
+    n_tokens: int = 0
+    finish_reason: str | None = None
+    reward_fields: dict = field(default_factory=dict)
+
+    def completion(self) -> Completion:
+        return Completion(
+            text="".join(text for text, _ in self.pieces),
+            token_ids=self.token_ids,
+            finish_reason=self.finish_reason or "stop",
+            meta={
+                "pieces": self.pieces,
+                "messages": self.messages,
+                "turns": self.turns,
+                "reward_fields": self.reward_fields,
+            },
+        )
+
+
+class Episodes:
+    """A run's multi-turn sampling: ``open`` renders the opening of rows, ``generate`` plays them out.
+
+    The prompt texts ``open`` returns stand for their conversations: ``generate`` takes them back (from
+    the trainer's rollouts, ``_fill_groups`` or validation) and finds each one's opening messages."""
+
+    def __init__(
+        self,
+        env: Environment,
+        tokenizer: PreTrainedTokenizerBase,
+        renderer: TextRenderer | ChatRenderer,
+        max_turns: int,
+        max_tokens: int,
+    ) -> None:
+        self.env, self.tokenizer, self.renderer = env, tokenizer, renderer
+        self.max_turns, self.max_tokens = max_turns, max_tokens
+        self.openings: dict[str, list[dict]] = {}
+
+    def open(self, rows: Sequence[Example], messages: Sequence[list[dict]]) -> list[str]:
+        """The prompt text of each row (``messages``: what the run's prompt makes of it)."""
+        prompts = []
+        for row, m in zip(rows, messages, strict=True):
+            opening = self.env.reset(row, [dict(x) for x in m])
+            text = self.renderer.prompt(opening)
+            self.openings[text] = opening
+            prompts.append(text)
+        return prompts
+
+    def engine(self, engine: Engine) -> EpisodeEngine:
+        """``engine`` playing whole conversations for every prompt it is given."""
+        return EpisodeEngine(engine, self)
+
+    def generate(self, engine: Engine, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:
+        """Per prompt (an ``open`` text), ``params.n`` conversations sampled by ``engine`` (module docstring)."""
+        from rlvr.tokens import encode_texts
+
+        env, tokenizer = self.env, self.tokenizer
+        opening = [self.openings.get(p) or [{"role": "user", "content": p}] for p in prompts]
+        params = dataclasses.replace(params, stop=tuple(dict.fromkeys((*params.stop, *env.stop))))
+        episodes = [
+            [_Episode(i, j, [dict(m) for m in opening[i]]) for j in range(params.n)] for i in range(len(prompts))
+        ]
+        live = [e for group in episodes for e in group]
+        turn_completions = [c for group in engine.generate(prompts, params) for c in group]
+        base = params.seed if params.seed is not None else 0
+        while live:
+            going: list[_Episode] = []
+            for e, c in zip(live, turn_completions, strict=True):
+                e.turns += 1
+                e.pieces.append((c.text, True))
+                e.token_ids.extend(c.token_ids)
+                e.n_tokens += len(c.token_ids)
+                e.messages.append({"role": "assistant", "content": c.text})
+                if c.finish_reason == "length":
+                    e.finish_reason = "length"
+                    continue
+                step = env.step(e.messages)
+                e.reward_fields.update(step.reward_fields)
+                if step.done:
+                    e.finish_reason = "stop"
+                    continue
+                text = self.renderer.after(e.messages, step.messages)
+                e.messages.extend(step.messages)
+                ids = encode_texts(tokenizer, [text])[0]
+                e.pieces.append((text, False))
+                e.token_ids.extend(ids)
+                e.n_tokens += len(ids)
+                if e.turns >= self.max_turns or e.n_tokens >= self.max_tokens:
+                    e.finish_reason = "length"
+                    continue
+                going.append(e)
+            if not going:
+                break
+            contexts = [prompts[e.row] + "".join(text for text, _ in e.pieces) for e in going]
+            row_seeds = params.prompt_seeds
+            seeds = tuple(_seed(row_seeds[e.row] if row_seeds is not None else base, e.sample, e.turns) for e in going)
+            budget = max(1, min(params.max_new_tokens, self.max_tokens - min(e.n_tokens for e in going)))
+            turn = dataclasses.replace(
+                params, n=1, max_new_tokens=budget, seed=_seed(base, "turn", going[0].turns), prompt_seeds=seeds
+            )
+            answers = [group[0] for group in engine.generate(contexts, turn)]
+            # One budget serves the whole call: no turn may run past its own conversation's.
+            turn_completions = [_cap(c, self.max_tokens - e.n_tokens, tokenizer) for e, c in zip(going, answers)]
+            live = going
+        return [[e.completion() for e in group] for group in episodes]
+
+
+class EpisodeEngine:
+    """An engine whose completions are whole conversations (``Episodes.generate``); weights go to the
+    engine it wraps."""
+
+    def __init__(self, inner: Engine, episodes: Episodes) -> None:
+        self.inner, self.episodes = inner, episodes
+
+    def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:
+        return self.episodes.generate(self.inner, prompts, params)
+
+    def sync_weights(self, model: torch.nn.Module) -> dict:
+        return self.inner.sync_weights(model)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+def _cap(c: Completion, budget: int, tokenizer: PreTrainedTokenizerBase) -> Completion:
+    if len(c.token_ids) <= budget:
+        return c
+    from rlvr.tokens import decode_texts
+
+    ids = c.token_ids[:budget]
+    return Completion(decode_texts(tokenizer, [ids])[0], ids, "length", None, c.meta)
+
+
+def tokenize_episodes(
+    tokenizer: PreTrainedTokenizerBase, prompts: list[str], groups: list[list[Completion]]
+) -> dict[str, torch.Tensor]:
+    """``rlvr.engines.rollouts.tokenize_groups`` for conversations: every piece tokenised on its own,
+    the loss mask on the model's pieces only."""
+    from rlvr.grpo.tokenize import pad_token_id, tokenize_from_pieces
+    from rlvr.tokens import encode_texts
+
+    flat = [c for g in groups for c in g]
+    pieces: list[list[tuple[str, bool]]] = [c.meta.get("pieces") or [(c.text, True)] for c in flat]
+    texts = [text for p in pieces for text, _ in p]
+    encoded = iter(encode_texts(tokenizer, texts)) if texts else iter([])
+    piece_ids = [[(next(encoded), trained) for _, trained in p] for p in pieces]
+    prompt_ids = encode_texts(tokenizer, prompts)
+    owner = [i for i, g in enumerate(groups) for _ in g]
+    return tokenize_from_pieces([prompt_ids[i] for i in owner], piece_ids, pad_token_id(tokenizer))
+
+
+def episode_metrics(completions: list[Completion]) -> dict[str, Any]:
+    """``train/turns`` (model turns per conversation), ``train/tool_calls`` and ``train/tool_errors``
+    (per conversation, where the environment reports them)."""
+    n = max(1, len(completions))
+    out: dict[str, Any] = {"train/turns": sum(c.meta.get("turns", 1) for c in completions) / n}
+    for key in ("tool_calls", "tool_errors"):
+        values = [c.meta.get("reward_fields", {}).get(key) for c in completions]
+        if any(v is not None for v in values):
+            out[f"train/{key}"] = sum(v or 0 for v in values) / n
+    return out
+
+
+def episode_fields(fields: dict, completion: Completion) -> dict:
+    """A reward function's keyword arguments for a conversation: the row's, plus ``conversation`` (every
+    message) and ``env`` (the environment's reward fields)."""
+    return {**fields, "conversation": completion.meta["messages"], "env": completion.meta["reward_fields"]}
