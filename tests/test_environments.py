@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from conftest import family_model, padded_and_packed
 
 from rlvr.config import (
     ConfigError,
@@ -282,7 +283,11 @@ def test_a_conversation_goes_back_to_the_engine_with_the_tool_result(tiny_tokeni
     assert [m["role"] for m in a.meta["messages"]] == ["user", "assistant", "tool", "assistant"]
     assert a.meta["reward_fields"] == {"tool_calls": 1, "tool_errors": 0}
     assert b.text == " </think> <answer> 9 </answer>" and b.meta["turns"] == 1 and b.finish_reason == "stop"
-    assert episode_metrics([a, b] + groups[1]) == {"train/turns": 7 / 4, "train/tool_calls": 3 / 4, "train/tool_errors": 0}
+    assert episode_metrics([a, b] + groups[1]) == {
+        "train/turns": 7 / 4,
+        "train/tool_calls": 3 / 4,
+        "train/tool_errors": 0,
+    }
     tokens = tokenize_groups(tiny_tokenizer, prompts, groups)
     ids = tokens["labels"][0][tokens["response_mask"][0]].tolist()
     model_ids = tiny_tokenizer(CALL, add_special_tokens=False)["input_ids"]
@@ -346,12 +351,18 @@ def test_a_chat_conversation_continues_as_the_template_renders_it(tiny_tokenizer
     renderer = ChatRenderer(tok, env.schemas)
     user = [{"role": "user", "content": "What is 7+5?"}]
     prompt = renderer.prompt(user)
-    assert prompt == "<|im_start|>system\nTools: calculator; call one as <tool_call>{json}</tool_call><|im_end|>\n<|im_start|>user\nWhat is 7+5?<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        prompt
+        == "<|im_start|>system\nTools: calculator; call one as <tool_call>{json}</tool_call><|im_end|>\n<|im_start|>user\nWhat is 7+5?<|im_end|>\n<|im_start|>assistant\n"
+    )
     call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "7+5"}}\n</tool_call>'
     conv = user + [_assistant(call)]
     step = env.step(conv)
     after = renderer.after(conv, step.messages)
-    assert after == "<|im_end|>\n<|im_start|>user\n<tool_response>\n12\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        after
+        == "<|im_end|>\n<|im_start|>user\n<tool_response>\n12\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
     # the continued text is the template's rendering of the whole conversation so far
     full = tok.apply_chat_template(conv + step.messages, tools=env.schemas, tokenize=False, add_generation_prompt=True)
     assert prompt + call + after == full
@@ -408,7 +419,9 @@ def test_training_on_conversations_dumps_every_turn(gsm8k_path, tiny_model, tiny
     from rlvr.logging_utils import read_metrics
     from rlvr.trainer import train
 
-    train(_trainer_config(gsm8k_path, echo_env), tmp_path, model=tiny_model, tokenizer=tiny_tokenizer, reward_fn=_parity)
+    train(
+        _trainer_config(gsm8k_path, echo_env), tmp_path, model=tiny_model, tokenizer=tiny_tokenizer, reward_fn=_parity
+    )
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [0, 1, 2]
     for r in rows[1:]:
@@ -435,8 +448,71 @@ def test_off_policy_and_packed_training_take_conversations(gsm8k_path, tiny_mode
         gsm8k_path,
         echo_env,
         algorithm=AlgorithmConfig(preset="dr_grpo", reweighting="grpo"),
-        optim=OptimConfig(lr=1e-3, train_batch_size=4, gradient_accumulation_steps=2, epochs_per_rollout_batch=2, shared_prefix=True),
+        optim=OptimConfig(
+            lr=1e-3, train_batch_size=4, gradient_accumulation_steps=2, epochs_per_rollout_batch=2, shared_prefix=True
+        ),
     )
     train(cfg, tmp_path, model=tiny_model, tokenizer=tiny_tokenizer, reward_fn=_parity)
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert all(r["train/n_updates"] == 4 and 0 <= r["train/clip_fraction"] <= 1 for r in rows[1:])
+
+
+def test_packed_conversations_equal_padded(tiny_tokenizer):
+    """Shared-prompt packing takes a conversation's whole span (the environment's tokens as input only):
+    log-probs, entropies and gradients equal the padded path's."""
+    from rlvr.grpo.packing import shared_prefix_plan
+
+    model = family_model("olmo2", tiny_tokenizer)
+    enc = lambda text: tiny_tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    prompt_a, prompt_b = enc("What is 7 plus 5? Think."), enc("Name a fruit.")
+    tool = enc(" <tool_response>12</tool_response>")
+    pieces = [
+        [(enc(CALL), True), (tool, False), (enc(" <answer> 12 </answer>"), True)],
+        [(enc(" It is 12."), True)],
+        [(enc(CALL), True), (tool, False), (enc(" 12"), True), (enc(" ok."), False), (enc(" done"), True)],
+        [(enc(" An apple"), True)],
+    ]
+    tok = tokenize_from_pieces([prompt_a, prompt_a, prompt_a, prompt_b], pieces, 0)
+    mask = tok["response_mask"]
+    assert shared_prefix_plan(tok["input_ids"], mask, [True] * 4, 4, spans=True) == [[0, 1, 2, 3]]
+    (padded, g_padded), (packed, g_packed) = padded_and_packed(model, tok, torch.randn(mask.shape), chunk_tokens=5)
+    assert packed["backbone_tokens"] < mask.numel()
+    assert bool((packed["log_probs"][~mask] == 0).all()) and bool((packed["token_entropy"][~mask] == 0).all())
+    torch.testing.assert_close(packed["log_probs"], padded["log_probs"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed["token_entropy"], padded["token_entropy"], rtol=1e-5, atol=1e-5)
+    for a, b in zip(g_packed, g_padded, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_a_resumed_conversation_run_equals_an_uninterrupted_one(gsm8k_path, tiny_tokenizer, tmp_path, echo_env):
+    """Conversations are a function of (seed, step) like single-turn rollouts: a run stopped after its
+    step-2 checkpoint and resumed gives the metrics and weights of a run that never stopped."""
+    from rlvr.checkpoint import latest_checkpoint
+    from rlvr.errors import GraderError
+    from rlvr.logging_utils import read_metrics
+    from rlvr.modeling import build_model, small_olmo2_config
+    from rlvr.trainer import train
+
+    def fresh():
+        return build_model(small_olmo2_config(tiny_tokenizer, hidden_size=32, num_layers=2, num_heads=4), seed=0)
+
+    cfg = _trainer_config(gsm8k_path, echo_env, n_steps=3, save_every=2)
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    model_a = fresh()
+    train(cfg, straight, model=model_a, tokenizer=tiny_tokenizer, reward_fn=_parity)
+    calls = {"n": 0}
+
+    def crashes_in_step_3(response, gt):  # 8 conversations per step: call 17 is the first of step 3
+        calls["n"] += 1
+        if calls["n"] > 16:
+            raise ValueError("grader bug")
+        return _parity(response, gt)
+
+    with pytest.raises(GraderError):
+        train(cfg, broken, model=fresh(), tokenizer=tiny_tokenizer, reward_fn=crashes_in_step_3)
+    assert latest_checkpoint(broken).name == "step_000002"
+    model_b = fresh()
+    train(cfg, broken, resume=True, model=model_b, tokenizer=tiny_tokenizer, reward_fn=_parity)
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time/", "tokens_per_s"))} for r in rows]  # noqa: E731
+    assert strip(read_metrics(straight / "metrics.jsonl")) == strip(read_metrics(broken / "metrics.jsonl"))
+    assert all(torch.equal(a, b) for a, b in zip(model_a.parameters(), model_b.parameters(), strict=True))

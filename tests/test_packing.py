@@ -278,16 +278,17 @@ def test_kept_head_logits_leave_the_update_unchanged(shared, tiny_tokenizer):
     assert not all(torch.equal(a, b) for a, b in zip(p0, model.parameters(), strict=True))  # the step moved them
 
 
-def test_packed_update_falls_back_to_padded_where_it_cannot_pack(tiny_model, tiny_tokenizer):
-    """A response with a gap is trained padded (the same gradient either way); ranks of a data-parallel
-    run get a clear error."""
+def test_packed_update_takes_a_response_with_a_gap(tiny_model, tiny_tokenizer):
+    """A response with a gap (a multi-turn conversation: the environment's tokens between the model's
+    turns) is packed over its whole span (tests/test_environments.py checks it equals the padded path);
+    ranks of a data-parallel run get a clear error."""
     tok = _group_batch(tiny_tokenizer)
     mask = tok["response_mask"].clone()
     mask[0, mask[0].nonzero()[1]] = False
     opt = torch.optim.SGD(tiny_model.parameters(), lr=0.0)
     args = (tok["input_ids"], tok["labels"], mask, torch.ones(8), 1, None)
     _, meta = policy_gradient_update(tiny_model, opt, *args, shared_prefix=True)
-    assert meta["backbone_tokens"] == mask.numel()  # one padded microbatch of every row
+    assert meta["backbone_tokens"] < mask.numel()  # packed: each prompt once, no padding
     from rlvr.distributed import GlobalBatch
 
     with pytest.raises(ValueError, match="optim.shared_prefix false"):

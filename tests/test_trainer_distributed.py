@@ -60,6 +60,29 @@ def parity_on_even_truths(response, ground_truth, **fields):
 '''
 
 
+ECHO_ENV = '''
+from rlvr.environments import ENVIRONMENTS, EnvStep, register_environment
+
+
+class Echo:
+    """Two model turns: after the first, the environment says " ok." (context, not trained on)."""
+
+    stop = ("e",)
+
+    def reset(self, row, messages):
+        return messages
+
+    def step(self, messages):
+        if sum(m["role"] == "assistant" for m in messages) >= 2:
+            return EnvStep(done=True)
+        return EnvStep(messages=[{"role": "user", "content": " ok."}])
+
+
+if "echo" not in ENVIRONMENTS:
+    register_environment("echo", lambda config: Echo())
+'''
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory, tiny_tokenizer):
     """A saved tiny OLMo-2, a small arithmetic data file, the reward file and a base config file."""
@@ -72,6 +95,7 @@ def setup(tmp_path_factory, tiny_tokenizer):
     rows = [{"question": f"What is {a} plus {a + 3}?", "answer": f"#### {2 * a + 3}"} for a in range(24)]
     (root / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (root / "reward.py").write_text(REWARD)
+    (root / "echo_env.py").write_text(ECHO_ENV)
     base = {
         "model": {"name_or_path": str(root / "model")},
         "data": {"train_source": str(root / "data.jsonl"), "train_size": 16, "val_size": 2},
@@ -284,6 +308,12 @@ KNOBS = {
         },
         ("train/overlong_penalty", "train/truncated_frac"),
     ),
+    # multi-turn conversations (an environment that answers once): each rank plays its own rows' turns
+    "ddp_conversations": (
+        "ddp",
+        {"plugins": ["ROOT/echo_env.py"], "env": {"name": "echo", "max_turns": 2, "max_tokens": 16}},
+        ("train/turns",),
+    ),
     # dynamic sampling: every rank fills its own places, as one process does; FSDP2
     "fsdp_filter_groups": (
         "fsdp",
@@ -297,7 +327,9 @@ KNOBS = {
 def test_knobs_over_two_ranks_equal_one_process(name, setup, tmp_path):
     root, base = setup
     strategy, sections, metrics = KNOBS[name]
-    sections = json.loads(json.dumps(sections).replace("REWARD_FILE", str(root / "reward.py")))
+    sections = json.loads(
+        json.dumps(sections).replace("REWARD_FILE", str(root / "reward.py")).replace("ROOT", str(root))
+    )
     cfg = _config_file(tmp_path / "cfg.json", base, **sections)
     train(load_config_file(cfg), tmp_path / "one")
     proc = _torchrun(["--config", str(cfg), "--out", str(tmp_path / "two"), "--distributed.strategy", strategy])

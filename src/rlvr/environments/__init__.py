@@ -53,7 +53,8 @@ class EnvStep:
 
 @runtime_checkable
 class Environment(Protocol):
-    stop: tuple[str, ...]
+    @property
+    def stop(self) -> tuple[str, ...]: ...
 
     def reset(self, row: Example, messages: list[dict]) -> list[dict]: ...
 
@@ -102,9 +103,7 @@ def get_environment_entry(name: str) -> EnvironmentEntry:
     try:
         return ENVIRONMENTS[name]
     except KeyError:
-        raise EnvironmentError_(
-            f"unknown env.name {name!r}: choose one of {', '.join(sorted(ENVIRONMENTS))}"
-        ) from None
+        raise EnvironmentError_(f"unknown env.name {name!r}: choose one of {', '.join(sorted(ENVIRONMENTS))}") from None
 
 
 def build_environment(config: EnvConfig) -> Environment:

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -65,12 +65,13 @@ class ChatRenderer:
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, tools: list[dict] | None = None) -> None:
         self.tokenizer = tokenizer
-        self.tools = tools or None
+        self.tools: list[dict | Callable] | None = list(tools) if tools else None
 
     def _render(self, messages: list[dict], generation_prompt: bool) -> str:
-        return self.tokenizer.apply_chat_template(  # type: ignore[no-any-return]
+        text = self.tokenizer.apply_chat_template(
             messages, tools=self.tools, tokenize=False, add_generation_prompt=generation_prompt
         )
+        return cast(str, text)
 
     def prompt(self, messages: list[dict]) -> str:
         return self._render(messages, True)

@@ -67,7 +67,7 @@ _BINARY = {
     ast.Mod: operator.mod,
     ast.Pow: operator.pow,
 }
-_UNARY = {ast.UAdd: operator.pos, ast.USub: operator.neg}
+_UNARY: dict[type, Callable[[Any], Any]] = {ast.UAdd: operator.pos, ast.USub: operator.neg}
 MAX_EXPONENT = 64
 """Largest exponent ``**`` accepts, so that a call cannot ask for a number with millions of digits."""
 
@@ -75,15 +75,16 @@ MAX_EXPONENT = 64
 def _evaluate(node: ast.AST) -> int | float:
     if isinstance(node, ast.Expression):
         return _evaluate(node.body)
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return node.value  # type: ignore[no-any-return]
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        return node.value
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         left, right = _evaluate(node.left), _evaluate(node.right)
         if isinstance(node.op, ast.Pow) and abs(right) > MAX_EXPONENT:
             raise ValueError(f"exponent {right} is larger than {MAX_EXPONENT}")
         return _BINARY[type(node.op)](left, right)  # type: ignore[no-any-return]
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-        return _UNARY[type(node.op)](_evaluate(node.operand))  # type: ignore[no-any-return]
+        unary: Callable[[Any], int | float] = _UNARY[type(node.op)]
+        return unary(_evaluate(node.operand))
     raise ValueError("only numbers, + - * / // % ** and parentheses are allowed")
 
 

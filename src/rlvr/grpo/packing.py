@@ -55,9 +55,11 @@ class RowLayout:
         return self.first + 1
 
 
-def row_layouts(response_mask: torch.Tensor) -> list[RowLayout | None] | None:
+def row_layouts(response_mask: torch.Tensor, spans: bool = False) -> list[RowLayout | None] | None:
     """Each row's layout (None for a row without response tokens), or None when some row's response
-    positions are not one contiguous run (such a batch is not packed)."""
+    positions are not one contiguous run (such a batch is not packed). With ``spans`` a row's layout runs
+    from its first response position to its last whatever lies between (a multi-turn conversation, whose
+    environment messages sit between the model's turns)."""
     mask = response_mask.bool()
     counts = mask.sum(1).tolist()
     firsts = mask.int().argmax(1).tolist()
@@ -66,10 +68,10 @@ def row_layouts(response_mask: torch.Tensor) -> list[RowLayout | None] | None:
     for n, first, last in zip(counts, firsts, lasts, strict=True):
         if n == 0:
             layouts.append(None)
-        elif last - first + 1 != n:
+        elif last - first + 1 != n and not spans:
             return None
         else:
-            layouts.append(RowLayout(first, n))
+            layouts.append(RowLayout(first, last - first + 1))
     return layouts
 
 
@@ -83,12 +85,13 @@ def shared_prefix_plan(
     keep: Sequence[bool],
     microbatch_size: int,
     max_tokens_per_microbatch: int | None = None,
+    spans: bool = False,
 ) -> list[list[int]] | None:
     """Row indices of each packed microbatch: kept rows grouped by identical prompt tokens, whole groups
     together where they fit, cut at ``microbatch_size`` rows and, if given, at
     ``max_tokens_per_microbatch`` packed tokens (each prompt counted once). None when the batch cannot
-    be packed (``row_layouts``)."""
-    layouts = row_layouts(response_mask)
+    be packed (``row_layouts``; ``spans`` as there)."""
+    layouts = row_layouts(response_mask, spans)
     if layouts is None:
         return None
     groups: dict[tuple[int, ...], list[int]] = {}
@@ -146,12 +149,14 @@ class Pack:
     """Each group's responses' packed length together, in the prompts' order."""
 
 
-def pack_rows(input_ids: torch.Tensor, response_mask: torch.Tensor, rows: Sequence[int], width: int) -> Pack:
+def pack_rows(
+    input_ids: torch.Tensor, response_mask: torch.Tensor, rows: Sequence[int], width: int, spans: bool = False
+) -> Pack:
     """Pack ``rows`` of a tokenised batch (host tensors): each distinct prompt once, then the inputs of
     each of its responses (all response tokens but the last, which no label is predicted from). Labels
     keep the padded layout, ``(len(rows), width)``, through ``keep``."""
     index = torch.as_tensor(list(rows), dtype=torch.long)
-    layouts = row_layouts(response_mask[index, :width])
+    layouts = row_layouts(response_mask[index, :width], spans)
     if layouts is None:
         raise ValueError("pack_rows needs each row's response positions to be one contiguous run")
     prompt_width = max((layout.prompt_len for layout in layouts if layout is not None), default=0)
@@ -671,7 +676,7 @@ def packed_response_log_probs(
     if head is None or not can_pack(model):
         raise ValueError(f"{type(model).__name__} cannot be trained packed (see can_pack)")
     device = model_device(plain)
-    host = pack_rows(input_ids, response_mask, rows, width)
+    host = pack_rows(input_ids, response_mask, rows, width, spans=True)
     pack, layout, mb_labels = _pack_to(host, labels[torch.as_tensor(list(rows)), :width], device)
     token = _layout.set(layout)
     try:
@@ -685,5 +690,10 @@ def packed_response_log_probs(
     out: dict[str, Any] = head_log_probs(
         head, hidden, mb_labels, pack.keep, chunk_tokens, return_token_entropy, backbone is not None, keep_logits
     )
+    # A conversation's span holds the environment's messages too: outside the mask, 0 as in the padded path.
+    mask = response_mask[torch.as_tensor(list(rows)), :width].to(device, non_blocking=True)
+    for key in ("log_probs", "token_entropy"):
+        if key in out:
+            out[key] = out[key].masked_fill(~mask.bool(), 0.0)
     out["backbone_tokens"] = pack.input_ids.shape[1]
     return out

@@ -182,7 +182,9 @@ def policy_gradient_update(
         if global_batch is not None:
             raise ValueError("shared-prefix packing runs in one process; set optim.shared_prefix false for ddp or fsdp")
         if can_pack(model):
-            plan = shared_prefix_plan(input_ids, response_mask, keep, rows_per_microbatch, max_tokens_per_microbatch)
+            plan = shared_prefix_plan(
+                input_ids, response_mask, keep, rows_per_microbatch, max_tokens_per_microbatch, spans=True
+            )
     packed = plan is not None
     if plan is None:
         plan = microbatch_plan(lengths, keep, rows_per_microbatch, max_tokens_per_microbatch)

@@ -26,6 +26,12 @@ Knobs (``arith:steps=2,max_value=20,ops=+-``; values may arrive as strings):
   although the arithmetic is right. A model trained on them knows the answers but often writes them
   in a form the grader refuses: the first thing RL with a format-strict reward teaches.
 
+- ``tool``: the share of reference solutions (0 to 1, default 0) that compute with the calculator tool
+  (``rlvr.environments``, plain format) instead of by hand: after the opening sentence, one call
+  ``<tool_call>{"name": "calculator", "arguments": {"expression": "(7 + 5) - 3"}}</tool_call>``, its
+  result ``<tool_response>9</tool_response>`` and the answer. These solutions never carry ``noise``
+  (the tool does not slip): traces for a tool-use warm start.
+
 Splits never overlap, whatever the seeds: a problem belongs to ``train``, ``validation`` or ``test``
 by a hash of its question text, so no question appears under two splits. As in GSM8K, the same
 small computation (say 7 + 5) can recur under different names, objects and wording; partitioning
@@ -37,6 +43,7 @@ drawn from its own seeded stream, so loading one split does not depend on loadin
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -241,6 +248,20 @@ def slipped_solution(problem: Problem, solution: str, rng: random.Random) -> str
     return " " + " ".join(lines) + f" </think> <answer> {wrong[-1]} </answer>"
 
 
+def tool_solution(problem: Problem, solution: str) -> str:
+    """``solution`` computed by one calculator call (the ``tool`` knob)."""
+    from rlvr.environments.formats import TOOL_FORMATS
+
+    expression = str(problem.start)
+    for i, (op, k) in enumerate(problem.ops):
+        expression = f"{expression if i == 0 else f'({expression})'} {op} {k}"
+    call = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
+    render = TOOL_FORMATS["plain"].render_result
+    assert render is not None
+    opening = solution.strip().split(". ", 1)[0] + "."  # "Mia starts with 7 apples."
+    return f" {opening} <tool_call>{call}</tool_call>{render(str(problem.answer))} </think> <answer> {problem.answer} </answer>"
+
+
 def _as_int(name: str, value: Any) -> int:
     try:
         return int(value)
@@ -268,6 +289,7 @@ def load_arithmetic(
     size: int | str | None = None,
     noise: float | str = 0.0,
     format_noise: float | str = 0.0,
+    tool: float | str = 0.0,
 ) -> list[Example]:
     """The ``split`` of the arithmetic task: ``limit`` (or ``size``, or the split's default) problems.
 
@@ -285,6 +307,7 @@ def load_arithmetic(
     if not ops or set(ops) - set(ALL_OPS) or not set(ops) & set("+-"):
         raise DataError(f"arith: ops must be a subset of {ALL_OPS!r} holding '+' or '-', got {ops!r}")
     noise, format_noise = _as_share("noise", noise), _as_share("format_noise", format_noise)
+    tool = _as_share("tool", tool)
     n = (
         _as_int("limit", limit)
         if limit is not None
@@ -296,6 +319,7 @@ def load_arithmetic(
     split_seed = int(hashlib.sha256(f"arith|{seed}|{split}|{steps}|{max_value}|{ops}".encode()).hexdigest()[:16], 16)
     rng = random.Random(split_seed)
     noise_rng = random.Random(split_seed ^ 0x5EED)  # its own stream: noise never changes the questions
+    tool_rng = random.Random(split_seed ^ 0x7001)  # and the tool's its own: without it, nothing else changes
     examples: list[Example] = []
     seen: set[str] = set()
     attempts = 0
@@ -311,7 +335,9 @@ def load_arithmetic(
         if split_of(question) != split or question in seen:
             continue
         seen.add(question)
-        if noise and noise_rng.random() < noise:
+        if tool and tool_rng.random() < tool:
+            solution = tool_solution(problem, solution)
+        elif noise and noise_rng.random() < noise:
             solution = slipped_solution(problem, solution, noise_rng)
         if format_noise and noise_rng.random() < format_noise:
             solution = solution.replace("</think> <answer>", "</think><answer>")
