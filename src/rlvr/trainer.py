@@ -1535,14 +1535,19 @@ def _check_prompt_lengths(
     context = context_length(model)
     if context is None:
         return
-    budget = context - config.rollout.max_new_tokens
+    from rlvr.environments import get_environment_entry
+
+    after, setting = config.rollout.max_new_tokens, "rollout.max_new_tokens"
+    if get_environment_entry(config.env.name).multi_turn and config.env.max_tokens > after:
+        after, setting = config.env.max_tokens, "env.max_tokens"  # a conversation reaches that far past its prompt
+    budget = context - after
     for name, examples in [("training", train_examples), *((f"validation {n}".strip(), e) for n, e in val_examples)]:
         index, tokens = longest_prompt(tokenizer, [prompt.render_example(ex) for ex in examples])
         if tokens > budget:
             raise ConfigError(
-                f"{name} example {index + 1} makes a prompt of {tokens} tokens; with rollout.max_new_tokens="
-                f"{config.rollout.max_new_tokens} it needs more than the model's context of {context} positions. "
-                "Drop or shorten the long examples, or lower rollout.max_new_tokens"
+                f"{name} example {index + 1} makes a prompt of {tokens} tokens; with {setting}={after} it needs "
+                f"more than the model's context of {context} positions. "
+                f"Drop or shorten the long examples, or lower {setting}"
             )
 
 

@@ -61,6 +61,29 @@ class ToolProofConfig:
     """Device of both stages."""
     progress: bool = False
     """Show progress bars."""
+    reuse_sft: bool = False
+    """Reuse a finished warm start found in OUT/sft (to try GRPO settings again)."""
+
+
+def _warm_start(cfg: ToolProofConfig, sft_dir: Path) -> None:
+    from rlvr.sft import SFTConfig, run_sft
+
+    run_sft(
+        SFTConfig(
+            data=cfg.task,
+            model=cfg.model_size,
+            out=sft_dir,
+            steps=cfg.sft_steps,
+            batch_size=32,
+            device=cfg.device,
+            lr=cfg.sft_lr,
+            warmup_steps=10,
+            seed=cfg.seed,
+            vocab_size=cfg.vocab_size,
+            progress=cfg.progress,
+            overwrite=True,
+        )
+    )
 
 
 def run_tool_proof(cfg: ToolProofConfig) -> dict:
@@ -78,29 +101,15 @@ def run_tool_proof(cfg: ToolProofConfig) -> dict:
     )
     from rlvr.logging_utils import read_metrics
     from rlvr.rundir import atomic_write_json
-    from rlvr.sft import SFTConfig, run_sft
     from rlvr.trainer import train
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
     sft_dir, grpo_dir = out / "sft", out / "grpo"
     t0 = time.perf_counter()
-    run_sft(
-        SFTConfig(
-            data=cfg.task,
-            model=cfg.model_size,
-            out=sft_dir,
-            steps=cfg.sft_steps,
-            batch_size=32,
-            device=cfg.device,
-            lr=cfg.sft_lr,
-            warmup_steps=10,
-            seed=cfg.seed,
-            vocab_size=cfg.vocab_size,
-            progress=cfg.progress,
-            overwrite=True,
-        )
-    )
+    reuse = cfg.reuse_sft and (sft_dir / "config.json").is_file() and (sft_dir / "sft_config.json").is_file()
+    if not reuse:
+        _warm_start(cfg, sft_dir)
     t_sft = time.perf_counter() - t0
     config = TrainConfig(
         model=ModelConfig(name_or_path=str(sft_dir)),
@@ -160,9 +169,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ToolProofConfig.out)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--reuse-sft", action="store_true")
+    parser.add_argument("--progress", action="store_true")
     args = parser.parse_args(argv)
     results = [
-        run_tool_proof(ToolProofConfig(out=args.out / f"seed_{s}", device=args.device, seed=s)) for s in args.seeds
+        run_tool_proof(
+            ToolProofConfig(
+                out=args.out / f"seed_{s}", device=args.device, seed=s, reuse_sft=args.reuse_sft, progress=args.progress
+            )
+        )
+        for s in args.seeds
     ]
     print(json.dumps(results, indent=1))
     return 0
