@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import family_model, padded_and_packed
 
+from rlvr.checks import resolve_config, validate_config
 from rlvr.config import (
     ConfigError,
     DataConfig,
@@ -158,10 +159,6 @@ def test_environments_come_from_the_table():
     assert [s["function"]["name"] for s in env.schemas] == ["calculator", "python"]
 
 
-def _train_config(**env) -> TrainConfig:
-    return TrainConfig(env=EnvConfig(**env)).resolve()
-
-
 @pytest.mark.parametrize(
     ("env", "engine", "message"),
     [
@@ -177,7 +174,7 @@ def _train_config(**env) -> TrainConfig:
 def test_env_settings_that_cannot_run_are_one_line_errors(env, engine, message):
     config = TrainConfig(env=EnvConfig(**env), engine=EngineConfig(name=engine, device="cpu"), policy_device="cpu")
     with pytest.raises(ConfigError, match=message) as e:
-        config.resolve().validate()
+        validate_config(resolve_config(config))
     assert "\n" not in str(e.value)
 
 
@@ -516,3 +513,21 @@ def test_a_resumed_conversation_run_equals_an_uninterrupted_one(gsm8k_path, tiny
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(("time/", "tokens_per_s"))} for r in rows]  # noqa: E731
     assert strip(read_metrics(straight / "metrics.jsonl")) == strip(read_metrics(broken / "metrics.jsonl"))
     assert all(torch.equal(a, b) for a, b in zip(model_a.parameters(), model_b.parameters(), strict=True))
+
+
+def test_arith_tool_traces_are_what_the_tool_environment_reads_and_writes():
+    from rlvr.tasks.arithmetic import load_arithmetic
+
+    examples = load_arithmetic("train", limit=40, steps=2, tool=0.5, noise=0.5)
+    traces = [ex for ex in examples if "<tool_call>" in ex.solution]
+    assert 10 < len(traces) < 30
+    env = ToolEnvironment(get_tools(["calculator"]), "plain")
+    for ex in traces:
+        turn, _, rest = ex.solution.partition("</tool_call>")
+        step = env.step([{"role": "user", "content": ex.question}, _assistant(turn + "</tool_call>")])
+        assert step.messages[0]["content"] == ex.ground_truth  # the call computes the answer
+        assert rest == f"{env.format.render_result(ex.ground_truth)} </think> <answer> {ex.ground_truth} </answer>"
+    # without the knob nothing changes: the same questions and solutions as before it existed
+    plain = load_arithmetic("train", limit=40, steps=2, noise=0.5)
+    assert [e.question for e in plain] == [e.question for e in examples]
+    assert all("<tool_call>" not in e.solution for e in plain)

@@ -17,6 +17,7 @@ import torch
 from rlvr.config import ConfigError, TrainConfig
 from rlvr.distributed.world import check_prompts_divisible
 from rlvr.engines import engine_names
+from rlvr.environments import env_problems
 from rlvr.grpo import (
     AGGREGATIONS,
     BASELINES,
@@ -138,6 +139,7 @@ def registry_problems(config: TrainConfig) -> list[str]:
             "(Dr. GRPO: train batch size x max_new_tokens)",
         )
     problems += task_config_problems(config)
+    problems += env_problems(config)
     e = config.engine
     need(e.name in engine_names(), f"unknown engine.name {e.name!r}: choose one of {', '.join(engine_names())}")
     need(

@@ -746,9 +746,6 @@ class TrainConfig:
                 f"data.train_size={self.data.train_size} is smaller than one rollout batch of "
                 f"{r.n_prompts_per_rollout_batch} prompts; raise it or lower rollout.n_prompts_per_rollout_batch",
             )
-        from rlvr.environments import env_problems
-
-        errors += env_problems(self)
         errors += range_problems(self, TRAIN_RANGES, known=errors)
         if errors:
             # One problem: one line. Several: one line each, so that each names its own fix.

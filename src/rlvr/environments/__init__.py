@@ -31,8 +31,8 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from rlvr.config import EnvConfig, TrainConfig
-    from rlvr.data import Example
     from rlvr.environments.rollout import Episodes
+    from rlvr.example import Example
     from rlvr.prompts import Prompt
 
 

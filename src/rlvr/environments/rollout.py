@@ -34,9 +34,9 @@ from rlvr.engines.base import Completion, Engine, SamplingParams
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from rlvr.data import Example
     from rlvr.environments import Environment
     from rlvr.environments.formats import ToolFormat
+    from rlvr.example import Example
 
 
 class RenderError(ValueError):

@@ -249,17 +249,15 @@ def slipped_solution(problem: Problem, solution: str, rng: random.Random) -> str
 
 
 def tool_solution(problem: Problem, solution: str) -> str:
-    """``solution`` computed by one calculator call (the ``tool`` knob)."""
-    from rlvr.environments.formats import TOOL_FORMATS
-
+    """``solution`` computed by one calculator call (the ``tool`` knob), written as the plain tool-call
+    format of ``rlvr.environments.formats`` reads and writes it (tests/test_environments.py holds them equal)."""
     expression = str(problem.start)
     for i, (op, k) in enumerate(problem.ops):
         expression = f"{expression if i == 0 else f'({expression})'} {op} {k}"
     call = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
-    render = TOOL_FORMATS["plain"].render_result
-    assert render is not None
     opening = solution.strip().split(". ", 1)[0] + "."  # "Mia starts with 7 apples."
-    return f" {opening} <tool_call>{call}</tool_call>{render(str(problem.answer))} </think> <answer> {problem.answer} </answer>"
+    result = f" <tool_response>{problem.answer}</tool_response>"
+    return f" {opening} <tool_call>{call}</tool_call>{result} </think> <answer> {problem.answer} </answer>"
 
 
 def _as_int(name: str, value: Any) -> int:
