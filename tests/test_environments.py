@@ -266,14 +266,18 @@ def test_a_conversation_goes_back_to_the_engine_with_the_tool_result(tiny_tokeni
     rows = [Example("Q1", "12"), Example("Q2", "3")]
     prompts = episodes.open(rows, [[{"role": "user", "content": "P1:"}], [{"role": "user", "content": "P2:"}]])
     assert prompts == ["P1:", "P2:"]
-    engine = ScriptedEngine([[CALL, " </think> <answer> 9 </answer>", CALL, CALL], [" <answer> 12 </answer>"] * 3])
+    answer = " <answer> 12 </answer>"
+    engine = ScriptedEngine([[CALL, " </think> <answer> 9 </answer>", CALL, CALL], [answer], [answer] * 2])
     params = SamplingParams(n=2, max_new_tokens=50, stop=("</answer>",), prompt_seeds=(11, 22))
     groups = episodes.generate(engine, prompts, params)
-    first, second = engine.calls
+    first, second, third = engine.calls
     assert first[0] == prompts and first[1].stop == ("</answer>", "</tool_call>") and first[1].n == 2
     result = " <tool_response>12</tool_response>"
-    assert second[0] == ["P1:" + CALL + result, "P2:" + CALL + result, "P2:" + CALL + result]
-    assert second[1].n == 1 and len(set(second[1].prompt_seeds)) == 3  # each conversation its own draws
+    # one call per row for the turns after the first: P1's one conversation that goes on, then P2's two
+    assert second[0] == ["P1:" + CALL + result] and third[0] == ["P2:" + CALL + result] * 2
+    assert second[1].n == 1 and third[1].n == 1
+    seeds = second[1].prompt_seeds + third[1].prompt_seeds
+    assert len(set(seeds)) == 3  # each conversation its own draws
     a, b = groups[0]
     assert a.text == CALL + result + " <answer> 12 </answer>" and a.meta["turns"] == 2
     assert a.meta["pieces"] == [(CALL, True), (result, False), (" <answer> 12 </answer>", True)]

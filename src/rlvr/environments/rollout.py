@@ -2,7 +2,7 @@
 
 ``Episodes.generate`` samples ``params.n`` first turns per row (one engine call, as a single-turn rollout
 does), then, turn after turn, asks the environment about each unfinished conversation and sends
-every conversation that goes on back to the engine in one call: the conversation's text so far
+every conversation that goes on back to the engine, one call per row: the conversation's text so far
 (prompt, the model's turns and the environment's messages, as rendered), one sample each. A
 conversation ends when the environment says so, when the model's turn is cut at
 ``max_new_tokens``, at ``max_turns`` model turns or at ``max_tokens`` tokens after the prompt (the
@@ -201,7 +201,13 @@ class Episodes:
             turn = dataclasses.replace(
                 params, n=1, max_new_tokens=budget, seed=_seed(base, "turn", going[0].turns), prompt_seeds=seeds
             )
-            answers = [group[0] for group in engine.generate(contexts, turn)]
+            # One call per row: a row's conversations then sample alike whatever other rows this process
+            # holds, so data-parallel ranks play their rows as one process does.
+            answers = []
+            for row in dict.fromkeys(e.row for e in going):
+                mine = [k for k, e in enumerate(going) if e.row == row]
+                own = dataclasses.replace(turn, prompt_seeds=tuple(seeds[k] for k in mine))
+                answers += [group[0] for group in engine.generate([contexts[k] for k in mine], own)]
             # One budget serves the whole call: no turn may run past its own conversation's.
             turn_completions = [_cap(c, self.max_tokens - e.n_tokens, tokenizer) for e, c in zip(going, answers)]
             live = going

@@ -10,9 +10,9 @@
 3. **Before and after**, from the trainer's own validation through the same environment: accuracy
    (``val/reward``) and calculator calls per answer (``val/tool_calls``).
 
-``tests/test_learning_tools.py`` runs it and asserts that both rise. ``rlvr.experiments.tool_proof``
-with ``--seeds`` runs it over several seeds (the GPU proof of docs/learning.md runs it with
-``--device cuda``).
+Not yet shown to rise, and so not yet a test (docs/environments.md says what one run gave).
+``python -m rlvr.experiments.tool_proof --seeds 0 1 2 3`` runs it over several seeds (``--device cuda``
+on a GPU).
 """
 
 from __future__ import annotations
