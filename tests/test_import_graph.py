@@ -54,11 +54,13 @@ def imports_of(name: str, files: dict[str, Path]) -> set[str]:
         # `import a.b.c` reaches the deepest module the dotted name names; outside rlvr nothing is left.
         while target and target not in files:
             target = target.rpartition(".")[0]
+        if target and target != name:
+            targets.add(target)
         # Importing a.b.c runs a/__init__ and a/b/__init__ first: those are dependencies too, except the
         # packages this module sits in (already being imported when it runs).
+        target = target.rpartition(".")[0]
         while target and target not in own_packages:
-            if target != name:
-                targets.add(target)
+            targets.add(target)
             target = target.rpartition(".")[0]
     return targets
 
@@ -124,7 +126,7 @@ def test_the_graph_sees_every_kind_of_import(tmp_path: Path) -> None:
     (pkg / "__init__.py").write_text("from .a import f\n")
     (pkg / "a.py").write_text("def f():\n    from toy.sub import b\n    return b\n")
     (pkg / "sub" / "__init__.py").write_text("")
-    (pkg / "sub" / "b.py").write_text("from ..c import g\n")
+    (pkg / "sub" / "b.py").write_text("from ..c import g\nfrom toy.sub import h\n")
     (pkg / "c.py").write_text("import toy.sub.b as bb\nfrom toy import a\n")
     files = module_files(tmp_path, "toy")
     graph = import_graph(files)
@@ -132,7 +134,7 @@ def test_the_graph_sees_every_kind_of_import(tmp_path: Path) -> None:
         "toy": {"toy.a"},
         "toy.a": {"toy.sub.b", "toy.sub"},
         "toy.sub": set(),
-        "toy.sub.b": {"toy.c"},
+        "toy.sub.b": {"toy.c", "toy.sub"},
         "toy.c": {"toy.sub.b", "toy.sub", "toy.a"},
     }
     assert cycles(graph) == [["toy.a", "toy.c", "toy.sub.b"]]

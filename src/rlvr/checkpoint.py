@@ -45,7 +45,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from rlvr.distributed.checkpoint import export_adapter
+from rlvr.distributed.checkpoint import export_adapter, export_hf, load_sharded, save_sharded
+from rlvr.distributed.world import barrier, current_world
 from rlvr.distributed.wrap import unwrap_model
 from rlvr.errors import UserError
 from rlvr.lora import is_lora
@@ -246,11 +247,8 @@ def write_model(
 ) -> None:
     """The full model (LoRA merged) and its tokenizer in Hugging Face format in ``model_dir``: gathered
     tensor by tensor when ``sharded`` (every rank calls), else written by rank 0 alone."""
-    from rlvr.distributed.world import current_world
 
     if sharded:
-        from rlvr.distributed.checkpoint import export_hf
-
         export_hf(model, model_dir, tokenizer)
     elif current_world().is_main:
         plain: Any = unwrap_model(model)
@@ -291,7 +289,6 @@ def save_checkpoint(
     rank 0 writes the model with ``save_pretrained`` and the optimizer into ``trainer_state.pt``
     (a DDP optimizer is the same on every rank). Several nodes need a run directory they all share.
     """
-    from rlvr.distributed.world import barrier, current_world
 
     world = current_world()
     root = Path(run_dir) / CKPT_DIR
@@ -305,8 +302,6 @@ def save_checkpoint(
         tmp.mkdir()
     barrier()
     if sharded:
-        from rlvr.distributed.checkpoint import save_sharded
-
         save_sharded(tmp / SHARDED_DIR, model, optimizer)
     write_model(tmp / MODEL_DIR, model, tokenizer, sharded)
     write_adapter(tmp / ADAPTER_DIR, model)
@@ -550,7 +545,6 @@ def save_best_model(
     """Write ``checkpoints/best`` (``model/`` in Hugging Face format and ``best.json`` = ``record``),
     replacing the previous best atomically: it is written beside it, then renamed into place. Under a
     process group every rank must call it (a sharded model is gathered)."""
-    from rlvr.distributed.world import barrier, current_world
 
     world = current_world()
     root = Path(run_dir) / CKPT_DIR
@@ -648,7 +642,6 @@ def load_trainer_state(
     trainable tensors, on any number of ranks); returns the loop state saved with them. Each rank
     takes its own RNG state when the checkpoint has one for its rank, else rank 0's (a run resumed on
     more ranks than wrote it: the extra ranks keep their seeded state)."""
-    from rlvr.distributed.world import current_world
 
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / STATE_FILE).is_file():
@@ -657,7 +650,6 @@ def load_trainer_state(
     if checkpoint_format(ckpt_dir) == "sharded":
         if model is None:
             raise ValueError(f"{ckpt_dir} is a sharded checkpoint: pass the model to load it into")
-        from rlvr.distributed.checkpoint import load_sharded
 
         load_sharded(ckpt_dir / SHARDED_DIR, model, optimizer)
     else:

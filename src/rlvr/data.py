@@ -37,6 +37,7 @@ from typing import Any
 
 from rlvr import tasks
 from rlvr.example import DataError, Example
+from rlvr.rewards import last_boxed
 
 ANSWER_FORMATS = ("gsm8k", "boxed", "raw")
 FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
@@ -105,8 +106,6 @@ class RowFormat:
                 raise DataError(f"{where}: the final answer after '####' is empty")
             return Example(question, truth, solution, meta, messages)
         if self.answer_format == "boxed":
-            from rlvr.rewards import last_boxed
-
             truth = last_boxed(answer)
             if not truth or not truth.strip():
                 raise DataError(

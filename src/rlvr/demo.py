@@ -24,6 +24,23 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlvr.checkpoint import latest_checkpoint
+from rlvr.config import (
+    AlgorithmConfig,
+    DataConfig,
+    EngineConfig,
+    LogConfig,
+    ModelConfig,
+    OptimConfig,
+    RolloutConfig,
+    TrainConfig,
+)
+from rlvr.errors import UserError
+from rlvr.logging_utils import read_metrics
+from rlvr.rundir import atomic_write_json
+from rlvr.sft import SFTConfig, run_sft
+from rlvr.trainer import train
+
 
 @dataclass
 class DemoConfig:
@@ -75,22 +92,6 @@ class DemoConfig:
 
 def run_demo(cfg: DemoConfig) -> dict:
     """Run the demo; returns ``{"before": acc, "after": acc, ...}`` and writes ``OUT/demo.json``."""
-    from rlvr.checkpoint import latest_checkpoint
-    from rlvr.config import (
-        AlgorithmConfig,
-        DataConfig,
-        EngineConfig,
-        LogConfig,
-        ModelConfig,
-        OptimConfig,
-        RolloutConfig,
-        TrainConfig,
-    )
-    from rlvr.errors import UserError
-    from rlvr.logging_utils import read_metrics
-    from rlvr.rundir import atomic_write_json
-    from rlvr.sft import SFTConfig, run_sft
-    from rlvr.trainer import train
 
     small = [
         f"--{name.replace('_', '-')} must be >= 1, got {getattr(cfg, name)}"

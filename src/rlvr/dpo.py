@@ -52,10 +52,20 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
 import torch
 import torch.nn.functional as F
 
+from rlvr.chat import check_messages, is_messages, tokenize_prompt_completion
+from rlvr.checkpoint import load_trainer_state, refuse_edited_settings, resumable_checkpoint, save_checkpoint
 from rlvr.data import DataError
+from rlvr.data_order import batch_indices
 from rlvr.errors import UserError
+from rlvr.grpo import compile_backbone, get_response_log_probs
+from rlvr.grpo.tokenize import pad_token_id
 from rlvr.instruct import alpaca_format, encode_documents, read_jsonl
+from rlvr.instruct_sft import check_chat_template_before_load, resolve_device, resolve_dtype
+from rlvr.logging_utils import MetricsLogger, truncate_metrics
+from rlvr.modeling import load_model_and_tokenizer
+from rlvr.optim import make_adamw, make_rmsprop
 from rlvr.ranges import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range, flag_name, range_problems
+from rlvr.rundir import RunDirLock, atomic_write_json, prepare_output_dir
 from rlvr.scaffold import TrainingRun, remove_outputs
 
 if TYPE_CHECKING:
@@ -90,7 +100,6 @@ def conversational_pair(row: dict, where: str, source: str = "") -> PreferencePa
     message; absent, the messages that ``chosen`` and ``rejected`` share from the start) and the two
     responses (a string is one assistant message; a conversation that starts with the prompt keeps
     what follows it)."""
-    from rlvr.chat import check_messages
 
     def as_messages(value: Any, role: str, key: str) -> Messages:
         if isinstance(value, str):
@@ -149,7 +158,6 @@ def _data_files(path: Path, split: str) -> list[Path]:
 
 
 def _detect_format(row: dict, where: str) -> str:
-    from rlvr.chat import is_messages
 
     if all(isinstance(row.get(k), str) for k in ("prompt", "chosen", "rejected")):
         return "pairs"
@@ -255,7 +263,6 @@ def sequence_log_probs(
     """Summed log-probability of each token sequence, in one right-padded forward; shape
     (len(sequences),), float32, on the model's device. Tokens from index ``scored_from[i]`` of sequence
     ``i`` count (default 1: every token after the first)."""
-    from rlvr.grpo import get_response_log_probs
 
     width = max(len(s) for s in sequences)
     if width < 2:
@@ -302,7 +309,6 @@ def compute_per_instance_dpo_loss(
 ) -> torch.Tensor:
     """The DPO loss of one pair, a scalar on ``lm``'s device, differentiable in ``lm``; ``lm_ref``
     may sit on another device and gets no gradient."""
-    from rlvr.grpo.tokenize import pad_token_id
 
     seqs = pair_token_ids(tokenizer, prompt, [response_chosen, response_rejected])
     pad = pad_token_id(tokenizer)
@@ -470,7 +476,6 @@ def tokenize_pairs(
 ) -> tuple[list[TokenPair], list[PreferencePair], int]:
     """``(token pairs, kept pairs, dropped)``: each kept pair as its two sequences (``TokenPair``);
     a pair whose longer sequence has more than ``max_tokens`` tokens is dropped."""
-    from rlvr.chat import tokenize_prompt_completion
 
     plain = [p for p in pairs if not p.conversational]
     texts = [alpaca_format(str(p.prompt), str(r)) for p in plain for r in (p.chosen, p.rejected)]
@@ -588,7 +593,6 @@ def dpo_step(
 
 def _save_best(out: Path, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, step: int, metrics: dict) -> None:
     """Replace ``OUT/best`` with the current model, atomically (a crash leaves the previous best)."""
-    from rlvr.rundir import atomic_write_json
 
     tmp = out / ".best-tmp"
     if tmp.exists():
@@ -614,7 +618,6 @@ def _better(metrics: dict, best: dict | None) -> bool:
 
 
 def _make_optimizer(cfg: DPOConfig, model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer:
-    from rlvr.optim import make_adamw, make_rmsprop
 
     if cfg.optimizer == "adamw":
         return make_adamw(
@@ -634,8 +637,6 @@ def run_dpo(cfg: DPOConfig) -> Path:
     for the run (one writer): a second ``--resume`` or ``--overwrite`` on a live run is refused and
     touches nothing. A new run refuses a directory holding an earlier one unless ``overwrite``; a
     resumed run continues from its newest intact checkpoint."""
-    from rlvr.checkpoint import refuse_edited_settings, resumable_checkpoint
-    from rlvr.rundir import RunDirLock, prepare_output_dir
 
     if cfg.resume is None:
         cfg.validate()  # before the lock creates --out; it refuses a missing --out
@@ -669,8 +670,6 @@ def run_dpo(cfg: DPOConfig) -> Path:
             val_pairs = [pairs[i] for i in sorted(held)]
             train_pairs = [p for i, p in enumerate(pairs) if i not in held]
         if any(p.conversational for p in (*train_pairs, *val_pairs)):
-            from rlvr.instruct_sft import check_chat_template_before_load
-
             check_chat_template_before_load(
                 cfg.model,
                 "conversational preference rows (message lists)",
@@ -716,14 +715,6 @@ def _train(
     counts: dict,
 ) -> Path:
     from tqdm.auto import tqdm
-
-    from rlvr.checkpoint import load_trainer_state, save_checkpoint
-    from rlvr.grpo import compile_backbone
-    from rlvr.grpo.tokenize import pad_token_id
-    from rlvr.instruct_sft import resolve_device, resolve_dtype
-    from rlvr.logging_utils import MetricsLogger, truncate_metrics
-    from rlvr.modeling import load_model_and_tokenizer
-    from rlvr.rundir import atomic_write_json
 
     device = resolve_device(cfg.device)
     ref_device = resolve_device(cfg.ref_device, "--ref-device") if cfg.ref_device else device
@@ -839,7 +830,6 @@ def _training_step(
     backbone: Callable[..., Any] | None,
 ) -> dict[str, Any]:
     """One optimizer step of the loop and its metrics row."""
-    from rlvr.data_order import batch_indices
 
     t0 = time.perf_counter()
     lr_used = scheduler.get_last_lr()[0]

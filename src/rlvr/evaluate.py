@@ -38,20 +38,37 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 import tyro
 
+from rlvr import modeling
 from rlvr.checkpoint import run_model
-from rlvr.config import DataConfig, ModelConfig, PromptOptions, RewardConfig, TrainConfig, load_config_file
+from rlvr.config import (
+    DataConfig,
+    EngineConfig,
+    ModelConfig,
+    PromptOptions,
+    RewardConfig,
+    TrainConfig,
+    load_config_file,
+)
+from rlvr.engines import build_engine, make_engine
 from rlvr.engines.base import SamplingParams
 from rlvr.errors import UserError
+from rlvr.grpo.advantages import pass_at_k
 from rlvr.machine import usable_device
-from rlvr.prompts import CHAT
+from rlvr.modeling import check_model_source
+from rlvr.prompts import CHAT, Prompt, resolve_prompt
 from rlvr.ranges import ABOVE_ZERO_TO_ONE, AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range, flag_name, range_problems
+from rlvr.reward_functions import BUILTIN_REWARDS, Reward, row_fields, score_responses
+from rlvr.rundir import atomic_write_json, atomic_write_jsonl
 from rlvr.scaffold import claimed_output_dir
+from rlvr.suites.run import main as suite_main
 from rlvr.task_config import (
     DataSource,
     TaskConfigError,
     build_prompt,
+    check_chat_rows,
     check_chat_tokenizer,
     prepare_reward,
+    set_rewards,
     task_config_problems,
     val_sources,
 )
@@ -63,8 +80,6 @@ if TYPE_CHECKING:
 
     from rlvr.data import Example
     from rlvr.engines.base import Engine
-    from rlvr.prompts import Prompt
-    from rlvr.reward_functions import Reward
 
 CATEGORIES = ("correct", "formatted_wrong", "unformatted")
 
@@ -180,15 +195,11 @@ def evaluate(
     environment's openings, with an engine that plays whole conversations).
     Returns ``(metrics, samples)``; see the module docstring for the metric keys.
     """
-    from rlvr.prompts import Prompt, resolve_prompt
-    from rlvr.reward_functions import BUILTIN_REWARDS, Reward, row_fields, score_responses
 
     prompt = prompt_name if isinstance(prompt_name, Prompt) else resolve_prompt(prompt_name)
     prompt = prompt.bind(tokenizer)
     prompt_name = prompt.name
     if engine is None:
-        from rlvr.engines import make_engine
-
         engine = make_engine("hf", model, tokenizer)
     params = params or SamplingParams()
     params = dataclasses.replace(params, stop=prompt.stop, include_stop_str_in_output=True)
@@ -282,8 +293,6 @@ def sample_metrics(correct: list[bool], k: int) -> dict:
     questions with k graded samples each, ``correct`` in question order."""
     import torch
 
-    from rlvr.grpo.advantages import pass_at_k
-
     if len(correct) % k:
         raise ValueError(f"{len(correct)} samples is not a whole number of questions with {k} samples each")
     ks = sorted({2**i for i in range(k.bit_length()) if 2**i <= k} | {k})
@@ -360,8 +369,6 @@ EVAL_RANGES: dict[str, Range] = {
 def check_args(cfg: EvalConfig) -> None:
     """Reject impossible arguments before any work (``UserError``); ``--out`` is checked under its
     lock by ``run``."""
-    from rlvr.errors import UserError
-    from rlvr.modeling import check_model_source
 
     problems = [
         msg
@@ -549,13 +556,6 @@ def _check_prompt_lengths(
 def _run(cfg: EvalConfig, tasks: EvalTasks) -> dict:
     import torch
 
-    from rlvr.config import EngineConfig
-    from rlvr.engines import build_engine
-    from rlvr.errors import UserError
-    from rlvr.modeling import load_model_and_tokenizer
-    from rlvr.rundir import atomic_write_json, atomic_write_jsonl
-    from rlvr.task_config import check_chat_rows, set_rewards
-
     device = usable_device(cfg.device)
     dtype = None if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
     data_sets = tasks.load_data()
@@ -566,7 +566,8 @@ def _run(cfg: EvalConfig, tasks: EvalTasks) -> dict:
         check_chat_rows(prompt, data_sets)
     rewards = tasks.rewards(data_sets[0][1])
     own_rewards = set_rewards(tasks.configs[0], tasks.sources, data_sets)
-    model, tokenizer = load_model_and_tokenizer(cfg.model, device=device, dtype=dtype)
+    # Through the module, so that a test can make loading fail and prove that every check runs before it.
+    model, tokenizer = modeling.load_model_and_tokenizer(cfg.model, device=device, dtype=dtype)
     # A vLLM server takes the second GPU, beside the model loaded here for the tokenizer and grading.
     engine_device = "cuda:1" if cfg.engine == "vllm" else device
     engine = build_engine(
@@ -621,8 +622,6 @@ USAGE = (
 def main(argv: list[str] | None = None) -> int:
     # The assistant suites (mmlu, gsm8k, alpaca_eval, sst) have their own options.
     if argv and any(a == "--suite" or a.startswith("--suite=") for a in argv):
-        from rlvr.suites.run import main as suite_main
-
         return suite_main(argv)
     cfg = tyro.cli(EvalConfig, args=argv, prog="rlvr eval", description=USAGE)
     run(cfg)

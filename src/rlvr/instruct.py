@@ -36,6 +36,9 @@ from typing import TYPE_CHECKING, Any, TextIO, cast
 
 import torch
 
+from rlvr.chat import check_chat_template, check_messages, is_messages, tokenize_chat, tokenize_prompt_completion
+from rlvr.data import DataError, not_utf8
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -123,7 +126,6 @@ def _open_text(path: Path) -> TextIO:
 
 def read_jsonl(path: str | Path, required: tuple[str, ...] = (), limit: int | None = None) -> list[dict]:
     """Rows of a JSONL or JSONL.gz file; a malformed row is an error naming the file and the line."""
-    from rlvr.data import DataError, not_utf8
 
     path = Path(path)
     if not path.is_file():
@@ -179,8 +181,6 @@ def load_prompt_response(
         ds = datasets.load_dataset(source, split=split)
         missing = {prompt_field, response_field} - set(ds.column_names)
         if missing:
-            from rlvr.data import DataError
-
             raise DataError(
                 f"the hub dataset {source!r} has no column(s) {sorted(missing)}; its columns are "
                 f"{ds.column_names}: name the right ones with --prompt-field / --response-field"
@@ -203,8 +203,6 @@ def load_sft_rows(
     - ``{"prompt": [...], "completion": [...]}``: message lists (TRL's conversational prompt-completion rows).
 
     A row of none of these shapes is a ``DataError`` naming it and the shapes."""
-    from rlvr.chat import check_messages, is_messages
-    from rlvr.data import DataError
 
     source = str(source)
     if _is_local(source):
@@ -260,7 +258,6 @@ def encode_sft_rows(
     (every token carries loss), conversations rendered with the chat template with loss on the
     assistant's turns (``messages``) or on the completion (``prompt``/``completion``); every token with
     ``assistant_only=False``. The masks are None when every row is an Alpaca pair."""
-    from rlvr.chat import check_chat_template, tokenize_chat, tokenize_prompt_completion
 
     alpaca = [i for i, r in enumerate(rows) if is_alpaca(r)]
     alpaca_docs = encode_pairs(tokenizer, [rows[i] for i in alpaca])

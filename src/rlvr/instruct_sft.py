@@ -43,11 +43,25 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
+from rlvr import modeling
+from rlvr.chat import ChatTemplateError, check_chat_template
 from rlvr.checkpoint import load_trainer_state, refuse_edited_settings, resumable_checkpoint, save_checkpoint
+from rlvr.data_order import batch_indices
 from rlvr.errors import UserError
-from rlvr.instruct import IGNORE_INDEX, encode_sft_rows, is_alpaca, load_sft_rows, pack_documents, row_text
-from rlvr.logging_utils import truncate_metrics
+from rlvr.grpo import compile_backbone, get_response_log_probs
+from rlvr.instruct import (
+    IGNORE_INDEX,
+    alpaca_fixed_parts,
+    encode_sft_rows,
+    is_alpaca,
+    load_sft_rows,
+    pack_documents,
+    row_text,
+)
+from rlvr.logging_utils import MetricsLogger, truncate_metrics
 from rlvr.machine import usable_device
+from rlvr.modeling import MODEL_SIZES, save_model_and_tokenizer
+from rlvr.optim import lr_factor, make_adamw
 from rlvr.ranges import AT_LEAST_ONE, BELOW_ONE, NON_NEGATIVE, POSITIVE, PROBABILITY, Range, flag_name, range_problems
 from rlvr.rundir import RunDirLock, atomic_write_json
 from rlvr.scaffold import TrainingRun, claimed_output_dir, remove_outputs
@@ -184,7 +198,6 @@ INSTRUCT_SFT_RANGES: dict[str, Range] = {
 
 def check_model_name(name: str) -> None:
     """A named size, an existing directory, or something shaped like a hub id (owner/name)."""
-    from rlvr.modeling import MODEL_SIZES
 
     if name not in MODEL_SIZES and not Path(name).exists() and name.count("/") != 1:
         raise UserError(
@@ -218,8 +231,6 @@ def load_or_build_model(
     A fresh tokenizer also holds the Alpaca template's two fixed pieces as one token each: byte-level
     BPE never merges across words, so the template would otherwise cost 30 tokens of every document,
     most of a small model's compute on short synthetic tasks."""
-    from rlvr import modeling
-    from rlvr.instruct import alpaca_fixed_parts
 
     if name in modeling.MODEL_SIZES:
         tokenizer = modeling.train_tokenizer(tokenizer_texts(), vocab_size)
@@ -236,7 +247,6 @@ def token_nll(
     model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, backbone: Callable[..., Any] | None = None
 ) -> torch.Tensor:
     """Mean negative log-likelihood of every label of a (rows, seq_length) block."""
-    from rlvr.grpo import get_response_log_probs
 
     return -get_response_log_probs(model, input_ids, labels, backbone=backbone)["log_probs"].mean()
 
@@ -246,7 +256,6 @@ def masked_nll_sum(
 ) -> torch.Tensor:
     """Summed negative log-likelihood of the labels that are not ``IGNORE_INDEX`` (only their positions
     reach the vocabulary projection)."""
-    from rlvr.grpo import get_response_log_probs
 
     keep = labels != IGNORE_INDEX
     log_probs = get_response_log_probs(model, input_ids, labels.clamp(min=0), backbone=backbone, positions=keep)[
@@ -313,8 +322,6 @@ def check_chat_template_before_load(
 ) -> None:
     """``ChatTemplateError`` (one line) when conversational rows meet a model whose tokenizer has no chat
     template: read from the tokenizer alone, before the model loads."""
-    from rlvr.chat import ChatTemplateError, check_chat_template
-    from rlvr.modeling import MODEL_SIZES
 
     if model in MODEL_SIZES:
         raise ChatTemplateError(
@@ -404,12 +411,6 @@ def _resumed_config(cfg: InstructSFTConfig, run_dir: Path) -> InstructSFTConfig:
 def _run(cfg: InstructSFTConfig, ckpt: Path | None) -> Path:
     """The work of ``run_instruct_sft`` in its claimed output directory, from ``ckpt`` (None: step 0)."""
     from tqdm.auto import tqdm
-
-    from rlvr.data_order import batch_indices
-    from rlvr.grpo import compile_backbone
-    from rlvr.logging_utils import MetricsLogger
-    from rlvr.modeling import save_model_and_tokenizer
-    from rlvr.optim import lr_factor, make_adamw
 
     # Data first: a bad path fails in seconds, not after a model load.
     pairs = load_sft_rows(cfg.data, cfg.split, cfg.max_examples, cfg.prompt_field, cfg.response_field)

@@ -17,6 +17,7 @@ from typing import Any, cast
 from torch import nn
 
 from rlvr.config import LoraConfig
+from rlvr.errors import UserError
 
 
 def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
@@ -28,8 +29,6 @@ def apply_lora(model: nn.Module, lora: LoraConfig) -> nn.Module:
         from peft import LoraConfig as PeftLoraConfig
         from peft import get_peft_model
     except ImportError as e:
-        from rlvr.errors import UserError
-
         raise UserError("model.lora needs the peft package: pip install peft") from e
     targets: str | list[str] = list(lora.target_modules)
     if targets == ["all-linear"]:

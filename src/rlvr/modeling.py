@@ -17,6 +17,9 @@ import torch
 from safetensors import SafetensorError
 
 from rlvr.checkpoint import file_problems
+from rlvr.errors import UserError
+from rlvr.lora import apply_lora
+from rlvr.prompts import render
 
 if TYPE_CHECKING:
     from transformers import (
@@ -173,7 +176,6 @@ def tokenizer_corpus(examples: Iterable[Example], prompt_name: str | None = "r1_
     The prompt template repeats in every text, so BPE learns it as a few long tokens and prompts
     stay short.
     """
-    from rlvr.prompts import render
 
     texts = []
     for ex in examples:
@@ -203,7 +205,6 @@ _HUB_ID = re.compile(r"^(?:[\w.-]+/)?[\w.-]+$")
 def check_model_source(name_or_path: str | Path, flag: str = "--model") -> None:
     """Raise ``UserError`` (before anything loads) for a model that is neither a local model directory
     nor shaped like a hub id (``owner/name``); a hub id itself is checked when it loads."""
-    from rlvr.errors import UserError
 
     name = str(name_or_path)
     p = Path(name).expanduser()
@@ -238,8 +239,6 @@ def load_model_and_tokenizer(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlvr.errors import UserError
-
     check_model_source(name_or_path, flag)
     device = torch.device(device)
     if dtype is None:
@@ -266,8 +265,6 @@ def load_model_and_tokenizer(
         tokenizer.pad_token = tokenizer.eos_token
     model = model.to(device)  # type: ignore[arg-type]  # transformers' stub of .to takes the model
     if lora is not None and lora.rank:
-        from rlvr.lora import apply_lora
-
         # A peft model: it forwards attribute lookups to the PreTrainedModel it wraps.
         return apply_lora(model, lora), tokenizer  # type: ignore[return-value]
     return model, tokenizer

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from rlvr import code_reward, rewards
 from rlvr.errors import UserError
+from rlvr.grpo import compute_rollout_rewards
 from rlvr.remote_reward import RemoteReward
 from rlvr.reward_worker import is_file_spec
 from rlvr.tasks import reasoning_gym_tasks
@@ -385,8 +386,6 @@ def score_responses(
     ``fields`` and adds ``logged`` to the metadata: the mean of each extra number as
     ``reward/<name>`` and the count of cut-off calls as ``reward/timeouts``."""
     import torch
-
-    from rlvr.grpo import compute_rollout_rewards
 
     if not isinstance(reward_fn, Reward):
         return compute_rollout_rewards(reward_fn, responses, ground_truths)

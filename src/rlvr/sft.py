@@ -40,12 +40,23 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rlvr import modeling
+from rlvr.chat import tokenize_prompt_completion
+from rlvr.config import load_config_file
 from rlvr.data import DataError, Example, load_examples
+from rlvr.errors import UserError
+from rlvr.grpo import get_response_log_probs, tokenize_prompt_and_output
+from rlvr.grpo.tokenize import pad_token_id, tokenize_from_ids
+from rlvr.instruct_sft import check_chat_template_before_load, read_chat_template
+from rlvr.instruct_sft import main as instruct_main
 from rlvr.machine import usable_device
+from rlvr.modeling import save_model_and_tokenizer
 from rlvr.optim import lr_factor
-from rlvr.prompts import render
+from rlvr.prompts import CHAT, render, resolve_prompt
 from rlvr.ranges import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, PROBABILITY, Range, flag_name, range_problems
+from rlvr.rundir import atomic_write_json
 from rlvr.scaffold import claimed_output_dir
+from rlvr.task_config import check_chat_rows
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -139,7 +150,6 @@ def sft_pairs(examples: list[Example], prompt: str = "r1_zero") -> tuple[list[st
 def chat_pair_ids(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, example: Example) -> tuple[list[int], list[int]]:
     """The token ids of ``example``'s chat prompt (with the generation prompt) and of its SFT response as
     the assistant's message, ending with the template's end of turn (``rlvr.chat``)."""
-    from rlvr.chat import tokenize_prompt_completion
 
     return tokenize_prompt_completion(
         tokenizer, prompt.example_messages(example), [{"role": "assistant", "content": sft_response(example)}]
@@ -150,7 +160,6 @@ def response_nll(
     model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, response_mask: torch.Tensor
 ) -> torch.Tensor:
     """Mean negative log-likelihood of the labels where ``response_mask`` is True; (B, T) inputs."""
-    from rlvr.grpo import get_response_log_probs
 
     mask = response_mask.to(next(model.parameters()).device)
     log_probs = get_response_log_probs(model, input_ids, labels)["log_probs"]
@@ -161,7 +170,6 @@ def sft_loss(
     model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, prompts: list[str], responses: list[str]
 ) -> tuple[torch.Tensor, int]:
     """Mean NLL over the response tokens of the batch, and the number of those tokens."""
-    from rlvr.grpo import tokenize_prompt_and_output
 
     batch = tokenize_prompt_and_output(prompts, responses, tokenizer)
     loss = response_nll(model, batch["input_ids"], batch["labels"], batch["response_mask"])
@@ -172,7 +180,6 @@ def sft_loss_from_ids(
     model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, pairs: list[tuple[list[int], list[int]]]
 ) -> tuple[torch.Tensor, int]:
     """``sft_loss`` for pairs already tokenized as ``(prompt ids, response ids)``."""
-    from rlvr.grpo.tokenize import pad_token_id, tokenize_from_ids
 
     batch = tokenize_from_ids([p for p, _ in pairs], [r for _, r in pairs], pad_token_id(tokenizer))
     loss = response_nll(model, batch["input_ids"], batch["labels"], batch["response_mask"])
@@ -182,8 +189,6 @@ def sft_loss_from_ids(
 def init_model(config: SFTConfig, examples: list[Example]) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """``(model, tokenizer)``: a fresh model of a named size (with a tokenizer trained on ``examples``),
     or a checkpoint from a local directory or the hub."""
-    from rlvr import modeling
-    from rlvr.prompts import CHAT
 
     device = usable_device(config.device)
     if config.model in modeling.MODEL_SIZES:
@@ -196,8 +201,6 @@ def init_model(config: SFTConfig, examples: list[Example]) -> tuple[PreTrainedMo
 
 
 def _check_model(name: str) -> None:
-    from rlvr import modeling
-    from rlvr.errors import UserError
 
     if name in modeling.MODEL_SIZES:
         return
@@ -230,7 +233,6 @@ SFT_RANGES: dict[str, Range] = {
 def check_args(config: SFTConfig) -> None:
     """Reject impossible arguments before any work (``UserError``); ``--out`` is checked under its
     lock by ``run_sft``."""
-    from rlvr.errors import UserError
 
     problems = [
         msg
@@ -279,9 +281,6 @@ def with_training_config(config: SFTConfig) -> SFTConfig:
     ``UserError`` when flags that the file sets are also given."""
     import dataclasses
 
-    from rlvr.config import load_config_file
-    from rlvr.errors import UserError
-
     if config.config is None:
         return config
     defaults = SFTConfig()
@@ -321,10 +320,6 @@ def _run(config: SFTConfig) -> Path:
     """The work of ``run_sft`` in its claimed output directory."""
     from tqdm.auto import tqdm
 
-    from rlvr.errors import UserError
-    from rlvr.modeling import save_model_and_tokenizer
-    from rlvr.rundir import atomic_write_json
-
     examples = load_examples(
         config.data,
         split=config.split,
@@ -338,9 +333,6 @@ def _run(config: SFTConfig) -> Path:
     )
     if not examples:
         raise UserError(f"no training examples in {config.data!r} (split {config.split!r}); check --data and --split")
-    from rlvr.instruct_sft import check_chat_template_before_load, read_chat_template
-    from rlvr.prompts import CHAT, resolve_prompt
-    from rlvr.task_config import check_chat_rows
 
     prompt = resolve_prompt(config.prompt, config.system, config.user_template)
     check_chat_rows(prompt, [("train", examples)])
@@ -408,8 +400,6 @@ def main(argv: list[str] | None = None) -> int:
     import tyro
 
     if argv and argv[0] == "instruct":  # instruction tuning on packed {prompt, response} data
-        from rlvr.instruct_sft import main as instruct_main
-
         return instruct_main(argv[1:])
 
     config = tyro.cli(SFTConfig, args=argv, prog="rlvr sft", description=__doc__.split("\n\n")[0])

@@ -24,7 +24,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rlvr.data import ANSWER_FORMATS, load_examples
 from rlvr.errors import UserError
+from rlvr.prompts import CHAT, PromptError, check_chat_template, resolve_prompt
+from rlvr.reward_functions import build_reward as build
+from rlvr.reward_functions import reward_settings_problem, spec_problem
 
 if TYPE_CHECKING:
     from rlvr.config import TrainConfig
@@ -55,7 +59,6 @@ class DataSource:
     """The built-in reward that grades this set (None: the run's)."""
 
     def load(self, seed: int = 0) -> list[Example]:
-        from rlvr.data import load_examples
 
         return load_examples(
             self.source,
@@ -141,9 +144,6 @@ def parse_val_source(spec: str, base: dict) -> DataSource:
 
 def task_config_problems(config: TrainConfig) -> list[str]:
     """One line per problem of the prompt, data and reward settings of a ``TrainConfig`` (no loading)."""
-    from rlvr.data import ANSWER_FORMATS
-    from rlvr.prompts import CHAT, PromptError
-    from rlvr.reward_functions import reward_settings_problem, spec_problem
 
     problems: list[str] = []
     try:
@@ -200,7 +200,6 @@ def task_config_problems(config: TrainConfig) -> list[str]:
 
 def build_prompt(config: TrainConfig) -> Prompt:
     """The ``Prompt`` of a ``TrainConfig`` (not yet bound to a tokenizer)."""
-    from rlvr.prompts import resolve_prompt
 
     o = config.prompt_options
     return resolve_prompt(config.prompt, o.system, o.user_template, o.stop)
@@ -208,7 +207,6 @@ def build_prompt(config: TrainConfig) -> Prompt:
 
 def build_reward(config: TrainConfig, prompt: Prompt | None = None) -> Reward:
     """The ``Reward`` of a ``TrainConfig`` (user functions not started)."""
-    from rlvr.reward_functions import build_reward as build
 
     prompt = prompt or build_prompt(config)
     r = config.reward
@@ -288,7 +286,6 @@ def check_chat_rows(prompt: Prompt, sets: list[tuple[str, list[Example]]]) -> No
 def check_chat_tokenizer(model_source: str) -> None:
     """For a local model directory: ``PromptError`` unless its tokenizer has a chat template (a hub
     model is checked once loaded)."""
-    from rlvr.prompts import check_chat_template
 
     path = Path(model_source)
     if not (path / "tokenizer_config.json").is_file():

@@ -105,11 +105,29 @@ from rlvr.config import (
     upgrade_moved_keys,
 )
 from rlvr.data_order import batch_indices, derive_seed
-from rlvr.distributed.world import World, gather_objects, rank_row_range
+from rlvr.distributed.world import (
+    GlobalBatch,
+    World,
+    current_world,
+    gather_objects,
+    launched_by_torchrun,
+    local_rows,
+    rank_prompt_range,
+    rank_row_range,
+    reduce_values,
+    shutdown_distributed,
+    start_process_group,
+)
+from rlvr.distributed.wrap import copy_full_weights, unwrap_model, wrap_model
+from rlvr.engines import build_engine, resolve_engine_name
+from rlvr.engines.async_rollout import AsyncRollouts
 from rlvr.engines.base import Engine, SamplingParams, WorkerEngine
+from rlvr.engines.fast import unsupported_reason
 from rlvr.engines.rollouts import RolloutBatch, RolloutRequest, Rollouts, SyncRollouts, tokenize_groups
 from rlvr.environments import episodes_for
 from rlvr.errors import EngineError, GraderError, NonFiniteError, TrainingError, UserError, disk_full
+from rlvr.evaluate import evaluate
+from rlvr.experiments.plugins import import_plugins
 from rlvr.grpo import (
     REWEIGHTINGS,
     compile_backbone,
@@ -125,19 +143,35 @@ from rlvr.grpo.variance import gradient_variance, variance_metrics
 from rlvr.health import HealthMonitor, HealthWarning
 from rlvr.interrupts import DeferInterrupts, Terminated, exit_code, sigterm_as_interrupt
 from rlvr.logging_utils import ROLLOUT_SAMPLES, MetricsLogger, truncate_metrics, write_jsonl
-from rlvr.lora import adapters_disabled
+from rlvr.lora import adapters_disabled, apply_lora
 from rlvr.machine import check_machine
-from rlvr.modeling import attention_without_cudnn, fresh_model, load_model_and_tokenizer
+from rlvr.modeling import (
+    attention_without_cudnn,
+    check_model_source,
+    fresh_model,
+    load_model_and_tokenizer,
+    tokenizer_corpus,
+    train_tokenizer,
+)
 from rlvr.optim import lr_factor, make_adamw
-from rlvr.reward_functions import row_fields
+from rlvr.reward_functions import row_fields, score_responses
 from rlvr.rundir import RunDirLock, atomic_write_json
+from rlvr.task_config import (
+    build_prompt,
+    check_chat_rows,
+    check_chat_tokenizer,
+    load_task_data,
+    prepare_reward,
+    set_rewards,
+    val_sources,
+    validation_metrics,
+)
 from rlvr.tokens import context_length, longest_prompt
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from rlvr.data import Example
-    from rlvr.distributed.world import GlobalBatch
     from rlvr.engines.base import Completion
     from rlvr.environments.rollout import Episodes
     from rlvr.prompts import Prompt
@@ -174,7 +208,6 @@ def _load_policy(
     """The policy and tokenizer: from the checkpoint's full weights, or as the config says. With LoRA
     the checkpoint's ``model/`` holds merged weights, so the base model comes from the config (the
     adapters come from the checkpoint's shards) and only the tokenizer from the checkpoint."""
-    from rlvr.modeling import fresh_model, load_model_and_tokenizer, tokenizer_corpus, train_tokenizer
 
     lora = bool(config.model.lora.rank)
     if ckpt is not None and not lora:
@@ -218,19 +251,14 @@ def _check_engine_runs_model(config: TrainConfig) -> None:
         return
     from transformers import AutoConfig
 
-    from rlvr.engines.fast import unsupported_reason
-
     reason = unsupported_reason(AutoConfig.from_pretrained(str(path)))
     if reason:
         raise ConfigError(f"engine.name hf-fast: {reason}")
 
 
 def _make_engine(config: TrainConfig, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase) -> Engine:
-    from rlvr.engines import build_engine, resolve_engine_name
 
     if config.engine.name == "auto" and resolve_engine_name("auto", model) == "hf":
-        from rlvr.engines.fast import unsupported_reason
-
         warnings.warn(
             f"engine.name auto runs the hf engine: {unsupported_reason(cast(Any, model).config)}", stacklevel=2
         )
@@ -326,7 +354,6 @@ class EngineWeights:
         self.copy_time = 0.0
 
     def current(self) -> torch.nn.Module:
-        from rlvr.distributed.wrap import copy_full_weights, unwrap_model
 
         if self.copy is None:
             return unwrap_model(self.policy)
@@ -456,7 +483,6 @@ class TrainBatch:
 
 def _rank_prompts(config: TrainConfig, world: World) -> range:
     """Positions, within every global rollout batch, of the prompts this rank samples and trains on."""
-    from rlvr.distributed.world import rank_prompt_range
 
     return rank_prompt_range(config.rollout.n_prompts_per_rollout_batch, world.rank, world.world_size)
 
@@ -475,7 +501,6 @@ def _sampling_params(
 ) -> SamplingParams:
     """Step ``step``'s sampling: one seed per prompt position in the global batch, so a rank's prompts are
     seeded as in one process."""
-    from rlvr.task_config import build_prompt
 
     r = config.rollout
     prompt = prompt or build_prompt(config)
@@ -510,7 +535,6 @@ def _rollout_request(
     """``request(s)``: this rank's prompts and sampling parameters of 1-based step s (a pure function of the
     seed, s and the rank). ``prompt``: the run's bound ``Prompt`` (default: the config's, which needs no
     tokenizer unless it is chat)."""
-    from rlvr.task_config import build_prompt
 
     prompt = prompt or build_prompt(config)
 
@@ -525,7 +549,6 @@ def _make_rollouts(
     config: TrainConfig, engine: Engine, tokenizer: PreTrainedTokenizerBase, request: RolloutRequest
 ) -> Rollouts:
     """``AsyncRollouts`` over an engine that holds its own copy of the weights (hf-worker), else ``SyncRollouts``."""
-    from rlvr.engines.async_rollout import AsyncRollouts
 
     if not isinstance(engine, WorkerEngine) and not config.engine.max_staleness:
         return SyncRollouts(engine, tokenizer, request)
@@ -574,7 +597,6 @@ def _grade(
     step: int,
     fields: Sequence[dict] | None = None,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    from rlvr.reward_functions import score_responses
 
     try:
         raw, meta = score_responses(reward_fn, responses, ground_truths, fields)
@@ -938,8 +960,6 @@ def _update(config: TrainConfig, step: int, run: RunParts, batch: TrainBatch, st
             if run.world.backend is None:
                 loss, meta = _optimizer_step(run, batch, rows)
             else:
-                from rlvr.distributed.world import GlobalBatch, local_rows
-
                 global_batch = GlobalBatch(len(rows), run.world.world_size)
                 loss, meta = _optimizer_step(run, batch, local_rows(rows, run.rows_held), global_batch)
             with warnings.catch_warnings():
@@ -1119,8 +1139,6 @@ def _validate(
     """Validate on each ``(name, examples)`` of ``val_sets`` (a bare list of examples: one unnamed set),
     graded by ``reward``, or by a set's own one in ``set_rewards``. The first set is logged as
     val/reward, ...; each named one also as val/NAME/accuracy, ..."""
-    from rlvr.evaluate import evaluate
-    from rlvr.task_config import validation_metrics
 
     if val_sets and not isinstance(val_sets[0], tuple):
         val_sets = [("", cast("Sequence[Example]", val_sets))]
@@ -1325,8 +1343,6 @@ def train(
     """
     run_dir = Path(out_dir)
     if config.plugins:
-        from rlvr.experiments.plugins import import_plugins
-
         try:
             import_plugins(config.plugins)
         except FileNotFoundError as e:
@@ -1354,8 +1370,6 @@ def train(
             )
     finally:
         if started_group:
-            from rlvr.distributed.world import shutdown_distributed
-
             shutdown_distributed()
 
 
@@ -1364,8 +1378,6 @@ def _start_world(config: TrainConfig) -> tuple[World, bool]:
     torchrun's processes join theirs; a one-process run with ddp or fsdp starts a group of one; other
     one-process runs need none."""
     import torch.distributed as dist
-
-    from rlvr.distributed.world import current_world, launched_by_torchrun, start_process_group
 
     if dist.is_available() and dist.is_initialized():
         return current_world(), False
@@ -1387,8 +1399,6 @@ def _setup(
 ) -> tuple[RunParts, TrainState]:
     """Seeds, data, policy, optimizer and the loop state (restored from ``ckpt``); nothing is started yet."""
     if model is None and ckpt is None and config.model.fresh is None:
-        from rlvr.modeling import check_model_source
-
         check_model_source(config.model.name_or_path, flag="model.name_or_path")
     torch.manual_seed(config.seed)
     import random
@@ -1399,15 +1409,6 @@ def _setup(
     np.random.seed(config.seed % 2**32)
 
     # Data and reward before the model: a bad setting should fail in seconds, not after a model load.
-    from rlvr.task_config import (
-        build_prompt,
-        check_chat_rows,
-        check_chat_tokenizer,
-        load_task_data,
-        prepare_reward,
-        set_rewards,
-        val_sources,
-    )
 
     train_examples, val_examples = load_task_data(config)
     config.check_data(
@@ -1463,15 +1464,11 @@ def _setup(
     if config.model.gradient_checkpointing and strategy != "fsdp":
         cast(Any, model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if lora.rank:
-        from rlvr.lora import apply_lora
-
         torch.manual_seed(derive_seed(config.seed, "lora"))  # the same adapters on every rank
         model = apply_lora(model, lora)
     if world.distributed:  # each rank's own stream from here on (dropout)
         torch.manual_seed(derive_seed(config.seed, "rank", world.rank))
     if strategy != "none":
-        from rlvr.distributed.wrap import wrap_model
-
         model = wrap_model(
             model,
             cast(Any, strategy),
@@ -1756,8 +1753,6 @@ def _train(
                 bar.set_postfix(progress_postfix(metrics, state.last_val))
                 bar.update(1)
                 if world.distributed:  # every rank stops after the same step, or none does
-                    from rlvr.distributed.world import reduce_values
-
                     deferred.requested = int(reduce_values([deferred.requested or 0], "max")[0]) or None
                 deferred.raise_if_requested()
             record.checkpoint()
@@ -1872,7 +1867,6 @@ def parse_command(argv: list[str]) -> tuple[TrainConfig, Path, bool, bool]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from rlvr.distributed.world import launched_by_torchrun
 
     torchrun_rank = launched_by_torchrun()
     code = _main(argv)

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
+from rlvr.grpo.logprobs import enable_fused_log_probs
+
 if TYPE_CHECKING:
     from peft.tuners.lora import LoraLayer
 
@@ -105,7 +107,6 @@ def wrap_model(
         fully_shard(layer, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_after_forward)
     # The root keeps embeddings, final norm and head; it is gathered for the whole forward anyway.
     fully_shard(model, mp_policy=mp, offload_policy=offload, reshard_after_forward=reshard_after_forward)
-    from rlvr.grpo.logprobs import enable_fused_log_probs
 
     enable_fused_log_probs(model)
     return model

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rlvr.engines.base import Completion, Engine, SamplingParams, WorkerEngine
+from rlvr.engines.fast.families import unsupported_reason
 from rlvr.errors import UserError
 
 if TYPE_CHECKING:
@@ -108,7 +109,6 @@ def resolve_engine_name(name: str, model: torch.nn.Module) -> str:
     else ``hf``."""
     if name != AUTO:
         return name
-    from rlvr.engines.fast.families import unsupported_reason
 
     return "hf" if unsupported_reason(model.config) else "hf-fast"  # type: ignore[arg-type]  # a transformers config
 

@@ -26,6 +26,9 @@ import torch
 
 from rlvr.engines.base import Completion, Engine, SamplingParams
 from rlvr.errors import EngineError
+from rlvr.grpo import tokenize_from_ids
+from rlvr.grpo.tokenize import pad_token_id
+from rlvr.tokens import encode_texts
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -104,9 +107,6 @@ def tokenize_groups(
     """``input_ids``, ``labels`` and ``response_mask`` of the prompt-major rows of ``groups`` (one group of
     completions per prompt), tokenised from text (what every engine returns) so that training sees the
     same ids whatever the engine."""
-    from rlvr.grpo import tokenize_from_ids
-    from rlvr.grpo.tokenize import pad_token_id
-    from rlvr.tokens import encode_texts
 
     if any("pieces" in c.meta for g in groups for c in g):
         from rlvr.environments.rollout import tokenize_episodes

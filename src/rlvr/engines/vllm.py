@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import requests
 
 from rlvr.engines.base import Completion, SamplingParams
+from rlvr.engines.hf import sequence_logprobs
 from rlvr.engines.worker import PROBE_TEXTS, WeightSyncError
 
 if TYPE_CHECKING:
@@ -250,8 +251,6 @@ class VLLMEngine:
     def probe_diff(self, model: torch.nn.Module) -> float:
         """Max |server − trainer| over the probe batch's prompt log-probs."""
         import torch
-
-        from rlvr.engines.hf import sequence_logprobs
 
         worst = 0.0
         device = next(model.parameters()).device

@@ -47,6 +47,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rlvr.engines.base import Completion, Engine, SamplingParams
+from rlvr.engines.fast import FastHFEngine
+from rlvr.engines.hf import HFEngine, sequence_logprobs
+from rlvr.grpo.logprobs import compute_log_probs_batched
+from rlvr.grpo.tokenize import pad_token_id, tokenize_from_ids
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -143,7 +147,6 @@ def probe_batch(
 
 
 def _probe(model: torch.nn.Module, input_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    from rlvr.engines.hf import sequence_logprobs
 
     device = next(model.parameters()).device
     was_training = model.training
@@ -166,8 +169,6 @@ def _rollout(
     score: bool = True,
 ) -> dict:
     """Generate, retokenise like the trainer, and score the batch with the weights that sampled it."""
-    from rlvr.grpo.logprobs import compute_log_probs_batched
-    from rlvr.grpo.tokenize import pad_token_id, tokenize_from_ids
 
     t0 = time.perf_counter()
     groups = engine.generate(prompts, params)
@@ -220,8 +221,6 @@ def _worker_main(
 ) -> None:
     from transformers import AutoModelForCausalLM
 
-    from rlvr.engines.hf import HFEngine
-
     try:
         dev = torch.device(device)
         if dev.type == "cuda":
@@ -233,8 +232,6 @@ def _worker_main(
         engine_name = engine_options.pop("engine", "hf")
         engine: Engine
         if engine_name == "hf-fast":
-            from rlvr.engines.fast import FastHFEngine
-
             engine = FastHFEngine(model, tokenizer, **engine_options)
         elif engine_name == "hf":
             engine = HFEngine(model, tokenizer, **engine_options)

@@ -24,8 +24,15 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rlvr.config import flatten
-from rlvr.experiments.runs import Run, group_runs, read_rollouts
-from rlvr.grpo.diagnostics import ADVANTAGE_MASS, SEQ_EPS, TOKEN_EPS, group_gradient_weight, predicted_group_weight
+from rlvr.experiments.runs import Run, aggregate, group_runs, read_rollouts
+from rlvr.grpo.diagnostics import (
+    ADVANTAGE_MASS,
+    SEQ_EPS,
+    TOKEN_EPS,
+    group_gradient_weight,
+    predicted_group_weight,
+    token_coefficient,
+)
 from rlvr.grpo.variance import ESTIMATORS
 
 if TYPE_CHECKING:
@@ -610,7 +617,6 @@ def plot_weighting(bins: dict[str, WeightingBins], path: Path) -> Path | None:
 
 def _smooth_curve(est: Estimator, p: np.ndarray, lc: float, li: float) -> np.ndarray:
     """The closed form at a continuous p (the mass formulas hold for any p; only k/G occur)."""
-    from rlvr.grpo.diagnostics import ADVANTAGE_MASS, token_coefficient
 
     fn = ADVANTAGE_MASS[(est.baseline, est.normalizer)]
     out = []
@@ -671,7 +677,6 @@ def plot_weighting_shapes(bins: dict[str, WeightingBins], path: Path) -> Path | 
 def plot_variance(runs: Sequence[Run], path: Path) -> Path | None:
     """Per setting: trace (solid) and projected (dashed) per-group gradient variance of each estimator
     over training steps, mean across seeds."""
-    from rlvr.experiments.runs import aggregate
 
     groups = {s: g for s, g in group_runs(runs).items() if has_variance(g)}
     if not groups:

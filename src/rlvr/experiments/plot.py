@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from rlvr.experiments.estimators import estimator_figures
+
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
@@ -321,8 +323,6 @@ def plot_runs(
     if lr_plot:
         written["final_vs_lr"] = lr_plot
     if estimators:
-        from rlvr.experiments.estimators import estimator_figures
-
         written.update(estimator_figures(runs, out_dir / "estimators"))
     return written
 

@@ -24,7 +24,9 @@ from collections.abc import Iterable
 from pathlib import Path
 from types import ModuleType
 
+from rlvr.cli import main as rlvr_main
 from rlvr.errors import UserError
+from rlvr.interrupts import stop_with_parent
 
 
 def is_path(plugin: str) -> bool:
@@ -105,15 +107,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give the rlvr command to run after --, e.g. -- train --config cfg.yaml --out runs/x")
     parent = os.environ.pop("RLVR_PARENT_PID", None)  # for this process only, not for what it starts
     if parent and parent.isdigit():
-        from rlvr.interrupts import stop_with_parent
-
         stop_with_parent(int(parent))
     try:
         import_plugins(args.plugin)
     except UserError as e:
         print(f"rlvr {command[0]}: {e}", file=sys.stderr)
         return e.exit_code
-    from rlvr.cli import main as rlvr_main
 
     return int(rlvr_main(command) or 0)
 

@@ -40,6 +40,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rlvr.data import load_examples
+from rlvr.dpo import DPOConfig, run_dpo
+from rlvr.engines import make_engine
+from rlvr.instruct_sft import InstructSFTConfig, run_instruct_sft
+from rlvr.logging_utils import read_metrics
+from rlvr.modeling import fresh_model, load_model_and_tokenizer
+from rlvr.suites.run import SUITES, Suite, run_suite
+
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
@@ -122,8 +130,6 @@ def task_accuracy(
 ) -> dict:
     """Greedy accuracy on ``problems`` in fine-tuned mode; how often the answer restates the start; how
     often the last computed result (before "The answer is") is right, whatever the answer says."""
-    from rlvr.engines import make_engine
-    from rlvr.suites.run import SUITES, Suite, run_suite
 
     suite = Suite("arith", "", lambda ex: ex["question"], SUITES["gsm8k"].grade)
     rows = [{"question": ex.question, "answer": ex.ground_truth, "start": str(ex.meta["start"])} for ex in problems]
@@ -141,11 +147,6 @@ def task_accuracy(
 
 
 def run_seed(cfg: ProofConfig, seed: int) -> dict:
-    from rlvr.data import load_examples
-    from rlvr.dpo import DPOConfig, run_dpo
-    from rlvr.instruct_sft import InstructSFTConfig, run_instruct_sft
-    from rlvr.logging_utils import read_metrics
-    from rlvr.modeling import fresh_model, load_model_and_tokenizer
 
     out = Path(cfg.out) / f"seed_{seed}"
     out.mkdir(parents=True, exist_ok=True)

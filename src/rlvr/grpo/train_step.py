@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from rlvr.distributed.world import gather_objects, reduce_values
 from rlvr.grpo.advantages import compute_group_normalized_rewards, compute_rollout_rewards
 from rlvr.grpo.aggregate import aggregate_loss_across_microbatch, get_aggregation
 from rlvr.grpo.diagnostics import importance_statistics
@@ -191,8 +192,6 @@ def policy_gradient_update(
     n_runs = len(plan)
     batch_tokens = float(response_mask.sum())  # DAPO's token-level loss: every response token of the batch
     if global_batch is not None:
-        from rlvr.distributed.world import reduce_values
-
         n_runs = int(reduce_values([len(plan)], "max", global_batch.group)[0])
         if aggregation.batch_tokens:
             batch_tokens = float(reduce_values([batch_tokens], "sum", global_batch.group)[0])
@@ -286,8 +285,6 @@ def policy_gradient_update(
 
     n_sequences = sum(len(r) for r in plan)
     if global_batch is not None:
-        from rlvr.distributed.world import gather_objects, reduce_values
-
         sums = reduce_values(
             [
                 float(total_loss),

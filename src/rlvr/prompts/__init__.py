@@ -30,7 +30,9 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+from rlvr import rewards
 from rlvr.errors import UserError
+from rlvr.reward_functions import BUILTIN_REWARDS
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -97,11 +99,9 @@ def stop_strings(name: str) -> list[str]:
 
 def reward_fn_for(name: str) -> Callable[..., dict]:
     """The reward function that grades responses to prompt ``name``."""
-    from rlvr import rewards
 
     if name in PROMPTS:
         return getattr(rewards, get_prompt_spec(name).reward_fn_name)
-    from rlvr.reward_functions import BUILTIN_REWARDS
 
     return BUILTIN_REWARDS[resolve_prompt(name).default_reward]
 

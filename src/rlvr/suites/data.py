@@ -19,7 +19,7 @@ import csv
 import json
 from pathlib import Path
 
-from rlvr.data import DataError
+from rlvr.data import DataError, load_examples
 
 MMLU_LETTERS = ("A", "B", "C", "D")
 ALPACA_EVAL_FILE = "alpaca_eval_gpt4_turbo.json"
@@ -73,7 +73,6 @@ def _load_mmlu_hub(name: str, split: str, limit: int | None) -> list[dict]:
 
 
 def load_gsm8k(source: str | Path, split: str = "test", limit: int | None = None) -> list[dict]:
-    from rlvr.data import load_examples
 
     return [{"question": ex.question, "answer": ex.ground_truth} for ex in load_examples(str(source), split, limit)]
 

@@ -44,7 +44,11 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from rlvr.engines import make_engine
+from rlvr.engines.base import SamplingParams
 from rlvr.errors import UserError
+from rlvr.instruct import special_prefix
+from rlvr.modeling import load_model_and_tokenizer
 
 if TYPE_CHECKING:
     import requests
@@ -114,8 +118,6 @@ class EngineJudge:
     def load(
         cls, path: str, device: str = "cpu", engine: str = "hf", max_tokens: int = 32, batch_size: int = 64
     ) -> EngineJudge:
-        from rlvr.engines import make_engine
-        from rlvr.modeling import load_model_and_tokenizer
 
         model, tokenizer = load_model_and_tokenizer(path, device=device)
         model.eval()
@@ -129,12 +131,10 @@ class EngineJudge:
                     [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
                 ),
             )
-        from rlvr.instruct import special_prefix
 
         return special_prefix(self.tokenizer) + prompt + "\n"
 
     def complete(self, prompts: list[str]) -> list[str]:
-        from rlvr.engines.base import SamplingParams
 
         params = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.max_tokens, seed=0)
         return [group[0].text for group in self.engine.generate([self.format(p) for p in prompts], params)]

@@ -41,19 +41,24 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from rlvr.config import EngineConfig, VLLMEngineConfig
+from rlvr.engines import build_engine
+from rlvr.engines.base import SamplingParams
 from rlvr.errors import UserError
-from rlvr.instruct import alpaca_format, protocol_template
+from rlvr.instruct import alpaca_format, protocol_template, special_prefix
 from rlvr.machine import usable_device
+from rlvr.modeling import load_model_and_tokenizer
 from rlvr.ranges import AT_LEAST_ONE, Range, flag_name, range_problems
 from rlvr.scaffold import claimed_output_dir
-from rlvr.suites.judge import MANY_UNPARSED, judge_alpaca_eval, judge_sst
+from rlvr.suites import data
+from rlvr.suites.judge import MANY_UNPARSED, judge_alpaca_eval, judge_sst, make_judge
 from rlvr.suites.parsing import parse_gsm8k_response, parse_mmlu_response, same_number
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
 
-    from rlvr.engines.base import Engine, SamplingParams
+    from rlvr.engines.base import Engine
     from rlvr.suites.judge import EndpointJudge, EngineJudge
 
 SuiteName = Literal["mmlu", "gsm8k", "alpaca_eval", "sst"]
@@ -129,7 +134,6 @@ def clean_output(text: str, mode: str) -> str:
 
 
 def generation_params(mode: str, max_tokens: int) -> SamplingParams:
-    from rlvr.engines.base import SamplingParams
 
     stop = (BASE_STOP,) if mode == "base" else ()
     return SamplingParams(
@@ -277,7 +281,6 @@ def _source(cfg: SuiteConfig, name: str) -> str:
 
 
 def load_suite_data(name: str, source: str, limit: int | None) -> list[dict]:
-    from rlvr.suites import data
 
     if name == "mmlu":
         return data.load_mmlu(source, "test", limit)
@@ -289,8 +292,6 @@ def load_suite_data(name: str, source: str, limit: int | None) -> list[dict]:
 
 
 def _engine(cfg: SuiteConfig, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, device: str) -> Engine:
-    from rlvr.config import EngineConfig, VLLMEngineConfig
-    from rlvr.engines import build_engine
 
     config = EngineConfig(
         name=cfg.engine, device=device, max_batch_size=cfg.batch_size, vllm=VLLMEngineConfig(base_url=cfg.vllm_base_url)
@@ -341,8 +342,6 @@ def _run_suites(
 ) -> dict:
     import torch
 
-    from rlvr.instruct import special_prefix
-
     # Data (and a local judge's path) before any model loads.
     data = {name: load_suite_data(name, _source(cfg, name), cfg.limit) for name in dict.fromkeys(cfg.suite)}
     for name, rows in data.items():
@@ -364,8 +363,6 @@ def _run_suites(
 
         tokenizer = AutoTokenizer.from_pretrained(cfg.model)
     elif model is None:
-        from rlvr.modeling import load_model_and_tokenizer
-
         dtype = None if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
         model, tokenizer = load_model_and_tokenizer(cfg.model, device=device, dtype=dtype)
         model.eval()
@@ -397,7 +394,6 @@ def _run_suites(
             model = engine = None
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-        from rlvr.suites.judge import make_judge
 
         judge = make_judge(
             cfg.judge,
