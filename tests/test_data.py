@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 
-from rlvr.data import DataError, Example, extract_gsm8k_answer, load_examples, load_gsm8k_jsonl, sample_batch
+from rlvr.data import DataError, Example, extract_gsm8k_answer, load_examples, load_gsm8k_jsonl
 from rlvr.rewards import grade
 
 
@@ -127,19 +126,6 @@ def test_directory_source_reads_the_split_file(tmp_path):
     write_jsonl(tmp_path / "test.jsonl", [row("v?", "#### 2"), row("w?", "#### 3")])
     assert [e.ground_truth for e in load_examples(str(tmp_path), split="train")] == ["1"]
     assert [e.ground_truth for e in load_examples(str(tmp_path), split="test")] == ["2", "3"]
-
-
-# --- seeded batches ----------------------------------------------------------------------------
-
-
-def test_sample_batch_is_seeded_and_distinct():
-    examples = [Example(f"q{i}", str(i)) for i in range(50)]
-    a = sample_batch(examples, 10, random.Random(3))
-    b = sample_batch(examples, 10, random.Random(3))
-    assert a == b and len({e.question for e in a}) == 10
-    assert sample_batch(examples, 10, random.Random(4)) != a
-    with pytest.raises(ValueError, match="n_prompts_per_rollout_batch"):
-        sample_batch(examples, 51, random.Random(0))
 
 
 def test_missing_local_path_is_an_error_not_a_hub_lookup(tmp_path):

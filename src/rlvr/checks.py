@@ -50,8 +50,8 @@ def resolve_config(config: TrainConfig) -> TrainConfig:
     preset = PRESETS[a.preset]
     cfg = dataclasses.replace(config, rollout=r)
     o = cfg.optim
-    if o.train_batch_size is None:
-        o = dataclasses.replace(o, train_batch_size=cfg.rollout_batch_size)
+    train_batch_size = cfg.rollout_batch_size if o.train_batch_size is None else o.train_batch_size
+    o = dataclasses.replace(o, train_batch_size=train_batch_size)
     if a.cliprange is not None and a.cliprange_low is not None and a.cliprange != a.cliprange_low:
         raise ConfigError(
             f"algorithm.cliprange={a.cliprange} and algorithm.cliprange_low={a.cliprange_low} disagree; "
@@ -69,13 +69,13 @@ def resolve_config(config: TrainConfig) -> TrainConfig:
         cliprange_low=cliprange_low,
         cliprange_high=a.cliprange_high if a.cliprange_high is not None else cliprange_low,
     )
-    aggregation = AGGREGATIONS.get(a.loss_normalization)
+    aggregation = AGGREGATIONS.get(a.loss_normalization or "")
     if a.normalization_constant is None and aggregation is not None and aggregation.needs_normalization_constant:
         # Dr. GRPO: batch size x max generation length, where the batch is what one optimizer
         # step sees; on-policy that is the rollout batch.
-        a = dataclasses.replace(a, normalization_constant=float(o.train_batch_size * r.max_new_tokens))
+        a = dataclasses.replace(a, normalization_constant=float(train_batch_size * r.max_new_tokens))
     if o.logprob_batch_size is None and o.gradient_accumulation_steps >= 1:
-        o = dataclasses.replace(o, logprob_batch_size=max(1, o.train_batch_size // o.gradient_accumulation_steps))
+        o = dataclasses.replace(o, logprob_batch_size=max(1, train_batch_size // o.gradient_accumulation_steps))
     policy_device = cfg.policy_device
     engine = cfg.engine
     if policy_device == "auto" or engine.device == "auto":

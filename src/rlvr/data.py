@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import csv
 import json
-import random
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -313,13 +312,6 @@ def load_hub(
     return out
 
 
-def load_gsm8k_hub(
-    split: str, limit: int | None = None, name: str = "openai/gsm8k", config: str = "main"
-) -> list[Example]:
-    """GSM8K from the Hugging Face hub through ``datasets`` (needs network access)."""
-    return load_hub(name, split, limit, config, GSM8K_FORMAT)
-
-
 def _looks_like_hub_id(source: str) -> bool:
     """``owner/name`` with no further path parts, not starting like a local path."""
     parts = source.split("/")
@@ -369,12 +361,3 @@ def load_examples(
         f"cannot load data from {source!r}: give a JSONL, JSON, Parquet or CSV file, a folder with the {split} split, "
         f"a hub dataset id such as 'openai/gsm8k', or a task name from rlvr.tasks ({', '.join(tasks.TASKS)})"
     )
-
-
-def sample_batch(examples: list[Example], n: int, rng: random.Random) -> list[Example]:
-    """``n`` distinct examples drawn with ``rng`` (reproducible for a seeded ``random.Random``)."""
-    if n > len(examples):
-        raise ValueError(
-            f"asked for {n} prompts but the data has only {len(examples)}; lower n_prompts_per_rollout_batch"
-        )
-    return rng.sample(examples, n)

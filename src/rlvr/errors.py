@@ -55,6 +55,7 @@ def disk_full(e: BaseException) -> DiskFullError | None:
     however the library that wrote reported it; else None."""
     seen: BaseException | None = e
     while seen is not None:
+        reason: str | None
         if isinstance(seen, OSError) and seen.errno in _FULL_ERRNOS:
             reason = seen.strerror or os.strerror(seen.errno)
         else:

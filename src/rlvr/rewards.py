@@ -54,7 +54,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
 from fractions import Fraction
 from types import ModuleType
 from typing import Any
@@ -214,15 +213,6 @@ def grade_math(answer: str, ground_truth: str) -> bool:
     if len(answer) > MAX_SYMBOLIC_CHARS or len(ground_truth) > MAX_SYMBOLIC_CHARS:
         return False
     return _WORKER.check(answer.strip(), ground_truth.strip(), SYMBOLIC_TIMEOUT_S, mode="verify")
-
-
-def grade_many(answers: Sequence[str], ground_truths: Sequence[str]) -> list[bool]:
-    """``grade`` over pairs; the lists must have the same length."""
-    if len(answers) != len(ground_truths):
-        raise ValueError(
-            f"got {len(answers)} answers but {len(ground_truths)} ground truths; pass one ground truth per answer"
-        )
-    return [grade(a, g) for a, g in zip(answers, ground_truths)]
 
 
 class _Reject(Exception):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
@@ -162,9 +162,10 @@ def generate_in_chunks(
                 results[i] = comps
     finally:
         engine.model.train(was_training)
-    engine.stats["tokens"] += sum(len(c.token_ids) for group in results for c in group)
+    done = cast(list[list[Completion]], results)  # every prompt sits in one chunk
+    engine.stats["tokens"] += sum(len(c.token_ids) for group in done for c in group)
     engine.stats["time"] += time.perf_counter() - t0
-    return results
+    return done
 
 
 def stop_window_tokens(stops: Sequence[str]) -> int:
