@@ -40,7 +40,7 @@ lint: $(STAMP)
 
 # What only a GPU runs: the tests marked gpu (Triton and cascade attention over head_dims and batch sizes,
 # CUDA-graph replay, compiled training, a train step per engine, a learning smoke run), then every
-# section of the speed benchmark on a small model. Record its output in docs/benchmarks.md. Its two
+# section of the speed benchmark on a small model. Record its output in docs/benchmarks_history.md. Its two
 # halves are targets of their own, for a machine lent in calls shorter than the whole check; the whole
 # check runs both even when the first fails and ends with a table of both outcomes (scripts/gpu_check.sh).
 gpu-check:

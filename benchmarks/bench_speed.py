@@ -942,7 +942,7 @@ class Bench:
 
         ``lean``: the same run configured for memory, to set beside TRL's peak: the engine frees its cache
         after every generation (``engine.fast.release_memory``), microbatches of 10,240 tokens (the largest
-        budget whose training peak stayed below the generation's, docs/benchmarks.md), and AdamW steps
+        budget whose training peak stayed below the generation's, docs/benchmarks_history.md), and AdamW steps
         the bfloat16 weights without float32 master copies (``optim.master_weights: false``, as TRL's bf16
         runs step).
 

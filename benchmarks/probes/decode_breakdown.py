@@ -13,7 +13,7 @@ at 256 / 32 / 1 rows with 256 response slots, for two ways of compiling the step
   before ``4b31e8d``).
 
 (At commit ``d2b2b64`` the same probe set one compiled piece per attention gap against two pieces per
-layer; docs/benchmarks.md has that run.)
+layer; docs/benchmarks_history.md has that run.)
 
 Then the profiler's kernels of five un-captured steps at 256 rows x 256 response slots, summed by kind
 (matmuls, the Triton attention kernels, inductor's fused elementwise kernels, the rest), set against

@@ -101,7 +101,7 @@ class ModelConfig:
     gradient_checkpointing: bool = False
     """Recompute activations in backward to save memory (slower training step)."""
     compile: bool = False
-    """Train through one ``torch.compile``d decoder-layer forward shared by every layer (dynamic shapes) and compiled float32 log-prob passes: fuses the norms, rotary embeddings and activations of the training forward and backward (rollout engines keep the eager model). The first steps pay the compile time (15-25 s for OLMo-2-1B on an H200)."""
+    """Train through one ``torch.compile``d decoder-layer forward shared by every layer (dynamic shapes) and compiled float32 log-prob passes: fuses the norms, rotary embeddings and activations of the training forward and backward (rollout engines keep the eager model). The first steps pay the compile time (docs/benchmarks.md)."""
     lora: LoraConfig = field(default_factory=LoraConfig)
     """Low-rank adapters (peft) instead of full fine-tuning."""
 

@@ -272,7 +272,7 @@ def load_model_and_tokenizer(
 
 def attention_without_cudnn() -> contextlib.AbstractContextManager:
     """SDPA's backends less cuDNN's, on a GPU (elsewhere nothing changes); every ``rlvr`` command runs
-    in it. cuDNN's attention builds an execution plan on the host for each new shape (milliseconds per
+    in it. cuDNN's attention builds an execution plan on the host for each new shape (host time at every
     layer call), and training microbatches, DPO pairs and the engines' prefill chunks change shape
     every batch; the flash and memory-efficient kernels have no such cost (the trainer profile in
     docs/benchmarks.md)."""

@@ -644,7 +644,7 @@ def triton_decode_attention(
     followed by the attention. ``live`` (b,), optional: rows where it is 0 read nothing and return 0.
     ``splits`` > 1 cuts each row's slots into that many runs reduced by separate programs and merged by
     a second kernel (for few rows; see ``default_splits``). The other defaults were the fastest of those
-    timed on an H200 at the suggested config's shapes (docs/benchmarks.md, "decode attention").
+    timed on an H200 at the suggested config's shapes (docs/benchmarks_history.md, "decode attention").
 
     ``runs`` = (first, count), optional int tensors of one entry per run: batch rows
     [first, first + count) share a prompt (the same ``grp`` and ``start``) and have their prompt slots

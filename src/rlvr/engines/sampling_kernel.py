@@ -30,7 +30,7 @@ try:  # Triton ships with CUDA builds of PyTorch; the engine samples with sample
 except ImportError:  # pragma: no cover - depends on the install
     triton = None
 
-# The fastest of a sweep on an H200 (docs/benchmarks.md, "Sampling in one pass"): many short slices keep
+# The fastest of a sweep on an H200 (docs/benchmarks_history.md, "Sampling in one pass"): many short slices keep
 # enough loads in flight, since each program's loop is one chain of dependent steps.
 BLOCK = 1024  # vocabulary entries per lane step
 WARPS = 8

@@ -253,8 +253,7 @@ def inductor_options() -> dict | None:
     """Inductor settings for the training compile. Inductor fuses a norm's backward row and column
     reductions ("mix-order reduction") only above some microbatch sizes, and with dynamic shapes each
     such decision becomes a guard on the size: a microbatch on the other side of a threshold compiles
-    the layer again in the middle of a run (on an H200, a 6 s stall in the third trainer step,
-    docs/benchmarks.md). The non-strict mode skips those size checks, so one graph serves every
+    the layer again in the middle of a run (a stall of seconds, docs/benchmarks.md). The non-strict mode skips those size checks, so one graph serves every
     microbatch. None where this torch has no such setting."""
     import torch._inductor.config as config
 

@@ -43,8 +43,8 @@ class FastHFEngine:
 
     ``max_batch_size`` bounds the rows decoded together (prompts × n); ``batch_buckets`` are the
     batch sizes graphs are captured for; ``length_bucket`` rounds the attended cache length;
-    ``sync_every`` is how many steps run between host checks of EOS / stop strings (4 was faster than 8
-    on an H200: finished rows are flagged and retired sooner). ``attention``
+    ``sync_every`` is how many steps run between host checks of EOS / stop strings (the default was the
+    faster of those timed: finished rows are flagged and retired sooner). ``attention``
     is ``"triton"`` (one kernel over the shared prompt and response caches, and greedy or temperature
     sampling in one pass over the logits; CUDA, or the Triton interpreter), ``"sdpa"`` (gather each
     row's prompt K/V and call SDPA, sample with ``sample_math``; any device) or ``"auto"``
