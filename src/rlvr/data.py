@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from rlvr import tasks
+from rlvr.chat import check_messages
 from rlvr.example import DataError, Example
 from rlvr.rewards import last_boxed
 
@@ -80,8 +81,6 @@ class RowFormat:
         question, answer = row[q], row[a]
         messages = None
         if isinstance(question, list):  # a chat row: the conversation that the model answers
-            from rlvr.chat import check_messages
-
             messages = tuple(check_messages(question, f"{where}, column {q!r}"))
             users = [m["content"] for m in messages if m["role"] == "user"]
             question = users[-1] if users else messages[-1]["content"]

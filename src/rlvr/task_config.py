@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 from rlvr.data import ANSWER_FORMATS, load_examples
 from rlvr.errors import UserError
-from rlvr.prompts import CHAT, PromptError, check_chat_template, resolve_prompt
+from rlvr.prompts import CHAT, PromptError, chat_rows_need_chat, check_chat_template, resolve_prompt
+from rlvr.reward_functions import BUILTIN_REWARDS, reward_settings_problem, spec_problem
 from rlvr.reward_functions import build_reward as build
-from rlvr.reward_functions import reward_settings_problem, spec_problem
 
 if TYPE_CHECKING:
     from rlvr.config import TrainConfig
@@ -126,8 +126,6 @@ def parse_val_source(spec: str, base: dict) -> DataSource:
                 f"{', '.join(VAL_SOURCE_OPTIONS)}"
             )
         if key == "reward":
-            from rlvr.reward_functions import BUILTIN_REWARDS
-
             if value not in BUILTIN_REWARDS:
                 raise TaskConfigError(
                     f"data.val_sources entry {spec!r}: unknown reward {value!r}; choose one of "
@@ -239,7 +237,6 @@ def set_rewards(
 ) -> dict[str, Reward]:
     """The started ``Reward`` of each validation set whose source names its own (``reward=NAME``), by
     set name; the other sets are graded by the run's reward."""
-    from rlvr.reward_functions import build_reward as build
 
     examples = dict(data_sets)
     r = config.reward
@@ -270,7 +267,6 @@ def prepare_reward(config: TrainConfig, examples: list[Example], prompt: Prompt 
 def check_chat_rows(prompt: Prompt, sets: list[tuple[str, list[Example]]]) -> None:
     """``TaskConfigError`` when chat rows (questions that are message lists) meet a prompt that cannot
     render them: a text prompt, or a chat prompt with a user-message template (the rows hold their own)."""
-    from rlvr.prompts import CHAT, chat_rows_need_chat
 
     if not any(ex.messages is not None for _, examples in sets for ex in examples):
         return

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from rlvr import rewards
+from rlvr.chat import render as render_chat
 from rlvr.errors import UserError
 from rlvr.reward_functions import BUILTIN_REWARDS
 
@@ -157,9 +158,7 @@ class Prompt:
             raise PromptError(chat_rows_need_chat(self.name))
         if self.tokenizer is None:
             raise PromptError("chat rows render with the model's tokenizer; bind it first (Prompt.bind)")
-        from rlvr.chat import render
-
-        return render(self.tokenizer, self.example_messages(example), add_generation_prompt=True)
+        return render_chat(self.tokenizer, self.example_messages(example), add_generation_prompt=True)
 
     def example_messages(self, example: Example) -> list[dict[str, str]]:
         """The chat messages of a data row: a chat row's own (after the prompt's system message when the
