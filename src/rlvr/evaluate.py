@@ -51,6 +51,7 @@ from rlvr.config import (
 )
 from rlvr.engines import build_engine, make_engine
 from rlvr.engines.base import SamplingParams
+from rlvr.environments.rollout import episode_metrics
 from rlvr.errors import UserError
 from rlvr.grpo.advantages import pass_at_k
 from rlvr.machine import usable_device
@@ -279,8 +280,6 @@ def evaluate(
         metrics["rewards"] = {k.removeprefix("reward/"): v for k, v in extra.items()}
     conversations = [f[4] for f in flat if "pieces" in f[4].meta]
     if conversations:
-        from rlvr.environments.rollout import episode_metrics
-
         metrics["episodes"] = {k.removeprefix("train/"): v for k, v in episode_metrics(conversations).items()}
     k = params.n
     if n and k > 1:

@@ -124,7 +124,8 @@ from rlvr.engines.async_rollout import AsyncRollouts
 from rlvr.engines.base import Engine, SamplingParams, WorkerEngine
 from rlvr.engines.fast import unsupported_reason
 from rlvr.engines.rollouts import RolloutBatch, RolloutRequest, Rollouts, SyncRollouts, tokenize_groups
-from rlvr.environments import episodes_for
+from rlvr.environments import episodes_for, get_environment_entry
+from rlvr.environments.rollout import episode_fields, episode_metrics
 from rlvr.errors import EngineError, GraderError, NonFiniteError, TrainingError, UserError, disk_full
 from rlvr.evaluate import evaluate
 from rlvr.experiments.plugins import import_plugins
@@ -630,8 +631,6 @@ def _score(
     ]
     multi_turn = any("pieces" in c.meta for c in completions)
     if multi_turn:
-        from rlvr.environments.rollout import episode_fields, episode_metrics
-
         fields = [episode_fields(f, c) for f, c in zip(fields, completions, strict=True)]
         log.update(episode_metrics(completions))
     t0 = time.perf_counter()
@@ -1532,7 +1531,6 @@ def _check_prompt_lengths(
     context = context_length(model)
     if context is None:
         return
-    from rlvr.environments import get_environment_entry
 
     after, setting = config.rollout.max_new_tokens, "rollout.max_new_tokens"
     if get_environment_entry(config.env.name).multi_turn and config.env.max_tokens > after:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 
 from rlvr.engines.base import Completion, Engine, SamplingParams
+from rlvr.environments.rollout import tokenize_episodes
 from rlvr.errors import EngineError
 from rlvr.grpo import tokenize_from_ids
 from rlvr.grpo.tokenize import pad_token_id
@@ -109,8 +110,6 @@ def tokenize_groups(
     same ids whatever the engine."""
 
     if any("pieces" in c.meta for g in groups for c in g):
-        from rlvr.environments.rollout import tokenize_episodes
-
         return tokenize_episodes(tokenizer, prompts, groups)
     responses = [c.text for g in groups for c in g]
     output_ids = encode_texts(tokenizer, responses)

@@ -22,55 +22,21 @@ it, token for token) and ``tool`` (``rlvr.environments.tool``: the model calls P
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-from rlvr.errors import UserError
+from rlvr.environments.base import Environment, EnvironmentError_, SingleTurn
+from rlvr.environments.base import EnvStep as EnvStep
+from rlvr.environments.formats import TOOL_FORMATS
+from rlvr.environments.rollout import ChatRenderer, Episodes, TextRenderer
+from rlvr.environments.tool import ToolEnvironment
+from rlvr.environments.tools import TOOLS, get_tools
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from rlvr.config import EnvConfig, TrainConfig
-    from rlvr.environments.rollout import Episodes
-    from rlvr.example import Example
     from rlvr.prompts import Prompt
-
-
-class EnvironmentError_(UserError, ValueError):
-    """An environment setting that cannot be used (an unknown name, a bad option)."""
-
-
-@dataclass
-class EnvStep:
-    """What the environment answers a model turn with."""
-
-    messages: list[dict] = field(default_factory=list)
-    """Messages to append before the model's next turn (ignored when ``done``)."""
-    done: bool = False
-    reward_fields: dict = field(default_factory=dict)
-    """Keyword arguments for the reward function (merged over the turns, the newest winning)."""
-
-
-@runtime_checkable
-class Environment(Protocol):
-    @property
-    def stop(self) -> tuple[str, ...]: ...
-
-    def reset(self, row: Example, messages: list[dict]) -> list[dict]: ...
-
-    def step(self, messages: list[dict]) -> EnvStep: ...
-
-
-class SingleTurn:
-    """One model turn per row: the conversation ends at the model's first answer."""
-
-    stop: tuple[str, ...] = ()
-
-    def reset(self, row: Example, messages: list[dict]) -> list[dict]:
-        return messages
-
-    def step(self, messages: list[dict]) -> EnvStep:
-        return EnvStep(done=True)
 
 
 @dataclass(frozen=True)
@@ -82,8 +48,6 @@ class EnvironmentEntry:
 
 
 def _tool_env(config: EnvConfig) -> Environment:
-    from rlvr.environments.tool import ToolEnvironment
-    from rlvr.environments.tools import get_tools
 
     return ToolEnvironment(get_tools(config.tools), config.tool_format)
 
@@ -112,7 +76,6 @@ def build_environment(config: EnvConfig) -> Environment:
 
 def episodes_for(config: TrainConfig, tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> Episodes | None:
     """The run's multi-turn sampling (None for ``single_turn``: the trainer's one-turn path)."""
-    from rlvr.environments.rollout import ChatRenderer, Episodes, TextRenderer
 
     if not get_environment_entry(config.env.name).multi_turn:
         return None
@@ -131,8 +94,6 @@ def episodes_for(config: TrainConfig, tokenizer: PreTrainedTokenizerBase, prompt
 
 def env_problems(config: TrainConfig) -> list[str]:
     """One line per ``env`` setting that cannot run (before any model loads)."""
-    from rlvr.environments.formats import TOOL_FORMATS
-    from rlvr.environments.tools import TOOLS
 
     e = config.env
     if e.name not in ENVIRONMENTS:

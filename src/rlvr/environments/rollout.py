@@ -30,11 +30,13 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from rlvr.engines.base import Completion, Engine, SamplingParams
+from rlvr.grpo.tokenize import pad_token_id, tokenize_from_pieces
+from rlvr.tokens import decode_texts, encode_texts
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from rlvr.environments import Environment
+    from rlvr.environments.base import Environment
     from rlvr.environments.formats import ToolFormat
     from rlvr.example import Example
 
@@ -155,7 +157,6 @@ class Episodes:
 
     def generate(self, engine: Engine, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:
         """Per prompt (an ``open`` text), ``params.n`` conversations sampled by ``engine`` (module docstring)."""
-        from rlvr.tokens import encode_texts
 
         env, tokenizer = self.env, self.tokenizer
         opening = [self.openings.get(p) or [{"role": "user", "content": p}] for p in prompts]
@@ -234,7 +235,6 @@ class EpisodeEngine:
 def _cap(c: Completion, budget: int, tokenizer: PreTrainedTokenizerBase) -> Completion:
     if len(c.token_ids) <= budget:
         return c
-    from rlvr.tokens import decode_texts
 
     ids = c.token_ids[:budget]
     return Completion(decode_texts(tokenizer, [ids])[0], ids, "length", None, c.meta)
@@ -245,8 +245,6 @@ def tokenize_episodes(
 ) -> dict[str, torch.Tensor]:
     """``rlvr.engines.rollouts.tokenize_groups`` for conversations: every piece tokenised on its own,
     the loss mask on the model's pieces only."""
-    from rlvr.grpo.tokenize import pad_token_id, tokenize_from_pieces
-    from rlvr.tokens import encode_texts
 
     flat = [c for g in groups for c in g]
     pieces: list[list[tuple[str, bool]]] = [c.meta.get("pieces") or [(c.text, True)] for c in flat]

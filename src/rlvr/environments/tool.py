@@ -13,7 +13,7 @@ from __future__ import annotations
 import inspect
 from typing import TYPE_CHECKING
 
-from rlvr.environments import EnvStep
+from rlvr.environments.base import EnvStep
 from rlvr.environments.formats import ToolCall, tool_format, tool_message
 from rlvr.environments.tools import Tool
 

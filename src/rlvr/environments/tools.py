@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rlvr.errors import UserError
+from rlvr.sandbox import run_python
 
 
 class ToolError(UserError, ValueError):
@@ -106,7 +107,6 @@ def python(code: str) -> str:
     Args:
         code: The program; print the values you need.
     """
-    from rlvr.sandbox import run_python
 
     result = run_python(code, timeout_s=PYTHON_TIMEOUT_S, require_isolation=PYTHON_REQUIRE_ISOLATION)
     out = result.stdout

@@ -22,6 +22,22 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlvr.config import (
+    AlgorithmConfig,
+    DataConfig,
+    EngineConfig,
+    EnvConfig,
+    LogConfig,
+    ModelConfig,
+    OptimConfig,
+    RolloutConfig,
+    TrainConfig,
+)
+from rlvr.logging_utils import read_metrics
+from rlvr.rundir import atomic_write_json
+from rlvr.sft import SFTConfig, run_sft
+from rlvr.trainer import train
+
 
 @dataclass
 class ToolProofConfig:
@@ -66,7 +82,6 @@ class ToolProofConfig:
 
 
 def _warm_start(cfg: ToolProofConfig, sft_dir: Path) -> None:
-    from rlvr.sft import SFTConfig, run_sft
 
     run_sft(
         SFTConfig(
@@ -88,20 +103,6 @@ def _warm_start(cfg: ToolProofConfig, sft_dir: Path) -> None:
 
 def run_tool_proof(cfg: ToolProofConfig) -> dict:
     """Run it; returns accuracy and calls per answer before and after, and writes ``OUT/tool_proof.json``."""
-    from rlvr.config import (
-        AlgorithmConfig,
-        DataConfig,
-        EngineConfig,
-        EnvConfig,
-        LogConfig,
-        ModelConfig,
-        OptimConfig,
-        RolloutConfig,
-        TrainConfig,
-    )
-    from rlvr.logging_utils import read_metrics
-    from rlvr.rundir import atomic_write_json
-    from rlvr.trainer import train
 
     out = Path(cfg.out)
     out.mkdir(parents=True, exist_ok=True)
