@@ -10,9 +10,8 @@
 3. **Before and after**, from the trainer's own validation through the same environment: accuracy
    (``val/reward``) and calculator calls per answer (``val/tool_calls``).
 
-Not yet shown to rise, and so not yet a test (docs/environments.md says what one run gave).
-``python -m rlvr.experiments.tool_proof --seeds 0 1 2 3`` runs it over several seeds (``--device cuda``
-on a GPU).
+``tests/test_learning_tools.py`` runs it and asserts that both rise. ``python -m
+rlvr.experiments.tool_proof --seeds 0 1 2 3`` runs it over several seeds (``--device cuda`` on a GPU).
 """
 
 from __future__ import annotations
@@ -45,13 +44,13 @@ class ToolProofConfig:
 
     out: Path = Path("runs/tool_proof")
     """Run directory: sft/ (warm start), grpo/ (the GRPO run), tool_proof.json."""
-    task: str = "arith:steps=1,max_value=20,noise=0.5,tool=0.25"
+    task: str = "arith:steps=1,max_value=10,noise=0.5,tool=0.3"
     """Task of both stages (its tool knob: the share of warm-start solutions that call the calculator)."""
     model_size: str = "small"
     """Size of the fresh model (rlvr.modeling.MODEL_SIZES)."""
     vocab_size: int = 640
     """Vocabulary of the locally trained tokenizer."""
-    sft_steps: int = 300
+    sft_steps: int = 400
     """Warm-start optimizer steps (batch 32)."""
     sft_lr: float = 3e-3
     """Warm-start peak learning rate."""
