@@ -220,6 +220,11 @@ def test_the_three_row_shapes_are_read_and_a_fourth_is_named(tmp_path):
     write_jsonl(path, [{"messages": [{"role": "user"}]}])
     with pytest.raises(DataError, match=r"row 1, messages: message 0 \(user\) has no string 'content'"):
         load_sft_rows(path)
+    write_jsonl(path, [{"messages": chat}, {"messages": chat[:1]}])
+    with pytest.raises(
+        DataError, match=r"row 2, messages: no message has role 'assistant', so the row carries no loss"
+    ):
+        load_sft_rows(path)
 
 
 def test_conversations_carry_loss_on_the_assistant_and_alpaca_rows_on_every_token(tiny_tokenizer):

@@ -36,7 +36,14 @@ from typing import TYPE_CHECKING, Any, TextIO, cast
 
 import torch
 
-from rlvr.chat import check_chat_template, check_messages, is_messages, tokenize_chat, tokenize_prompt_completion
+from rlvr.chat import (
+    ASSISTANT,
+    check_chat_template,
+    check_messages,
+    is_messages,
+    tokenize_chat,
+    tokenize_prompt_completion,
+)
 from rlvr.data import DataError, not_utf8
 
 if TYPE_CHECKING:
@@ -219,7 +226,14 @@ def load_sft_rows(
         if not isinstance(row, dict):
             raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
         if "messages" in row:
-            rows.append({"messages": check_messages(row["messages"], f"{where}, messages")})
+            messages = check_messages(row["messages"], f"{where}, messages")
+            if not any(m["role"] == ASSISTANT for m in messages):
+                # with the loss on the assistant's turns only, such a row would train on nothing
+                raise DataError(
+                    f"{where}, messages: no message has role 'assistant', so the row carries no loss; "
+                    "add the assistant's reply or drop the row"
+                )
+            rows.append({"messages": messages})
         elif is_messages(row.get(prompt_field)) or is_messages(row.get("completion")):
             rows.append(
                 {
