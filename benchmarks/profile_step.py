@@ -339,8 +339,11 @@ STEP_LABELS = (
     ("rlvr.engines.fast.engine.FastHFEngine", "_prefill", "prefill"),
     ("rlvr.engines.fast.stops.RowChecks", "examine", "host checks"),
     ("rlvr.engines.fast.stops.RowChecks", "completions", "results"),
-    ("rlvr.tokens", "encode_texts", "encode texts"),
-    ("rlvr.grpo", "tokenize_from_ids", "pad batch"),
+    # helpers imported by name are wrapped where they are called, not where they are defined
+    ("rlvr.engines.rollouts", "encode_texts", "encode texts"),
+    ("rlvr.engines.sampling", "encode_texts", "encode texts"),
+    ("rlvr.environments.rollout", "encode_texts", "encode texts"),
+    ("rlvr.engines.rollouts", "tokenize_from_ids", "pad batch"),
     ("rlvr.trainer", "policy_gradient_update", "policy_gradient_update"),
 )
 
