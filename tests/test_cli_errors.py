@@ -126,7 +126,10 @@ def test_cuda_device_problems_by_hand():
 
 
 def test_torchrun_with_the_hf_worker_engine_is_one_line_per_rank(tiny, tmp_path):
-    """Each rank says it in one line and exits 2; what follows is torchrun's own report of the failed ranks."""
+    """Each rank that reaches the check says it in one line and exits 2; what follows is torchrun's own report.
+
+    torchrun stops the other ranks as soon as one fails, so the slower rank may be stopped before it prints.
+    """
     env = {**os.environ, "PYTHONPATH": str(REPO / "src"), "OMP_NUM_THREADS": "1"}
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -136,7 +139,7 @@ def test_torchrun_with_the_hf_worker_engine_is_one_line_per_rank(tiny, tmp_path)
     done = subprocess.run(torchrun + args, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     ours = [line for line in done.stderr.splitlines() if line.startswith("rlvr train: ")]
-    assert len(ours) == 2 and all("engine.name=hf-worker" in line and "use engine.name hf" in line for line in ours)
+    assert 1 <= len(ours) <= 2 and all("engine.name=hf-worker" in line and "use engine.name hf" in line for line in ours)
     assert "exitcode  : 2" in done.stderr
     assert "/rlvr/" not in "".join(line for line in done.stderr.splitlines() if line.strip().startswith("File "))
 
