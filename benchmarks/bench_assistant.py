@@ -7,7 +7,7 @@ Sections (``--sections``, default both):
   ``# Query:``) through the ``--engine`` engine (``auto``: ``hf-fast`` on a GPU). With random weights no output stops by itself, so
   every output runs to ``--max-tokens``: this measures decoding at that length. Reported: examples/s,
   new tokens/s, mean prompt tokens.
-- ``dpo``: ``rlvr.dpo.dpo_step``, the function ``rlvr dpo`` runs per optimizer step, on ``--pairs``
+- ``dpo``: ``rlvr.commands.dpo.dpo_step``, the function ``rlvr dpo`` runs per optimizer step, on ``--pairs``
   synthetic pairs of ``--pair-tokens`` tokens (chosen) and 7/8 of that (rejected), policy and frozen
   reference both on ``--device`` (or the reference on ``--ref-device``): the first step (reference
   log-probs computed, as in the first epoch) and a warm step (reference cached), seconds per step and
@@ -123,8 +123,8 @@ def peak_gib(device: torch.device) -> float | None:
 
 def eval_section(cfg: BenchConfig, model, tokenizer, device, limit: int, max_tokens: int) -> list[dict]:
     from rlvr.engines import make_engine, resolve_engine_name
-    from rlvr.instruct import special_prefix
     from rlvr.suites.run import SUITES, load_suite_data, run_suite, wrap_prompt
+    from rlvr.task.instruction_data import special_prefix
 
     name = "hf" if (cfg.engine == "auto" and device.type != "cuda") else resolve_engine_name(cfg.engine, model)
     engine = make_engine(name, model, tokenizer, max_batch_size=cfg.batch_size)
@@ -166,8 +166,8 @@ def eval_section(cfg: BenchConfig, model, tokenizer, device, limit: int, max_tok
 def dpo_section(cfg: BenchConfig, model, tokenizer, device, pairs: int, pair_tokens: int) -> list[dict]:
     import copy
 
-    from rlvr.dpo import ReferenceCache, dpo_step
-    from rlvr.optim import make_rmsprop
+    from rlvr.commands.dpo import ReferenceCache, dpo_step
+    from rlvr.training.optim import make_rmsprop
 
     ref_device = torch.device(cfg.ref_device) if cfg.ref_device else device
     reference = copy.deepcopy(model).to(ref_device).eval().requires_grad_(False)

@@ -5,7 +5,7 @@ hidden 2048, 16 heads, FFN 8192, vocab 100352, untied) with random weights in bf
 BPE tokenizer trained here on GSM8K text (smaller than the model's vocab: the engine masks the unused
 ids). Then:
 
-1. runs the three protocol prompts over ``--limit`` GSM8K test questions with ``rlvr.evaluate.evaluate``
+1. runs the three protocol prompts over ``--limit`` GSM8K test questions with ``rlvr.commands.evaluate.evaluate``
    and the hf engine (temperature 1, top-p 1, ``--max-new-tokens``; with random weights nearly every
    response runs to the limit, so this measures decoding at full length);
 2. on a fixed subset of ``--baseline-n`` r1_zero prompts, times the hf engine and plain
@@ -63,10 +63,10 @@ class BenchConfig:
 def build(cfg: BenchConfig):
     from transformers import AutoModelForCausalLM, Olmo2Config
 
-    from rlvr.data import load_examples
     from rlvr.modeling import OLMO2_1B, small_olmo2_config, train_tokenizer
-    from rlvr.prompts import PROMPTS as SPECS
-    from rlvr.prompts import load_template
+    from rlvr.task.data import load_examples
+    from rlvr.task.prompts import PROMPTS as SPECS
+    from rlvr.task.prompts import load_template
 
     train = load_examples(str(cfg.data_dir), split="train", limit=cfg.tokenizer_rows)
     texts = [load_template(p) for p in SPECS] + [e.question for e in train] + [e.solution or "" for e in train]
@@ -137,11 +137,11 @@ def main(argv=None) -> int:
     max_new = cfg.max_new_tokens or (16 if cfg.tiny else 512)
     t_start = time.perf_counter()
 
-    from rlvr.data import load_examples
+    from rlvr.commands.evaluate import evaluate
     from rlvr.engines.base import SamplingParams
     from rlvr.engines.hf import HFEngine
-    from rlvr.evaluate import evaluate
-    from rlvr.prompts import render
+    from rlvr.task.data import load_examples
+    from rlvr.task.prompts import render
 
     model, tokenizer, device = build(cfg)
     examples = load_examples(str(cfg.data_dir), split="test", limit=limit)

@@ -39,7 +39,7 @@ def compute(response: str, ground_truth: str, **fields) -> float:
 
 
 def time_reward(spec: str, rows: int, repeats: int, workers: int, kind: str) -> float:
-    from rlvr.reward_functions import Reward
+    from rlvr.task.rewards import Reward
 
     reward = Reward([spec], timeout_s=60, workers=workers, worker_kind=kind)
     reward.start()

@@ -2,7 +2,7 @@
 group of one: float32 sharded parameters and AdamW state, bf16 compute; or all bf16 with
 ``optim.master_weights: false``), its CPU offload, LoRA and
 gradient checkpointing, at OLMo-2-1B's shape and at OLMo-2-7B's shape (random weights, a tokenizer
-trained on GSM8K). Every case is ``rlvr.trainer.train`` itself (hf-fast engine, parity reward so that
+trained on GSM8K). Every case is ``rlvr.commands.train.train`` itself (hf-fast engine, parity reward so that
 groups have signal), run in its own process so that a case that runs out of memory leaves the others;
 the table is printed last.
 
@@ -52,7 +52,7 @@ def run_case(name: str, data_dir: str, out: Path, tiny: bool = False) -> dict:
     import torch
     from transformers import Olmo2Config
 
-    import rlvr.trainer as trainer
+    import rlvr.commands.train as trainer
     from rlvr.config import (
         DataConfig,
         DistributedConfig,
@@ -65,9 +65,9 @@ def run_case(name: str, data_dir: str, out: Path, tiny: bool = False) -> dict:
         RolloutConfig,
         TrainConfig,
     )
-    from rlvr.data import load_gsm8k_jsonl
-    from rlvr.logging_utils import read_metrics
     from rlvr.modeling import build_model, tokenizer_corpus, train_tokenizer
+    from rlvr.task.data import load_gsm8k_jsonl
+    from rlvr.training.metrics_log import read_metrics
 
     shape_name, strategy, offload, lora, ckpting, micro, write_ckpt, master = CASES[name]
     examples = load_gsm8k_jsonl(Path(data_dir) / "train.jsonl")

@@ -28,7 +28,7 @@ decode are masked out of sampling, never out of the log-probs).
 6. The training step of 5 through ``model.compile`` (one compiled decoder-layer forward shared by
    all layers, and the fused log-prob's float32 passes compiled), compile time reported as the first
    step.
-7. ``rlvr.trainer.train`` itself, whole steps of the course's suggested configuration (32 GSM8K prompts x 8,
+7. ``rlvr.commands.train.train`` itself, whole steps of the course's suggested configuration (32 GSM8K prompts x 8,
    r1_zero, 512 new tokens, hf-fast, token-budget microbatches, ``model.compile``), a coin reward
    standing in for the grader: generate / train / sync / reward seconds and peak memory; then the
    same configured for memory (the engine's cache freed after generating, 10,240-token microbatches,
@@ -91,15 +91,15 @@ from section_runner import (
     with_ceilings,
 )
 
-from rlvr.data import load_gsm8k_jsonl
 from rlvr.engines.base import SamplingParams
 from rlvr.engines.fast import FastHFEngine
 from rlvr.engines.hf import HFEngine, sequence_logprobs
-from rlvr.grpo.fused_logprobs import DEFAULT_CHUNK_TOKENS
-from rlvr.grpo.tokenize import tokenize_from_ids
-from rlvr.grpo.train_step import policy_gradient_update
 from rlvr.modeling import OLMO2_1B, build_model, tokenizer_corpus, train_tokenizer
-from rlvr.prompts import render
+from rlvr.task.data import load_gsm8k_jsonl
+from rlvr.task.prompts import render
+from rlvr.training.fused_logprobs import DEFAULT_CHUNK_TOKENS
+from rlvr.training.tokenize import tokenize_from_ids
+from rlvr.training.train_step import policy_gradient_update
 
 
 def coin_reward(response: str, ground_truth: str) -> dict:
@@ -564,7 +564,11 @@ class Bench:
         finished) against index_copy_ + the SDPA reference, on the suggested config's shapes (32 prompts of
         up to 256 slots x 8 rows, some rows retired, 300 response slots filled), bf16; once with one
         program per (row, head) and once on 16 rows with the slots split as the engine splits them."""
-        from rlvr.engines.decode_attention import default_splits, reference_decode_attention, triton_decode_attention
+        from rlvr.engines.fast.kernels.decode_attention import (
+            default_splits,
+            reference_decode_attention,
+            triton_decode_attention,
+        )
 
         cfg = self.model.config
         H, D, G, n = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads, 32, 8
@@ -915,7 +919,7 @@ class Bench:
 
     def compiled(self):
         """The training step through ``torch.compile(model.base_model, dynamic=True)`` (``model.compile``)."""
-        from rlvr.grpo.logprobs import compile_backbone
+        from rlvr.training.logprobs import compile_backbone
 
         batch, adv = self.train_batch
         B = batch["input_ids"].shape[0]
@@ -935,7 +939,7 @@ class Bench:
 
     # ------------------------------------------------------------ 6. the trainer, whole steps
     def trainer_step(self, lean: bool = False, kl: str | None = None, lora: bool = False):
-        """``rlvr.trainer.train`` with the course's suggested configuration: 32 GSM8K prompts x 8 (r1_zero),
+        """``rlvr.commands.train.train`` with the course's suggested configuration: 32 GSM8K prompts x 8 (r1_zero),
         512 new tokens, lr 1e-5, the hf-fast engine on the policy's GPU; microbatches under a token budget
         (gradient accumulation 1). A coin stands in for the grader (random weights earn 0 everywhere,
         and the zero-advantage skip would then make training free).
@@ -953,6 +957,7 @@ class Bench:
         import copy
         import tempfile
 
+        from rlvr.commands.train import train
         from rlvr.config import (
             AlgorithmConfig,
             DataConfig,
@@ -965,8 +970,7 @@ class Bench:
             RolloutConfig,
             TrainConfig,
         )
-        from rlvr.logging_utils import read_metrics
-        from rlvr.trainer import train
+        from rlvr.training.metrics_log import read_metrics
 
         n_prompts, group, new = (2, 4, 8) if self.tiny else (32, 8, 512)
         budget = 2048 if self.tiny else 16384  # leaves room for the engine's static KV cache beside training

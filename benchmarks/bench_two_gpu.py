@@ -113,7 +113,7 @@ class BenchConfig:
 def load_questions(cfg: BenchConfig) -> list[tuple[str, str]]:
     """(question, ground truth) pairs: GSM8K train rows, or synthetic ones without a data dir."""
     if cfg.data_dir is not None:
-        from rlvr.data import load_examples
+        from rlvr.task.data import load_examples
 
         return [(e.question, e.ground_truth) for e in load_examples(str(cfg.data_dir), split="train")]
     rng = random.Random(cfg.seed)
@@ -133,7 +133,7 @@ def build(cfg: BenchConfig, questions):
     from transformers import AutoModelForCausalLM, Olmo2Config
 
     from rlvr.modeling import OLMO2_1B, small_olmo2_config, train_tokenizer
-    from rlvr.prompts import render
+    from rlvr.task.prompts import render
 
     texts = [render("r1_zero", q) for q, _ in questions[: cfg.tokenizer_rows]]
     texts += [f" </think> <answer> {gt} </answer>" for _, gt in questions[: cfg.tokenizer_rows]]
@@ -285,7 +285,7 @@ def bench_sync(worker, model, cfg: BenchConfig, devices) -> dict:
 class Run:
     def __init__(self, cfg: BenchConfig, model, tokenizer, questions, devices):
         from rlvr.engines.base import SamplingParams
-        from rlvr.prompts import stop_strings
+        from rlvr.task.prompts import stop_strings
 
         self.cfg, self.model, self.tok, self.questions, self.devices = cfg, model, tokenizer, questions, devices
         self.P = cfg.n_prompts or (4 if cfg.tiny else 64)
@@ -305,7 +305,7 @@ class Run:
         self.opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.0, fused=fused)
 
     def request(self, step: int):
-        from rlvr.prompts import render
+        from rlvr.task.prompts import render
 
         start = ((step - 1) * self.P) % len(self.questions)
         rows = [self.questions[(start + i) % len(self.questions)] for i in range(self.P)]
@@ -321,13 +321,13 @@ class Run:
 
     def grade(self, step: int, responses: list[str]) -> float:
         from rlvr.grpo import compute_rollout_rewards
-        from rlvr.rewards import r1_zero_reward_fn
+        from rlvr.task.grading import r1_zero_reward_fn
 
         _, meta = compute_rollout_rewards(r1_zero_reward_fn, responses, self._truths.pop(step))
         return meta["reward_mean"]
 
     def train(self, step, input_ids, labels, mask, method="none", old=None) -> float:
-        from rlvr.grpo import policy_gradient_update
+        from rlvr.training.train_step import policy_gradient_update
 
         t0 = time.perf_counter()
         self.model.train()
@@ -352,7 +352,7 @@ class Run:
     # -- the three modes ------------------------------------------------------------------------
     def colocated(self, steps):
         from rlvr.engines import make_engine
-        from rlvr.grpo import tokenize_prompt_and_output
+        from rlvr.training.tokenize import tokenize_prompt_and_output
 
         engine = make_engine(self.cfg.engine, self.model, self.tok, max_batch_size=self.cfg.max_batch_size)
         try:

@@ -41,8 +41,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from rlvr.engines.base import SamplingParams
 from rlvr.engines.fast import FastHFEngine
-from rlvr.grpo.logprobs import compile_backbone
-from rlvr.grpo.train_step import policy_gradient_update
+from rlvr.training.logprobs import compile_backbone
+from rlvr.training.train_step import policy_gradient_update
 
 
 def kernel_table(prof, rows: int = 25) -> str:
@@ -109,7 +109,7 @@ def attention(bench: Bench):
     per row, left-padding mask); the prompt is the first 160 slots."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from rlvr.engines.decode_attention import triton_available, triton_decode_attention
+    from rlvr.engines.fast.kernels.decode_attention import triton_available, triton_decode_attention
 
     cfg = bench.model.config
     heads, dim = cfg.num_attention_heads, cfg.hidden_size // cfg.num_attention_heads
@@ -259,7 +259,7 @@ def gpu_busy_s(prof) -> float:
 
 def trainer(bench: Bench, steps: int = 4):
     """The train phase inside ``rlvr train`` against the same update called on its own (module docstring)."""
-    import rlvr.trainer as trainer_module
+    import rlvr.commands.train as trainer_module
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     update, original_update = {}, trainer_module.policy_gradient_update
@@ -329,11 +329,11 @@ def trainer(bench: Bench, steps: int = 4):
 # What the whole-step profile labels, as (module, attribute, label): each is wrapped in a
 # ``record_function`` of that label, so the GPU's idle stretches can be pinned to the host work under way.
 STEP_LABELS = (
-    ("rlvr.trainer", "_rollout", "rollout"),
-    ("rlvr.trainer", "_score", "score"),
-    ("rlvr.trainer", "_advantages", "advantages"),
-    ("rlvr.trainer", "_update", "update"),
-    ("rlvr.trainer", "_dump_rollouts", "dump rollouts"),
+    ("rlvr.commands.train", "_rollout", "rollout"),
+    ("rlvr.commands.train", "_score", "score"),
+    ("rlvr.commands.train", "_advantages", "advantages"),
+    ("rlvr.commands.train", "_update", "update"),
+    ("rlvr.commands.train", "_dump_rollouts", "dump rollouts"),
     ("rlvr.engines.fast.engine.FastHFEngine", "generate", "generate"),
     ("rlvr.engines.hf.HFEngine", "generate", "generate"),
     ("rlvr.engines.fast.engine.FastHFEngine", "_prefill", "prefill"),
@@ -344,7 +344,7 @@ STEP_LABELS = (
     ("rlvr.engines.sampling", "encode_texts", "encode texts"),
     ("rlvr.environments.rollout", "encode_texts", "encode texts"),
     ("rlvr.engines.rollouts", "tokenize_from_ids", "pad batch"),
-    ("rlvr.trainer", "policy_gradient_update", "policy_gradient_update"),
+    ("rlvr.commands.train", "policy_gradient_update", "policy_gradient_update"),
 )
 
 
@@ -383,7 +383,7 @@ def idle_gaps(
 def whole_step(bench: Bench, steps: int = 4):
     """One whole ``rlvr train`` step (the last of ``steps``) under the profiler: wall against GPU busy, and
     where the GPU idles, by the host work under way (``STEP_LABELS``)."""
-    import rlvr.trainer as trainer_module
+    import rlvr.commands.train as trainer_module
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     originals = []

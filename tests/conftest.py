@@ -35,7 +35,7 @@ def gsm8k_real_path() -> Path:
 
 
 def _tokenizer_corpus(n_rows: int = 300) -> list[str]:
-    from rlvr.prompts import PROMPTS, load_template
+    from rlvr.task.prompts import PROMPTS, load_template
 
     texts = [load_template(name) for name in PROMPTS]
     path = GSM8K_DIR / "train.jsonl"
@@ -187,9 +187,9 @@ collect_ignore_glob = [] if os.environ.get("TRITON_INTERPRET") == "1" else ["int
 
 def padded_and_packed(model, tok, weights, chunk_tokens):
     """Log-probs of a tokenised batch at its response positions, padded and then packed
-    (``rlvr.grpo.packing``), each with the parameters' gradients of ``sum(weights * log_probs)``."""
-    from rlvr.grpo import get_response_log_probs
-    from rlvr.grpo.packing import packed_response_log_probs
+    (``rlvr.training.packing``), each with the parameters' gradients of ``sum(weights * log_probs)``."""
+    from rlvr.training.logprobs import get_response_log_probs
+    from rlvr.training.packing import packed_response_log_probs
 
     mask = tok["response_mask"].bool()
     rows = list(range(mask.shape[0]))

@@ -29,7 +29,7 @@ def _ids(seed: int, low: int, high: int) -> list[int]:
 
 def _policy(lora: bool):
     from rlvr.config import LoraConfig
-    from rlvr.lora import apply_lora
+    from rlvr.training.lora import apply_lora
 
     model = tiny_causal_lm(seed=0)
     if lora:
@@ -45,15 +45,13 @@ def _policy(lora: bool):
 def train(variant: str | None, rank: int = 0, world_size: int = 1) -> dict[str, torch.Tensor]:
     """Full weights (plain names, LoRA merged) after ``STEPS`` rollout steps; ``variant`` None is the
     one-process run, else a strategy with or without LoRA over the started process group."""
-    from rlvr.data_order import batch_indices
     from rlvr.distributed import GlobalBatch, local_rows, rank_prompt_range, rank_row_range
     from rlvr.distributed.wrap import iter_full_weights, wrap_model
-    from rlvr.grpo import (
-        compute_group_normalized_rewards,
-        compute_log_probs_batched,
-        policy_gradient_update,
-        tokenize_from_ids,
-    )
+    from rlvr.grpo import compute_group_normalized_rewards
+    from rlvr.task.data_order import batch_indices
+    from rlvr.training.logprobs import compute_log_probs_batched
+    from rlvr.training.tokenize import tokenize_from_ids
+    from rlvr.training.train_step import policy_gradient_update
 
     model = _policy(lora=variant is not None and variant.endswith("lora"))
     if variant in (None, "reference-lora"):
@@ -95,13 +93,13 @@ def train(variant: str | None, rank: int = 0, world_size: int = 1) -> dict[str, 
 
 
 def main(out_dir: str) -> None:
-    import rlvr.grpo.logprobs
+    import rlvr.training.logprobs
     from rlvr.distributed import barrier, init_distributed, shutdown_distributed
 
     def refuse_full_logits(*args, **kwargs):
         raise AssertionError("a wrapped model took the full-logits path instead of the fused head")
 
-    rlvr.grpo.logprobs._stats_from_logits = refuse_full_logits  # DDP and FSDP2, with LoRA too, keep the fused head
+    rlvr.training.logprobs._stats_from_logits = refuse_full_logits  # DDP and FSDP2, with LoRA too, keep the fused head
     torch.set_num_threads(1)
     world = init_distributed("cpu")
     assert world.distributed and world.backend == "gloo", world

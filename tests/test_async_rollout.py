@@ -18,7 +18,7 @@ from rlvr.engines.async_rollout import AsyncRollouts, RolloutOrderError
 from rlvr.engines.base import SamplingParams
 from rlvr.engines.hf import HFEngine
 from rlvr.engines.worker import WeightSyncError
-from rlvr.grpo import compute_log_probs_batched
+from rlvr.training.logprobs import compute_log_probs_batched
 
 MAX_BATCH = 8
 PROMPTS = ["Natalia sold clips to 48 of her friends in April.", "How many", "Weng earns $12 an hour."]
@@ -116,7 +116,7 @@ def test_one_step_async_schedule_tags_versions_and_old_log_probs(
             assert batch.metrics(step - 1)["rollout/staleness"] == (step - 1) - expected
             assert batch.sync["sync/probe_max_abs_diff"] <= 1e-5
             # the retokenised batch is the trainer's own tokenisation of the same text
-            from rlvr.grpo import tokenize_prompt_and_output
+            from rlvr.training.tokenize import tokenize_prompt_and_output
 
             mine = tokenize_prompt_and_output(
                 [p for p in batch.prompts for _ in range(2)], batch.responses, tiny_tokenizer

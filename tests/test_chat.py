@@ -1,4 +1,4 @@
-"""Conversations rendered with a chat template: token ids and the assistant-token mask (rlvr.chat)."""
+"""Conversations rendered with a chat template: token ids and the assistant-token mask (rlvr.task.chat)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import copy
 import pytest
 from conftest import chat_tokenizer
 
-from rlvr.chat import (
+from rlvr.task.chat import (
     ChatFormatError,
     ChatTemplateError,
     check_messages,

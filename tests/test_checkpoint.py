@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import rlvr.checkpoint as ck
-from rlvr.logging_utils import MetricsLogger, read_metrics, truncate_metrics
+import rlvr.training.checkpoint as ck
+from rlvr.training.metrics_log import MetricsLogger, read_metrics, truncate_metrics
 
 
 def _setup(tiny_model):

@@ -139,7 +139,9 @@ def test_torchrun_with_the_hf_worker_engine_is_one_line_per_rank(tiny, tmp_path)
     done = subprocess.run(torchrun + args, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0
     ours = [line for line in done.stderr.splitlines() if line.startswith("rlvr train: ")]
-    assert 1 <= len(ours) <= 2 and all("engine.name=hf-worker" in line and "use engine.name hf" in line for line in ours)
+    assert 1 <= len(ours) <= 2 and all(
+        "engine.name=hf-worker" in line and "use engine.name hf" in line for line in ours
+    )
     assert "exitcode  : 2" in done.stderr
     assert "/rlvr/" not in "".join(line for line in done.stderr.splitlines() if line.strip().startswith("File "))
 

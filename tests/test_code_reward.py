@@ -10,11 +10,11 @@ import pytest
 from conftest import family_model
 
 from rlvr import sandbox
-from rlvr.code_reward import CodeTestsError, code_reward_fn, extract_program, parse_tests, same_output
-from rlvr.data import DataError
-from rlvr.logging_utils import read_metrics
-from rlvr.reward_functions import Reward, RewardConfigError, score_responses
-from rlvr.tasks import load_task
+from rlvr.task.code_reward import CodeTestsError, code_reward_fn, extract_program, parse_tests, same_output
+from rlvr.task.data import DataError
+from rlvr.task.generated import load_task
+from rlvr.task.rewards import Reward, RewardConfigError, score_responses
+from rlvr.training.metrics_log import read_metrics
 
 needs_sandbox = pytest.mark.skipif(
     sandbox.isolation_problem() is not None, reason=f"no sandbox here: {sandbox.isolation_problem()}"
@@ -79,7 +79,7 @@ def test_pass_fraction_of_assert_tests_and_early_exit():
 
 @needs_sandbox
 def test_a_test_that_hangs_is_cut_off_and_counted(monkeypatch):
-    monkeypatch.setattr("rlvr.code_reward.TEST_TIMEOUT_S", 0.5)
+    monkeypatch.setattr("rlvr.task.code_reward.TEST_TIMEOUT_S", 0.5)
     tests = json.dumps({"tests": [{"stdin": "", "stdout": "1\n"}], "asserts": ["assert True"]})
     result = code_reward_fn(fenced("while True:\n    pass\n"), tests)
     assert result["reward"] == 0.0 and result["test_timeouts"] == 2.0

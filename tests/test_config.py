@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from rlvr.checks import resolve_config, validate_config
+from rlvr.commands.train import parse_command
 from rlvr.config import (
     AlgorithmConfig,
     ConfigError,
@@ -25,7 +26,6 @@ from rlvr.config import (
     load_config_file,
     save_config,
 )
-from rlvr.trainer import parse_command
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 

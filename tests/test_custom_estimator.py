@@ -87,7 +87,7 @@ def test_missing_arguments_are_named(dual_clip_module):
 
 def test_selectable_in_the_train_step(dual_clip_module, tiny_model):
     """Through the whole policy-gradient update on a real (tiny) model: it trains and reports a clip fraction."""
-    from rlvr.grpo import policy_gradient_update
+    from rlvr.training.train_step import policy_gradient_update
 
     torch.manual_seed(0)
     B, T = 4, 6

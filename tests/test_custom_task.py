@@ -16,7 +16,7 @@ import pytest
 from conftest import REPO, family_model
 
 from rlvr.checks import resolve_config, validate_config
-from rlvr.logging_utils import read_metrics
+from rlvr.training.metrics_log import read_metrics
 
 EXAMPLE = REPO / "examples" / "sort_words"
 # A ChatML-like template: enough for the tiny tokenizer to render system, user and assistant turns.
@@ -199,7 +199,7 @@ def test_copying_the_example_elsewhere_works_with_paths_relative_to_the_run(chat
     (tmp_path / "my_task" / "config.yaml").write_text(text)
     monkeypatch.chdir(tmp_path)
     from rlvr.config import load_config_file
-    from rlvr.task_config import load_task_data, prepare_reward
+    from rlvr.task.build import load_task_data, prepare_reward
 
     config = resolve_config(load_config_file("my_task/config.yaml"))
     validate_config(config)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rlvr.data import DataError, Example, extract_gsm8k_answer, load_examples, load_gsm8k_jsonl
-from rlvr.rewards import grade
+from rlvr.task.data import DataError, Example, extract_gsm8k_answer, load_examples, load_gsm8k_jsonl
+from rlvr.task.grading import grade
 
 
 def write_jsonl(path: Path, lines: list[str]) -> Path:
@@ -129,7 +129,7 @@ def test_directory_source_reads_the_split_file(tmp_path):
 
 
 def test_missing_local_path_is_an_error_not_a_hub_lookup(tmp_path):
-    from rlvr.data import DataError, load_examples
+    from rlvr.task.data import DataError, load_examples
 
     with pytest.raises(DataError, match="cannot load data"):
         load_examples(str(tmp_path / "no" / "such" / "gsm8k"))
@@ -244,7 +244,7 @@ def test_a_hub_dataset_gets_its_config_split_and_columns(tmp_path, monkeypatch):
     files); rlvr passes the config and split and maps the columns."""
     import datasets
 
-    from rlvr import data
+    from rlvr.task import data
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "cache")
     repo = tmp_path / "math"
@@ -266,7 +266,7 @@ def test_a_hub_dataset_gets_its_config_split_and_columns(tmp_path, monkeypatch):
 
 
 def test_an_owner_slash_name_source_goes_to_the_hub_loader(monkeypatch):
-    from rlvr import data
+    from rlvr.task import data
 
     calls = []
     monkeypatch.setattr(data, "load_hub", lambda *args: calls.append(args) or [])

@@ -1,5 +1,5 @@
 """Decode attention over a shared prompt cache and per-row response caches
-(``rlvr.engines.decode_attention``).
+(``rlvr.engines.fast.kernels.decode_attention``).
 
 The SDPA reference is checked against values worked out by hand and against a per-row softmax written
 out in float64. The Triton kernel is checked against the reference by running ``tests/interpreted``
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlvr.engines.decode_attention import default_splits, prompt_runs, reference_decode_attention
+from rlvr.engines.fast.kernels.decode_attention import default_splits, prompt_runs, reference_decode_attention
 
 TESTS = Path(__file__).resolve().parent
 

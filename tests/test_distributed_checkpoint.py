@@ -11,7 +11,7 @@ from distributed_helpers import run_ranks, tiny_causal_lm
 
 def _train_one_step(model, world):
     from rlvr.distributed import GlobalBatch
-    from rlvr.grpo import policy_gradient_update
+    from rlvr.training.train_step import policy_gradient_update
 
     g = torch.Generator().manual_seed(3 + world.rank)  # each rank its own rows
     ids = torch.randint(2, 64, (4, 10), generator=g)
@@ -107,7 +107,7 @@ def _lora_worker(world, out):
     from rlvr.config import LoraConfig
     from rlvr.distributed.checkpoint import export_adapter, export_hf, save_sharded
     from rlvr.distributed.wrap import wrap_model
-    from rlvr.lora import apply_lora
+    from rlvr.training.lora import apply_lora
 
     torch.manual_seed(11)  # the same adapter initialisation on every rank
     model = apply_lora(
@@ -130,7 +130,7 @@ def test_lora_under_fsdp_trains_adapters_and_exports_merged(tmp_path):
 
     from rlvr.config import LoraConfig
     from rlvr.distributed.checkpoint import load_sharded
-    from rlvr.lora import apply_lora
+    from rlvr.training.lora import apply_lora
 
     run_ranks(_lora_worker, tmp_path)
     info = torch.load(tmp_path / "lora.pt")

@@ -38,7 +38,7 @@ ADVANTAGES = {
 
 
 def _batch():
-    from rlvr.grpo import tokenize_from_ids
+    from rlvr.training.tokenize import tokenize_from_ids
 
     g = torch.Generator().manual_seed(1)
     prompts = [
@@ -49,7 +49,7 @@ def _batch():
     ]
     batch = tokenize_from_ids([prompts[i // G] for i in range(P * G)], outputs, 0)
     with torch.no_grad():
-        from rlvr.grpo import get_response_log_probs
+        from rlvr.training.logprobs import get_response_log_probs
 
         logp = get_response_log_probs(tiny_causal_lm(seed=0).eval(), batch["input_ids"], batch["labels"])["log_probs"]
     # Sampling weights a little away from the current ones, so ratios are not one and some clip.
@@ -58,7 +58,7 @@ def _batch():
 
 
 def _update(model, batch, rows, case, global_batch=None):
-    from rlvr.grpo import policy_gradient_update
+    from rlvr.training.train_step import policy_gradient_update
 
     normalization, method, gas, max_tokens, adv_name, _ = case[:6]
     max_grad_norm = case[6] if len(case) > 6 else None
@@ -89,11 +89,11 @@ def _refuse_full_logits(*args, **kwargs):
 
 
 def _compare_worker(world, strategy, out_path):
-    import rlvr.grpo.logprobs
+    import rlvr.training.logprobs
     from rlvr.distributed import GlobalBatch, gather_objects, rank_row_range
     from rlvr.distributed.wrap import iter_full_weights, wrap_model
 
-    rlvr.grpo.logprobs._stats_from_logits = _refuse_full_logits  # DDP and FSDP2 keep the fused head
+    rlvr.training.logprobs._stats_from_logits = _refuse_full_logits  # DDP and FSDP2 keep the fused head
 
     batch = _batch()
     report = {}
@@ -151,7 +151,7 @@ def test_two_ranks_give_the_one_process_gradient(strategy, tmp_path):
 def _precision_worker(world, out_path):
     from rlvr.distributed import GlobalBatch
     from rlvr.distributed.wrap import copy_full_weights, full_state_dict_on_main, wrap_model
-    from rlvr.grpo import policy_gradient_update
+    from rlvr.training.train_step import policy_gradient_update
 
     g = torch.Generator().manual_seed(world.rank)
     ids = torch.randint(2, 64, (4, 12), generator=g)

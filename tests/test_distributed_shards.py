@@ -12,15 +12,15 @@ from rlvr.checks import check_world, resolve_config, validate_config
 
 def rank_batch_indices(n_examples: int, n_prompts: int, step: int, seed: int, rank: int, world_size: int) -> list[int]:
     """Rank ``rank``'s examples at a step, as the trainer takes them: its prompt range of the one-process batch."""
-    from rlvr.data_order import batch_indices
     from rlvr.distributed import rank_prompt_range
+    from rlvr.task.data_order import batch_indices
 
     share = rank_prompt_range(n_prompts, rank, world_size)
     return batch_indices(n_examples, n_prompts, step, seed)[share.start : share.stop]
 
 
 def test_rank_shares_are_the_one_process_batch_in_order():
-    from rlvr.data_order import batch_indices
+    from rlvr.task.data_order import batch_indices
 
     n_examples, n_prompts, seed = 23, 6, 7
     for world_size in (1, 2, 3, 6):
@@ -157,7 +157,7 @@ def test_data_parallel_settings_that_cannot_work_are_clear_errors():
 
 
 def test_global_metrics_combines_equal_rank_shares_by_hand():
-    from rlvr.trainer import global_metrics
+    from rlvr.commands.train import global_metrics
 
     rank0 = {
         "step": 3,

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from rlvr import compute_per_instance_dpo_loss
-from rlvr.dpo import DPOConfig, dpo_loss, hh_pair, hh_turns, load_preference_pairs, run_dpo
+from rlvr.commands.dpo import DPOConfig, dpo_loss, hh_pair, hh_turns, load_preference_pairs, run_dpo
 from rlvr.errors import UserError
-from rlvr.instruct import alpaca_format
+from rlvr.task.instruction_data import alpaca_format
 
 
 def test_dpo_loss_worked_by_hand():
@@ -76,7 +76,7 @@ def test_per_instance_loss_equals_a_second_computation(tiny_model, tiny_tokenize
 
 
 def test_pairs_per_forward_changes_nothing_but_speed(tiny_model, tiny_tokenizer):
-    from rlvr.dpo import ReferenceCache, dpo_step, pair_token_ids
+    from rlvr.commands.dpo import ReferenceCache, dpo_step, pair_token_ids
 
     reference = copy.deepcopy(tiny_model).requires_grad_(False)
     token_pairs = [
@@ -197,7 +197,7 @@ def _config(model_dir, path, out, **kw):
 
 
 def _count_reference_rows(monkeypatch):
-    import rlvr.dpo as dpo
+    import rlvr.commands.dpo as dpo
 
     seen = {"rows": 0}
     original = dpo.sequence_log_probs
@@ -303,7 +303,7 @@ def test_conversational_rows_without_a_shared_prompt_are_named(tmp_path):
 def test_conversational_pairs_score_the_response_tokens_only(tiny_tokenizer):
     from conftest import chat_tokenizer
 
-    from rlvr.dpo import PreferencePair, TokenPair, sequence_log_probs, tokenize_pairs
+    from rlvr.commands.dpo import PreferencePair, TokenPair, sequence_log_probs, tokenize_pairs
     from rlvr.modeling import build_model, small_olmo2_config
 
     tok = chat_tokenizer(tiny_tokenizer)

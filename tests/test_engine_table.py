@@ -9,6 +9,7 @@ import json
 import pytest
 
 from rlvr.checks import resolve_config, validate_config
+from rlvr.commands.train import parse_command
 from rlvr.config import (
     MOVED_KEYS,
     ConfigError,
@@ -22,7 +23,6 @@ from rlvr.config import (
 )
 from rlvr.engines import ENGINES, UnknownEngineError, build_engine, engine_entry, engine_names, register_engine
 from rlvr.errors import UserError
-from rlvr.trainer import parse_command
 
 
 def test_table_names_every_engine_and_its_class():

@@ -136,9 +136,9 @@ def test_each_family_trains_with_hf_fast(family, gsm8k_path, tiny_tokenizer, tmp
     metrics, including the engine's log-probs against the trainer's at every step."""
     from test_trainer import check_sane, run, tiny_config
 
-    import rlvr.trainer as trainer_mod
+    import rlvr.commands.train as trainer_mod
     from rlvr.config import EngineConfig
-    from rlvr.logging_utils import read_metrics
+    from rlvr.training.metrics_log import read_metrics
 
     model = family_model(family, tiny_tokenizer)
     name = "auto" if family == "qwen3" else "hf-fast"
@@ -158,8 +158,8 @@ def test_train_refuses_a_local_model_hf_fast_cannot_run_before_loading_it(gsm8k_
     from test_trainer import tiny_config
     from transformers import GPT2Config
 
+    from rlvr.commands.train import train
     from rlvr.config import ConfigError, EngineConfig, ModelConfig
-    from rlvr.trainer import train
 
     GPT2Config(n_embd=32, n_layer=1, n_head=4).save_pretrained(tmp_path / "gpt2")  # a config, no weights
     cfg = tiny_config(

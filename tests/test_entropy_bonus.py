@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlvr.grpo import policy_gradient_update
-from rlvr.grpo.fused_logprobs import linear_log_probs
+from rlvr.training.fused_logprobs import linear_log_probs
+from rlvr.training.train_step import policy_gradient_update
 
 
 @pytest.mark.parametrize("chunk_tokens", [3, 64])

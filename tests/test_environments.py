@@ -22,7 +22,6 @@ from rlvr.config import (
     RolloutConfig,
     TrainConfig,
 )
-from rlvr.data import Example
 from rlvr.engines import make_engine
 from rlvr.engines.base import Completion, SamplingParams
 from rlvr.engines.rollouts import SyncRollouts, tokenize_groups
@@ -31,7 +30,8 @@ from rlvr.environments.formats import ToolCall, parse_hermes, parse_llama3, tool
 from rlvr.environments.rollout import ChatRenderer, Episodes, TextRenderer, episode_metrics
 from rlvr.environments.tool import ToolEnvironment
 from rlvr.environments.tools import ToolError, as_tool, calculator, get_tools
-from rlvr.grpo.tokenize import tokenize_from_ids, tokenize_from_pieces
+from rlvr.task.data import Example
+from rlvr.training.tokenize import tokenize_from_ids, tokenize_from_pieces
 
 # -- tools ------------------------------------------------------------------------------------
 
@@ -202,7 +202,7 @@ def test_one_model_piece_tokenises_as_a_single_turn():
 def test_masked_tool_tokens_get_no_gradient(tiny_model, tiny_tokenizer):
     """The final hidden state at a position feeds only that position's logits, so its gradient is the
     loss's through that label alone: zero exactly at the tool's tokens, nonzero at the model's."""
-    from rlvr.grpo.logprobs import get_response_log_probs
+    from rlvr.training.logprobs import get_response_log_probs
 
     out = tokenize_from_pieces([[1, 2, 3]], [[([4, 5], True), ([6, 7, 8], False), ([9, 10], True)]], pad_id=0)
     mask = out["response_mask"]
@@ -417,8 +417,8 @@ def _trainer_config(gsm8k_path, env: str, n_steps: int = 2, **overrides) -> Trai
 
 
 def test_training_on_conversations_dumps_every_turn(gsm8k_path, tiny_model, tiny_tokenizer, tmp_path, echo_env):
-    from rlvr.logging_utils import read_metrics
-    from rlvr.trainer import train
+    from rlvr.commands.train import train
+    from rlvr.training.metrics_log import read_metrics
 
     train(
         _trainer_config(gsm8k_path, echo_env), tmp_path, model=tiny_model, tokenizer=tiny_tokenizer, reward_fn=_parity
@@ -441,9 +441,9 @@ def test_training_on_conversations_dumps_every_turn(gsm8k_path, tiny_model, tiny
 
 
 def test_off_policy_and_packed_training_take_conversations(gsm8k_path, tiny_model, tiny_tokenizer, tmp_path, echo_env):
+    from rlvr.commands.train import train
     from rlvr.config import AlgorithmConfig
-    from rlvr.logging_utils import read_metrics
-    from rlvr.trainer import train
+    from rlvr.training.metrics_log import read_metrics
 
     cfg = _trainer_config(
         gsm8k_path,
@@ -461,7 +461,7 @@ def test_off_policy_and_packed_training_take_conversations(gsm8k_path, tiny_mode
 def test_packed_conversations_equal_padded(tiny_tokenizer):
     """Shared-prompt packing takes a conversation's whole span (the environment's tokens as input only):
     log-probs, entropies and gradients equal the padded path's."""
-    from rlvr.grpo.packing import shared_prefix_plan
+    from rlvr.training.packing import shared_prefix_plan
 
     model = family_model("olmo2", tiny_tokenizer)
     enc = lambda text: tiny_tokenizer(text, add_special_tokens=False)["input_ids"]  # noqa: E731
@@ -488,11 +488,11 @@ def test_packed_conversations_equal_padded(tiny_tokenizer):
 def test_a_resumed_conversation_run_equals_an_uninterrupted_one(gsm8k_path, tiny_tokenizer, tmp_path, echo_env):
     """Conversations are a function of (seed, step) like single-turn rollouts: a run stopped after its
     step-2 checkpoint and resumed gives the metrics and weights of a run that never stopped."""
-    from rlvr.checkpoint import latest_checkpoint
+    from rlvr.commands.train import train
     from rlvr.errors import GraderError
-    from rlvr.logging_utils import read_metrics
     from rlvr.modeling import build_model, small_olmo2_config
-    from rlvr.trainer import train
+    from rlvr.training.checkpoint import latest_checkpoint
+    from rlvr.training.metrics_log import read_metrics
 
     def fresh():
         return build_model(small_olmo2_config(tiny_tokenizer, hidden_size=32, num_layers=2, num_heads=4), seed=0)
@@ -520,7 +520,7 @@ def test_a_resumed_conversation_run_equals_an_uninterrupted_one(gsm8k_path, tiny
 
 
 def test_arith_tool_traces_are_what_the_tool_environment_reads_and_writes():
-    from rlvr.tasks.arithmetic import load_arithmetic
+    from rlvr.task.generated.arithmetic import load_arithmetic
 
     examples = load_arithmetic("train", limit=40, steps=2, tool=0.5, noise=0.5)
     traces = [ex for ex in examples if "<tool_call>" in ex.solution]

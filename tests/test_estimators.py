@@ -454,7 +454,7 @@ def _offpolicy_run(gsm8k_path, tokenizer, out, variance_every):
 
 
 def test_trainer_logs_updates_and_variance_without_changing_training(gsm8k_path, tiny_tokenizer, tmp_path):
-    from rlvr.logging_utils import read_metrics
+    from rlvr.training.metrics_log import read_metrics
 
     measured = _offpolicy_run(gsm8k_path, tiny_tokenizer, tmp_path / "run", variance_every=1)
     plain = _offpolicy_run(gsm8k_path, tiny_tokenizer, tmp_path / "plain", variance_every=0)

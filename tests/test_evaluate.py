@@ -9,9 +9,9 @@ import warnings
 
 import pytest
 
-from rlvr.data import Example
+from rlvr.commands.evaluate import evaluate
 from rlvr.engines.base import Completion, SamplingParams
-from rlvr.evaluate import evaluate
+from rlvr.task.data import Example
 
 
 class ScriptedEngine:
@@ -243,7 +243,7 @@ def test_rlvr_eval_on_hf_fast_equals_hf_greedy(tmp_path, tiny_model_dir, gsm8k_p
 
 
 def test_greedy_decoding_sampled_n_times_warns(tmp_path, tiny_model_dir):
-    from rlvr.evaluate import EvalConfig, check_args
+    from rlvr.commands.evaluate import EvalConfig, check_args
 
     cfg = EvalConfig(model=str(tiny_model_dir), out=tmp_path / "e", temperature=0.0, n=4)
     with pytest.warns(UserWarning, match="--temperature 0 is greedy decoding: the --n 4 samples"):

@@ -13,10 +13,10 @@ import torch
 from test_health_runs import config, run, with_parity_validation
 
 from rlvr import cli
-from rlvr.checkpoint import best_model
+from rlvr.commands.export import validation_figures
 from rlvr.config import LoraConfig, ModelConfig
-from rlvr.export import validation_figures
-from rlvr.logging_utils import read_metrics
+from rlvr.training.checkpoint import best_model
+from rlvr.training.metrics_log import read_metrics
 
 CHAT_TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
 

@@ -22,13 +22,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from rlvr.checkpoint import list_checkpoints
 from rlvr.cli import main as cli
+from rlvr.commands.train import GraderError, read_summary, train
 from rlvr.config import ConfigError, DataConfig, LogConfig, OptimConfig, RolloutConfig, TrainConfig
-from rlvr.interrupts import Terminated
-from rlvr.logging_utils import read_metrics
-from rlvr.rundir import RunDirBusy
-from rlvr.trainer import GraderError, read_summary, train
+from rlvr.training.checkpoint import list_checkpoints
+from rlvr.training.interrupts import Terminated
+from rlvr.training.metrics_log import read_metrics
+from rlvr.training.rundir import RunDirBusy
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
@@ -153,7 +153,7 @@ def hold_lock(run_dir: Path) -> subprocess.Popen:
     """Another process that takes the run directory's lock and keeps it until killed."""
     code = textwrap.dedent(f"""
         import sys, time
-        from rlvr.rundir import RunDirLock
+        from rlvr.training.rundir import RunDirLock
         RunDirLock({str(run_dir)!r}, command="rlvr train --resume").acquire()
         print("locked", flush=True)
         time.sleep(600)
@@ -742,7 +742,7 @@ def test_train_help_lists_config_out_and_resume(capsys):
 
 
 def test_progress_line_shows_loss_and_grad_norm():
-    from rlvr.trainer import progress_postfix
+    from rlvr.commands.train import progress_postfix
 
     postfix = progress_postfix(
         {"train/reward": 0.25, "train/loss": -0.0123456, "train/grad_norm": 1.5}, {"val/reward": 0.5}

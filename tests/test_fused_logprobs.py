@@ -11,9 +11,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import rlvr.grpo.logprobs as logprobs_mod
-from rlvr.grpo import get_response_log_probs, tokenize_prompt_and_output
-from rlvr.grpo.fused_logprobs import _chunks, linear_log_probs
+import rlvr.training.logprobs as logprobs_mod
+from rlvr.training.fused_logprobs import _chunks, linear_log_probs
+from rlvr.training.logprobs import get_response_log_probs
+from rlvr.training.tokenize import tokenize_prompt_and_output
 
 
 def _reference(hidden, weight, bias, labels):

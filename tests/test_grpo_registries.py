@@ -15,10 +15,10 @@ from rlvr.grpo import (
     REWEIGHTINGS,
     aggregate_loss_across_microbatch,
     compute_policy_gradient_loss,
-    policy_gradient_update,
     register_aggregation,
-    tokenize_prompt_and_output,
 )
+from rlvr.training.tokenize import tokenize_prompt_and_output
+from rlvr.training.train_step import policy_gradient_update
 
 
 def test_ppo_clip_alias_is_the_same_method():

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rlvr.config import HealthConfig
-from rlvr.health import SIGNALS, HealthMonitor, summarize
+from rlvr.training.health import SIGNALS, HealthMonitor, summarize
 
 
 def healthy(step: int, **over: object) -> dict:
@@ -154,9 +154,9 @@ def test_disabled_monitor_and_state_round_trip() -> None:
 
 @pytest.mark.parametrize("signal", SIGNALS)
 def test_every_signal_has_a_threshold_or_rule_documented(signal: str) -> None:
-    import rlvr.health
+    import rlvr.training.health
 
-    assert f"``{signal}``" in (rlvr.health.__doc__ or "")
+    assert f"``{signal}``" in (rlvr.training.health.__doc__ or "")
 
 
 def test_summarize_counts_by_signal() -> None:

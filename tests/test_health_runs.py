@@ -8,12 +8,12 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from rlvr import evaluate
-from rlvr.checkpoint import best_model, latest_checkpoint
+from rlvr.commands import evaluate
+from rlvr.commands.evaluate import EvalConfig, resolve_run_model
+from rlvr.commands.train import read_summary, train
 from rlvr.config import DataConfig, HealthConfig, LogConfig, OptimConfig, RewardConfig, RolloutConfig, TrainConfig
-from rlvr.evaluate import EvalConfig, resolve_run_model
-from rlvr.logging_utils import read_metrics
-from rlvr.trainer import read_summary, train
+from rlvr.training.checkpoint import best_model, latest_checkpoint
+from rlvr.training.metrics_log import read_metrics
 
 
 def parity_reward(response: str, ground_truth: str) -> dict:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rlvr import get_packed_sft_dataset, iterate_batches
-from rlvr.instruct import (
+from rlvr.task.instruction_data import (
     alpaca_format,
     encode_document,
     pack_documents,
@@ -199,8 +199,8 @@ def test_packed_windows_keep_the_loss_mask():
 
 
 def test_the_three_row_shapes_are_read_and_a_fourth_is_named(tmp_path):
-    from rlvr.data import DataError
-    from rlvr.instruct import load_sft_rows
+    from rlvr.task.data import DataError
+    from rlvr.task.instruction_data import load_sft_rows
 
     chat = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
     rows = [
@@ -230,7 +230,7 @@ def test_the_three_row_shapes_are_read_and_a_fourth_is_named(tmp_path):
 def test_conversations_carry_loss_on_the_assistant_and_alpaca_rows_on_every_token(tiny_tokenizer):
     from conftest import chat_tokenizer
 
-    from rlvr.instruct import encode_pairs, encode_sft_rows
+    from rlvr.task.instruction_data import encode_pairs, encode_sft_rows
 
     tok = chat_tokenizer(tiny_tokenizer)
     alpaca = {"prompt": "Say hi.", "response": "hi"}
@@ -247,8 +247,8 @@ def test_conversations_carry_loss_on_the_assistant_and_alpaca_rows_on_every_toke
 
 
 def test_conversations_need_a_chat_template(tiny_tokenizer):
-    from rlvr.chat import ChatTemplateError
-    from rlvr.instruct import encode_sft_rows
+    from rlvr.task.chat import ChatTemplateError
+    from rlvr.task.instruction_data import encode_sft_rows
 
     rows = [{"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]}]
     with pytest.raises(ChatTemplateError, match="no chat template; pass --chat-template FILE"):

@@ -8,9 +8,9 @@ import json
 import pytest
 import torch
 
+from rlvr.commands.sft_instruct import InstructSFTConfig, accumulate_step, masked_nll_sum, run_instruct_sft, token_nll
 from rlvr.errors import UserError
-from rlvr.instruct import pack_documents
-from rlvr.instruct_sft import InstructSFTConfig, accumulate_step, masked_nll_sum, run_instruct_sft, token_nll
+from rlvr.task.instruction_data import pack_documents
 
 
 def test_accumulated_microbatches_equal_the_full_batch(tiny_model):

@@ -11,9 +11,11 @@ import pytest
 import torch
 from conftest import family_model
 
-from rlvr.grpo import Reference, get_response_log_probs, kl_penalty, policy_gradient_update
+from rlvr.grpo import Reference, kl_penalty
 from rlvr.grpo.aggregate import aggregate_loss_across_microbatch
-from rlvr.lora import adapters_disabled
+from rlvr.training.logprobs import get_response_log_probs
+from rlvr.training.lora import adapters_disabled
+from rlvr.training.train_step import policy_gradient_update
 
 
 def test_estimators_by_hand():
@@ -118,7 +120,7 @@ def test_kl_term_is_coef_times_the_aggregated_estimate(tiny_model, estimator):
 
 
 def test_packed_equals_padded_with_kl(tiny_tokenizer):
-    from rlvr.grpo import tokenize_prompt_and_output
+    from rlvr.training.tokenize import tokenize_prompt_and_output
 
     model = family_model("olmo2", tiny_tokenizer)
     other = family_model("olmo2", tiny_tokenizer, seed=1).requires_grad_(False)
@@ -153,7 +155,7 @@ def test_packed_equals_padded_with_kl(tiny_tokenizer):
 
 def test_lora_reference_is_the_base_model_with_adapters_off(tiny_model):
     from rlvr.config import LoraConfig
-    from rlvr.lora import apply_lora
+    from rlvr.training.lora import apply_lora
 
     base = copy.deepcopy(tiny_model)
     policy = apply_lora(copy.deepcopy(tiny_model), LoraConfig(rank=4, alpha=8, target_modules=("q_proj", "v_proj")))

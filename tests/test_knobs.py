@@ -9,8 +9,8 @@ import dataclasses
 import pytest
 import torch
 
-from rlvr.checkpoint import latest_checkpoint
 from rlvr.checks import resolve_config
+from rlvr.commands.train import train
 from rlvr.config import (
     AlgorithmConfig,
     DataConfig,
@@ -23,8 +23,8 @@ from rlvr.config import (
     TrainConfig,
 )
 from rlvr.errors import GraderError
-from rlvr.logging_utils import read_metrics
-from rlvr.trainer import train
+from rlvr.training.checkpoint import latest_checkpoint
+from rlvr.training.metrics_log import read_metrics
 
 
 def parity_reward(response: str, ground_truth: str) -> dict:
@@ -173,7 +173,7 @@ def parity_on_even_truths(response: str, ground_truth: str) -> dict:
 
 
 def test_signal_free_groups():
-    from rlvr.trainer import _signal_free
+    from rlvr.commands.train import _signal_free
 
     rewards = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.5, 0.5, 0.5, 1.0, 0.0, 1.0])
     assert _signal_free(rewards, 3) == [True, False, True, False]
@@ -195,7 +195,7 @@ def test_dynamic_sampling_fills_the_batch_and_resumes(gsm8k_path, tiny_tokenizer
         assert r["train/zero_adv_frac"] * 4 == pytest.approx(r["rollout/filter_unfilled"])
         assert r["rollout/filter_dropped"] >= r["rollout/filter_unfilled"]
         assert r["rollout/filter_rounds"] <= 3
-    from rlvr.trainer import _rollout_request
+    from rlvr.commands.train import _rollout_request
 
     filled = next(r["step"] for r in rows if r["rollout/filter_resampled"] > 0)
     dumped = [
@@ -206,7 +206,7 @@ def test_dynamic_sampling_fills_the_batch_and_resumes(gsm8k_path, tiny_tokenizer
 
 
 def _train_examples(cfg: TrainConfig):
-    from rlvr.task_config import load_task_data
+    from rlvr.task.build import load_task_data
 
     return load_task_data(resolve_config(cfg))[0]
 

@@ -12,7 +12,7 @@ import pytest
 
 @pytest.mark.slow
 def test_grpo_raises_validation_accuracy_by_20_points(tmp_path):
-    from rlvr.demo import DemoConfig, run_demo
+    from rlvr.commands.demo import DemoConfig, run_demo
 
     result = run_demo(DemoConfig(out=tmp_path, progress=False))
     assert result["rise_points"] >= 20, result

@@ -12,7 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from wandb.proto import wandb_internal_pb2
 
 from rlvr.cli import main as cli
-from rlvr.logging_utils import ROLLOUT_SAMPLES, SAMPLE_COLUMNS, MetricsLogger, markdown_table, read_metrics
+from rlvr.training.metrics_log import ROLLOUT_SAMPLES, SAMPLE_COLUMNS, MetricsLogger, markdown_table, read_metrics
 
 # W&B's run file (``run-<id>.wandb``) is a LevelDB-style log of ``Record`` protos: a file header (":W&B",
 # a magic, a version), then blocks whose chunks each have a checksum, a length, a type and data.

@@ -14,8 +14,8 @@ TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 
 
 def test_config_section():
+    from rlvr.commands.train import parse_command
     from rlvr.config import ConfigError, LoraConfig, TrainConfig
-    from rlvr.trainer import parse_command
 
     assert TrainConfig().model.lora.rank == 0
     config = TrainConfig.from_dict(
@@ -32,7 +32,7 @@ def test_config_section():
 
 def test_rank_zero_leaves_the_model_alone():
     from rlvr.config import LoraConfig
-    from rlvr.lora import apply_lora
+    from rlvr.training.lora import apply_lora
 
     model = tiny_causal_lm()
     assert apply_lora(model, LoraConfig()) is model
@@ -40,15 +40,15 @@ def test_rank_zero_leaves_the_model_alone():
 
 def _adapted(rank: int = 4, targets=TARGETS):
     from rlvr.config import LoraConfig
-    from rlvr.lora import apply_lora
+    from rlvr.training.lora import apply_lora
 
     torch.manual_seed(0)
     return apply_lora(tiny_causal_lm(seed=0), LoraConfig(rank=rank, alpha=8, target_modules=targets))
 
 
 def test_only_adapters_train_and_the_update_moves_them():
-    from rlvr.grpo import policy_gradient_update
-    from rlvr.lora import trainable_parameters
+    from rlvr.training.lora import trainable_parameters
+    from rlvr.training.train_step import policy_gradient_update
 
     model = _adapted()
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -71,7 +71,7 @@ def test_merged_export_gives_the_adapted_logits(tmp_path):
 
     from rlvr.distributed.checkpoint import export_hf
     from rlvr.distributed.wrap import iter_full_weights
-    from rlvr.lora import merge_lora
+    from rlvr.training.lora import merge_lora
 
     model = _adapted()
     with torch.no_grad():  # adapters as if trained: B starts at zero, which would merge to nothing
@@ -102,8 +102,8 @@ def test_merged_export_gives_the_adapted_logits(tmp_path):
 
 def test_adapters_added_at_load(tmp_path, tiny_model, tiny_tokenizer):
     from rlvr.config import LoraConfig
-    from rlvr.lora import is_lora
     from rlvr.modeling import load_model_and_tokenizer, save_model_and_tokenizer
+    from rlvr.training.lora import is_lora
 
     save_model_and_tokenizer(tiny_model, tiny_tokenizer, tmp_path / "m")
     plain, _ = load_model_and_tokenizer(tmp_path / "m")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlvr.data import load_examples
 from rlvr.modeling import (
     MODEL_SIZES,
     count_parameters,
@@ -15,6 +14,7 @@ from rlvr.modeling import (
     tokenizer_corpus,
     train_tokenizer,
 )
+from rlvr.task.data import load_examples
 
 
 @pytest.fixture(scope="module")

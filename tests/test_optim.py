@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from rlvr.checks import resolve_config
-from rlvr.optim import MasterWeightAdamW, make_adamw, make_rmsprop
+from rlvr.training.optim import MasterWeightAdamW, make_adamw, make_rmsprop
 
 
 def test_pure_bf16_adamw_loses_small_updates_and_master_weights_keep_them():
@@ -98,8 +98,8 @@ def test_make_adamw_uses_masters_only_for_low_precision_parameters():
 
 
 def test_trainer_steps_a_bf16_policy_through_master_weights(gsm8k_path, tiny_model, tiny_tokenizer, tmp_path):
+    from rlvr.commands.train import _optimizer_and_scheduler
     from rlvr.config import DataConfig, LogConfig, OptimConfig, RolloutConfig, TrainConfig
-    from rlvr.trainer import _optimizer_and_scheduler
 
     cfg = resolve_config(
         TrainConfig(

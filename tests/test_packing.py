@@ -1,4 +1,4 @@
-"""Shared-prompt packing (``rlvr.grpo.packing``): the layout by hand, the planner by hand, and packed
+"""Shared-prompt packing (``rlvr.training.packing``): the layout by hand, the planner by hand, and packed
 = padded (log-probs, entropies, gradients, whole updates) for every family the fast engine runs."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from conftest import family_model, padded_and_packed
 
 from rlvr.checks import resolve_config, validate_config
-from rlvr.grpo import get_response_log_probs, policy_gradient_update, tokenize_prompt_and_output
-from rlvr.grpo.packing import (
+from rlvr.training.logprobs import get_response_log_probs
+from rlvr.training.packing import (
     _pack_to,
     attend_packed,
     attention_mask,
@@ -21,6 +21,8 @@ from rlvr.grpo.packing import (
     packed_response_log_probs,
     shared_prefix_plan,
 )
+from rlvr.training.tokenize import tokenize_prompt_and_output
+from rlvr.training.train_step import policy_gradient_update
 
 FAMILIES = ["olmo2", "llama", "qwen2", "qwen3"]
 
@@ -302,7 +304,7 @@ def test_packed_compiled_backbone_equals_eager(tiny_tokenizer):
     import torch._dynamo
     from torch._dynamo.utils import counters
 
-    from rlvr.grpo import compile_backbone
+    from rlvr.training.logprobs import compile_backbone
 
     model = family_model("qwen2", tiny_tokenizer)
     torch._dynamo.reset()
@@ -338,7 +340,7 @@ def test_packing_with_gradient_checkpointing_is_a_clear_error():
 
 
 def test_packed_attention_outside_a_packed_forward_says_what_to_do():
-    from rlvr.grpo.packing import packed_attention
+    from rlvr.training.packing import packed_attention
 
     q = torch.zeros(1, 2, 3, 8)
     with pytest.raises(RuntimeError, match="set optim.shared_prefix false"):
@@ -350,7 +352,7 @@ def test_merge_by_hand(fused):
     """Shares e^0 / (e^0 + e^ln3) = 1/4 and 3/4: outputs 1 and 3 merge to 2.5 (head 0); log-sum-exp ln 4.
     Head 1 with equal log-sum-exps: the plain mean. ``fused``: the compiled weighted sum (inductor)."""
     pytest.importorskip("torch._inductor")
-    from rlvr.grpo.packing import _merge
+    from rlvr.training.packing import _merge
 
     own = torch.tensor([[[1.0, 10.0], [2.0, 4.0]]])  # (1 query, 2 heads, 2 dims)
     seen = torch.tensor([[[3.0, 2.0], [6.0, 0.0]]])

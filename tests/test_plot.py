@@ -13,7 +13,7 @@ from rlvr.experiments import aggregate, final_values, load_runs
 from rlvr.experiments.plot import main as plot_main
 from rlvr.experiments.plot import metric_filename, plot_final_vs_lr, plot_runs
 from rlvr.experiments.runs import t95
-from rlvr.logging_utils import read_metrics
+from rlvr.training.metrics_log import read_metrics
 
 
 def write_run(

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from rlvr import rewards
-from rlvr.prompts import PROMPTS, load_template, render, reward_fn_for, stop_strings
+from rlvr.task import grading
+from rlvr.task.prompts import PROMPTS, load_template, render, reward_fn_for, stop_strings
 
 SHARED_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "prompts"
 FILES = {
@@ -73,9 +73,9 @@ def test_stop_strings_per_prompt(name, stops):
 @pytest.mark.parametrize(
     "name, fn",
     [
-        ("r1_zero", rewards.r1_zero_reward_fn),
-        ("r1_zero_three_shot", rewards.r1_zero_reward_fn),
-        ("question_only", rewards.question_only_reward_fn),
+        ("r1_zero", grading.r1_zero_reward_fn),
+        ("r1_zero_three_shot", grading.r1_zero_reward_fn),
+        ("question_only", grading.question_only_reward_fn),
     ],
 )
 def test_reward_fn_per_prompt(name, fn):

@@ -11,12 +11,12 @@ import pytest
 
 from rlvr.checks import resolve_config, validate_config
 from rlvr.cli import main as cli
+from rlvr.commands.dpo import DPO_RANGES, DPOConfig
+from rlvr.commands.evaluate import EVAL_RANGES, EvalConfig
+from rlvr.commands.sft import SFT_RANGES, SFTConfig
+from rlvr.commands.sft_instruct import INSTRUCT_SFT_RANGES, InstructSFTConfig
 from rlvr.config import TRAIN_RANGES, AlgorithmConfig, ConfigError, OptimConfig, RewardConfig, TrainConfig
-from rlvr.dpo import DPO_RANGES, DPOConfig
-from rlvr.evaluate import EVAL_RANGES, EvalConfig
-from rlvr.instruct_sft import INSTRUCT_SFT_RANGES, InstructSFTConfig
 from rlvr.ranges import AT_LEAST_ONE, BELOW_ONE, POSITIVE, PROBABILITY, Range, flag_name, numeric_fields, range_problems
-from rlvr.sft import SFT_RANGES, SFTConfig
 from rlvr.suites.run import SUITE_RANGES, SuiteConfig
 
 

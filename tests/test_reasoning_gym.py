@@ -10,10 +10,10 @@ import sys
 import pytest
 from conftest import family_model
 
-from rlvr.data import DataError
-from rlvr.reward_functions import Reward, RewardConfigError, row_fields
-from rlvr.tasks import load_task
-from rlvr.tasks.reasoning_gym_tasks import dataset, reasoning_gym_reward_fn, unavailable
+from rlvr.task.data import DataError
+from rlvr.task.generated import load_task
+from rlvr.task.generated.reasoning_gym_tasks import dataset, reasoning_gym_reward_fn, unavailable
+from rlvr.task.rewards import Reward, RewardConfigError, row_fields
 
 pytest.importorskip("reasoning_gym")
 
@@ -106,7 +106,7 @@ def test_tiny_run_trains_and_evaluates_on_a_reasoning_gym_task(tiny_tokenizer, t
     """The pipeline (learning is not asked of a tiny random model): two training steps with
     validation, then ``rlvr eval`` on the same source and reward."""
     from rlvr.cli import main
-    from rlvr.logging_utils import read_metrics
+    from rlvr.training.metrics_log import read_metrics
 
     model_dir = tmp_path / "model"
     family_model("qwen2", tiny_tokenizer).save_pretrained(model_dir)

@@ -13,9 +13,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from rlvr import remote_reward
-from rlvr.remote_reward import RemoteReward, RewardServerError
-from rlvr.reward_functions import Reward, RewardConfigError, build_reward, row_fields, score_responses
+from rlvr.task import remote_reward
+from rlvr.task.remote_reward import RemoteReward, RewardServerError
+from rlvr.task.rewards import Reward, RewardConfigError, build_reward, row_fields, score_responses
 
 CONCURRENT_REWARDS = textwrap.dedent("""
     import asyncio, os, threading, time
@@ -222,7 +222,7 @@ def test_training_stops_without_training_on_missing_rewards(tiny_tokenizer, tmp_
     from conftest import family_model
 
     from rlvr.cli import main
-    from rlvr.logging_utils import read_metrics
+    from rlvr.training.metrics_log import read_metrics
 
     model_dir = tmp_path / "model"
     family_model("qwen2", tiny_tokenizer).save_pretrained(model_dir)
@@ -247,7 +247,7 @@ def test_training_scores_with_the_configured_workers(spec, tiny_tokenizer, tmp_p
     from conftest import family_model
 
     from rlvr.cli import main
-    from rlvr.logging_utils import read_metrics
+    from rlvr.training.metrics_log import read_metrics
 
     model_dir = tmp_path / "model"
     family_model("qwen2", tiny_tokenizer).save_pretrained(model_dir)

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from rlvr import rewards
-from rlvr.reward_functions import (
+from rlvr.task import grading
+from rlvr.task.rewards import (
     BUILTIN_REWARDS,
     Reward,
     RewardConfigError,
@@ -52,8 +52,8 @@ def user_file(tmp_path, monkeypatch):
 
 
 def test_builtins_by_name():
-    assert BUILTIN_REWARDS["r1_zero"] is rewards.r1_zero_reward_fn
-    assert BUILTIN_REWARDS["question_only"] is rewards.question_only_reward_fn
+    assert BUILTIN_REWARDS["r1_zero"] is grading.r1_zero_reward_fn
+    assert BUILTIN_REWARDS["question_only"] is grading.question_only_reward_fn
     boxed, exact = BUILTIN_REWARDS["boxed"], BUILTIN_REWARDS["exact"]
     assert boxed("so \\boxed{\\frac{\\sqrt{3}}{2}}", "\\frac{\\sqrt3}{2}")["reward"] == 1.0
     assert boxed("so \\boxed{[1,2)}", "[1,2)")["reward"] == 1.0 and boxed("\\boxed{(1,2)}", "[1,2)")["reward"] == 0.0
@@ -129,7 +129,7 @@ def test_bad_specs_are_named_with_the_fix(user_file):
 
 
 def test_a_function_cut_off_on_every_call_stops_the_run(user_file, monkeypatch):
-    import rlvr.reward_functions as rf
+    import rlvr.task.rewards as rf
 
     monkeypatch.setattr(rf, "TIMEOUTS_IN_A_ROW_LIMIT", 3)
     reward = build_reward(f"{user_file}:slow", timeout_s=0.2)
@@ -147,8 +147,8 @@ def test_the_trainer_stops_with_the_reward_functions_message(
 ):
     from test_trainer import tiny_config
 
+    from rlvr.commands.train import GraderError, train
     from rlvr.config import RewardConfig
-    from rlvr.trainer import GraderError, train
 
     cfg = tiny_config(gsm8k_path, reward=RewardConfig(fn=f"{user_file}:broken"), eval_at_start=False)
     with pytest.raises(

@@ -8,8 +8,8 @@ import textwrap
 
 import pytest
 
-from rlvr.prompts import resolve_prompt
-from rlvr.reward_functions import Reward, RewardConfigError, row_fields, score_responses
+from rlvr.task.prompts import resolve_prompt
+from rlvr.task.rewards import Reward, RewardConfigError, row_fields, score_responses
 
 ROW_REWARDS = textwrap.dedent("""
     def asks_prompt(response, ground_truth, prompt, messages):
@@ -82,7 +82,7 @@ def test_training_and_validation_pass_the_prompt_and_messages(row_file, tiny_tok
     from conftest import family_model
 
     from rlvr.cli import main
-    from rlvr.logging_utils import read_metrics
+    from rlvr.training.metrics_log import read_metrics
 
     model_dir = tmp_path / "model"
     family_model("qwen2", tiny_tokenizer).save_pretrained(model_dir)

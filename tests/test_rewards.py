@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from rlvr import rewards
-from rlvr.rewards import grade, last_boxed, question_only_reward_fn, r1_zero_reward_fn
+from rlvr.task import grading
+from rlvr.task.grading import grade, last_boxed, question_only_reward_fn, r1_zero_reward_fn
 
 ZERO = {"format_reward": 0.0, "answer_reward": 0.0, "reward": 0.0}
 FORMAT_ONLY = {"format_reward": 1.0, "answer_reward": 0.0, "reward": 0.0}
@@ -28,7 +28,7 @@ def no_symbolic(monkeypatch):
         calls.append((pred, gold))
         raise AssertionError(f"symbolic grader called for {pred!r} vs {gold!r}")
 
-    monkeypatch.setattr(rewards, "_symbolic_equal", forbidden)
+    monkeypatch.setattr(grading, "_symbolic_equal", forbidden)
     return calls
 
 

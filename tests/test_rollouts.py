@@ -12,7 +12,7 @@ from rlvr.engines.async_rollout import AsyncRollouts
 from rlvr.engines.base import Completion, SamplingParams
 from rlvr.engines.rollouts import RolloutBatch, Rollouts, SyncRollouts
 from rlvr.errors import EngineError
-from rlvr.grpo import tokenize_prompt_and_output
+from rlvr.training.tokenize import tokenize_prompt_and_output
 
 PROMPTS = ["Natalia sold clips to 48 of her friends in April.", "How many"]
 
@@ -91,12 +91,12 @@ def test_sync_rollouts_refuse_a_batch_of_the_wrong_shape(model, tiny_tokenizer):
 
 def test_trainer_closes_what_it_started_on_every_exit(gsm8k_path, model, tiny_tokenizer, tmp_path, monkeypatch):
     """A fault mid-run closes the engine the trainer built, its rollouts and its logger."""
-    from rlvr import trainer as trainer_mod
+    from rlvr.commands import train as train_command
     from rlvr.config import DataConfig, LogConfig, OptimConfig, RolloutConfig, TrainConfig
-    from rlvr.logging_utils import MetricsLogger
+    from rlvr.training.metrics_log import MetricsLogger
 
     closed = []
-    real_make_engine, real_logger_close = trainer_mod._make_engine, MetricsLogger.close
+    real_make_engine, real_logger_close = train_command._make_engine, MetricsLogger.close
 
     def make_engine_spy(config, model_, tokenizer):
         engine = real_make_engine(config, model_, tokenizer)
@@ -104,7 +104,7 @@ def test_trainer_closes_what_it_started_on_every_exit(gsm8k_path, model, tiny_to
         engine.close = lambda: closed.append("engine") or real_close()
         return engine
 
-    monkeypatch.setattr(trainer_mod, "_make_engine", make_engine_spy)
+    monkeypatch.setattr(train_command, "_make_engine", make_engine_spy)
     monkeypatch.setattr(SyncRollouts, "close", lambda self: closed.append("rollouts"))
     monkeypatch.setattr(MetricsLogger, "close", lambda self: closed.append("logger") or real_logger_close(self))
 
@@ -119,15 +119,15 @@ def test_trainer_closes_what_it_started_on_every_exit(gsm8k_path, model, tiny_to
         log=LogConfig(progress=False),
         n_steps=1,
     )
-    with pytest.raises(trainer_mod.GraderError, match="grader bug"):
-        trainer_mod.train(cfg, tmp_path / "run", model=model, tokenizer=tiny_tokenizer, reward_fn=failing_grader)
+    with pytest.raises(train_command.GraderError, match="grader bug"):
+        train_command.train(cfg, tmp_path / "run", model=model, tokenizer=tiny_tokenizer, reward_fn=failing_grader)
     assert closed == ["logger", "rollouts", "engine"]  # the logger first, the engine last
-    assert trainer_mod.read_summary(tmp_path / "run")["status"] == "failed"
+    assert train_command.read_summary(tmp_path / "run")["status"] == "failed"
 
 
 def test_update_spec_is_read_from_the_config_once():
+    from rlvr.commands.train import UpdateSpec
     from rlvr.config import AlgorithmConfig, OptimConfig, TrainConfig
-    from rlvr.trainer import UpdateSpec
 
     on_policy = UpdateSpec.from_config(resolve_config(TrainConfig()))
     assert not on_policy.shuffle and not on_policy.uses_old_log_probs and on_policy.epochs == 1

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from rlvr.cli import main as cli
-from rlvr.dpo import DPOConfig, _as_dict
-from rlvr.rundir import RunDirBusy
-from rlvr.scaffold import claimed_output_dir
+from rlvr.commands.dpo import DPOConfig, _as_dict
+from rlvr.training.rundir import RunDirBusy
+from rlvr.training.scaffold import claimed_output_dir
 
 REPO = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
@@ -28,7 +28,7 @@ def hold_lock(run_dir: Path) -> subprocess.Popen:
     """Another process that takes the run directory's lock, as a live run does, and keeps it until killed."""
     code = textwrap.dedent(f"""
         import time
-        from rlvr.rundir import RunDirLock
+        from rlvr.training.rundir import RunDirLock
         RunDirLock({str(run_dir)!r}, command="rlvr dpo (the live run)").acquire()
         print("locked", flush=True)
         time.sleep(600)
@@ -179,7 +179,7 @@ def same_weights(a: Path, b: Path) -> bool:
 def test_dpo_sigterm_saves_exits_143_and_resumes_to_the_same_run(
     tiny_model, tiny_tokenizer, tmp_path, monkeypatch, capsys
 ):
-    import rlvr.dpo as dpo
+    import rlvr.commands.dpo as dpo
     from rlvr.modeling import save_model_and_tokenizer
 
     model_dir = save_model_and_tokenizer(tiny_model, tiny_tokenizer, tmp_path / "sft")
@@ -236,8 +236,8 @@ def test_dpo_sigterm_saves_exits_143_and_resumes_to_the_same_run(
 
 
 def test_sft_instruct_ctrl_c_saves_exits_130_and_resumes_to_the_same_run(tmp_path, monkeypatch, capsys):
-    import rlvr.instruct_sft as instruct_sft
-    from rlvr.instruct_sft import InstructSFTConfig, run_instruct_sft
+    import rlvr.commands.sft_instruct as instruct_sft
+    from rlvr.commands.sft_instruct import InstructSFTConfig, run_instruct_sft
 
     data = tmp_path / "sft.jsonl"
     data.write_text(
@@ -319,8 +319,8 @@ def test_dpo_weights_only_checkpoint_resumes_only_with_fresh_optimizer(tiny_mode
 
 def test_training_run_saves_whole_steps_only_and_says_how_the_run_ended(tmp_path, capsys):
     from rlvr.errors import DiskFullError
-    from rlvr.interrupts import Terminated, sigterm_as_interrupt
-    from rlvr.scaffold import TrainingRun
+    from rlvr.training.interrupts import Terminated, sigterm_as_interrupt
+    from rlvr.training.scaffold import TrainingRun
 
     saved: list[int] = []
 

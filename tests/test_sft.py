@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
-from rlvr.data import Example, load_examples
-from rlvr.optim import lr_factor
-from rlvr.sft import SFTConfig, run_sft, sft_loss, sft_pairs, sft_response
+from rlvr.commands.sft import SFTConfig, run_sft, sft_loss, sft_pairs, sft_response
+from rlvr.task.data import Example, load_examples
+from rlvr.training.optim import lr_factor
 
 TASK = "arith:steps=1,max_value=10"
 
@@ -24,7 +24,7 @@ def test_responses_in_r1_zero_format():
 
 
 def test_gsm8k_rationales_become_r1_zero(gsm8k_path):
-    from rlvr.rewards import r1_zero_reward_fn
+    from rlvr.task.grading import r1_zero_reward_fn
 
     examples = load_examples(str(gsm8k_path), "train", limit=20)
     _, responses = sft_pairs(examples)
@@ -34,8 +34,9 @@ def test_gsm8k_rationales_become_r1_zero(gsm8k_path):
 
 
 def test_loss_is_mean_nll_of_response_tokens_only(tiny_model, tiny_tokenizer):
-    from rlvr.grpo import get_response_log_probs, tokenize_prompt_and_output
-    from rlvr.sft import response_nll
+    from rlvr.commands.sft import response_nll
+    from rlvr.training.logprobs import get_response_log_probs
+    from rlvr.training.tokenize import tokenize_prompt_and_output
 
     prompts = ["User: 2 + 3?\nAssistant: <think>", "A longer prompt here. User: 9?"]
     responses = [" 5 </think>", " 9 </think> <answer> 9 </answer>"]
@@ -108,8 +109,9 @@ def test_sft_lowers_response_loss_on_held_out(sft_run):
 
 
 def test_checkpoint_reloads_with_identical_log_probs(sft_run, tmp_path):
-    from rlvr.grpo import get_response_log_probs, tokenize_prompt_and_output
     from rlvr.modeling import load_model_and_tokenizer, save_model_and_tokenizer
+    from rlvr.training.logprobs import get_response_log_probs
+    from rlvr.training.tokenize import tokenize_prompt_and_output
 
     _, out = sft_run
     model, tokenizer = load_model_and_tokenizer(out)
@@ -146,8 +148,8 @@ def test_unknown_model_is_a_clear_error(tmp_path):
 def test_a_chat_pair_is_the_rendered_prompt_then_the_response_and_end_of_turn(tiny_tokenizer):
     from conftest import chat_tokenizer
 
-    from rlvr.prompts import resolve_prompt
-    from rlvr.sft import chat_pair_ids
+    from rlvr.commands.sft import chat_pair_ids
+    from rlvr.task.prompts import resolve_prompt
 
     tok = chat_tokenizer(tiny_tokenizer)
     example = Example("2+3?", "5", "2+3=5 </think> <answer> 5 </answer>")

@@ -319,7 +319,7 @@ TINY_BASE = {
 
 
 def test_end_to_end_real_trainer(tmp_path, monkeypatch):
-    trainer = pytest.importorskip("rlvr.trainer")
+    trainer = pytest.importorskip("rlvr.commands.train")
     spec = tmp_path / "tiny.yaml"
     spec.write_text(
         yaml.safe_dump(
@@ -478,7 +478,7 @@ def test_set_overrides_the_base_of_every_setting(tmp_path, capsys):
 def test_end_to_end_custom_estimator_in_subprocesses(tmp_path):
     """The user's estimator as one more setting of an off-policy sweep, run by the real trainer in two
     parallel subprocesses that import the plugin; the clip fraction is logged and reported."""
-    pytest.importorskip("rlvr.trainer")
+    pytest.importorskip("rlvr.commands.train")
     example = Path(__file__).resolve().parents[1] / "examples" / "my_estimator.py"
     base = deep_merge(
         TINY_BASE, {"n_steps": 2, "eval_every": 0, "save_every": 0, "dump_every": 0, "optim.train_batch_size": 2}
@@ -542,7 +542,7 @@ def test_locked_run_is_busy_and_left_alone(tmp_path, fake):
     import os
 
     from rlvr.experiments.sweep import BUSY
-    from rlvr.rundir import RunDirLock
+    from rlvr.training.rundir import RunDirLock
 
     spec = write_spec(tmp_path / "s.yaml", seeds=[0])
     out = tmp_path / "sweep"
@@ -562,7 +562,7 @@ def test_locked_run_is_busy_and_left_alone(tmp_path, fake):
 
 
 def test_a_second_sweep_on_the_same_directory_is_refused_and_touches_nothing(tmp_path, fake):
-    from rlvr.rundir import RunDirBusy, RunDirLock
+    from rlvr.training.rundir import RunDirBusy, RunDirLock
 
     spec = write_spec(tmp_path / "s.yaml", seeds=[0])
     out = tmp_path / "sweep"
@@ -652,7 +652,7 @@ def test_sigterm_stops_an_in_process_sweep_with_a_checkpoint(tmp_path, monkeypat
     import os
     import signal
 
-    trainer = pytest.importorskip("rlvr.trainer")
+    trainer = pytest.importorskip("rlvr.commands.train")
     spec = tmp_path / "tiny.yaml"
     spec.write_text(yaml.safe_dump({"base": TINY_BASE, "seeds": [0], "settings": {"grpo": {}}}, sort_keys=False))
     out = tmp_path / "sweep"

@@ -9,13 +9,13 @@ import json
 import pytest
 from test_trainer import run, tiny_config
 
-import rlvr.trainer as trainer_mod
+import rlvr.commands.train as trainer_mod
+from rlvr.commands.train import train
 from rlvr.config import DataConfig, ModelConfig, PromptOptions, RewardConfig
 from rlvr.errors import UserError
-from rlvr.logging_utils import read_metrics
-from rlvr.prompts import PromptError, resolve_prompt
-from rlvr.task_config import validation_metrics
-from rlvr.trainer import train
+from rlvr.task.build import validation_metrics
+from rlvr.task.prompts import PromptError, resolve_prompt
+from rlvr.training.metrics_log import read_metrics
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
@@ -180,7 +180,7 @@ def test_named_validation_sets_are_logged_under_their_names(gsm8k_path, tiny_mod
 def test_a_validation_set_may_name_its_own_reward(gsm8k_path, tiny_model, tiny_tokenizer, tmp_path):
     """Two sets of the same rows: ``own`` graded by the built-in ``exact``, ``run`` by the run's reward
     (the prompt question_only's own); each dumped sample's reward is its set's function of its response."""
-    from rlvr.reward_functions import BUILTIN_REWARDS
+    from rlvr.task.rewards import BUILTIN_REWARDS
 
     data = DataConfig(
         train_source=str(gsm8k_path),
@@ -249,8 +249,8 @@ def test_eval_refuses_bad_settings_in_one_line_before_loading(
 def test_eval_gives_system_and_user_template_to_the_chat_prompt_among_several(tmp_path, tiny_tokenizer):
     """``rlvr eval --prompt r1_zero --prompt chat --system ...``: the system message is the chat prompt's;
     the built-in keeps its template. With no chat prompt among them, the flag is refused with the fix."""
-    from rlvr.evaluate import EvalConfig, eval_tasks
-    from rlvr.task_config import TaskConfigError
+    from rlvr.commands.evaluate import EvalConfig, eval_tasks
+    from rlvr.task.build import TaskConfigError
 
     tok = copy.deepcopy(tiny_tokenizer)
     tok.chat_template = CHAT_TEMPLATE
@@ -357,7 +357,7 @@ def _chat_rows(tmp_path):
 
 
 def test_chat_rows_render_with_the_chat_template(tiny_tokenizer, tmp_path):
-    from rlvr.data import load_examples
+    from rlvr.task.data import load_examples
 
     tok = copy.deepcopy(tiny_tokenizer)
     tok.chat_template = CHAT_TEMPLATE
@@ -375,9 +375,9 @@ def test_chat_rows_render_with_the_chat_template(tiny_tokenizer, tmp_path):
 def test_chat_rows_in_rlvr_eval(tiny_tokenizer, tmp_path):
     from test_evaluate import ScriptedEngine
 
-    from rlvr.data import load_examples
+    from rlvr.commands.evaluate import evaluate
     from rlvr.engines import SamplingParams
-    from rlvr.evaluate import evaluate
+    from rlvr.task.data import load_examples
 
     tok = copy.deepcopy(tiny_tokenizer)
     tok.chat_template = CHAT_TEMPLATE
@@ -421,9 +421,9 @@ def test_chat_rows_need_the_chat_prompt_before_any_model_loads(
 
 
 def test_rlvr_eval_config_grades_a_set_with_its_own_reward(gsm8k_path, tmp_path):
-    from rlvr.data import load_examples
-    from rlvr.evaluate import EvalConfig, eval_tasks
-    from rlvr.task_config import set_rewards
+    from rlvr.commands.evaluate import EvalConfig, eval_tasks
+    from rlvr.task.build import set_rewards
+    from rlvr.task.data import load_examples
 
     (tmp_path / "run.yaml").write_text(
         f"data: {{val_sources: ['plain={gsm8k_path} size=2', 'own={gsm8k_path} size=2 reward=exact']}}\n"

@@ -6,9 +6,9 @@ import re
 
 import pytest
 
-from rlvr.data import DataError, load_examples
-from rlvr.tasks import is_task_spec, load_task
-from rlvr.tasks.arithmetic import Problem, apply_op, load_arithmetic, split_of
+from rlvr.task.data import DataError, load_examples
+from rlvr.task.generated import is_task_spec, load_task
+from rlvr.task.generated.arithmetic import Problem, apply_op, load_arithmetic, split_of
 
 TASK = "arith:steps=2,max_value=20"
 
@@ -99,8 +99,8 @@ def test_knobs_change_difficulty():
 
 
 def test_solutions_are_r1_zero_responses_graded_correct():
-    from rlvr.prompts import render
-    from rlvr.rewards import r1_zero_reward_fn
+    from rlvr.task.grading import r1_zero_reward_fn
+    from rlvr.task.prompts import render
 
     for ex in load_examples("arith:steps=3,max_value=40,ops=+-*/", "validation", limit=100):
         assert ex.solution.endswith(f" </think> <answer> {ex.ground_truth} </answer>")
@@ -120,7 +120,7 @@ def test_solutions_are_r1_zero_responses_graded_correct():
 
 
 def test_noise_knobs_change_only_solutions():
-    from rlvr.rewards import r1_zero_reward_fn
+    from rlvr.task.grading import r1_zero_reward_fn
 
     clean = load_examples("arith:steps=2,max_value=12", limit=300)
     slips = load_examples("arith:steps=2,max_value=12,noise=0.5", limit=300)

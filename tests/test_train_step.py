@@ -15,13 +15,10 @@ from rlvr import (
     grpo_train_step,
     tokenize_prompt_and_output,
 )
-from rlvr.grpo import (
-    compile_backbone,
-    compute_rollout_rewards,
-    microbatch_plan,
-    policy_gradient_update,
-    tokenize_from_ids,
-)
+from rlvr.grpo import compute_rollout_rewards
+from rlvr.training.logprobs import compile_backbone
+from rlvr.training.tokenize import tokenize_from_ids
+from rlvr.training.train_step import microbatch_plan, policy_gradient_update
 
 # --- tokenisation -----------------------------------------------------------------------------------
 

@@ -10,13 +10,13 @@ import math
 import pytest
 import torch
 
-import rlvr.trainer as trainer_mod
-from rlvr.checkpoint import latest_checkpoint, load_model_weights
+import rlvr.commands.train as trainer_mod
 from rlvr.checks import resolve_config, validate_config
+from rlvr.commands.train import EngineError, GraderError, NonFiniteError, read_summary, train
 from rlvr.config import AlgorithmConfig, DataConfig, LogConfig, OptimConfig, RolloutConfig, TrainConfig
-from rlvr.data_order import batch_indices
-from rlvr.logging_utils import read_metrics
-from rlvr.trainer import EngineError, GraderError, NonFiniteError, read_summary, train
+from rlvr.task.data_order import batch_indices
+from rlvr.training.checkpoint import latest_checkpoint, load_model_weights
+from rlvr.training.metrics_log import read_metrics
 
 REQUIRED = [
     "step",

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlvr.commands.train import read_summary, train
 from rlvr.config import load_config_file
-from rlvr.logging_utils import read_metrics
-from rlvr.trainer import read_summary, train
+from rlvr.training.metrics_log import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -220,7 +220,7 @@ def test_fsdp_off_policy_two_ranks_equal_one_process_and_resume_on_one(setup, tm
         "rank_0.pt",
         "rank_1.pt",
     ]
-    from rlvr.trainer import main
+    from rlvr.commands.train import main
 
     assert main(["--resume", str(broken)]) == 0  # one process: an FSDP2 group of one
     _assert_same_run(broken, tmp_path / "one", start)

@@ -10,12 +10,12 @@ import math
 
 import pytest
 
-import rlvr.trainer as trainer_mod
+import rlvr.commands.train as trainer_mod
+from rlvr.commands.train import read_summary, train
 from rlvr.config import AlgorithmConfig, DataConfig, EngineConfig, LogConfig, OptimConfig, RolloutConfig, TrainConfig
 from rlvr.engines.async_rollout import AsyncRollouts
-from rlvr.grpo import compute_log_probs_batched
-from rlvr.logging_utils import read_metrics
-from rlvr.trainer import read_summary, train
+from rlvr.training.logprobs import compute_log_probs_batched
+from rlvr.training.metrics_log import read_metrics
 
 
 def parity_reward(response: str, ground_truth: str) -> dict:
@@ -166,9 +166,9 @@ def test_one_step_async_resume_samples_one_batch_on_policy(gsm8k_path, tiny_toke
 
 
 def test_async_validation_never_runs_on_weights_that_failed_the_probe(gsm8k_path, tiny_tokenizer, tmp_path):
+    from rlvr.commands.train import EngineError
     from rlvr.engines import make_engine
     from rlvr.modeling import build_model, small_olmo2_config
-    from rlvr.trainer import EngineError
 
     model = build_model(small_olmo2_config(tiny_tokenizer, hidden_size=32, num_layers=2, num_heads=4), seed=0)
     with make_engine("hf-worker", model, tiny_tokenizer, device="cpu", max_batch_size=64) as engine:

@@ -10,7 +10,7 @@ from bench_speed import Bench, parse_args
 
 from rlvr.engines.base import SamplingParams
 from rlvr.engines.fast import DEFAULT_BATCH_BUCKETS, FastHFEngine
-from rlvr.prompts import render
+from rlvr.task.prompts import render
 
 args = parse_args(["--data-dir", ".gpu/gsm8k", "--skip-baselines", "--no-trl"])
 bench = Bench(args)

@@ -11,14 +11,14 @@ sys.path.insert(0, "benchmarks")
 from bench_speed import Bench, parse_args
 
 from rlvr.engines.base import SamplingParams
-from rlvr.engines.decode_attention import (
+from rlvr.engines.fast import FastHFEngine
+from rlvr.engines.fast.kernels.decode_attention import (
     default_splits,
     prompt_runs,
     reference_decode_attention,
     triton_decode_attention,
 )
-from rlvr.engines.fast import FastHFEngine
-from rlvr.prompts import render
+from rlvr.task.prompts import render
 
 args = parse_args(["--data-dir", ".gpu/gsm8k", "--skip-baselines", "--no-trl"])
 bench = Bench(args)

@@ -18,9 +18,9 @@ import torch
 from bench_speed import measure_ceilings
 from decode_gemms import timed
 
-from rlvr.engines.decode_attention import triton_available
 from rlvr.engines.fast import step as S
-from rlvr.engines.sampling_kernel import CounterNoise, exponential_noise, triton_sample
+from rlvr.engines.fast.kernels.decode_attention import triton_available
+from rlvr.engines.fast.kernels.sampling import CounterNoise, exponential_noise, triton_sample
 
 VOCABS = {"olmo2": 100_352, "llama-3.2": 128_256, "qwen2.5/qwen3": 151_936}
 

@@ -20,21 +20,21 @@ from typing import Any
 # once (torch loads with the command that needs it, inside the command line's Ctrl-C handling) and
 # grading's math-verify/sympy loads only for the rewards.
 _EXPORTS = {
-    "compute_per_instance_dpo_loss": "rlvr.dpo",
+    "compute_per_instance_dpo_loss": "rlvr.commands.dpo",
     "PRESETS": "rlvr.grpo",
     "aggregate_loss_across_microbatch": "rlvr.grpo",
     "compute_group_normalized_rewards": "rlvr.grpo",
     "compute_policy_gradient_loss": "rlvr.grpo",
     "compute_rollout_rewards": "rlvr.grpo",
-    "get_response_log_probs": "rlvr.grpo",
-    "grpo_train_step": "rlvr.grpo",
-    "tokenize_prompt_and_output": "rlvr.grpo",
-    "get_packed_sft_dataset": "rlvr.instruct",
-    "iterate_batches": "rlvr.instruct",
+    "get_response_log_probs": "rlvr.training.logprobs",
+    "grpo_train_step": "rlvr.training.train_step",
+    "tokenize_prompt_and_output": "rlvr.training.tokenize",
+    "get_packed_sft_dataset": "rlvr.task.instruction_data",
+    "iterate_batches": "rlvr.task.instruction_data",
     "parse_gsm8k_response": "rlvr.suites.parsing",
     "parse_mmlu_response": "rlvr.suites.parsing",
-    "r1_zero_reward_fn": "rlvr.rewards",
-    "question_only_reward_fn": "rlvr.rewards",
+    "r1_zero_reward_fn": "rlvr.task.grading",
+    "question_only_reward_fn": "rlvr.task.grading",
 }
 
 __version__ = "0.1.0"

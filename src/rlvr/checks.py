@@ -3,7 +3,7 @@
 ``rlvr.config`` knows its own fields only. What a value may be that a registry or another package
 decides is checked here, one module above the pieces it checks: the estimator names (``rlvr.grpo``'s
 registries, which plugins extend), the engine names, the sizes of a fresh model, the task's prompt,
-data and reward (``rlvr.task_config``) and the number of processes. ``resolve_config`` fills the
+data and reward (``rlvr.task.build``) and the number of processes. ``resolve_config`` fills the
 defaults that follow from other fields and those registries; ``validate_config`` reports every problem
 found here and in ``TrainConfig.validate`` together.
 """
@@ -28,7 +28,7 @@ from rlvr.grpo import (
     kl_estimator_names,
 )
 from rlvr.modeling import MODEL_SIZES
-from rlvr.task_config import task_config_problems
+from rlvr.task.build import task_config_problems
 
 
 def resolve_config(config: TrainConfig) -> TrainConfig:

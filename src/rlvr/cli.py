@@ -20,18 +20,21 @@ from pathlib import Path
 from typing import TextIO
 
 from rlvr.errors import UserError, disk_full
-from rlvr.interrupts import exit_code, sigterm_as_interrupt
+from rlvr.training.interrupts import exit_code, sigterm_as_interrupt
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "eval": ("rlvr.evaluate", "evaluate prompts on a model: accuracy, format categories, samples"),
-    "train": ("rlvr.trainer", "train a policy with GRPO or a variant (on- or off-policy)"),
-    "sft": ("rlvr.sft", "supervised fine-tuning: warm start, or `rlvr sft instruct` for instruction tuning"),
-    "dpo": ("rlvr.dpo", "direct preference optimization of an instruction-tuned model on preference pairs"),
+    "eval": ("rlvr.commands.evaluate", "evaluate prompts on a model: accuracy, format categories, samples"),
+    "train": ("rlvr.commands.train", "train a policy with GRPO or a variant (on- or off-policy)"),
+    "sft": ("rlvr.commands.sft", "supervised fine-tuning: warm start, or `rlvr sft instruct` for instruction tuning"),
+    "dpo": ("rlvr.commands.dpo", "direct preference optimization of an instruction-tuned model on preference pairs"),
     "sweep": ("rlvr.experiments.sweep", "run a grid of settings x seeds"),
     "plot": ("rlvr.experiments.plot", "plot metrics of runs with the spread across seeds"),
     "report": ("rlvr.experiments.report", "write a Markdown report with plots and tables"),
-    "export": ("rlvr.export", "a run's model as a clean folder with its tokenizer and model card (--push-to-hub)"),
-    "demo": ("rlvr.demo", "the CPU story: warm start, GRPO, accuracy before/after, a plot"),
+    "export": (
+        "rlvr.commands.export",
+        "a run's model as a clean folder with its tokenizer and model card (--push-to-hub)",
+    ),
+    "demo": ("rlvr.commands.demo", "the CPU story: warm start, GRPO, accuracy before/after, a plot"),
 }
 
 

@@ -51,7 +51,7 @@ from rlvr.ranges import (
     Range,
     range_problems,
 )
-from rlvr.rundir import atomic_write_text
+from rlvr.training.rundir import atomic_write_text
 
 SCHEDULES = ("constant", "cosine", "linear")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -457,7 +457,7 @@ TRAIN_RANGES: dict[str, Range] = {
 
 @dataclass(frozen=True)
 class HealthConfig:
-    """Thresholds of the health signals (rlvr.health): a one-line warning when a run goes wrong."""
+    """Thresholds of the health signals (rlvr.training.health): a one-line warning when a run goes wrong."""
 
     enabled: bool = True
     """Watch the run and warn (progress bar / log, metrics.jsonl's "health" records, rlvr report)."""

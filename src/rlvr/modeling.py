@@ -16,10 +16,10 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import SafetensorError
 
-from rlvr.checkpoint import file_problems
 from rlvr.errors import UserError
-from rlvr.lora import apply_lora
-from rlvr.prompts import render
+from rlvr.task.prompts import render
+from rlvr.training.checkpoint import file_problems
+from rlvr.training.lora import apply_lora
 
 if TYPE_CHECKING:
     from transformers import (
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     )
 
     from rlvr.config import LoraConfig
-    from rlvr.data import Example
+    from rlvr.task.data import Example
 
 SPECIAL_TOKENS = {"pad_token": "<|pad|>", "eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}
 

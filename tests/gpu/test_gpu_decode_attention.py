@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlvr.engines.decode_attention import (
+from rlvr.engines.fast.kernels.decode_attention import (
     default_splits,
     prompt_runs,
     reference_decode_attention,

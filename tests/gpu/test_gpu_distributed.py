@@ -26,7 +26,7 @@ def _batch():
 
 def _step(model, optimizer, world):
     from rlvr.distributed import GlobalBatch
-    from rlvr.grpo import policy_gradient_update
+    from rlvr.training.train_step import policy_gradient_update
 
     ids, mask, adv = _batch()
     return policy_gradient_update(model, optimizer, ids, ids, mask, adv, 2, 1.0, global_batch=GlobalBatch.of(len(ids)))

@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from conftest import family_model, padded_and_packed
 
-from rlvr.grpo import compile_backbone, get_response_log_probs, tokenize_prompt_and_output
-from rlvr.grpo.packing import (
+from rlvr.training.logprobs import compile_backbone, get_response_log_probs
+from rlvr.training.packing import (
     _pack_to,
     attend_packed,
     attention_mask,
@@ -20,6 +20,7 @@ from rlvr.grpo.packing import (
     packed_response_log_probs,
     shared_prefix_plan,
 )
+from rlvr.training.tokenize import tokenize_prompt_and_output
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

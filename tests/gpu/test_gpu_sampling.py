@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlvr.engines.decode_attention import triton_available
 from rlvr.engines.fast import step as S
-from rlvr.engines.sampling_kernel import CounterNoise, exponential_noise, triton_sample
+from rlvr.engines.fast.kernels.decode_attention import triton_available
+from rlvr.engines.fast.kernels.sampling import CounterNoise, exponential_noise, triton_sample
 
 
 def _counter(rows: int, seed: int, step: int = 5) -> CounterNoise:

@@ -19,10 +19,10 @@ from rlvr.config import (
     RolloutConfig,
     TrainConfig,
 )
-from rlvr.grpo.logprobs import compile_backbone, get_response_log_probs
-from rlvr.grpo.tokenize import tokenize_prompt_and_output
-from rlvr.logging_utils import read_metrics
 from rlvr.modeling import build_model, small_olmo2_config
+from rlvr.training.logprobs import compile_backbone, get_response_log_probs
+from rlvr.training.metrics_log import read_metrics
+from rlvr.training.tokenize import tokenize_prompt_and_output
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -59,7 +59,7 @@ def test_fused_head_weight_gradient_accumulates_in_float32_inside_the_matmul():
     By hand as in tests/test_fused_logprobs.py: zero weights, every label 0, hidden 1; one token adds
     1.0 and 256 add 1/512 each to d/dW[0]: 1.5, which a bf16 running sum would leave at 1.0. Then random
     bf16 inputs over many chunks against the float64 gradient."""
-    from rlvr.grpo.fused_logprobs import _addmm_into_float32, linear_log_probs
+    from rlvr.training.fused_logprobs import _addmm_into_float32, linear_log_probs
 
     assert _addmm_into_float32("cuda")
     n = 257
@@ -118,7 +118,7 @@ def coin(response: str, ground_truth: str) -> dict:
 
 @pytest.mark.parametrize("engine", ["hf", "hf-fast", "hf-fast+compile", "hf-worker"])
 def test_rlvr_train_steps_with_each_engine(tmp_path, tiny_model_dir, engine):
-    from rlvr.trainer import train
+    from rlvr.commands.train import train
 
     name, _, extra = engine.partition("+")
     device = "cuda:0"
@@ -142,7 +142,7 @@ def test_rlvr_train_steps_with_each_engine(tmp_path, tiny_model_dir, engine):
 def test_warm_start_then_grpo_learns(tmp_path):
     """The CPU demo's pipeline on the GPU with hf-fast: SFT warm start, then GRPO raises validation
     accuracy (by tens of points on the CPU; this asks for 15). float32, as on the CPU."""
-    from rlvr.demo import DemoConfig, run_demo
+    from rlvr.commands.demo import DemoConfig, run_demo
 
     result = run_demo(
         DemoConfig(

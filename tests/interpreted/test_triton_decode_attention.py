@@ -10,7 +10,7 @@ from test_decode_attention import per_row_softmax, random_case
 from test_engines_fast import PROMPTS, _eos_prone, _fast, _ids, assert_logprobs_are_teacher_forced
 
 from rlvr.engines.base import SamplingParams
-from rlvr.engines.decode_attention import prompt_runs, reference_decode_attention, triton_decode_attention
+from rlvr.engines.fast.kernels.decode_attention import prompt_runs, reference_decode_attention, triton_decode_attention
 
 
 @pytest.fixture(autouse=True)

@@ -12,8 +12,8 @@ import pytest
 import torch
 from test_triton_decode_attention import _interpreter_scalars  # noqa: F401  # the interpreter's scalar loads
 
+from rlvr.engines.fast.kernels.sampling import CounterNoise, exponential_noise, sampling_slices, triton_sample
 from rlvr.engines.fast.step import sample_math
-from rlvr.engines.sampling_kernel import CounterNoise, exponential_noise, sampling_slices, triton_sample
 
 
 def _counter(rows: int, seed: int, step: int = 3) -> CounterNoise:

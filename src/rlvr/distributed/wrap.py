@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import nn
 
-from rlvr.grpo.logprobs import enable_fused_log_probs
+from rlvr.training.logprobs import enable_fused_log_probs
 
 if TYPE_CHECKING:
     from peft.tuners.lora import LoraLayer

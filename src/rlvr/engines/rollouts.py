@@ -27,9 +27,8 @@ import torch
 from rlvr.engines.base import Completion, Engine, SamplingParams
 from rlvr.environments.rollout import tokenize_episodes
 from rlvr.errors import EngineError
-from rlvr.grpo import tokenize_from_ids
-from rlvr.grpo.tokenize import pad_token_id
 from rlvr.tokens import encode_texts
+from rlvr.training.tokenize import pad_token_id, tokenize_from_ids
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

@@ -49,8 +49,8 @@ import torch
 from rlvr.engines.base import Completion, Engine, SamplingParams
 from rlvr.engines.fast import FastHFEngine
 from rlvr.engines.hf import HFEngine, sequence_logprobs
-from rlvr.grpo.logprobs import compute_log_probs_batched
-from rlvr.grpo.tokenize import pad_token_id, tokenize_from_ids
+from rlvr.training.logprobs import compute_log_probs_batched
+from rlvr.training.tokenize import pad_token_id, tokenize_from_ids
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection

@@ -4,7 +4,7 @@ An environment is an object with
 
 - ``stop``: extra stop strings for the model's turns (a tool-call format's closing tag);
 - ``reset(row, messages) -> messages``: the opening conversation of a data row (``row`` an
-  ``rlvr.data.Example``; ``messages`` what the run's prompt makes of it);
+  ``rlvr.task.data.Example``; ``messages`` what the run's prompt makes of it);
 - ``step(messages) -> EnvStep``: given the conversation so far, ending with the model's newest turn,
   either the messages to append before the model's next turn (tool results, a user's reply) or
   ``done``, and reward fields (keyword arguments the reward function receives with the response).
@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from rlvr.config import EnvConfig, TrainConfig
-    from rlvr.prompts import Prompt
+    from rlvr.task.prompts import Prompt
 
 
 @dataclass(frozen=True)

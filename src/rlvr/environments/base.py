@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 from rlvr.errors import UserError
 
 if TYPE_CHECKING:
-    from rlvr.example import Example
+    from rlvr.task.example import Example
 
 
 class EnvironmentError_(UserError, ValueError):

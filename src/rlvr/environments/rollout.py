@@ -30,15 +30,15 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from rlvr.engines.base import Completion, Engine, SamplingParams
-from rlvr.grpo.tokenize import pad_token_id, tokenize_from_pieces
 from rlvr.tokens import decode_texts, encode_texts
+from rlvr.training.tokenize import pad_token_id, tokenize_from_pieces
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from rlvr.environments.base import Environment
     from rlvr.environments.formats import ToolFormat
-    from rlvr.example import Example
+    from rlvr.task.example import Example
 
 
 class RenderError(ValueError):

@@ -18,7 +18,7 @@ from rlvr.environments.formats import ToolCall, tool_format, tool_message
 from rlvr.environments.tools import Tool
 
 if TYPE_CHECKING:
-    from rlvr.example import Example
+    from rlvr.task.example import Example
 
 
 class ToolEnvironment:

@@ -26,7 +26,7 @@ from types import ModuleType
 
 from rlvr.cli import main as rlvr_main
 from rlvr.errors import UserError
-from rlvr.interrupts import stop_with_parent
+from rlvr.training.interrupts import stop_with_parent
 
 
 def is_path(plugin: str) -> bool:

@@ -28,7 +28,7 @@ from rlvr.config import flatten
 from rlvr.experiments.estimators import report_section
 from rlvr.experiments.plot import BAND_LABEL, plot_runs
 from rlvr.experiments.runs import BANDS, VAL_REWARD, Run, final_values, group_runs, load_runs, read_rollouts
-from rlvr.health import summarize as summarize_health
+from rlvr.training.health import summarize as summarize_health
 
 
 def _num(x: float, digits: int = 3) -> str:
@@ -87,7 +87,7 @@ def best_table(runs: Sequence[Run], metric: str = VAL_REWARD, tolerance: float =
 
 
 def health_table(runs: Sequence[Run]) -> str:
-    """Markdown table of the health warnings the runs logged (``rlvr.health``), per setting and signal;
+    """Markdown table of the health warnings the runs logged (``rlvr.training.health``), per setting and signal;
     empty when no run warned."""
     rows = []
     for setting, group in group_runs(runs).items():

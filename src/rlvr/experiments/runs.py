@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from rlvr.config import flatten
-from rlvr.logging_utils import read_metrics
+from rlvr.training.metrics_log import read_metrics
 
 SEED_DIR = re.compile(r"^seed_(-?\d+)$")
 BANDS = ("minmax", "ci95")

@@ -40,19 +40,19 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from rlvr.data import load_examples
-from rlvr.dpo import DPOConfig, run_dpo
+from rlvr.commands.dpo import DPOConfig, run_dpo
+from rlvr.commands.sft_instruct import InstructSFTConfig, run_instruct_sft
 from rlvr.engines import make_engine
-from rlvr.instruct_sft import InstructSFTConfig, run_instruct_sft
-from rlvr.logging_utils import read_metrics
 from rlvr.modeling import fresh_model, load_model_and_tokenizer
 from rlvr.suites.run import SUITES, Suite, run_suite
+from rlvr.task.data import load_examples
+from rlvr.training.metrics_log import read_metrics
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedTokenizerBase
 
-    from rlvr.data import Example
+    from rlvr.task.data import Example
 
 
 @dataclass

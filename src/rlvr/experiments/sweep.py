@@ -68,14 +68,21 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from rlvr import config as train_config
-from rlvr import trainer
 from rlvr.checks import resolve_config, validate_config
+from rlvr.commands import train as train_command
 from rlvr.config import flatten
 from rlvr.config import load_config_file as load_train_config
 from rlvr.errors import UserError
 from rlvr.experiments.plugins import import_plugins, resolve_plugin
-from rlvr.interrupts import Terminated, exit_code, sigterm_as_interrupt
-from rlvr.rundir import LOCK_FILE, RunDirLock, atomic_write_json, atomic_write_text, describe_holder, lock_holder
+from rlvr.training.interrupts import Terminated, exit_code, sigterm_as_interrupt
+from rlvr.training.rundir import (
+    LOCK_FILE,
+    RunDirLock,
+    atomic_write_json,
+    atomic_write_text,
+    describe_holder,
+    lock_holder,
+)
 
 if TYPE_CHECKING:
     # ``train_fn(config_path, out_dir, resume)``: one run, in this process.
@@ -452,10 +459,10 @@ def train_argv(config_path: Path, out_dir: Path, resume: bool) -> list[str]:
 
 
 def train_in_process(config_path: Path, out_dir: Path, resume: bool) -> None:
-    """Train one run in this process with ``rlvr.trainer.train`` (which refuses to resume a run whose
+    """Train one run in this process with ``rlvr.commands.train.train`` (which refuses to resume a run whose
     saved config differs in anything but its length, cadences and logging)."""
 
-    trainer.train(load_train_config(config_path), out_dir, resume=resume)
+    train_command.train(load_train_config(config_path), out_dir, resume=resume)
 
 
 def subprocess_command(p: PlannedRun, plugins: Sequence[str], python: str = sys.executable) -> list[str]:

@@ -1,6 +1,6 @@
 """The proof that GRPO learns to use a tool: a calculator on ``arith``, on a CPU in a few minutes.
 
-1. **Warm start.** A fresh small OLMo-2 (``rlvr.sft``) on arith reference solutions of which a share
+1. **Warm start.** A fresh small OLMo-2 (``rlvr.commands.sft``) on arith reference solutions of which a share
    (the task's ``tool`` knob) compute with one calculator call, in the plain tool-call format, and the
    rest by hand, half of those with a slip (``noise``): the model learns both ways of answering, and
    that by hand it is often wrong.
@@ -21,6 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from rlvr.commands.sft import SFTConfig, run_sft
+from rlvr.commands.train import train
 from rlvr.config import (
     AlgorithmConfig,
     DataConfig,
@@ -32,10 +34,8 @@ from rlvr.config import (
     RolloutConfig,
     TrainConfig,
 )
-from rlvr.logging_utils import read_metrics
-from rlvr.rundir import atomic_write_json
-from rlvr.sft import SFTConfig, run_sft
-from rlvr.trainer import train
+from rlvr.training.metrics_log import read_metrics
+from rlvr.training.rundir import atomic_write_json
 
 
 @dataclass

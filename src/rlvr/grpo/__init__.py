@@ -1,8 +1,7 @@
 """The GRPO math as independent axes: advantages (baseline × normalizer), per-token loss
 (reweighting method), aggregation (sequence or constant), each a registry that a plugin extends
 (``register_baseline``/``register_normalizer``, ``register_reweighting``, ``register_aggregation``), the KL
-to a reference (``kl``), plus log-probs and the train step, and
-what an estimator does to the gradient (``diagnostics``: closed-form difficulty weights and
+to a reference (``kl``), and what an estimator does to the gradient (``diagnostics``: closed-form difficulty weights and
 importance-ratio statistics; ``variance``: gradient variance with and without a baseline)."""
 
 from rlvr.grpo.advantages import (
@@ -17,15 +16,8 @@ from rlvr.grpo.advantages import (
 from rlvr.grpo.aggregate import AGGREGATIONS, aggregate_loss_across_microbatch, register_aggregation
 from rlvr.grpo.diagnostics import ADVANTAGE_MASS, advantage_mass, importance_statistics, register_advantage_mass
 from rlvr.grpo.kl import KL_ESTIMATORS, Reference, kl_estimator_names, kl_penalty
-from rlvr.grpo.logprobs import (
-    compile_backbone,
-    compute_log_probs_batched,
-    get_response_log_probs,
-)
 from rlvr.grpo.losses import REWEIGHTINGS, compute_policy_gradient_loss, register_reweighting
 from rlvr.grpo.presets import DEFAULT_CLIPRANGE, PRESETS, Preset, get_preset
-from rlvr.grpo.tokenize import tokenize_from_ids, tokenize_prompt_and_output
-from rlvr.grpo.train_step import grpo_train_step, microbatch_plan, policy_gradient_update
 from rlvr.grpo.variance import gradient_variance
 
 __all__ = [
@@ -45,15 +37,7 @@ __all__ = [
     "register_normalizer",
     "register_reweighting",
     "aggregate_loss_across_microbatch",
-    "compile_backbone",
-    "compute_log_probs_batched",
-    "get_response_log_probs",
     "compute_policy_gradient_loss",
-    "tokenize_from_ids",
-    "tokenize_prompt_and_output",
-    "grpo_train_step",
-    "microbatch_plan",
-    "policy_gradient_update",
     "ADVANTAGE_MASS",
     "advantage_mass",
     "register_advantage_mass",

@@ -53,7 +53,7 @@ import torch
 
 from rlvr.grpo.advantages import BASELINES, NORMALIZERS
 from rlvr.grpo.aggregate import get_aggregation
-from rlvr.grpo.logprobs import DEFAULT_CHUNK_TOKENS, get_response_log_probs
+from rlvr.training.logprobs import DEFAULT_CHUNK_TOKENS, get_response_log_probs
 
 ESTIMATORS = ("no_baseline", "mean_baseline", "leave_one_out", "run")
 

@@ -3,7 +3,7 @@
 - MMLU: a directory with ``{split}/<subject>_{split}.csv`` (no header; ``question, A, B, C, D,
   answer_letter``; the subject is the file name with ``_`` as spaces), or the hub id ``cais/mmlu``.
   Rows: ``{subject, question, options: [4], answer: "A".."D"}``, subjects in alphabetical order.
-- GSM8K: whatever ``rlvr.data.load_examples`` reads (a JSONL file, a directory with
+- GSM8K: whatever ``rlvr.task.data.load_examples`` reads (a JSONL file, a directory with
   ``{split}.jsonl``, ``openai/gsm8k``). Rows: ``{question, answer}`` (the final answer only).
 - AlpacaEval: the JSON array of ``{dataset, instruction, output, generator}`` (``output`` is the
   reference answer), or a directory holding ``alpaca_eval_gpt4_turbo.json``.
@@ -19,7 +19,7 @@ import csv
 import json
 from pathlib import Path
 
-from rlvr.data import DataError, load_examples
+from rlvr.task.data import DataError, load_examples
 
 MMLU_LETTERS = ("A", "B", "C", "D")
 ALPACA_EVAL_FILE = "alpaca_eval_gpt4_turbo.json"

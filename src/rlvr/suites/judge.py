@@ -47,8 +47,8 @@ import numpy as np
 from rlvr.engines import make_engine
 from rlvr.engines.base import SamplingParams
 from rlvr.errors import UserError
-from rlvr.instruct import special_prefix
 from rlvr.modeling import load_model_and_tokenizer
+from rlvr.task.instruction_data import special_prefix
 
 if TYPE_CHECKING:
     import requests

@@ -45,14 +45,14 @@ from rlvr.config import EngineConfig, VLLMEngineConfig
 from rlvr.engines import build_engine
 from rlvr.engines.base import SamplingParams
 from rlvr.errors import UserError
-from rlvr.instruct import alpaca_format, protocol_template, special_prefix
 from rlvr.machine import usable_device
 from rlvr.modeling import load_model_and_tokenizer
 from rlvr.ranges import AT_LEAST_ONE, Range, flag_name, range_problems
-from rlvr.scaffold import claimed_output_dir
 from rlvr.suites import data
 from rlvr.suites.judge import MANY_UNPARSED, judge_alpaca_eval, judge_sst, make_judge
 from rlvr.suites.parsing import parse_gsm8k_response, parse_mmlu_response, same_number
+from rlvr.task.instruction_data import alpaca_format, protocol_template, special_prefix
+from rlvr.training.scaffold import claimed_output_dir
 
 if TYPE_CHECKING:
     import torch

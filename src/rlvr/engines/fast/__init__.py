@@ -23,7 +23,7 @@ distribution; it differs in how the work reaches the GPU:
 * **One CUDA graph per (batch bucket, sampling mode)**, and per length bucket on the SDPA path. A
   graph replays one whole step: embedding, every layer, LM head, sampling, log-prob, writing the
   token and log-prob to the output buffers and advancing the position/slot/step counters on the
-  device. The host launches replays back to back. Attention (``rlvr.engines.decode_attention``) reads
+  device. The host launches replays back to back. Attention (``rlvr.engines.fast.kernels.decode_attention``) reads
   each row's prompt slots from its group's entry and its filled response slots: on CUDA one Triton
   kernel that reads the lengths on the device (one graph per batch bucket), elsewhere a gather and
   SDPA over the filled slots rounded up to ``length_bucket``. With several samples per prompt and a

@@ -12,20 +12,20 @@ import torch
 import torch.nn.functional as F
 
 from rlvr.engines.base import Completion, SamplingParams
-from rlvr.engines.decode_attention import (
+from rlvr.engines.fast import step as S
+from rlvr.engines.fast.families import layer_weights, layout_of
+from rlvr.engines.fast.graphs import StepGraphs
+from rlvr.engines.fast.kernels.decode_attention import (
     default_splits,
     prompt_runs,
     reference_decode_attention,
     triton_available,
     triton_decode_attention,
 )
-from rlvr.engines.fast import step as S
-from rlvr.engines.fast.families import layer_weights, layout_of
-from rlvr.engines.fast.graphs import StepGraphs
+from rlvr.engines.fast.kernels.sampling import CounterNoise, exponential_noise, triton_sample
 from rlvr.engines.fast.state import State, allocate, ensure_noise, refresh_stacked
 from rlvr.engines.fast.stops import RowChecks
 from rlvr.engines.sampling import eos_token_ids, generate_in_chunks
-from rlvr.engines.sampling_kernel import CounterNoise, exponential_noise, triton_sample
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
