@@ -1,6 +1,6 @@
 """The process that shuts model-written code in before running it (``rlvr.sandbox`` starts it).
 
-Run as ``python -I -S sandbox_launcher.py SETTINGS_JSON`` with the status pipe's write end as an
+Run as ``python -I -S launcher.py SETTINGS_JSON`` with the status pipe's write end as an
 inherited file descriptor. Only the standard library is used, and nothing of rlvr, so that it starts
 fast and runs under any interpreter.
 
