@@ -30,6 +30,7 @@ from rlvr.config import (
     AlgorithmConfig,
     DataConfig,
     EngineConfig,
+    EnvConfig,
     LogConfig,
     ModelConfig,
     OptimConfig,
@@ -43,12 +44,13 @@ from rlvr.training.rundir import atomic_write_json
 
 
 @dataclass
-class DemoConfig:
-    """Warm-start a small model on the arith task, then GRPO; report validation accuracy before and after."""
+class WarmStartRecipe:
+    """A fresh small OLMo-2 warm-started by SFT on a generated task, then GRPO on the same task: what
+    the demo and the proofs built on it (``rlvr.experiments.tool_proof``) share."""
 
-    out: Path = Path("runs/demo")
-    """Run directory: sft/ (warm start), grpo/ (the GRPO run), demo.png, demo.json."""
-    task: str = "arith:steps=1,max_value=10,format_noise=0.6"
+    out: Path
+    """Run directory: sft/ (warm start), grpo/ (the GRPO run) and the recipe's summary."""
+    task: str
     """Task for both stages (train split for SFT and GRPO, validation split for evaluation)."""
     model_size: str = "small"
     """Size of the fresh model (rlvr.modeling.MODEL_SIZES)."""
@@ -71,23 +73,96 @@ class DemoConfig:
     val_size: int = 200
     """Held-out validation problems per evaluation."""
     eval_every: int = 10
-    """Validate every this many GRPO steps."""
-    dump_every: int = 5
-    """Write the training rollouts every this many GRPO steps (rlvr report bins their gradient weight by pass rate)."""
-    gradient_variance_every: int = 10
-    """Every this many GRPO steps, re-score the batch with and without a baseline and log the gradient variance (0: never)."""
+    """Validate every this many GRPO steps (0: at the start and the end only)."""
     seed: int = 0
     """Seed of the model, the data order and the sampling."""
     device: str = "cpu"
     """Device for both stages: cpu (the two-command set-up), cuda, cuda:1, ..."""
+    progress: bool = True
+    """Show progress bars."""
+    reuse_sft: bool = True
+    """Reuse a finished warm start found in OUT/sft (saves about two minutes on a second run)."""
+
+    def finished_warm_start(self, sft_dir: Path) -> bool:
+        """Whether ``reuse_sft`` is on and ``sft_dir`` holds a finished warm start."""
+        return self.reuse_sft and (sft_dir / "config.json").is_file() and (sft_dir / "sft_config.json").is_file()
+
+    def warm_start(self, sft_dir: Path) -> None:
+        """SFT of a fresh model into ``sft_dir`` (any earlier one there is replaced)."""
+        run_sft(
+            SFTConfig(
+                data=self.task,
+                model=self.model_size,
+                out=sft_dir,
+                steps=self.sft_steps,
+                batch_size=32,
+                device=self.device,
+                lr=self.sft_lr,
+                warmup_steps=10,
+                seed=self.seed,
+                vocab_size=self.vocab_size,
+                progress=self.progress,
+                overwrite=True,
+            )
+        )
+
+    def grpo_config(
+        self,
+        sft_dir: Path,
+        *,
+        engine: str = "hf",
+        dtype: str = "auto",
+        env: EnvConfig | None = None,
+        dump_every: int = 5,
+        gradient_variance_every: int = 0,
+    ) -> TrainConfig:
+        """``rlvr train``'s config of the GRPO stage: the ``grpo`` preset on the warm start, on-policy."""
+        return TrainConfig(
+            model=ModelConfig(name_or_path=str(sft_dir), dtype=dtype),
+            data=DataConfig(
+                train_source=self.task,
+                train_split="train",
+                train_size=None,
+                val_source=self.task,
+                val_split="validation",
+                val_size=self.val_size,
+            ),
+            prompt="r1_zero",
+            algorithm=AlgorithmConfig(preset="grpo"),
+            rollout=RolloutConfig(
+                n_prompts_per_rollout_batch=self.n_prompts,
+                group_size=self.group_size,
+                max_new_tokens=self.max_new_tokens,
+            ),
+            optim=OptimConfig(lr=self.grpo_lr, gradient_accumulation_steps=1),
+            engine=EngineConfig(name=engine, device=self.device),
+            env=env or EnvConfig(),
+            log=LogConfig(progress=self.progress, val_samples=8, gradient_variance_every=gradient_variance_every),
+            n_steps=self.grpo_steps,
+            eval_every=self.eval_every,
+            dump_every=dump_every,
+            save_every=0,
+            seed=self.seed,
+            policy_device=self.device,
+        )
+
+
+@dataclass
+class DemoConfig(WarmStartRecipe):
+    """Warm-start a small model on the arith task, then GRPO; report validation accuracy before and after."""
+
+    out: Path = Path("runs/demo")
+    """Run directory: sft/ (warm start), grpo/ (the GRPO run), demo.png, demo.json."""
+    task: str = "arith:steps=1,max_value=10,format_noise=0.6"
+    """Task for both stages (train split for SFT and GRPO, validation split for evaluation)."""
+    dump_every: int = 5
+    """Write the training rollouts every this many GRPO steps (rlvr report bins their gradient weight by pass rate)."""
+    gradient_variance_every: int = 10
+    """Every this many GRPO steps, re-score the batch with and without a baseline and log the gradient variance (0: never)."""
     engine: str = "hf"
     """Rollout engine for GRPO: hf, or hf-fast (static KV cache and CUDA graphs on a GPU)."""
     dtype: str = "auto"
     """Policy dtype for GRPO: auto (bfloat16 on CUDA, float32 on CPU), float32 or bfloat16."""
-    reuse_sft: bool = True
-    """Reuse a finished warm start found in OUT/sft (saves about two minutes on a second run)."""
-    progress: bool = True
-    """Show progress bars."""
 
 
 def run_demo(cfg: DemoConfig) -> dict:
@@ -106,54 +181,21 @@ def run_demo(cfg: DemoConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     sft_dir, grpo_dir = out / "sft", out / "grpo"
     t0 = time.perf_counter()
-    if cfg.reuse_sft and (sft_dir / "config.json").is_file() and (sft_dir / "sft_config.json").is_file():
+    if cfg.finished_warm_start(sft_dir):
         print(f"[1/3] warm start: reusing {sft_dir}")
     else:
         print(f"[1/3] warm start: SFT of a fresh '{cfg.model_size}' OLMo-2 on {cfg.task} ({cfg.sft_steps} steps)")
-        run_sft(
-            SFTConfig(
-                data=cfg.task,
-                model=cfg.model_size,
-                out=sft_dir,
-                steps=cfg.sft_steps,
-                batch_size=32,
-                device=cfg.device,
-                lr=cfg.sft_lr,
-                warmup_steps=10,
-                seed=cfg.seed,
-                vocab_size=cfg.vocab_size,
-                progress=cfg.progress,
-                overwrite=True,
-            )
-        )  # the demo's own warm start, redone
+        cfg.warm_start(sft_dir)
     t_sft = time.perf_counter() - t0
 
     if grpo_dir.exists():  # the demo's own previous GRPO run: start it again from the warm start
         shutil.rmtree(grpo_dir)
-    config = TrainConfig(
-        model=ModelConfig(name_or_path=str(sft_dir), dtype=cfg.dtype),
-        data=DataConfig(
-            train_source=cfg.task,
-            train_split="train",
-            train_size=None,
-            val_source=cfg.task,
-            val_split="validation",
-            val_size=cfg.val_size,
-        ),
-        prompt="r1_zero",
-        algorithm=AlgorithmConfig(preset="grpo"),
-        rollout=RolloutConfig(
-            n_prompts_per_rollout_batch=cfg.n_prompts, group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens
-        ),
-        optim=OptimConfig(lr=cfg.grpo_lr, gradient_accumulation_steps=1),
-        engine=EngineConfig(name=cfg.engine, device=cfg.device),
-        log=LogConfig(progress=cfg.progress, val_samples=8, gradient_variance_every=cfg.gradient_variance_every),
-        n_steps=cfg.grpo_steps,
-        eval_every=cfg.eval_every,
+    config = cfg.grpo_config(
+        sft_dir,
+        engine=cfg.engine,
+        dtype=cfg.dtype,
         dump_every=cfg.dump_every,
-        save_every=0,
-        seed=cfg.seed,
-        policy_device=cfg.device,
+        gradient_variance_every=cfg.gradient_variance_every,
     )
     print(
         f"[2/3] GRPO: {cfg.grpo_steps} steps of {cfg.n_prompts} prompts x {cfg.group_size} samples, "

@@ -21,47 +21,25 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from rlvr.commands.sft import SFTConfig, run_sft
+from rlvr.commands.demo import WarmStartRecipe
 from rlvr.commands.train import train
-from rlvr.config import (
-    AlgorithmConfig,
-    DataConfig,
-    EngineConfig,
-    EnvConfig,
-    LogConfig,
-    ModelConfig,
-    OptimConfig,
-    RolloutConfig,
-    TrainConfig,
-)
+from rlvr.config import EnvConfig
 from rlvr.training.metrics_log import read_metrics
 from rlvr.training.rundir import atomic_write_json
 
 
 @dataclass
-class ToolProofConfig:
+class ToolProofConfig(WarmStartRecipe):
     """Warm-start a small model on arith with and without calculator calls, then GRPO with the calculator."""
 
     out: Path = Path("runs/tool_proof")
     """Run directory: sft/ (warm start), grpo/ (the GRPO run), tool_proof.json."""
     task: str = "arith:steps=1,max_value=10,noise=0.5,tool=0.3"
     """Task of both stages (its tool knob: the share of warm-start solutions that call the calculator)."""
-    model_size: str = "small"
-    """Size of the fresh model (rlvr.modeling.MODEL_SIZES)."""
-    vocab_size: int = 640
-    """Vocabulary of the locally trained tokenizer."""
-    sft_steps: int = 400
-    """Warm-start optimizer steps (batch 32)."""
-    sft_lr: float = 3e-3
-    """Warm-start peak learning rate."""
     grpo_steps: int = 30
     """GRPO rollout steps (one optimizer step each)."""
     grpo_lr: float = 2e-4
     """GRPO learning rate."""
-    n_prompts: int = 8
-    """Prompts per rollout batch."""
-    group_size: int = 8
-    """Samples per prompt."""
     max_new_tokens: int = 48
     """Cap of each model turn (a tool call is about 30 tokens)."""
     max_tokens: int = 96
@@ -70,34 +48,10 @@ class ToolProofConfig:
     """Held-out validation problems per evaluation."""
     eval_every: int = 0
     """Validate every this many GRPO steps (0: at the start and the end only)."""
-    seed: int = 0
-    """Seed of the model, the data order and the sampling."""
-    device: str = "cpu"
-    """Device of both stages."""
     progress: bool = False
     """Show progress bars."""
     reuse_sft: bool = False
     """Reuse a finished warm start found in OUT/sft (to try GRPO settings again)."""
-
-
-def _warm_start(cfg: ToolProofConfig, sft_dir: Path) -> None:
-
-    run_sft(
-        SFTConfig(
-            data=cfg.task,
-            model=cfg.model_size,
-            out=sft_dir,
-            steps=cfg.sft_steps,
-            batch_size=32,
-            device=cfg.device,
-            lr=cfg.sft_lr,
-            warmup_steps=10,
-            seed=cfg.seed,
-            vocab_size=cfg.vocab_size,
-            progress=cfg.progress,
-            overwrite=True,
-        )
-    )
 
 
 def run_tool_proof(cfg: ToolProofConfig) -> dict:
@@ -107,36 +61,13 @@ def run_tool_proof(cfg: ToolProofConfig) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     sft_dir, grpo_dir = out / "sft", out / "grpo"
     t0 = time.perf_counter()
-    reuse = cfg.reuse_sft and (sft_dir / "config.json").is_file() and (sft_dir / "sft_config.json").is_file()
-    if not reuse:
-        _warm_start(cfg, sft_dir)
+    if not cfg.finished_warm_start(sft_dir):
+        cfg.warm_start(sft_dir)
     t_sft = time.perf_counter() - t0
-    config = TrainConfig(
-        model=ModelConfig(name_or_path=str(sft_dir)),
-        data=DataConfig(
-            train_source=cfg.task,
-            train_split="train",
-            train_size=None,
-            val_source=cfg.task,
-            val_split="validation",
-            val_size=cfg.val_size,
-        ),
-        prompt="r1_zero",
-        algorithm=AlgorithmConfig(preset="grpo"),
-        rollout=RolloutConfig(
-            n_prompts_per_rollout_batch=cfg.n_prompts, group_size=cfg.group_size, max_new_tokens=cfg.max_new_tokens
-        ),
-        optim=OptimConfig(lr=cfg.grpo_lr, gradient_accumulation_steps=1),
-        engine=EngineConfig(name="hf", device=cfg.device),
-        env=EnvConfig(name="tool", tools=("calculator",), tool_format="plain", max_turns=2, max_tokens=cfg.max_tokens),
-        log=LogConfig(progress=cfg.progress, val_samples=8),
-        n_steps=cfg.grpo_steps,
-        eval_every=cfg.eval_every,
-        dump_every=5,
-        save_every=0,
-        seed=cfg.seed,
-        policy_device=cfg.device,
+    calculator = EnvConfig(
+        name="tool", tools=("calculator",), tool_format="plain", max_turns=2, max_tokens=cfg.max_tokens
     )
+    config = cfg.grpo_config(sft_dir, env=calculator)
     t1 = time.perf_counter()
     if grpo_dir.exists():  # its own previous run: start again from the warm start
         shutil.rmtree(grpo_dir)
