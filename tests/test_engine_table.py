@@ -22,6 +22,7 @@ from rlvr.config import (
     upgrade_moved_keys,
 )
 from rlvr.engines import ENGINES, UnknownEngineError, build_engine, engine_entry, engine_names, register_engine
+from rlvr.engines.base import Completion, SamplingParams, generate_in_chunks
 from rlvr.errors import UserError
 
 
@@ -138,3 +139,34 @@ def test_a_run_directory_config_with_the_old_keys_still_reads():
     engine["cascade_min_rows"] = 32
     upgraded = TrainConfig.from_dict(upgrade_moved_keys(raw))
     assert upgraded == TrainConfig(engine=EngineConfig(fast=FastEngineConfig(cascade_min_rows=32)))
+
+
+class RecordingEngine:
+    """An ``Engine`` that answers each prompt with its own text and records every call's seed and size."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int | None]] = []
+
+    def generate(self, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:
+        self.calls.append((len(prompts), params.seed))
+        return [[Completion(text=p, token_ids=[], finish_reason="stop")] for p in prompts]
+
+    def sync_weights(self, model: object) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def test_generate_in_chunks_keeps_order_and_seeds_each_chunk_apart():
+    prompts = [f"q{i}" for i in range(7)]
+    engine = RecordingEngine()
+    groups, seconds = generate_in_chunks(engine, prompts, SamplingParams(seed=5), 3, seed_per_chunk=True)
+    assert [g[0].text for g in groups] == prompts and seconds >= 0
+    assert engine.calls == [(3, 5), (3, 6), (1, 7)]
+    engine = RecordingEngine()
+    generate_in_chunks(engine, prompts, SamplingParams(seed=5), 3)
+    assert engine.calls == [(3, 5), (3, 5), (1, 5)]
+    engine = RecordingEngine()
+    generate_in_chunks(engine, prompts, SamplingParams(seed=None), 4, seed_per_chunk=True)
+    assert engine.calls == [(4, None), (3, None)]

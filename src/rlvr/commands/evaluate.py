@@ -29,7 +29,6 @@ earlier evaluation's results in ``--out`` unless given ``--overwrite``.
 from __future__ import annotations
 
 import dataclasses
-import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -49,7 +48,7 @@ from rlvr.config import (
     load_config_file,
 )
 from rlvr.engines import build_engine, make_engine
-from rlvr.engines.base import SamplingParams
+from rlvr.engines.base import SamplingParams, generate_in_chunks
 from rlvr.environments.rollout import episode_metrics
 from rlvr.errors import UserError
 from rlvr.grpo.advantages import pass_at_k
@@ -207,21 +206,9 @@ def evaluate(
     reward_fn = reward if reward is not None else BUILTIN_REWARDS[prompt.default_reward]
     prompts = render(examples, prompt) if render is not None else [prompt.render_example(ex) for ex in examples]
 
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(prompts), desc=f"eval {prompt_name}", unit="q")
-    outputs = []
-    t0 = time.perf_counter()
-    for i, start in enumerate(range(0, len(prompts), chunk_size)):
-        seed = None if params.seed is None else params.seed + i
-        outputs += engine.generate(prompts[start : start + chunk_size], dataclasses.replace(params, seed=seed))
-        if bar is not None:
-            bar.update(min(chunk_size, len(prompts) - start))
-    elapsed = time.perf_counter() - t0
-    if bar is not None:
-        bar.close()
+    outputs, elapsed = generate_in_chunks(
+        engine, prompts, params, chunk_size, progress=f"eval {prompt_name}" if progress else None, seed_per_chunk=True
+    )
 
     samples = []
     flat = [

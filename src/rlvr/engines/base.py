@@ -9,6 +9,8 @@ the sampling distribution at temperature 1 (None where the engine cannot give th
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -103,3 +105,36 @@ class WorkerEngine(Engine, Protocol):
         ``labels``, ``response_mask``, ``old_log_probs`` (None without ``score``), ``time/generate`` and
         ``time/old_logprobs``."""
         ...
+
+
+def generate_in_chunks(
+    engine: Engine,
+    prompts: list[str],
+    params: SamplingParams,
+    chunk_size: int,
+    *,
+    progress: str | None = None,
+    seed_per_chunk: bool = False,
+) -> tuple[list[list[Completion]], float]:
+    """``engine.generate`` over ``prompts`` in chunks of ``chunk_size``; returns the groups and the seconds.
+
+    ``progress`` names a progress bar counted in prompts (none when None). With ``seed_per_chunk`` the
+    ``i``-th chunk samples with seed ``params.seed + i``, so that no two chunks draw the same noise."""
+    bar = None
+    if progress is not None:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(prompts), desc=progress, unit="prompt")
+    outputs: list[list[Completion]] = []
+    t0 = time.perf_counter()
+    for i, start in enumerate(range(0, len(prompts), chunk_size)):
+        chunk_params = params
+        if seed_per_chunk and params.seed is not None:
+            chunk_params = dataclasses.replace(params, seed=params.seed + i)
+        outputs += engine.generate(prompts[start : start + chunk_size], chunk_params)
+        if bar is not None:
+            bar.update(min(chunk_size, len(prompts) - start))
+    elapsed = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    return outputs, elapsed

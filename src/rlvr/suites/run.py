@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from rlvr.config import EngineConfig, VLLMEngineConfig
 from rlvr.engines import build_engine
-from rlvr.engines.base import SamplingParams
+from rlvr.engines.base import SamplingParams, generate_in_chunks
 from rlvr.errors import UserError
 from rlvr.machine import usable_device
 from rlvr.modeling import load_model_and_tokenizer
@@ -158,20 +158,10 @@ def run_suite(
     ``parse_failures``."""
     params = generation_params(mode, max_tokens)
     prompts = [wrap_prompt(suite.instruction(ex), mode, prefix) for ex in examples]
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=len(prompts), desc=f"eval {suite.name}", unit="ex")
-    completions = []
-    t0 = time.perf_counter()
-    for start in range(0, len(prompts), chunk_size):
-        completions += [g[0] for g in engine.generate(prompts[start : start + chunk_size], params)]
-        if bar is not None:
-            bar.update(min(chunk_size, len(prompts) - start))
-    elapsed = time.perf_counter() - t0
-    if bar is not None:
-        bar.close()
+    groups, elapsed = generate_in_chunks(
+        engine, prompts, params, chunk_size, progress=f"eval {suite.name}" if progress else None
+    )
+    completions = [group[0] for group in groups]
 
     samples = []
     for i, (ex, prompt, comp) in enumerate(zip(examples, prompts, completions)):
