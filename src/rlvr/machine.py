@@ -62,3 +62,9 @@ def check_machine(config: TrainConfig, n_gpu: int | None = None) -> None:
     found = [p for p in problems if p]
     if found:
         raise ConfigError("; ".join(found))
+
+
+def resolve_device(device: str, flag: str = "--device") -> torch.device:
+    """``device`` (``auto``, ``cpu``, ``cuda``, ``cuda:1``, ...) as a torch device that exists here, or a
+    one-line error that names ``flag``."""
+    return torch.device(usable_device(device, flag))

@@ -17,6 +17,7 @@ import torch
 from safetensors import SafetensorError
 
 from rlvr.errors import UserError
+from rlvr.task.chat import ChatTemplateError, check_chat_template
 from rlvr.task.prompts import render
 from rlvr.training.checkpoint import file_problems
 from rlvr.training.lora import apply_lora
@@ -281,3 +282,37 @@ def attention_without_cudnn() -> contextlib.AbstractContextManager:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """A config's ``dtype`` on ``device``: ``auto`` is bfloat16 on CUDA and float32 elsewhere."""
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+def check_chat_template_before_load(
+    model: str,
+    what: str = "conversational rows (messages, prompt/completion lists)",
+    fix: str = "pass --chat-template FILE",
+) -> None:
+    """``ChatTemplateError`` (one line) when conversational rows meet a model whose tokenizer has no chat
+    template: read from the tokenizer alone, before the model loads."""
+
+    if model in MODEL_SIZES:
+        raise ChatTemplateError(
+            f"{what}: a fresh model of size {model} has a new tokenizer without a chat template; {fix}"
+        )
+    from transformers import AutoTokenizer
+
+    check_chat_template(AutoTokenizer.from_pretrained(model), what, fix)
+
+
+def read_chat_template(path: Path | None) -> str | None:
+    """The text of a ``--chat-template`` file (None when not given)."""
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--chat-template {path}: cannot be read ({e}); pass a UTF-8 Jinja template file") from None

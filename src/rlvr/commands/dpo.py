@@ -52,9 +52,9 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
 import torch
 import torch.nn.functional as F
 
-from rlvr.commands.sft_instruct import check_chat_template_before_load, resolve_device, resolve_dtype
 from rlvr.errors import UserError
-from rlvr.modeling import load_model_and_tokenizer
+from rlvr.machine import resolve_device
+from rlvr.modeling import check_chat_template_before_load, load_model_and_tokenizer, resolve_dtype
 from rlvr.ranges import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range, flag_name, range_problems
 from rlvr.task.chat import check_messages, is_messages, tokenize_prompt_completion
 from rlvr.task.data import DataError

@@ -41,12 +41,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from rlvr import modeling
-from rlvr.commands.sft_instruct import check_chat_template_before_load, read_chat_template
 from rlvr.commands.sft_instruct import main as instruct_main
 from rlvr.config import load_config_file
 from rlvr.errors import UserError
 from rlvr.machine import usable_device
-from rlvr.modeling import save_model_and_tokenizer
+from rlvr.modeling import check_chat_template_before_load, read_chat_template, save_model_and_tokenizer
 from rlvr.ranges import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, PROBABILITY, Range, flag_name, range_problems
 from rlvr.task.build import check_chat_rows
 from rlvr.task.chat import tokenize_prompt_completion

@@ -45,10 +45,15 @@ import torch
 
 from rlvr import modeling
 from rlvr.errors import UserError
-from rlvr.machine import usable_device
-from rlvr.modeling import MODEL_SIZES, save_model_and_tokenizer
+from rlvr.machine import resolve_device
+from rlvr.modeling import (
+    MODEL_SIZES,
+    check_chat_template_before_load,
+    read_chat_template,
+    resolve_dtype,
+    save_model_and_tokenizer,
+)
 from rlvr.ranges import AT_LEAST_ONE, BELOW_ONE, NON_NEGATIVE, POSITIVE, PROBABILITY, Range, flag_name, range_problems
-from rlvr.task.chat import ChatTemplateError, check_chat_template
 from rlvr.task.data_order import batch_indices
 from rlvr.task.instruction_data import (
     IGNORE_INDEX,
@@ -206,16 +211,6 @@ def check_model_name(name: str) -> None:
         )
 
 
-def resolve_device(device: str, flag: str = "--device") -> torch.device:
-    return torch.device(usable_device(device, flag))
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, dtype)
-
-
 def load_or_build_model(
     name: str,
     device: torch.device,
@@ -313,33 +308,6 @@ def validation_loss(model: torch.nn.Module, dataset: PackedSFTDataset, rows_per_
     if dataset.masked:
         return total / counted if counted else float("nan")
     return total / len(dataset)
-
-
-def check_chat_template_before_load(
-    model: str,
-    what: str = "conversational rows (messages, prompt/completion lists)",
-    fix: str = "pass --chat-template FILE",
-) -> None:
-    """``ChatTemplateError`` (one line) when conversational rows meet a model whose tokenizer has no chat
-    template: read from the tokenizer alone, before the model loads."""
-
-    if model in MODEL_SIZES:
-        raise ChatTemplateError(
-            f"{what}: a fresh model of size {model} has a new tokenizer without a chat template; {fix}"
-        )
-    from transformers import AutoTokenizer
-
-    check_chat_template(AutoTokenizer.from_pretrained(model), what, fix)
-
-
-def read_chat_template(path: Path | None) -> str | None:
-    """The text of a ``--chat-template`` file (None when not given)."""
-    if path is None:
-        return None
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"--chat-template {path}: cannot be read ({e}); pass a UTF-8 Jinja template file") from None
 
 
 def split_documents(pairs: list[dict], val_size: int, seed: int) -> tuple[list[dict], list[dict]]:

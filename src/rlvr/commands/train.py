@@ -124,6 +124,7 @@ from rlvr.modeling import (
     check_model_source,
     fresh_model,
     load_model_and_tokenizer,
+    resolve_dtype,
     tokenizer_corpus,
     train_tokenizer,
 )
@@ -190,12 +191,6 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 # 1. Building the pieces
 # ---------------------------------------------------------------------------------------------
-
-
-def _dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
 
 
 def _load_policy(
@@ -1420,7 +1415,7 @@ def _setup(
 
     device = world.device if world.backend is not None else torch.device(config.policy_device)
     strategy = config.data_parallel_strategy(world.world_size)
-    dtype = _dtype(config.model.dtype, device)
+    dtype = resolve_dtype(config.model.dtype, device)
     # FSDP2 keeps float32 sharded parameters (and so float32 AdamW state) and computes in the model dtype;
     # with optim.master_weights off they stay in the model dtype (half the memory, low-precision updates).
     load_dtype = torch.float32 if strategy == "fsdp" and config.optim.master_weights else dtype
