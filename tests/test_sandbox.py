@@ -219,7 +219,7 @@ def test_its_directory_is_removed_even_when_it_locks_it():
 
 AS_NOBODY = """
 import json, os, socket, sys, types
-# rlvr's package imports torch, which this interpreter may lack: load the two stdlib-only modules alone.
+# rlvr's package imports torch, which this interpreter may lack: load the stdlib-only sandbox package alone.
 package = types.ModuleType("rlvr")
 package.__path__ = [sys.argv[1]]
 sys.modules["rlvr"] = package
@@ -268,7 +268,7 @@ def test_as_an_unprivileged_user_the_code_is_contained_through_a_user_namespace(
     python = _python_for_nobody()
     if python is None or shutil.which("setpriv") is None:
         pytest.skip("no setpriv, or no interpreter of this Python version that nobody may run")
-    source = os.path.dirname(sandbox.__file__)
+    source = os.path.dirname(os.path.dirname(sandbox.__file__))  # the rlvr package, holding sandbox/
     ancestors = [source, *(str(p) for p in Path(source).parents)]
     readable = all(os.stat(p).st_mode & 0o001 for p in ancestors) and all(
         os.stat(p).st_mode & 0o004 for p in (source, sandbox.__file__, sandbox.LAUNCHER)
