@@ -27,7 +27,7 @@ from rlvr.engines.base import Completion, SamplingParams
 from rlvr.engines.rollouts import SyncRollouts, tokenize_groups
 from rlvr.environments import ENVIRONMENTS, EnvStep, SingleTurn, build_environment, register_environment
 from rlvr.environments.formats import ToolCall, parse_hermes, parse_llama3, tool_format
-from rlvr.environments.rollout import ChatRenderer, Episodes, TextRenderer, episode_metrics
+from rlvr.environments.rollout import ChatRenderer, Episodes, TextRenderer, episode_metrics, tokenize_episodes
 from rlvr.environments.tool import ToolEnvironment
 from rlvr.environments.tools import ToolError, as_tool, calculator, get_tools
 from rlvr.task.data import Example
@@ -267,17 +267,16 @@ def test_a_conversation_goes_back_to_the_engine_with_the_tool_result(tiny_tokeni
     prompts = episodes.open(rows, [[{"role": "user", "content": "P1:"}], [{"role": "user", "content": "P2:"}]])
     assert prompts == ["P1:", "P2:"]
     answer = " <answer> 12 </answer>"
-    engine = ScriptedEngine([[CALL, " </think> <answer> 9 </answer>", CALL, CALL], [answer], [answer] * 2])
+    engine = ScriptedEngine([[CALL, " </think> <answer> 9 </answer>", CALL, CALL], [answer] * 3])
     params = SamplingParams(n=2, max_new_tokens=50, stop=("</answer>",), prompt_seeds=(11, 22))
     groups = episodes.generate(engine, prompts, params)
-    first, second, third = engine.calls
+    first, second = engine.calls
     assert first[0] == prompts and first[1].stop == ("</answer>", "</tool_call>") and first[1].n == 2
     result = " <tool_response>12</tool_response>"
-    # one call per row for the turns after the first: P1's one conversation that goes on, then P2's two
-    assert second[0] == ["P1:" + CALL + result] and third[0] == ["P2:" + CALL + result] * 2
-    assert second[1].n == 1 and third[1].n == 1
-    seeds = second[1].prompt_seeds + third[1].prompt_seeds
-    assert len(set(seeds)) == 3  # each conversation its own draws
+    # one call for the round after the first turns: P1's one conversation that goes on, then P2's two
+    assert second[0] == ["P1:" + CALL + result] + ["P2:" + CALL + result] * 2
+    assert second[1].n == 1
+    assert len(set(second[1].prompt_seeds)) == 3  # each conversation its own draws
     a, b = groups[0]
     assert a.text == CALL + result + " <answer> 12 </answer>" and a.meta["turns"] == 2
     assert a.meta["pieces"] == [(CALL, True), (result, False), (" <answer> 12 </answer>", True)]
@@ -328,6 +327,66 @@ def test_single_turn_through_the_driver_equals_the_one_turn_path(tiny_model, tin
     assert opened == prompts and driven.responses == plain.responses
     for key in ("input_ids", "labels", "response_mask"):
         assert torch.equal(getattr(driven, key), getattr(plain, key))
+
+
+class CountingEngine:
+    """A real engine, with the number of ``generate`` calls it served."""
+
+    def __init__(self, inner) -> None:
+        self.inner, self.calls = inner, 0
+
+    def generate(self, prompts, params):
+        self.calls += 1
+        return self.inner.generate(prompts, params)
+
+
+class CalculatorEcho:
+    """Three model turns: after each of the first two the environment answers with a calculator result
+    (the tool run in the round's thread pool). Turns stop at a space or an "e", so that a random model's
+    turns end at different lengths."""
+
+    stop: tuple[str, ...] = (" ", "e")
+
+    def reset(self, row, messages):
+        return messages
+
+    def step(self, messages):
+        turns = sum(m["role"] == "assistant" for m in messages)
+        if turns >= 3:
+            return EnvStep(done=True, reward_fields={"turns": turns})
+        return EnvStep(messages=[{"role": "user", "content": f" ={calculator(f'{turns} + 7')}."}])
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(n=2, temperature=0.0, max_new_tokens=16),
+        SamplingParams(n=3, temperature=1.0, max_new_tokens=16, seed=5, prompt_seeds=(1, 2, 3, 4)),
+    ],
+    ids=["greedy", "seeded"],
+)
+def test_one_call_per_round_equals_one_call_per_row(tiny_model, tiny_tokenizer, params):
+    """The hf engine gives the same conversations (tokens, masks, reward fields) whether a round's later
+    turns go in one call or in one call per row, greedy and seeded (each prompt draws from its own seed)."""
+    prompts = ["Betty is saving money for a new wallet.", "How many", "A robe takes 2 bolts", "James writes a letter"]
+    rows = [Example(p, "") for p in prompts]
+    out = {}
+    for one_call in (True, False):
+        episodes = Episodes(CalculatorEcho(), tiny_tokenizer, TextRenderer(), 3, 1000, one_call_per_round=one_call)
+        opened = episodes.open(rows, [[{"role": "user", "content": p}] for p in prompts])
+        engine = CountingEngine(make_engine("hf", tiny_model, tiny_tokenizer, max_batch_size=4))
+        groups = episodes.generate(engine, opened, params)
+        out[one_call] = (groups, tokenize_episodes(tiny_tokenizer, opened, groups), engine.calls)
+    (batched, batched_tokens, batched_calls), (per_row, per_row_tokens, per_row_calls) = out[True], out[False]
+    turns = [c.meta["turns"] for g in batched for c in g]
+    assert max(turns) == 3, "the test needs conversations that reach a third turn"
+    assert batched_calls == max(turns) < per_row_calls  # the first turns, then one call a round
+    for a, b in zip(batched, per_row):
+        assert [(c.text, c.token_ids, c.finish_reason, c.meta) for c in a] == [
+            (c.text, c.token_ids, c.finish_reason, c.meta) for c in b
+        ]
+    for key in ("input_ids", "labels", "response_mask"):
+        assert torch.equal(batched_tokens[key], per_row_tokens[key])
 
 
 HERMES_TEMPLATE = (

@@ -9,7 +9,11 @@ rollouts need:
   ``n`` times (``DynamicCache.batch_repeat_interleave``) and the ``n`` samples decode from there.
 * **Seeded sampling.** A ``torch.Generator`` seeded from ``params.seed`` drives every draw, so the
   same seed, prompts, weights and ``max_batch_size`` give the same batch (the chunk layout decides
-  which draws a row gets); the ``n`` rows of a prompt draw independently.
+  which draws a row gets); the ``n`` rows of a prompt draw independently. With ``params.prompt_seeds``
+  each prompt has its own generator (seeded as a chunk of that prompt alone would be), which draws
+  Exp(1) noise for all ``n`` of its rows at every step, and each row takes the exponential race over
+  its own noise: a prompt's samples are then the same whatever other prompts, chunks or retired rows
+  the call holds (a multi-turn round may batch every conversation in one call).
   Temperature 0 is greedy (argmax); top-p keeps the smallest set of tokens whose mass reaches p.
 * **Per-sequence stops.** EOS ends a row. Stop strings are checked on the decoded *tail* of each row's
   new tokens (enough tokens to hold the longest stop string), so the check costs O(1) per token; on a
@@ -29,12 +33,13 @@ Models whose embedding matrix is larger than the tokenizer (OLMo pads its vocab 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from rlvr.engines.base import Completion, SamplingParams
 from rlvr.engines.sampling import (
+    chunk_generator,
     eos_token_ids,
     find_stop,
     generate_in_chunks,
@@ -121,12 +126,24 @@ class HFEngine:
             self,
             prompts,
             params,
-            lambda idx, prompt_ids, generator: self._generate_chunk(prompt_ids, params, generator),
+            lambda idx, prompt_ids, generator: self._generate_chunk(
+                prompt_ids, params, generator, self._prompt_generators(params, idx)
+            ),
         )
+
+    def _prompt_generators(self, params: SamplingParams, idx: list[int]) -> list[torch.Generator] | None:
+        """One generator per prompt of a chunk (``params.prompt_seeds``), else None (the chunk's own)."""
+        if params.prompt_seeds is None or params.temperature == 0:
+            return None
+        return [chunk_generator(params, [i], cast(torch.Generator, None), self.device) for i in idx]
 
     @torch.inference_mode()
     def _generate_chunk(
-        self, prompt_ids: list[list[int]], params: SamplingParams, generator: torch.Generator
+        self,
+        prompt_ids: list[list[int]],
+        params: SamplingParams,
+        generator: torch.Generator,
+        prompt_generators: list[torch.Generator] | None = None,
     ) -> list[list[Completion]]:
         from transformers import DynamicCache
 
@@ -172,7 +189,12 @@ class HFEngine:
         n_alive = R
 
         for step in range(T):
-            tokens, lps = sample_next(logits, params.temperature, params.top_p, generator, vocab_limit)
+            noise = None
+            if prompt_generators is not None:  # every row of every prompt draws, alive or not: see the docstring
+                vocab = logits.shape[-1]
+                draws = [torch.empty((n, vocab), device=device).exponential_(generator=g) for g in prompt_generators]
+                noise = torch.cat(draws)[rows]
+            tokens, lps = sample_next(logits, params.temperature, params.top_p, generator, vocab_limit, noise)
             lp_buf[rows, step] = lps
             host = tokens.tolist()
             check_rows = []

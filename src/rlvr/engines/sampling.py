@@ -60,12 +60,16 @@ def sample_next(
     top_p: float,
     generator: torch.Generator | None,
     vocab_limit: int | None = None,
+    noise: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample one token per row. Returns ``(tokens (B,), logprobs (B,))``.
 
     ``logits`` (B, V) are raw model logits. ``logprobs`` are the sampled tokens' log-probabilities
     under the temperature-1 distribution over the full vocabulary, whatever the sampling settings.
     ``vocab_limit`` masks ids ``>= vocab_limit`` out of the sampling (never out of the log-probs).
+    ``noise`` (B, V) of Exp(1) draws, when given, picks each row's token by the exponential race
+    (argmax p_i / E_i, a draw from p) instead of ``torch.multinomial`` on ``generator``: a row's token
+    then depends on its own noise only, not on the other rows of the batch.
     """
     logits = logits.float()
     logp = torch.log_softmax(logits, dim=-1)
@@ -84,8 +88,11 @@ def sample_next(
             drop = (cum - sorted_scores.softmax(dim=-1)) >= top_p
             sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
             scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
-        probs = scores.softmax(dim=-1)
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        if noise is not None:
+            tokens = (scores - noise.clamp_min(1e-30).log()).argmax(dim=-1)
+        else:
+            probs = scores.softmax(dim=-1)
+            tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
 
 

@@ -1,9 +1,15 @@
 """Multi-turn rollouts: the engine samples, the environment answers, the engine continues.
 
 ``Episodes.generate`` samples ``params.n`` first turns per row (one engine call, as a single-turn rollout
-does), then, turn after turn, asks the environment about each unfinished conversation and sends
-every conversation that goes on back to the engine, one call per row: the conversation's text so far
-(prompt, the model's turns and the environment's messages, as rendered), one sample each. A
+does), then, round after round, asks the environment about every unfinished conversation (their steps,
+tool calls included, run in a thread pool) and sends every conversation that goes on back to the
+engine in one call: the conversation's text so far (prompt, the model's turns and the environment's
+messages, as rendered), one sample each, each with its own seed (``prompt_seeds``). The in-process
+``hf`` engine draws each prompt's samples from that prompt's seed alone, so one call per round gives
+the tokens that one call per row gave (``one_call_per_round=False``), greedy or sampled; ``hf-fast``
+does so greedy, while its sampled draws depend on the chunk a conversation is decoded in. Engines with
+a ``continuing()`` context (``hf-fast``) keep, for the conversations' duration, the K/V of each
+context they prefilled and prefill a later turn's context only past the part they hold. A
 conversation ends when the environment says so, when the model's turn is cut at
 ``max_new_tokens``, at ``max_turns`` model turns or at ``max_tokens`` tokens after the prompt (the
 last three end it with ``finish_reason`` ``"length"``).
@@ -21,15 +27,18 @@ turn; with a text prompt (base models) the tool format writes the results into t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from rlvr.engines.base import Completion, Engine, SamplingParams
+from rlvr.environments.base import EnvStep
 from rlvr.tokens import decode_texts, encode_texts
 from rlvr.training.tokenize import pad_token_id, tokenize_from_pieces
 
@@ -136,9 +145,16 @@ class Episodes:
         renderer: TextRenderer | ChatRenderer,
         max_turns: int,
         max_tokens: int,
+        one_call_per_round: bool = True,
+        tool_threads: int = 16,
     ) -> None:
         self.env, self.tokenizer, self.renderer = env, tokenizer, renderer
         self.max_turns, self.max_tokens = max_turns, max_tokens
+        self.one_call_per_round = one_call_per_round
+        """Send a round's later turns to the engine in one call (off: one call per row, as before; the
+        in-process engines give the same tokens either way, see the module docstring)."""
+        self.tool_threads = tool_threads
+        """Conversations whose environment step (tool calls) runs at once, at most."""
         self.openings: dict[str, list[dict]] = {}
 
     def open(self, rows: Sequence[Example], messages: Sequence[list[dict]]) -> list[str]:
@@ -158,13 +174,20 @@ class Episodes:
     def generate(self, engine: Engine, prompts: list[str], params: SamplingParams) -> list[list[Completion]]:
         """Per prompt (an ``open`` text), ``params.n`` conversations sampled by ``engine`` (module docstring)."""
 
-        env, tokenizer = self.env, self.tokenizer
+        env = self.env
         opening = [self.openings.get(p) or [{"role": "user", "content": p}] for p in prompts]
         params = dataclasses.replace(params, stop=tuple(dict.fromkeys((*params.stop, *env.stop))))
         episodes = [
             [_Episode(i, j, [dict(m) for m in opening[i]]) for j in range(params.n)] for i in range(len(prompts))
         ]
         live = [e for group in episodes for e in group]
+        continuing = getattr(engine, "continuing", None)  # hf-fast: later turns reuse the K/V of earlier ones
+        with continuing() if continuing is not None else contextlib.nullcontext():
+            self._play(engine, prompts, params, live)
+        return [[e.completion() for e in group] for group in episodes]
+
+    def _play(self, engine: Engine, prompts: list[str], params: SamplingParams, live: list[_Episode]) -> None:
+        tokenizer = self.tokenizer
         turn_completions = [c for group in engine.generate(prompts, params) for c in group]
         base = params.seed if params.seed is not None else 0
         while live:
@@ -177,8 +200,8 @@ class Episodes:
                 e.messages.append({"role": "assistant", "content": c.text})
                 if c.finish_reason == "length":
                     e.finish_reason = "length"
-                    continue
-                step = env.step(e.messages)
+            asked = [e for e in live if e.finish_reason is None]
+            for e, step in zip(asked, self._steps(asked)):
                 e.reward_fields.update(step.reward_fields)
                 if step.done:
                     e.finish_reason = "stop"
@@ -202,17 +225,34 @@ class Episodes:
             turn = dataclasses.replace(
                 params, n=1, max_new_tokens=budget, seed=_seed(base, "turn", going[0].turns), prompt_seeds=seeds
             )
-            # One call per row: a row's conversations then sample alike whatever other rows this process
-            # holds, so data-parallel ranks play their rows as one process does.
-            answers = []
-            for row in dict.fromkeys(e.row for e in going):
-                mine = [k for k, e in enumerate(going) if e.row == row]
-                own = dataclasses.replace(turn, prompt_seeds=tuple(seeds[k] for k in mine))
-                answers += [group[0] for group in engine.generate([contexts[k] for k in mine], own)]
+            answers = self._round(engine, going, contexts, turn)
             # One budget serves the whole call: no turn may run past its own conversation's.
             turn_completions = [_cap(c, self.max_tokens - e.n_tokens, tokenizer) for e, c in zip(going, answers)]
             live = going
-        return [[e.completion() for e in group] for group in episodes]
+
+    def _steps(self, asked: list[_Episode]) -> list[EnvStep]:
+        """The environment's answer to each conversation's newest turn, the conversations' steps run
+        concurrently: a slow tool call (a sandboxed program) then holds up one round by its own time,
+        not by the sum over the conversations."""
+        if len(asked) <= 1:
+            return [self.env.step(e.messages) for e in asked]
+        with ThreadPoolExecutor(max_workers=min(len(asked), self.tool_threads)) as pool:
+            return list(pool.map(lambda e: self.env.step(e.messages), asked))
+
+    def _round(
+        self, engine: Engine, going: list[_Episode], contexts: list[str], turn: SamplingParams
+    ) -> list[Completion]:
+        """One later turn of every conversation in ``going``: one engine call over them all, or with
+        ``one_call_per_round`` off one call per row (the rows' conversations in each)."""
+        if self.one_call_per_round:
+            return [group[0] for group in engine.generate(contexts, turn)]
+        seeds = cast(tuple[int, ...], turn.prompt_seeds)
+        answers: list[Completion] = []
+        for row in dict.fromkeys(e.row for e in going):
+            mine = [k for k, e in enumerate(going) if e.row == row]
+            own = dataclasses.replace(turn, prompt_seeds=tuple(seeds[k] for k in mine))
+            answers += [group[0] for group in engine.generate([contexts[k] for k in mine], own)]
+        return answers  # ``going`` holds each row's conversations together, so this is its order
 
 
 class EpisodeEngine:
