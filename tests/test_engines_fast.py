@@ -361,3 +361,44 @@ def test_release_memory_frees_the_cache_and_changes_nothing(tiny_model, tiny_tok
         assert [[c.logprobs for c in g] for g in a] == [[c.logprobs for c in g] for g in b]
         assert keep._state is not None
         assert lean._state is None and not lean._graphs
+
+
+def _shared_start(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_continuing_prefills_only_the_new_tokens_and_equals_rereading(tiny_model, tiny_tokenizer):
+    """Conversations of different lengths over three turns: inside ``continuing()`` each later context is
+    prefilled only past what it shares with the context before it (the engine's counts say so), and the
+    greedy tokens equal, the log-probs nearly, those of an engine that reads every context whole."""
+    params = SamplingParams(temperature=0.0, max_new_tokens=12)
+    said = [" <tool_response>12</tool_response>", " ok. And then"]
+    # A small prefill budget cuts each call's prefill into several slices of prompts.
+    cached, whole = _fast(tiny_model, tiny_tokenizer, prefill_tokens=24), _fast(tiny_model, tiny_tokenizer)
+    contexts, before = list(PROMPTS), None
+    with cached.continuing() as store:
+        for turn in range(3):
+            counts = dict(cached.stats)
+            out = cached.generate(contexts, params)
+            ref = whole.generate(contexts, params)
+            assert _ids(out) == _ids(ref)
+            for a, b in zip(out, ref):
+                assert torch.allclose(torch.tensor(a[0].logprobs), torch.tensor(b[0].logprobs), atol=1e-4)
+            ids = [tiny_tokenizer(c, add_special_tokens=False)["input_ids"] for c in contexts]
+            shared = (
+                [0] * len(ids)
+                if before is None
+                else [min(_shared_start(i, b), len(i) - 1) for i, b in zip(ids, before)]
+            )
+            assert turn == 0 or all(n > 0 for n in shared)
+            assert cached.stats["reused_tokens"] - counts["reused_tokens"] == sum(shared)
+            assert cached.stats["prefilled_tokens"] - counts["prefilled_tokens"] == sum(map(len, ids)) - sum(shared)
+            assert store.tokens == sum(map(len, ids))  # the contexts just read; those they continued are gone
+            before = ids
+            if turn < 2:
+                contexts = [c + g[0].text + said[turn] for c, g in zip(contexts, out)]
+    assert whole.stats["reused_tokens"] == 0
+    assert whole.stats["prefilled_tokens"] == cached.stats["prefilled_tokens"] + cached.stats["reused_tokens"]

@@ -389,6 +389,23 @@ def test_one_call_per_round_equals_one_call_per_row(tiny_model, tiny_tokenizer, 
         assert torch.equal(batched_tokens[key], per_row_tokens[key])
 
 
+def test_hf_fast_continues_conversations_from_its_cache(tiny_model, tiny_tokenizer):
+    """Greedy conversations on hf-fast (later turns prefilled past the K/V it kept) equal those on hf
+    (every context read whole), and the fast engine took part of each later context from its cache."""
+    prompts = ["Betty is saving money for a new wallet.", "How many", "A robe takes 2 bolts", "James writes a letter"]
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=16)
+    out = {}
+    for name in ("hf", "hf-fast"):
+        episodes = Episodes(CalculatorEcho(), tiny_tokenizer, TextRenderer(), 3, 1000)
+        opened = episodes.open([Example(p, "") for p in prompts], [[{"role": "user", "content": p}] for p in prompts])
+        engine = make_engine(name, tiny_model, tiny_tokenizer, max_batch_size=8)
+        out[name] = (episodes.generate(engine, opened, params), engine)
+    (plain, _), (fast, engine) = out["hf"], out["hf-fast"]
+    assert max(c.meta["turns"] for g in fast for c in g) == 3
+    assert [[(c.token_ids, c.meta) for c in g] for g in fast] == [[(c.token_ids, c.meta) for c in g] for g in plain]
+    assert engine.stats["reused_tokens"] > 0
+
+
 HERMES_TEMPLATE = (
     "{% if tools %}<|im_start|>system\nTools: {{ tools | map(attribute='function.name') | join(',') }}; "
     "call one as <tool_call>{json}</tool_call><|im_end|>\n{% endif %}"

@@ -4,8 +4,9 @@ and the host-side stop handling (``stops``). The package docstring describes the
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,6 +24,7 @@ from rlvr.engines.fast.kernels.decode_attention import (
     triton_decode_attention,
 )
 from rlvr.engines.fast.kernels.sampling import CounterNoise, exponential_noise, triton_sample
+from rlvr.engines.fast.prefix import PrefixStore
 from rlvr.engines.fast.state import State, allocate, ensure_noise, refresh_stacked
 from rlvr.engines.fast.stops import RowChecks
 from rlvr.engines.sampling import eos_token_ids, generate_in_chunks
@@ -136,7 +138,10 @@ class FastHFEngine:
             "compactions": 0,
             "rows_flagged": 0,
             "cascade_steps": 0,
+            "prefilled_tokens": 0,
+            "reused_tokens": 0,
         }
+        self._prefixes: PrefixStore | None = None
         self._state: State | None = None
         self._graphs = StepGraphs(self.stats)
         self._weights = layer_weights(model, self.layout)
@@ -152,6 +157,8 @@ class FastHFEngine:
             self.model = model
             self._state = None  # the cache's shape may differ
         self._weights = layer_weights(self.model, self.layout)
+        if self._prefixes is not None:  # kept K/V were computed by the old weights
+            self._prefixes = PrefixStore()
         # Optimizers update parameters in place, so captured graphs stay valid; only new parameter
         # tensors (a new model, a reloaded state) make them read stale memory.
         if self._graphs.stale(self._param_signature()):
@@ -161,6 +168,20 @@ class FastHFEngine:
     def close(self) -> None:
         self._graphs.drop()
         self._state = None
+
+    @contextlib.contextmanager
+    def continuing(self) -> Iterator[PrefixStore]:
+        """Within this context the engine keeps the K/V of every prompt it prefills (``prefix.PrefixStore``)
+        and prefills a later prompt only past the longest start it shares with a kept one: a conversation's
+        next turn re-reads its earlier context from the cache. The weights must not change inside (an
+        in-place optimizer step is invisible to the engine); ``sync_weights`` empties the store. On leaving,
+        the kept K/V are freed. ``stats["prefilled_tokens"]`` and ``stats["reused_tokens"]`` count the
+        prompt tokens computed and those taken from the store."""
+        self._prefixes = store = PrefixStore()
+        try:
+            yield store
+        finally:
+            self._prefixes = None
 
     def _param_signature(self) -> tuple:
         return tuple(p.data_ptr() for p in self.model.parameters())
@@ -190,6 +211,8 @@ class FastHFEngine:
         try:
             return generate_in_chunks(self, prompts, params, run_chunk)
         finally:
+            if self._prefixes is not None:
+                self._prefixes.end_call()
             if self.release_memory:
                 self.close()  # the trainer's step can use the cache's memory; the next call re-captures
 
@@ -304,33 +327,70 @@ class FastHFEngine:
         norm = S.rms if fused else S.rms_unfused
         return norm(x, self.model.model.norm.weight, layout.eps, family.float32_scale)
 
-    def _prefill(self, st: State, group0: int, input_ids: torch.Tensor, starts: torch.Tensor) -> torch.Tensor:
-        """Prefill left-padded prompts (P, L); write their K/V to prompt-cache entries [group0, group0 + P),
-        slots [0, L). Returns the last position's logits (P, vocab)."""
-        P, L = input_ids.shape
+    def _prefill(
+        self, st: State, group0: int, input_ids: torch.Tensor, starts: torch.Tensor, first: torch.Tensor, total: int
+    ) -> torch.Tensor:
+        """Prefill the last S columns (``input_ids`` (P, S)) of left-padded prompts ``total`` slots long in
+        prompt-cache entries [group0, group0 + P): row p's tokens fill slots [starts[p], total), and those
+        before first[p] already hold K/V (a kept prefix copied in), which the new tokens attend to and
+        which are not computed again. Returns the last position's logits (P, vocab)."""
+        P, S = input_ids.shape
+        L = total
         device = input_ids.device
         layout = self.layout
-        cols = torch.arange(L, device=device)
+        cols = torch.arange(L - S, L, device=device)  # the query slots
+        keys = torch.arange(L, device=device)
         positions = (cols[None, :] - starts[:, None]).clamp(min=0)
         cos, sin = self._rope(positions[:, None])  # broadcast over heads
-        key_ok = cols[None, :] >= starts[:, None]  # (P, L)
-        causal = cols[None, :] <= cols[:, None]  # (L, L) [query, key]
+        computed = (cols[None, :] >= first[:, None])[:, None, :, None]  # (P, 1, S, 1)
+        key_ok = keys[None, :] >= starts[:, None]  # (P, L)
+        causal = keys[None, :] <= cols[:, None]  # (S, L) [query, key]
         # A padding query attends to itself so that no row of the softmax is empty (no NaN in K/V).
-        mask = causal[None] & (key_ok[:, None, :] | torch.eye(L, dtype=torch.bool, device=device)[None])
-        mask = mask[:, None]  # (P, 1, L, L)
+        mask = causal[None] & (key_ok[:, None, :] | (keys[None, :] == cols[:, None])[None])
+        mask = mask[:, None]  # (P, 1, S, L)
 
         def attend(i: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            st.pk[i][group0 : group0 + P, :, :L] = k
-            st.pv[i][group0 : group0 + P, :, :L] = v
+            pk, pv = st.pk[i][group0 : group0 + P, :, :L], st.pv[i][group0 : group0 + P, :, :L]
+            # Only the computed tokens' K/V are written: a kept prefix in the window stays as it was.
+            pk[:, :, L - S :] = torch.where(computed, k, pk[:, :, L - S :])
+            pv[:, :, L - S :] = torch.where(computed, v, pv[:, :, L - S :])
+            k, v = pk, pv
             if layout.groups > 1:  # each key/value head serves ``groups`` query heads (grouped-query attention)
                 shape = (P, layout.kv_heads, layout.groups, L, layout.head_dim)
-                k = k[:, :, None].expand(shape).reshape(q.shape)
-                v = v[:, :, None].expand(shape).reshape(q.shape)
+                k = k[:, :, None].expand(shape).reshape(P, layout.heads, L, layout.head_dim)
+                v = v[:, :, None].expand(shape).reshape(P, layout.heads, L, layout.head_dim)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
         x = self.model.model.embed_tokens(input_ids)
         h = self._layers(x, cos, sin, attend)
         return self.model.lm_head(h[:, -1])
+
+    def _reuse(self, st: State, prompt_ids: list[list[int]], L: int) -> list[int]:
+        """Per prompt of a chunk (entry p of the prompt cache, right-aligned in ``L`` slots), the leading
+        tokens whose K/V come from the kept prompts (``continuing``), copied into place; 0 outside it."""
+        store = self._prefixes
+        if store is None:
+            return [0] * len(prompt_ids)
+        reused = []
+        for p, ids in enumerate(prompt_ids):
+            kept, n = store.find(ids)
+            reused.append(n)
+            if kept is None or n == 0:
+                continue
+            start = L - len(ids)
+            for i in range(len(st.pk)):
+                st.pk[i][p, :, start : start + n] = kept.k[i][:, :n]
+                st.pv[i][p, :, start : start + n] = kept.v[i][:, :n]
+        return reused
+
+    def _keep(self, st: State, prompt_ids: list[list[int]], L: int) -> None:
+        """Add the chunk's prompts, as prefilled, to the kept prompts (``continuing``)."""
+        store = self._prefixes
+        if store is None:
+            return
+        for p, ids in enumerate(prompt_ids):
+            start = L - len(ids)
+            store.add(ids, [pk[p, :, start:L].clone() for pk in st.pk], [pv[p, :, start:L].clone() for pv in st.pv])
 
     def _sample(
         self, st: State, logits: torch.Tensor, b: int, mode: str, compiled: bool = False
@@ -542,18 +602,25 @@ class FastHFEngine:
         st.temperature.fill_(params.temperature if params.temperature > 0 else 1.0)
         st.top_p.fill_(params.top_p)
 
-        input_ids = torch.full((P, L), tok.pad_token_id, dtype=torch.long)
-        for r, ids in enumerate(prompt_ids):
-            input_ids[r, L - len(ids) :] = torch.tensor(ids)
+        # Only the tokens past a kept prefix are prefilled: the last S slots hold every prompt's new tokens.
+        reused = self._reuse(st, prompt_ids, L)
+        S = max(len(ids) - kept for ids, kept in zip(prompt_ids, reused))
+        input_ids = torch.full((P, S), tok.pad_token_id, dtype=torch.long)
+        for r, (ids, kept) in enumerate(zip(prompt_ids, reused)):
+            input_ids[r, S - (len(ids) - kept) :] = torch.tensor(ids[kept:])
         starts = torch.tensor([L - len(ids) for ids in prompt_ids], dtype=torch.long)
-        input_ids, starts = input_ids.to(device), starts.to(device)
+        first = starts + torch.tensor(reused, dtype=torch.long)
+        input_ids, starts, first = input_ids.to(device), starts.to(device), first.to(device)
+        self.stats["prefilled_tokens"] += sum(len(ids) for ids in prompt_ids) - sum(reused)
+        self.stats["reused_tokens"] += sum(reused)
 
         # Prefill in slices of whole prompts under a token budget; K/V go straight to the rows.
-        per = max(1, self.prefill_tokens // L)
+        per = max(1, self.prefill_tokens // S)
         prefill_logits = []
         for a in range(0, P, per):
             sub = slice(a, min(P, a + per))
-            prefill_logits.append(self._prefill(st, a, input_ids[sub], starts[sub]))
+            prefill_logits.append(self._prefill(st, a, input_ids[sub], starts[sub], first[sub], L))
+        self._keep(st, prompt_ids, L)
         logits = torch.cat(prefill_logits).repeat_interleave(n, dim=0)
 
         # Batch rows [R, b) are fillers: they read prompt 0 and write to the scratch output row.
