@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -383,14 +383,30 @@ class FastHFEngine:
                 st.pv[i][p, :, start : start + n] = kept.v[i][:, :n]
         return reused
 
-    def _keep(self, st: State, prompt_ids: list[list[int]], L: int) -> None:
-        """Add the chunk's prompts, as prefilled, to the kept prompts (``continuing``)."""
-        store = self._prefixes
-        if store is None:
-            return
+    def _hold(self, st: State, rows: list[int], held: dict, filled: int) -> None:
+        """Copy the response K/V of finished ``rows`` (global rows, each in its own cache row) out of the
+        cache, before a compaction hands their cache rows to fillers: slots [0, filled) hold the K/V of
+        the tokens each row was fed (``continuing``)."""
+        for g in rows:
+            if g not in held:
+                held[g] = ([rk[g, :, :filled].clone() for rk in st.rk], [rv[g, :, :filled].clone() for rv in st.rv])
+
+    def _keep(self, st: State, prompt_ids: list[list[int]], L: int, out: list[list[Completion]], held: dict) -> None:
+        """Keep each row's context as it stands after its completion (``continuing``): the prompt's K/V
+        from the prompt cache, then those of the completion's tokens but the last (which was sampled,
+        never fed)."""
+        store = cast(PrefixStore, self._prefixes)
+        n = len(out[0]) if out else 1
         for p, ids in enumerate(prompt_ids):
             start = L - len(ids)
-            store.add(ids, [pk[p, :, start:L].clone() for pk in st.pk], [pv[p, :, start:L].clone() for pv in st.pv])
+            for j, c in enumerate(out[p]):
+                fed = len(c.token_ids) - 1
+                hk, hv = held[p * n + j]
+                store.add(
+                    ids + c.token_ids[:fed],
+                    [torch.cat([pk[p, :, start:L], k[:, :fed]], dim=1) for pk, k in zip(st.pk, hk)],
+                    [torch.cat([pv[p, :, start:L], v[:, :fed]], dim=1) for pv, v in zip(st.pv, hv)],
+                )
 
     def _sample(
         self, st: State, logits: torch.Tensor, b: int, mode: str, compiled: bool = False
@@ -620,7 +636,6 @@ class FastHFEngine:
         for a in range(0, P, per):
             sub = slice(a, min(P, a + per))
             prefill_logits.append(self._prefill(st, a, input_ids[sub], starts[sub], first[sub], L))
-        self._keep(st, prompt_ids, L)
         logits = torch.cat(prefill_logits).repeat_interleave(n, dim=0)
 
         # Batch rows [R, b) are fillers: they read prompt 0 and write to the scratch output row.
@@ -668,6 +683,7 @@ class FastHFEngine:
         filled = 0  # response slots holding K/V
         pending = None
         finish = checks.finish
+        held: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # ``continuing``: finished rows' K/V
         while True:
             if step >= T or (step % self.sync_every == 0):
                 latest = checks.fetch(st.out_tok[:R], step)
@@ -675,6 +691,8 @@ class FastHFEngine:
                 pending = latest
                 if step >= T:
                     checks.examine(pending)
+                if self._prefixes is not None:
+                    self._hold(st, [g for g in range(R) if finish[g] is not None], held, filled)
                 if checks.all_finished() or step >= T:
                     break
                 alive = [i for i, g in enumerate(batch_rows) if finish[g] is None]
@@ -697,7 +715,11 @@ class FastHFEngine:
             filled += 1
             step += 1
 
-        return checks.completions(st.out_lp[:R, :T].cpu(), n, params.include_stop_str_in_output)
+        out = checks.completions(st.out_lp[:R, :T].cpu(), n, params.include_stop_str_in_output)
+        if self._prefixes is not None:
+            self._hold(st, list(range(R)), held, filled)
+            self._keep(st, prompt_ids, L, out, held)
+        return out
 
     def _host_to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A host list as a tensor ready for a non-blocking copy to the device: in pinned memory on CUDA
