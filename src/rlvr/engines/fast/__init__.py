@@ -56,10 +56,21 @@ distribution; it differs in how the work reaches the GPU:
   attention skips it from the next step on; when the rows still running fit a smaller batch bucket,
   they move to the first batch rows and the smaller bucket's graph takes over. Only the per-row
   indices move: each row keeps its response cache row (``State.crow``), so no K/V is copied.
+* **Continuing conversations** (``FastHFEngine.continuing()``, which multi-turn rollouts enter). Inside
+  it, each row's context after its completion (the prompt's K/V, then the K/V of every completion
+  token that was fed, i.e. all but the last; copied out of the response cache when the row is found
+  finished, before a compaction can hand its cache row to a filler) is kept in a ``prefix.PrefixStore``
+  with its token ids. A later prompt takes the K/V of the longest leading run of tokens it shares with
+  a kept context (copied into its prompt-cache entry, at the same positions) and only the rest is
+  prefilled, attending to the copied part. What is prefilled again: the last token of the model's
+  turn, the environment's message, the next turn's header, and any token where the re-tokenised
+  conversation text differs from the sampled ids. The kept K/V stay on the device until the context
+  exits (``sync_weights`` drops them: they belong to the old weights).
 
 The package: ``families`` (the supported families and one model's layout), ``step`` (a layer's step
 and the sampling as pure functions, compiled or eager), ``state`` (the device buffers), ``graphs``
-(capture and replay), ``stops`` (host-side checks) and ``engine`` (the chunk loop). On CPU (or with
+(capture and replay), ``stops`` (host-side checks), ``prefix`` (the kept contexts of
+``continuing``) and ``engine`` (the chunk loop). On CPU (or with
 ``use_cuda_graphs=False``) the same step runs eagerly; CPU tests prove it equals ``HFEngine`` and
 ``model.generate`` for every family.
 """

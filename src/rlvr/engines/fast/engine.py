@@ -70,6 +70,9 @@ class FastHFEngine:
     group's shared prompt once per step for all of the group's rows (one program per run of rows with
     one prompt, then each row reads only its own response slots); smaller buckets, where few rows share
     a prompt, read it per row. ``None`` turns this off.
+    ``continuing()`` is the context a multi-turn rollout runs in: the engine keeps every row's context
+    with its completion and prefills a later turn only past what it shares with a kept one (the
+    package docstring says what is reused and what is prefilled again).
     """
 
     def __init__(
