@@ -50,8 +50,10 @@ def test_n_samples_differ_and_seed_reproduces(tiny_model, tiny_tokenizer):
     assert [[x.token_ids for x in g] for g in a] != [[x.token_ids for x in g] for g in c]
 
 
-def test_prompt_seeds_sample_a_prompt_alone_in_its_batch_the_same_whatever_the_others(tiny_model, tiny_tokenizer):
-    engine = HFEngine(tiny_model, tiny_tokenizer, max_batch_size=4)  # n=4: one prompt per decoded batch
+@pytest.mark.parametrize("max_batch_size", [4, 64])
+def test_prompt_seeds_sample_a_prompt_the_same_whatever_the_others(tiny_model, tiny_tokenizer, max_batch_size):
+    # n=4: one prompt per decoded batch, or every prompt in one: each prompt draws from its own seed
+    engine = HFEngine(tiny_model, tiny_tokenizer, max_batch_size=max_batch_size)
 
     def sample(prompts, seeds):
         params = SamplingParams(n=4, temperature=1.0, max_new_tokens=10, seed=1, prompt_seeds=seeds)

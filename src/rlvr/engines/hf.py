@@ -33,7 +33,7 @@ Models whose embedding matrix is larger than the tokenizer (OLMo pads its vocab 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -127,15 +127,17 @@ class HFEngine:
             prompts,
             params,
             lambda idx, prompt_ids, generator: self._generate_chunk(
-                prompt_ids, params, generator, self._prompt_generators(params, idx)
+                prompt_ids, params, generator, self._prompt_generators(params, idx, generator)
             ),
         )
 
-    def _prompt_generators(self, params: SamplingParams, idx: list[int]) -> list[torch.Generator] | None:
+    def _prompt_generators(
+        self, params: SamplingParams, idx: list[int], generator: torch.Generator
+    ) -> list[torch.Generator] | None:
         """One generator per prompt of a chunk (``params.prompt_seeds``), else None (the chunk's own)."""
         if params.prompt_seeds is None or params.temperature == 0:
             return None
-        return [chunk_generator(params, [i], cast(torch.Generator, None), self.device) for i in idx]
+        return [chunk_generator(params, [i], generator, self.device) for i in idx]
 
     @torch.inference_mode()
     def _generate_chunk(
