@@ -50,10 +50,8 @@ def test_n_samples_differ_and_seed_reproduces(tiny_model, tiny_tokenizer):
     assert [[x.token_ids for x in g] for g in a] != [[x.token_ids for x in g] for g in c]
 
 
-@pytest.mark.parametrize("max_batch_size", [4, 64])
-def test_prompt_seeds_sample_a_prompt_the_same_whatever_the_others(tiny_model, tiny_tokenizer, max_batch_size):
-    # n=4: one prompt per decoded batch, or every prompt in one: each prompt draws from its own seed
-    engine = HFEngine(tiny_model, tiny_tokenizer, max_batch_size=max_batch_size)
+def test_prompt_seeds_sample_a_prompt_alone_in_its_batch_the_same_whatever_the_others(tiny_model, tiny_tokenizer):
+    engine = HFEngine(tiny_model, tiny_tokenizer, max_batch_size=4)  # n=4: one prompt per decoded batch
 
     def sample(prompts, seeds):
         params = SamplingParams(n=4, temperature=1.0, max_new_tokens=10, seed=1, prompt_seeds=seeds)
@@ -65,6 +63,21 @@ def test_prompt_seeds_sample_a_prompt_the_same_whatever_the_others(tiny_model, t
     assert sample(PROMPTS[:1], (99,)) != together[:1]
     with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
         sample(PROMPTS, (1, 2))
+
+
+def test_one_sample_per_prompt_draws_from_its_own_seed_in_any_batch(tiny_model, tiny_tokenizer):
+    """A multi-turn round's call (one sample per prompt, a seed each): a prompt's sample is the same
+    alone, beside other prompts in one batch, or in batches cut otherwise."""
+
+    def sample(prompts, seeds, max_batch_size):
+        params = SamplingParams(n=1, temperature=1.0, max_new_tokens=10, prompt_seeds=seeds)
+        out = HFEngine(tiny_model, tiny_tokenizer, max_batch_size=max_batch_size).generate(prompts, params)
+        return [g[0].token_ids for g in out]
+
+    together = sample(PROMPTS, (11, 12, 13), 8)
+    assert sample(PROMPTS, (11, 12, 13), 2) == together
+    assert [sample([p], (s,), 1)[0] for p, s in zip(PROMPTS, (11, 12, 13))] == together
+    assert sample(PROMPTS[:1], (99,), 8) != together[:1]
 
 
 def test_chunking_keeps_prompt_alignment(tiny_model, tiny_tokenizer):

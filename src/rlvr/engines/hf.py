@@ -9,11 +9,13 @@ rollouts need:
   ``n`` times (``DynamicCache.batch_repeat_interleave``) and the ``n`` samples decode from there.
 * **Seeded sampling.** A ``torch.Generator`` seeded from ``params.seed`` drives every draw, so the
   same seed, prompts, weights and ``max_batch_size`` give the same batch (the chunk layout decides
-  which draws a row gets); the ``n`` rows of a prompt draw independently. With ``params.prompt_seeds``
-  each prompt has its own generator (seeded as a chunk of that prompt alone would be), which draws
-  Exp(1) noise for all ``n`` of its rows at every step, and each row takes the exponential race over
-  its own noise: a prompt's samples are then the same whatever other prompts, chunks or retired rows
-  the call holds (a multi-turn round may batch every conversation in one call).
+  which draws a row gets); the ``n`` rows of a prompt draw independently. A call of one sample per
+  prompt with ``params.prompt_seeds`` (a multi-turn round: one per conversation) gives each prompt its
+  own generator (seeded as a chunk of that prompt alone would be), which draws Exp(1) noise at every
+  step, and the row takes the exponential race over it: its sample is then the same whatever other
+  prompts, chunks or retired rows the call holds, so a round batches every conversation in one call.
+  Calls of several samples per prompt (single-turn rollouts, first turns) keep ``torch.multinomial``
+  on the chunk's generator, and so the draws they always had.
   Temperature 0 is greedy (argmax); top-p keeps the smallest set of tokens whose mass reaches p.
 * **Per-sequence stops.** EOS ends a row. Stop strings are checked on the decoded *tail* of each row's
   new tokens (enough tokens to hold the longest stop string), so the check costs O(1) per token; on a
@@ -134,8 +136,9 @@ class HFEngine:
     def _prompt_generators(
         self, params: SamplingParams, idx: list[int], generator: torch.Generator
     ) -> list[torch.Generator] | None:
-        """One generator per prompt of a chunk (``params.prompt_seeds``), else None (the chunk's own)."""
-        if params.prompt_seeds is None or params.temperature == 0:
+        """One generator per prompt of a chunk (``params.prompt_seeds``, one sample per prompt), else None
+        (the chunk's own)."""
+        if params.prompt_seeds is None or params.temperature == 0 or params.n > 1:
             return None
         return [chunk_generator(params, [i], generator, self.device) for i in idx]
 

@@ -4,10 +4,11 @@
 does), then, round after round, asks the environment about every unfinished conversation (their steps,
 tool calls included, run in a thread pool) and sends every conversation that goes on back to the
 engine in one call: the conversation's text so far (prompt, the model's turns and the environment's
-messages, as rendered), one sample each, each with its own seed (``prompt_seeds``). The in-process
-``hf`` engine draws each prompt's samples from that prompt's seed alone, so one call per round gives
-the tokens that one call per row gave (``one_call_per_round=False``), greedy or sampled; ``hf-fast``
-does so greedy, while its sampled draws depend on the chunk a conversation is decoded in. Engines with
+messages, as rendered), one sample each, each with its own seed (``prompt_seeds``). In such a call
+(one sample per prompt) the in-process ``hf`` engine draws each prompt's sample from its seed alone,
+so one call per round gives the tokens that one call per row gave (``one_call_per_round=False``),
+greedy or sampled; ``hf-fast`` does so greedy, while its sampled draws depend on the chunk a
+conversation is decoded in. Engines with
 a ``continuing()`` context (``hf-fast``) keep, for the conversations' duration, the K/V of each
 context they prefilled and prefill a later turn's context only past the part they hold. A
 conversation ends when the environment says so, when the model's turn is cut at
