@@ -99,7 +99,7 @@ from rlvr.task.data import load_gsm8k_jsonl
 from rlvr.task.prompts import render
 from rlvr.training.fused_logprobs import DEFAULT_CHUNK_TOKENS
 from rlvr.training.tokenize import tokenize_from_ids
-from rlvr.training.train_step import policy_gradient_update
+from rlvr.training.train_step import StepBatch, UpdateSpec, policy_gradient_update
 
 
 def coin_reward(response: str, ground_truth: str) -> dict:
@@ -788,20 +788,14 @@ class Bench:
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         steps = steps or (2 if self.tiny else 4)
+        backbone = kw.pop("backbone", None)
+        spec = UpdateSpec(max_grad_norm=1.0, **kw)
+        step_batch = StepBatch(batch["input_ids"], batch["labels"], batch["response_mask"], adv)
         first = None
         try:
             for k in range(steps):
                 (loss, meta), t = self.timed(
-                    lambda: policy_gradient_update(
-                        model,
-                        opt,
-                        batch["input_ids"],
-                        batch["labels"],
-                        batch["response_mask"],
-                        adv,
-                        max_grad_norm=1.0,
-                        **kw,
-                    )
+                    lambda: policy_gradient_update(model, opt, step_batch, spec, backbone=backbone)
                 )
                 if k == 0:
                     first = t

@@ -327,23 +327,15 @@ class Run:
         return meta["reward_mean"]
 
     def train(self, step, input_ids, labels, mask, method="none", old=None) -> float:
-        from rlvr.training.train_step import policy_gradient_update
+        from rlvr.training.train_step import StepBatch, UpdateSpec, policy_gradient_update
 
         t0 = time.perf_counter()
         self.model.train()
         policy_gradient_update(
             self.model,
             self.opt,
-            input_ids,
-            labels,
-            mask,
-            self.advantages(step),
-            1,
-            1.0,
-            method,
-            old,
-            0.2 if method == "grpo" else None,
-            max_tokens_per_microbatch=self.budget,
+            StepBatch(input_ids, labels, mask, self.advantages(step), old),
+            UpdateSpec(1, 1.0, method, 0.2 if method == "grpo" else None, max_tokens_per_microbatch=self.budget),
         )
         self.model.eval()
         cuda_sync(self.devices[0])

@@ -42,7 +42,7 @@ from torch.profiler import ProfilerActivity, profile
 from rlvr.engines.base import SamplingParams
 from rlvr.engines.fast import FastHFEngine
 from rlvr.training.logprobs import compile_backbone
-from rlvr.training.train_step import policy_gradient_update
+from rlvr.training.train_step import StepBatch, UpdateSpec, policy_gradient_update
 
 
 def kernel_table(prof, rows: int = 25) -> str:
@@ -178,19 +178,11 @@ def training(bench: Bench):
     t0 = time.perf_counter()
     backbone = compile_backbone(model)
 
+    step_batch = StepBatch(batch["input_ids"], batch["labels"], batch["response_mask"], adv)
+    spec = UpdateSpec(1, 1.0, max_tokens_per_microbatch=budget)
+
     def step():
-        return policy_gradient_update(
-            model,
-            opt,
-            batch["input_ids"],
-            batch["labels"],
-            batch["response_mask"],
-            adv,
-            1,
-            1.0,
-            max_tokens_per_microbatch=budget,
-            backbone=backbone,
-        )
+        return policy_gradient_update(model, opt, step_batch, spec, backbone=backbone)
 
     step()
     bench.sync()
@@ -305,10 +297,11 @@ def trainer(bench: Bench, steps: int = 4):
         original_update(*update["args"], **update["kwargs"])
         bench.sync()
     model.eval()
-    ids = update["args"][2]
+    step_batch = update["args"][2]
+    ids = step_batch.input_ids
     print(
         f"\n## train phase of step {steps} against the same update alone ({ids.shape[0]} rows, "
-        f"{int(update['args'][4].sum())} response tokens, width {ids.shape[1]})",
+        f"{int(step_batch.response_mask.sum())} response tokens, width {ids.shape[1]})",
         flush=True,
     )
     print("what | wall s | GPU busy s")

@@ -51,7 +51,7 @@ def train(variant: str | None, rank: int = 0, world_size: int = 1) -> dict[str, 
     from rlvr.task.data_order import batch_indices
     from rlvr.training.logprobs import compute_log_probs_batched
     from rlvr.training.tokenize import tokenize_from_ids
-    from rlvr.training.train_step import policy_gradient_update
+    from rlvr.training.train_step import StepBatch, UpdateSpec, policy_gradient_update
 
     model = _policy(lora=variant is not None and variant.endswith("lora"))
     if variant in (None, "reference-lora"):
@@ -76,15 +76,14 @@ def train(variant: str | None, rank: int = 0, world_size: int = 1) -> dict[str, 
                 policy_gradient_update(
                     model,
                     optimizer,
-                    batch["input_ids"][mine],
-                    batch["labels"][mine],
-                    batch["response_mask"][mine],
-                    advantages[mine],
-                    2,
-                    1.0,
-                    "grpo",
-                    old[mine],
-                    0.2,
+                    StepBatch(
+                        batch["input_ids"][mine],
+                        batch["labels"][mine],
+                        batch["response_mask"][mine],
+                        advantages[mine],
+                        old[mine],
+                    ),
+                    UpdateSpec(2, 1.0, reweighting="grpo", cliprange=0.2),
                     global_batch=None
                     if world_size == 1 and variant in (None, "reference-lora")
                     else GlobalBatch.of(len(mine)),

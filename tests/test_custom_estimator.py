@@ -87,7 +87,7 @@ def test_missing_arguments_are_named(dual_clip_module):
 
 def test_selectable_in_the_train_step(dual_clip_module, tiny_model):
     """Through the whole policy-gradient update on a real (tiny) model: it trains and reports a clip fraction."""
-    from rlvr.training.train_step import policy_gradient_update
+    from rlvr.training.train_step import StepBatch, UpdateSpec, policy_gradient_update
 
     torch.manual_seed(0)
     B, T = 4, 6
@@ -101,15 +101,8 @@ def test_selectable_in_the_train_step(dual_clip_module, tiny_model):
     loss, meta = policy_gradient_update(
         tiny_model,
         opt,
-        input_ids,
-        labels,
-        mask,
-        torch.tensor([1.0, -1.0, 0.5, -0.5]),
-        gradient_accumulation_steps=2,
-        max_grad_norm=1.0,
-        importance_reweighting_method="dual_clip",
-        old_log_probs=old,
-        cliprange=0.2,
+        StepBatch(input_ids, labels, mask, torch.tensor([1.0, -1.0, 0.5, -0.5]), old),
+        UpdateSpec(2, 1.0, reweighting="dual_clip", cliprange=0.2),
     )
     assert 0.0 <= meta["clip_fraction"] <= 1.0 and math.isfinite(float(loss))
     assert any(not torch.equal(a, b) for a, b in zip(before, tiny_model.parameters()))

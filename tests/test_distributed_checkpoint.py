@@ -11,16 +11,15 @@ from distributed_helpers import run_ranks, tiny_causal_lm
 
 def _train_one_step(model, world):
     from rlvr.distributed import GlobalBatch
-    from rlvr.training.train_step import policy_gradient_update
+    from rlvr.training.train_step import StepBatch, UpdateSpec, policy_gradient_update
 
     g = torch.Generator().manual_seed(3 + world.rank)  # each rank its own rows
     ids = torch.randint(2, 64, (4, 10), generator=g)
     mask = torch.zeros(4, 10, dtype=torch.bool)
     mask[:, 4:] = True
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    policy_gradient_update(
-        model, optimizer, ids, ids, mask, torch.tensor([1.0, -1.0, 0.5, -0.5]), 1, 1.0, global_batch=GlobalBatch.of(4)
-    )
+    batch = StepBatch(ids, ids, mask, torch.tensor([1.0, -1.0, 0.5, -0.5]))
+    policy_gradient_update(model, optimizer, batch, UpdateSpec(1, 1.0), global_batch=GlobalBatch.of(4))
     return optimizer
 
 

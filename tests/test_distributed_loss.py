@@ -58,29 +58,29 @@ def _batch():
 
 
 def _update(model, batch, rows, case, global_batch=None):
-    from rlvr.training.train_step import policy_gradient_update
+    from rlvr.training.train_step import StepBatch, UpdateSpec, policy_gradient_update
 
     normalization, method, gas, max_tokens, adv_name, _ = case[:6]
     max_grad_norm = case[6] if len(case) > 6 else None
     idx = torch.tensor(rows, dtype=torch.long)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)  # a unit step: new weights = old − gradient
-    loss, meta = policy_gradient_update(
-        model,
-        optimizer,
-        batch["input_ids"][idx],
-        batch["labels"][idx],
-        batch["response_mask"][idx],
-        torch.tensor(ADVANTAGES[adv_name])[idx],
+    spec = UpdateSpec(
         gas,
         max_grad_norm,
-        method,
-        batch["old_log_probs"][idx],
+        reweighting=method,
         cliprange=None if method in ("none", "noclip") else 0.2,
         loss_normalization=normalization,
         normalization_constant=float(P * G * 10),
         max_tokens_per_microbatch=max_tokens,
-        global_batch=global_batch,
     )
+    rows_batch = StepBatch(
+        batch["input_ids"][idx],
+        batch["labels"][idx],
+        batch["response_mask"][idx],
+        torch.tensor(ADVANTAGES[adv_name])[idx],
+        batch["old_log_probs"][idx],
+    )
+    loss, meta = policy_gradient_update(model, optimizer, rows_batch, spec, global_batch=global_batch)
     return float(loss), meta
 
 
@@ -151,7 +151,7 @@ def test_two_ranks_give_the_one_process_gradient(strategy, tmp_path):
 def _precision_worker(world, out_path):
     from rlvr.distributed import GlobalBatch
     from rlvr.distributed.wrap import copy_full_weights, full_state_dict_on_main, wrap_model
-    from rlvr.training.train_step import policy_gradient_update
+    from rlvr.training.train_step import StepBatch, UpdateSpec, policy_gradient_update
 
     g = torch.Generator().manual_seed(world.rank)
     ids = torch.randint(2, 64, (4, 12), generator=g)
@@ -181,12 +181,8 @@ def _precision_worker(world, out_path):
         loss, meta = policy_gradient_update(
             model,
             optimizer,
-            ids,
-            ids,
-            mask,
-            torch.tensor([1.0, -1.0, 0.5, -0.5]),
-            2,
-            1.0,
+            StepBatch(ids, ids, mask, torch.tensor([1.0, -1.0, 0.5, -0.5])),
+            UpdateSpec(2, 1.0),
             global_batch=GlobalBatch.of(4),
         )
         engine_copy = tiny_causal_lm(seed=9).to(torch.bfloat16)  # an engine's own weights, in its own dtype

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from rlvr.training.fused_logprobs import linear_log_probs
-from rlvr.training.train_step import policy_gradient_update
+from rlvr.training.train_step import StepBatch, UpdateSpec, policy_gradient_update
 
 
 @pytest.mark.parametrize("chunk_tokens", [3, 64])
@@ -48,7 +48,9 @@ def test_entropy_bonus_update_equals_the_loss_written_out(tiny_model):
     coef = 0.3
     model = copy.deepcopy(tiny_model)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    _, meta = policy_gradient_update(model, opt, ids, labels, mask, adv, 2, None, entropy_coef=coef)
+    _, meta = policy_gradient_update(
+        model, opt, StepBatch(ids, labels, mask, adv), UpdateSpec(2, None, entropy_coef=coef)
+    )
     assert meta["n_sequences"] == 4
 
     manual = copy.deepcopy(tiny_model)
@@ -75,7 +77,8 @@ def test_token_level_update_equals_the_loss_written_out(tiny_model):
     adv = torch.tensor([1.0, 0.0, -0.5, 2.0])
     model = copy.deepcopy(tiny_model)
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
-    _, meta = policy_gradient_update(model, opt, ids, labels, mask, adv, 2, None, loss_normalization="token")
+    spec = UpdateSpec(2, None, loss_normalization="token")
+    _, meta = policy_gradient_update(model, opt, StepBatch(ids, labels, mask, adv), spec)
     assert meta["n_sequences"] == 3  # the zero-advantage row skipped; its tokens still count below
 
     manual = copy.deepcopy(tiny_model)

@@ -18,7 +18,7 @@ from rlvr.grpo import (
     register_aggregation,
 )
 from rlvr.training.tokenize import tokenize_prompt_and_output
-from rlvr.training.train_step import policy_gradient_update
+from rlvr.training.train_step import StepBatch, UpdateSpec, policy_gradient_update
 
 
 def test_ppo_clip_alias_is_the_same_method():
@@ -89,13 +89,8 @@ def test_registered_aggregation_accumulates_exactly(sequence_sum, tiny_model, ti
         policy_gradient_update(
             tiny_model,
             opt,
-            tok["input_ids"],
-            tok["labels"],
-            tok["response_mask"],
-            advantages,
-            accumulation,
-            None,
-            loss_normalization=sequence_sum,
+            StepBatch(tok["input_ids"], tok["labels"], tok["response_mask"], advantages),
+            UpdateSpec(accumulation, None, loss_normalization=sequence_sum),
         )
         grads.append(opt.recorded)
     # float32 sums in another order differ by rounding (seen: 1.5e-7 on one entry of 12,800); a wrong

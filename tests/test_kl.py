@@ -15,7 +15,7 @@ from rlvr.grpo import Reference, kl_penalty
 from rlvr.grpo.aggregate import aggregate_loss_across_microbatch
 from rlvr.training.logprobs import get_response_log_probs
 from rlvr.training.lora import adapters_disabled
-from rlvr.training.train_step import policy_gradient_update
+from rlvr.training.train_step import StepBatch, UpdateSpec, policy_gradient_update
 
 
 def test_estimators_by_hand():
@@ -80,9 +80,8 @@ def _batch(vocab: int, rows: int = 4, width: int = 7, seed: int = 0):
 def _update(model, ids, labels, mask, advantages, reference=None, kl_coef=0.0, **kw):
     model = copy.deepcopy(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)  # lr 0: only the loss and the metadata matter
-    loss, meta = policy_gradient_update(
-        model, opt, ids, labels, mask, advantages, 2, None, reference=reference, kl_coef=kl_coef, **kw
-    )
+    spec = UpdateSpec(2, None, kl_coef_in_loss=kl_coef, **kw)
+    loss, meta = policy_gradient_update(model, opt, StepBatch(ids, labels, mask, advantages), spec, reference=reference)
     return float(loss), meta
 
 
@@ -135,15 +134,9 @@ def test_packed_equals_padded_with_kl(tiny_tokenizer):
         loss, meta = policy_gradient_update(
             trained,
             opt,
-            tok["input_ids"],
-            tok["labels"],
-            tok["response_mask"],
-            adv,
-            1,
-            None,
-            shared_prefix=packed,
+            StepBatch(tok["input_ids"], tok["labels"], tok["response_mask"], adv),
+            UpdateSpec(1, None, shared_prefix=packed, kl_coef_in_loss=0.2),
             reference=Reference(other),
-            kl_coef=0.2,
         )
         results.append((float(loss), meta["kl_ref"], meta["backbone_tokens"], list(trained.parameters())))
     (la, ka, ta, pa), (lb, kb, tb, pb) = results

@@ -48,7 +48,7 @@ def _adapted(rank: int = 4, targets=TARGETS):
 
 def test_only_adapters_train_and_the_update_moves_them():
     from rlvr.training.lora import trainable_parameters
-    from rlvr.training.train_step import policy_gradient_update
+    from rlvr.training.train_step import StepBatch, UpdateSpec, policy_gradient_update
 
     model = _adapted()
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
@@ -60,7 +60,8 @@ def test_only_adapters_train_and_the_update_moves_them():
     mask = torch.zeros(4, 10, dtype=torch.bool)
     mask[:, 4:] = True
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    _, meta = policy_gradient_update(model, optimizer, ids, ids, mask, torch.tensor([1.0, -1.0, 0.5, -0.5]), 2, 1.0)
+    batch = StepBatch(ids, ids, mask, torch.tensor([1.0, -1.0, 0.5, -0.5]))
+    _, meta = policy_gradient_update(model, optimizer, batch, UpdateSpec(2, 1.0))
     assert meta["grad_norm"] > 0
     changed = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
     assert changed and changed <= trainable

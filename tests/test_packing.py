@@ -22,7 +22,7 @@ from rlvr.training.packing import (
     shared_prefix_plan,
 )
 from rlvr.training.tokenize import tokenize_prompt_and_output
-from rlvr.training.train_step import policy_gradient_update
+from rlvr.training.train_step import StepBatch, UpdateSpec, policy_gradient_update
 
 FAMILIES = ["olmo2", "llama", "qwen2", "qwen3"]
 
@@ -224,23 +224,18 @@ def test_packed_update_equals_padded(family, method, eps, loss_norm, budget, tin
     for shared in (False, True):
         m = copy.deepcopy(model)
         opt = torch.optim.SGD(m.parameters(), lr=0.5)
-        loss, meta = policy_gradient_update(
-            m,
-            opt,
-            tok["input_ids"],
-            tok["labels"],
-            tok["response_mask"],
-            advantages,
+        spec = UpdateSpec(
             gradient_accumulation_steps=1 if budget else 2,
             max_grad_norm=1e6,
-            importance_reweighting_method=method,
-            old_log_probs=old,
+            reweighting=method,
             cliprange=eps,
             loss_normalization=loss_norm,
             normalization_constant=16.0 if loss_norm == "constant" else None,
             max_tokens_per_microbatch=budget,
             shared_prefix=shared,
         )
+        batch = StepBatch(tok["input_ids"], tok["labels"], tok["response_mask"], advantages, old)
+        loss, meta = policy_gradient_update(m, opt, batch, spec)
         results.append((loss, meta, [p.detach().clone() for p in m.parameters()]))
     (loss0, meta0, p0), (loss1, meta1, p1) = results
     assert meta1["n_microbatches"] >= 2 and meta1["n_sequences"] == meta0["n_sequences"] == 7
@@ -267,11 +262,12 @@ def test_kept_head_logits_leave_the_update_unchanged(shared, tiny_tokenizer):
     for keep in (False, True):
         m = copy.deepcopy(model)
         opt = torch.optim.SGD(m.parameters(), lr=0.5)
-        loss, meta = policy_gradient_update(
-            m, opt, tok["input_ids"], tok["labels"], tok["response_mask"], advantages,
+        spec = UpdateSpec(
             gradient_accumulation_steps=1, max_grad_norm=1.0, max_tokens_per_microbatch=40, chunk_tokens=5,
             shared_prefix=shared, keep_head_logits=keep,
         )  # fmt: skip
+        batch = StepBatch(tok["input_ids"], tok["labels"], tok["response_mask"], advantages)
+        loss, meta = policy_gradient_update(m, opt, batch, spec)
         results.append((loss, meta, [p.detach().clone() for p in m.parameters()]))
     (loss0, meta0, p0), (loss1, meta1, p1) = results
     assert meta0["n_microbatches"] >= 2
@@ -288,13 +284,13 @@ def test_packed_update_takes_a_response_with_a_gap(tiny_model, tiny_tokenizer):
     mask = tok["response_mask"].clone()
     mask[0, mask[0].nonzero()[1]] = False
     opt = torch.optim.SGD(tiny_model.parameters(), lr=0.0)
-    args = (tok["input_ids"], tok["labels"], mask, torch.ones(8), 1, None)
-    _, meta = policy_gradient_update(tiny_model, opt, *args, shared_prefix=True)
+    args = (StepBatch(tok["input_ids"], tok["labels"], mask, torch.ones(8)), UpdateSpec(1, None, shared_prefix=True))
+    _, meta = policy_gradient_update(tiny_model, opt, *args)
     assert meta["backbone_tokens"] < mask.numel()  # packed: each prompt once, no padding
     from rlvr.distributed import GlobalBatch
 
     with pytest.raises(ValueError, match="optim.shared_prefix false"):
-        policy_gradient_update(tiny_model, opt, *args, shared_prefix=True, global_batch=GlobalBatch(8, 1))
+        policy_gradient_update(tiny_model, opt, *args, global_batch=GlobalBatch(8, 1))
 
 
 def test_packed_compiled_backbone_equals_eager(tiny_tokenizer):

@@ -126,10 +126,10 @@ def test_trainer_closes_what_it_started_on_every_exit(gsm8k_path, model, tiny_to
 
 
 def test_update_spec_is_read_from_the_config_once():
-    from rlvr.commands.train import UpdateSpec
+    from rlvr.commands.train import MinibatchSpec, UpdateSpec
     from rlvr.config import AlgorithmConfig, OptimConfig, TrainConfig
 
-    on_policy = UpdateSpec.from_config(resolve_config(TrainConfig()))
+    on_policy = MinibatchSpec.from_config(resolve_config(TrainConfig()))
     assert not on_policy.shuffle and not on_policy.uses_old_log_probs and on_policy.epochs == 1
     cfg = resolve_config(
         TrainConfig(
@@ -137,8 +137,9 @@ def test_update_spec_is_read_from_the_config_once():
             optim=OptimConfig(train_batch_size=64, epochs_per_rollout_batch=2),
         )
     )
-    spec = UpdateSpec.from_config(cfg)
-    assert spec.shuffle and spec.uses_old_log_probs and spec.train_batch_size == 64 and spec.epochs == 2
+    minibatches, spec = MinibatchSpec.from_config(cfg), UpdateSpec.from_config(cfg)
+    assert minibatches.shuffle and minibatches.uses_old_log_probs
+    assert (minibatches.train_batch_size, minibatches.epochs) == (64, 2)
     assert (spec.reweighting, spec.cliprange, spec.loss_normalization) == ("ppo_clip", (0.2, 0.2), "constant")
     assert (spec.kl_coef_in_loss, spec.entropy_coef) == (0.0, 0.0)
     knobs = TrainConfig(

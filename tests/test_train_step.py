@@ -18,7 +18,7 @@ from rlvr import (
 from rlvr.grpo import compute_rollout_rewards
 from rlvr.training.logprobs import compile_backbone
 from rlvr.training.tokenize import tokenize_from_ids
-from rlvr.training.train_step import microbatch_plan, policy_gradient_update
+from rlvr.training.train_step import StepBatch, UpdateSpec, microbatch_plan, policy_gradient_update
 
 # --- tokenisation -----------------------------------------------------------------------------------
 
@@ -241,9 +241,8 @@ def test_old_log_probs_outside_the_response_are_ignored(tiny_model, tiny_tokeniz
     results = []
     for o in (old, extreme):
         opt = RecordingSGD(tiny_model.parameters())
-        loss, meta = policy_gradient_update(
-            tiny_model, opt, tok["input_ids"], tok["labels"], tok["response_mask"], adv, 3, 1e9, method, o, eps
-        )
+        batch = StepBatch(tok["input_ids"], tok["labels"], tok["response_mask"], adv, o)
+        loss, meta = policy_gradient_update(tiny_model, opt, batch, UpdateSpec(3, 1e9, method, eps))
         results.append((loss, opt.recorded, meta))
     (l1, g1, m1), (l2, g2, m2) = results
     assert torch.isfinite(l2) and not m2["skipped_nonfinite"]
@@ -266,15 +265,8 @@ def test_pruned_equals_unpruned(tiny_model, tiny_tokenizer, gsm8k_path, loss_nor
         loss, meta = policy_gradient_update(
             tiny_model,
             opt,
-            tok["input_ids"],
-            tok["labels"],
-            tok["response_mask"],
-            adv,
-            3,
-            1e9,
-            loss_normalization=loss_norm,
-            normalization_constant=100.0,
-            skip_zero_advantage=skip,
+            StepBatch(tok["input_ids"], tok["labels"], tok["response_mask"], adv),
+            UpdateSpec(3, 1e9, loss_normalization=loss_norm, normalization_constant=100.0, skip_zero_advantage=skip),
         )
         results.append((loss, opt.recorded, meta))
     (l1, g1, m1), (l2, g2, m2) = results
@@ -323,9 +315,8 @@ def test_non_finite_loss_skips_the_update(tiny_model, tiny_tokenizer, gsm8k_path
     opt = torch.optim.AdamW(tiny_model.parameters(), lr=1e-2)
     adv = torch.ones(12)
     adv[0] = float("nan")
-    _, meta = policy_gradient_update(
-        tiny_model, opt, tok["input_ids"], tok["labels"], tok["response_mask"], adv, 2, 1.0
-    )
+    batch = StepBatch(tok["input_ids"], tok["labels"], tok["response_mask"], adv)
+    _, meta = policy_gradient_update(tiny_model, opt, batch, UpdateSpec(2, 1.0))
     assert meta["skipped_nonfinite"]
     assert all(torch.equal(a, b) for a, b in zip(before, tiny_model.parameters()))
     assert all(p.grad is None for p in tiny_model.parameters())
@@ -445,18 +436,8 @@ def test_token_budget_gradient_equals_full_batch(tiny_model, tiny_tokenizer, gsm
     loss, meta = policy_gradient_update(
         tiny_model,
         opt,
-        tok["input_ids"],
-        tok["labels"],
-        tok["response_mask"],
-        adv,
-        1,
-        1e9,
-        method,
-        old,
-        eps,
-        loss_norm,
-        const,
-        max_tokens_per_microbatch=2 * longest,
+        StepBatch(tok["input_ids"], tok["labels"], tok["response_mask"], adv, old),
+        UpdateSpec(1, 1e9, method, eps, loss_norm, const, max_tokens_per_microbatch=2 * longest),
     )
     assert meta["n_microbatches"] >= 4  # 8 kept rows, at most 2 of the longest per microbatch
     torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-7)

@@ -4,6 +4,7 @@ as documented; old log-probs are computed once per rollout batch."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
@@ -255,11 +256,11 @@ def _nan_updates(monkeypatch, bad_calls):
     real = trainer_mod.policy_gradient_update
     count = {"n": 0}
 
-    def planted(model, optimizer, input_ids, labels, mask, advantages, *args, **kwargs):
+    def planted(model, optimizer, batch, *args, **kwargs):
         count["n"] += 1
         if count["n"] in bad_calls:
-            advantages = torch.full_like(advantages, float("nan"))
-        return real(model, optimizer, input_ids, labels, mask, advantages, *args, **kwargs)
+            batch = dataclasses.replace(batch, advantages=torch.full_like(batch.advantages, float("nan")))
+        return real(model, optimizer, batch, *args, **kwargs)
 
     monkeypatch.setattr(trainer_mod, "policy_gradient_update", planted)
 

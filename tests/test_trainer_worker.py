@@ -89,9 +89,11 @@ def test_one_step_async_run_trains_on_the_sampling_weights_log_probs(gsm8k_path,
         versions.append({k: v.detach().clone() for k, v in model.state_dict().items()})
         return real_step(*args, **kwargs)
 
-    def spy_update(model_, optimizer, input_ids, labels, mask, advantages, *args, **kwargs):
-        updates.append((input_ids.clone(), labels.clone(), mask.clone(), kwargs["old_log_probs"].clone()))
-        return real_update(model_, optimizer, input_ids, labels, mask, advantages, *args, **kwargs)
+    def spy_update(model_, optimizer, batch, *args, **kwargs):
+        updates.append(
+            (batch.input_ids.clone(), batch.labels.clone(), batch.response_mask.clone(), batch.old_log_probs.clone())
+        )
+        return real_update(model_, optimizer, batch, *args, **kwargs)
 
     submitted = []
     real_submit = AsyncRollouts.submit

@@ -26,10 +26,11 @@ def _batch():
 
 def _step(model, optimizer, world):
     from rlvr.distributed import GlobalBatch
-    from rlvr.training.train_step import policy_gradient_update
+    from rlvr.training.train_step import StepBatch, UpdateSpec, policy_gradient_update
 
     ids, mask, adv = _batch()
-    return policy_gradient_update(model, optimizer, ids, ids, mask, adv, 2, 1.0, global_batch=GlobalBatch.of(len(ids)))
+    batch = StepBatch(ids, ids, mask, adv)
+    return policy_gradient_update(model, optimizer, batch, UpdateSpec(2, 1.0), global_batch=GlobalBatch.of(len(ids)))
 
 
 def _worker(world, out):

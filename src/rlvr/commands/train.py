@@ -163,7 +163,7 @@ from rlvr.training.lora import adapters_disabled, apply_lora
 from rlvr.training.metrics_log import ROLLOUT_SAMPLES, MetricsLogger, truncate_metrics, write_jsonl
 from rlvr.training.optim import lr_factor, make_adamw
 from rlvr.training.rundir import RunDirLock, atomic_write_json
-from rlvr.training.train_step import policy_gradient_update
+from rlvr.training.train_step import StepBatch, UpdateSpec, policy_gradient_update
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -180,6 +180,7 @@ __all__ = [
     "NonFiniteError",
     "TrainingError",
     "TrainState",
+    "MinibatchSpec",
     "UpdateSpec",
     "lr_factor",
     "main",
@@ -276,20 +277,10 @@ def _optimizer_and_scheduler(
 
 
 @dataclass(frozen=True)
-class UpdateSpec:
-    """How every optimizer step of the run is taken: read from the config once, at setup."""
+class MinibatchSpec:
+    """How each rollout batch is cut into optimizer steps (each taken as the run's ``UpdateSpec`` says):
+    read from the config once, at setup."""
 
-    gradient_accumulation_steps: int
-    max_grad_norm: float
-    reweighting: str
-    cliprange: tuple[float, float] | None
-    """``(low, high)``: the ratio is clipped to ``[1 - low, 1 + high]``."""
-    loss_normalization: str
-    normalization_constant: float | None
-    skip_zero_advantage: bool
-    max_tokens_per_microbatch: int | None
-    shared_prefix: bool
-    keep_head_logits: bool
     train_batch_size: int
     """Rollouts per optimizer step."""
     epochs: int
@@ -299,32 +290,14 @@ class UpdateSpec:
     uses_old_log_probs: bool
     """The update receives the sampling weights' log-probs: the method needs them, or the run is off-policy
     (its updates log importance ratios even without reweighting)."""
-    kl_coef_in_loss: float = 0.0
-    """``algorithm.kl_coef`` when the KL goes into the loss (``kl_in: loss``), else 0."""
-    kl_estimator: str = "k3"
-    entropy_coef: float = 0.0
 
     @classmethod
-    def from_config(cls, config: TrainConfig) -> UpdateSpec:
-        a, o = config.algorithm, config.optim
+    def from_config(cls, config: TrainConfig) -> MinibatchSpec:
         return cls(
-            gradient_accumulation_steps=o.gradient_accumulation_steps,
-            max_grad_norm=o.max_grad_norm,
-            reweighting=a.reweighting,
-            cliprange=None if a.cliprange_low is None else (a.cliprange_low, a.cliprange_high or a.cliprange_low),
-            loss_normalization=a.loss_normalization,
-            normalization_constant=a.normalization_constant,
-            skip_zero_advantage=a.skip_zero_advantage,
-            max_tokens_per_microbatch=o.max_tokens_per_microbatch,
-            shared_prefix=o.shared_prefix,
-            keep_head_logits=o.keep_head_logits,
             train_batch_size=config.train_batch_size,
-            epochs=o.epochs_per_rollout_batch,
+            epochs=config.optim.epochs_per_rollout_batch,
             shuffle=config.off_policy,
-            uses_old_log_probs=REWEIGHTINGS[a.reweighting].needs_old_log_probs or config.off_policy,
-            kl_coef_in_loss=a.kl_coef if a.kl_in == "loss" else 0.0,
-            kl_estimator=a.kl_estimator,
-            entropy_coef=a.entropy_coef,
+            uses_old_log_probs=REWEIGHTINGS[config.algorithm.reweighting].needs_old_log_probs or config.off_policy,
         )
 
 
@@ -368,6 +341,7 @@ class RunParts:
     backbone: Callable[..., Any] | None
     """A compiled stand-in for the model's decoder stack (``model.compile``), else None."""
     update_spec: UpdateSpec
+    minibatch_spec: MinibatchSpec
     reward_fn: Callable[..., dict]
     """Grades the training rollouts."""
     val_reward: Reward
@@ -794,7 +768,7 @@ def _advantages(
     """Phase 3: group-normalised advantages and the old log-probs: what the updates train on."""
     a = config.algorithm
     old_log_probs = _old_log_probs(
-        config, step, batch, run.model, run.tokenizer, run.update_spec.uses_old_log_probs, log
+        config, step, batch, run.model, run.tokenizer, run.minibatch_spec.uses_old_log_probs, log
     )
     rewards = scores.rewards
     completions = batch.flat_completions
@@ -905,38 +879,29 @@ def _optimizer_step(
     """One ``policy_gradient_update`` on ``rows`` of the batch, as the run's ``UpdateSpec`` says; with
     ``global_batch`` (a ``rlvr.distributed.GlobalBatch``) ``rows`` are this rank's part of it."""
     spec, rows_t = run.update_spec, torch.tensor(rows, dtype=torch.long)
-    old = batch.old_log_probs[rows_t] if (batch.old_log_probs is not None and spec.uses_old_log_probs) else None
-    return policy_gradient_update(
-        run.model,
-        run.optimizer,
+    old = batch.old_log_probs
+    step_batch = StepBatch(
         batch.input_ids[rows_t],
         batch.labels[rows_t],
         batch.response_mask[rows_t],
         batch.advantages[rows_t],
-        gradient_accumulation_steps=spec.gradient_accumulation_steps,
-        max_grad_norm=spec.max_grad_norm,
-        importance_reweighting_method=spec.reweighting,
-        old_log_probs=old,
-        cliprange=spec.cliprange,
-        loss_normalization=spec.loss_normalization,
-        normalization_constant=spec.normalization_constant,
-        skip_zero_advantage=spec.skip_zero_advantage,
-        max_tokens_per_microbatch=spec.max_tokens_per_microbatch,
+        old_log_probs=old[rows_t] if (old is not None and run.minibatch_spec.uses_old_log_probs) else None,
+    )
+    return policy_gradient_update(
+        run.model,
+        run.optimizer,
+        step_batch,
+        spec,
         backbone=run.backbone,
         global_batch=global_batch,
-        shared_prefix=spec.shared_prefix,
-        keep_head_logits=spec.keep_head_logits,
         reference=run.reference if spec.kl_coef_in_loss else None,
-        kl_coef=spec.kl_coef_in_loss,
-        kl_estimator=spec.kl_estimator,
-        entropy_coef=spec.entropy_coef,
     )
 
 
 def _update(config: TrainConfig, step: int, run: RunParts, batch: TrainBatch, state: TrainState, log: dict) -> None:
     """Phase 4: ``epochs`` passes over the batch in minibatches, one optimizer step each. A non-finite
     step is skipped and counted; ``max_consecutive_nonfinite`` of them in a row stop the run."""
-    spec = run.update_spec
+    spec, minibatches = run.update_spec, run.minibatch_spec
     t0 = time.perf_counter()
     state.in_update = True
     run.model.train()
@@ -944,8 +909,9 @@ def _update(config: TrainConfig, step: int, run: RunParts, batch: TrainBatch, st
     n_updates = backbone_tokens = 0
     lr_used = run.scheduler.get_last_lr()[0]
     n_global_rows = config.rollout_batch_size
-    for epoch in range(spec.epochs):
-        for rows in _minibatches(n_global_rows, spec.train_batch_size, spec.shuffle, config.seed, step, epoch):
+    for epoch in range(minibatches.epochs):
+        order = _minibatches(n_global_rows, minibatches.train_batch_size, minibatches.shuffle, config.seed, step, epoch)
+        for rows in order:
             if run.world.backend is None:
                 loss, meta = _optimizer_step(run, batch, rows)
             else:
@@ -1489,6 +1455,7 @@ def _setup(
         scheduler=scheduler,
         backbone=backbone,
         update_spec=UpdateSpec.from_config(config),
+        minibatch_spec=MinibatchSpec.from_config(config),
         reward_fn=reward_fn,
         val_reward=val_reward,
         prompt=prompt,

@@ -1,8 +1,10 @@
 """One policy-gradient optimizer step over a batch of rollouts, with exact gradient accumulation.
 
 ``grpo_train_step`` is the course-standard front door: rewards → advantages → tokenise →
-``policy_gradient_update``. The update splits the batch into microbatches, backpropagates each, clips
-the global gradient norm, steps the optimizer once, and clears every ``.grad`` (to None).
+``policy_gradient_update``. The update, as its ``UpdateSpec`` says, is four steps: ``plan_update`` splits
+the batch into microbatches, ``microbatch_backward`` backpropagates each, ``reduce_totals`` sums their
+statistics over data-parallel ranks, and ``clip_and_step`` clips the global gradient norm, steps the
+optimizer once, and clears every ``.grad`` (to None).
 
 Two facts make it both exact and cheap:
 
@@ -32,9 +34,11 @@ statistics come back reduced over all ranks, so every rank takes the same decisi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -51,6 +55,7 @@ from rlvr.training.tokenize import tokenize_prompt_and_output
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
+    from rlvr.config import TrainConfig
     from rlvr.distributed.world import GlobalBatch
 
 
@@ -87,225 +92,393 @@ def microbatch_plan(
     return plan
 
 
+@dataclass(frozen=True)
+class UpdateSpec:
+    """How an optimizer step is taken: the settings ``policy_gradient_update`` reads, fixed for a run
+    (``from_config``) or written out by a caller of the step alone."""
+
+    gradient_accumulation_steps: int
+    max_grad_norm: float | None
+    """None: no clipping (the norm is still measured)."""
+    reweighting: str = "none"
+    """A registered importance-reweighting method (``rlvr.grpo.REWEIGHTINGS``)."""
+    cliprange: ClipRange | None = None
+    """``(low, high)``: the ratio is clipped to ``[1 - low, 1 + high]``; one number clips both sides."""
+    loss_normalization: str = "sequence"
+    normalization_constant: float | None = None
+    skip_zero_advantage: bool = True
+    max_tokens_per_microbatch: int | None = None
+    """Caps each microbatch at that many tokens (rows × longest row), besides its row count."""
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS
+    shared_prefix: bool = False
+    keep_head_logits: bool = False
+    kl_coef_in_loss: float = 0.0
+    """``algorithm.kl_coef`` when the KL goes into the loss (``kl_in: loss``), else 0."""
+    kl_estimator: str = "k3"
+    entropy_coef: float = 0.0
+
+    @classmethod
+    def from_config(cls, config: TrainConfig) -> UpdateSpec:
+        a, o = config.algorithm, config.optim
+        if a.loss_normalization is None:
+            raise ValueError("UpdateSpec.from_config takes a resolved config (rlvr.checks.resolve_config)")
+        return cls(
+            gradient_accumulation_steps=o.gradient_accumulation_steps,
+            max_grad_norm=o.max_grad_norm,
+            reweighting=a.reweighting,
+            cliprange=None if a.cliprange_low is None else (a.cliprange_low, a.cliprange_high or a.cliprange_low),
+            loss_normalization=a.loss_normalization,
+            normalization_constant=a.normalization_constant,
+            skip_zero_advantage=a.skip_zero_advantage,
+            max_tokens_per_microbatch=o.max_tokens_per_microbatch,
+            shared_prefix=o.shared_prefix,
+            keep_head_logits=o.keep_head_logits,
+            kl_coef_in_loss=a.kl_coef if a.kl_in == "loss" else 0.0,
+            kl_estimator=a.kl_estimator,
+            entropy_coef=a.entropy_coef,
+        )
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """The tokenised rollouts of one optimizer step (this rank's rows of it under data parallelism)."""
+
+    input_ids: torch.Tensor
+    """(B, T) prompt and response tokens."""
+    labels: torch.Tensor
+    """(B, T) the next token at each position."""
+    response_mask: torch.Tensor
+    """(B, T) True on response tokens."""
+    advantages: torch.Tensor
+    """(B,) one advantage per sequence."""
+    old_log_probs: torch.Tensor | None = None
+    """(B, T') the sampling policy's log-probs, for reweighting and the importance statistics."""
+
+
+@dataclass(frozen=True)
+class UpdatePlan:
+    """What ``plan_update`` settles before any forward: the microbatches and how their losses add up."""
+
+    microbatches: list[list[int]]
+    """Row indices of each microbatch this rank runs."""
+    n_runs: int
+    """Microbatches to run: ``len(microbatches)``, or the most any rank has (the rest are padding)."""
+    lengths: list[int]
+    """Per row, the last response position + 1: each microbatch is trimmed to its longest."""
+    packed: bool
+    """Shared-prefix packing: each microbatch is one packed sequence."""
+    denominator: int
+    """Sequences of the whole (all-rank) batch, for ``sequence`` normalisation."""
+    grad_scale: int
+    """The world size the data-parallel wrapper divides the summed gradients by."""
+    normalization_constant: float | None
+    per_sequence: bool
+    """The aggregation weights each microbatch by its share of the batch's sequences."""
+    needs_old_log_probs: bool
+    reports_clip_fraction: bool
+    reference: Reference | None
+    """The reference when the KL is in the loss, else None."""
+
+
+@dataclass
+class _Totals:
+    """Sums over the microbatches of a step, kept on the device (no sync between microbatches)."""
+
+    loss: torch.Tensor
+    entropy: torch.Tensor
+    clip_count: torch.Tensor
+    clip_total: torch.Tensor
+    kl: torch.Tensor
+    n_tokens: int = 0
+    n_sequences: int = 0
+    backbone_tokens: int = 0
+    log_ratios: list = field(default_factory=list)
+    """(log-ratio, mask, advantages) per microbatch, read once after the loop."""
+
+    @classmethod
+    def zeros(cls, device: torch.device) -> _Totals:
+        zero = lambda: torch.zeros((), device=device)  # noqa: E731
+        return cls(loss=zero(), entropy=zero(), clip_count=zero(), clip_total=zero(), kl=zero())
+
+
 def policy_gradient_update(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    input_ids: torch.Tensor,
-    labels: torch.Tensor,
-    response_mask: torch.Tensor,
-    advantages: torch.Tensor,
-    gradient_accumulation_steps: int,
-    max_grad_norm: float | None,
-    importance_reweighting_method: str = "none",
-    old_log_probs: torch.Tensor | None = None,
-    cliprange: ClipRange | None = None,
-    loss_normalization: str = "sequence",
-    normalization_constant: float | None = None,
-    skip_zero_advantage: bool = True,
-    max_tokens_per_microbatch: int | None = None,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    batch: StepBatch,
+    spec: UpdateSpec,
+    *,
     step: bool = True,
     backbone: Callable[..., Any] | None = None,
     global_batch: GlobalBatch | None = None,
-    shared_prefix: bool = False,
-    keep_head_logits: bool = False,
     reference: Reference | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    entropy_coef: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Accumulate the policy-gradient of a tokenised batch, clip, step once, clear grads.
+    """Accumulate the policy-gradient of a tokenised batch, clip, step once, clear grads: planning
+    (``plan_update``), one ``microbatch_backward`` per microbatch, the reduction over ranks
+    (``reduce_totals``) and the optimizer step (``clip_and_step``).
 
     Returns ``(loss, metadata)``: ``loss`` is the aggregated loss of the whole batch (detached);
     metadata has ``grad_norm`` (before clipping), ``entropy`` (mean over response tokens of the
     sequences that went through the model), ``clip_fraction`` (clipping methods; over those same
     tokens), ``n_sequences``/``n_tokens`` trained, and ``skipped_nonfinite`` when a non-finite loss or
-    gradient norm made it skip the optimizer step. Whenever ``old_log_probs`` are given (also to a
+    gradient norm made it skip the optimizer step. Whenever ``batch.old_log_probs`` are given (also to a
     method that ignores them, such as ``none``), ``importance`` holds the statistics of the importance
     ratios over those tokens (``rlvr.grpo.diagnostics.importance_statistics``).
 
-    ``max_tokens_per_microbatch`` additionally caps each microbatch at that many tokens (rows ×
-    longest row); ``backbone`` is a compiled stand-in for ``model.base_model`` (``compile_backbone``).
+    ``step=False`` accumulates and measures without stepping the optimizer; ``backbone`` is a compiled
+    stand-in for ``model.base_model`` (``compile_backbone``).
 
     ``global_batch`` (a ``rlvr.distributed.GlobalBatch``): this rank holds part of a batch spread over
     data-parallel ranks, and ``model`` is wrapped by DDP or FSDP2 (see the module docstring). Its
     microbatches hold at most ``global sequences / gradient_accumulation_steps`` rows, as in one
     process, so each rank runs about ``gradient_accumulation_steps / world size`` of them.
 
-    ``shared_prefix``: rows with the same prompt tokens share one pass of the prompt
+    ``spec.shared_prefix``: rows with the same prompt tokens share one pass of the prompt
     (``rlvr.training.packing``): each microbatch is one packed sequence of at most
     ``max_tokens_per_microbatch`` tokens, whole groups kept together where they fit. The gradient is
     the same. One process only; a model whose logits are not a plain ``Linear`` of its backbone, or a
     batch whose response positions are not one run per row, is trained padded instead.
     ``metadata["backbone_tokens"]`` counts the tokens the backbone ran on (padding included).
 
-    ``keep_head_logits``: the fused head keeps each microbatch's logits from its forward for its
+    ``spec.keep_head_logits``: the fused head keeps each microbatch's logits from its forward for its
     backward instead of recomputing them (``linear_log_probs``): the same gradients, one of the head's
     matmuls fewer, for response tokens x vocabulary x 2 bytes (bf16) while the microbatch runs.
 
-    ``reference`` with ``kl_coef > 0``: every microbatch also runs through the reference (no gradient,
-    packed or padded as the policy) and each token's loss gains ``kl_coef * kl_penalty(logp, ref_logp,
-    kl_estimator)`` before aggregation (``rlvr.grpo.kl``); ``metadata["kl_ref"]`` is the mean estimate
-    per response token. A zero-advantage sequence then still has a gradient (towards the reference), so
-    none is skipped.
+    ``reference`` with ``spec.kl_coef_in_loss > 0``: every microbatch also runs through the reference
+    (no gradient, packed or padded as the policy) and each token's loss gains ``kl_coef_in_loss *
+    kl_penalty(logp, ref_logp, kl_estimator)`` before aggregation (``rlvr.grpo.kl``);
+    ``metadata["kl_ref"]`` is the mean estimate per response token. A zero-advantage sequence then
+    still has a gradient (towards the reference), so none is skipped.
 
-    ``entropy_coef``: an entropy bonus; each token's loss loses ``entropy_coef * H_t``, the entropy of the
-    policy's next-token distribution there (differentiated through the whole vocabulary), aggregated
-    like the loss. As with the KL, no sequence is skipped for a zero advantage.
+    ``spec.entropy_coef``: an entropy bonus; each token's loss loses ``entropy_coef * H_t``, the entropy
+    of the policy's next-token distribution there (differentiated through the whole vocabulary),
+    aggregated like the loss. As with the KL, no sequence is skipped for a zero advantage.
     """
-    batch = input_ids.shape[0]
+    batch, plan = plan_update(model, batch, spec, global_batch, reference)
+    device = model_device(model)  # the parameters' device, or the GPU that CPU-offloaded shards run on
+    totals = _Totals.zeros(device)
+    for run in range(plan.n_runs):
+        # DDP decides at the forward whether the backward reduces, so the whole microbatch sits inside.
+        last = run == plan.n_runs - 1
+        with _gradient_sync(model, last) if global_batch is not None else contextlib.nullcontext():
+            if run >= len(plan.microbatches):
+                _padding_backward(model, batch, plan, device, spec.chunk_tokens, backbone)
+            else:
+                microbatch_backward(model, batch, spec, plan, plan.microbatches[run], device, backbone, totals)
+    totals.n_sequences = sum(len(r) for r in plan.microbatches)
+    if global_batch is not None:
+        reduce_totals(totals, global_batch, device, batch.old_log_probs is not None)
+    grad_norm, nonfinite = clip_and_step(model, optimizer, spec.max_grad_norm, float(totals.loss), global_batch, step)
+
+    n_tokens = totals.n_tokens
+    metadata: dict[str, Any] = {
+        "grad_norm": grad_norm,
+        "entropy": float(totals.entropy / max(n_tokens, 1)),
+        "n_sequences": totals.n_sequences,
+        "n_tokens": n_tokens,
+        "n_microbatches": len(plan.microbatches),
+        "backbone_tokens": totals.backbone_tokens,
+        "skipped_nonfinite": nonfinite,
+    }
+    if plan.reference is not None:
+        metadata["kl_ref"] = float(totals.kl / max(n_tokens, 1))
+    if plan.reports_clip_fraction:
+        metadata["clip_fraction"] = float(totals.clip_count / totals.clip_total.clamp(min=1))
+    if totals.log_ratios:
+        parts = totals.log_ratios if global_batch is not None else [_importance_parts(totals.log_ratios)]
+        tok, tok_adv, seq, seq_adv = (torch.cat([p[k] for p in parts]) for k in range(4))
+        metadata["importance"] = importance_statistics(tok, tok_adv, seq, seq_adv)
+    return totals.loss.detach(), metadata
+
+
+def plan_update(
+    model: torch.nn.Module,
+    batch: StepBatch,
+    spec: UpdateSpec,
+    global_batch: GlobalBatch | None = None,
+    reference: Reference | None = None,
+) -> tuple[StepBatch, UpdatePlan]:
+    """Check the batch against ``spec`` and settle the step before any forward: which rows go through
+    the model, cut into which microbatches, packed or padded, and the loss's denominators. Returns the
+    batch with its advantages as a flat float tensor and its old log-probs trimmed to the labels."""
+    n_rows = batch.input_ids.shape[0]
     if global_batch is None:
-        _check_divisible(batch, gradient_accumulation_steps)
-        denominator, grad_scale = batch, 1
-        rows_per_microbatch = batch // gradient_accumulation_steps
+        _check_divisible(n_rows, spec.gradient_accumulation_steps)
+        denominator, grad_scale = n_rows, 1
+        rows_per_microbatch = n_rows // spec.gradient_accumulation_steps
     else:
-        _check_divisible(global_batch.n_sequences, gradient_accumulation_steps)
+        _check_divisible(global_batch.n_sequences, spec.gradient_accumulation_steps)
         denominator, grad_scale = global_batch.n_sequences, global_batch.world_size
         # The microbatch keeps its one-process size (a memory setting), so more ranks mean fewer
         # microbatches per rank, not smaller ones.
-        rows_per_microbatch = max(1, global_batch.n_sequences // gradient_accumulation_steps)
-    method = validate_reweighting(importance_reweighting_method, old_log_probs, cliprange, check_mask=False)
-    aggregation = get_aggregation(loss_normalization, normalization_constant)
-    advantages = torch.as_tensor(advantages, dtype=torch.float32).flatten()
-    if advantages.numel() != batch:
-        raise ValueError(f"got {advantages.numel()} advantages for a batch of {batch} sequences")
+        rows_per_microbatch = max(1, global_batch.n_sequences // spec.gradient_accumulation_steps)
+    method = validate_reweighting(spec.reweighting, batch.old_log_probs, spec.cliprange, check_mask=False)
+    aggregation = get_aggregation(spec.loss_normalization, spec.normalization_constant)
+    advantages = torch.as_tensor(batch.advantages, dtype=torch.float32).flatten()
+    if advantages.numel() != n_rows:
+        raise ValueError(f"got {advantages.numel()} advantages for a batch of {n_rows} sequences")
+    old_log_probs = batch.old_log_probs
     if old_log_probs is not None:
-        old_log_probs = old_log_probs[:, : labels.shape[1]]
-    device = model_device(model)  # the parameters' device, or the GPU that CPU-offloaded shards run on
+        old_log_probs = old_log_probs[:, : batch.labels.shape[1]]
+    batch = dataclasses.replace(batch, advantages=advantages, old_log_probs=old_log_probs)
+    response_mask = batch.response_mask
     lengths = (response_mask.long().cumsum(1).argmax(1) + 1).tolist()  # last response position + 1
     lengths = [max(1, n) for n in lengths]
-    kl_on = reference is not None and kl_coef > 0
+    kl_on = reference is not None and spec.kl_coef_in_loss > 0
     # A KL or entropy term gives a zero-advantage sequence a gradient of its own: none may be skipped.
-    skip = skip_zero_advantage and not kl_on and not entropy_coef
-    keep = (advantages != 0).tolist() if skip else [True] * batch
-    plan = None
-    if shared_prefix:
+    skip = spec.skip_zero_advantage and not kl_on and not spec.entropy_coef
+    keep = (advantages != 0).tolist() if skip else [True] * n_rows
+    microbatches = None
+    if spec.shared_prefix:
         if global_batch is not None:
             raise ValueError("shared-prefix packing runs in one process; set optim.shared_prefix false for ddp or fsdp")
         if can_pack(model):
-            plan = shared_prefix_plan(
-                input_ids, response_mask, keep, rows_per_microbatch, max_tokens_per_microbatch, spans=True
+            microbatches = shared_prefix_plan(
+                batch.input_ids, response_mask, keep, rows_per_microbatch, spec.max_tokens_per_microbatch, spans=True
             )
-    packed = plan is not None
-    if plan is None:
-        plan = microbatch_plan(lengths, keep, rows_per_microbatch, max_tokens_per_microbatch)
-    n_runs = len(plan)
+    packed = microbatches is not None
+    if microbatches is None:
+        microbatches = microbatch_plan(lengths, keep, rows_per_microbatch, spec.max_tokens_per_microbatch)
+    n_runs = len(microbatches)
+    normalization_constant = spec.normalization_constant
     batch_tokens = float(response_mask.sum())  # DAPO's token-level loss: every response token of the batch
     if global_batch is not None:
-        n_runs = int(reduce_values([len(plan)], "max", global_batch.group)[0])
+        n_runs = int(reduce_values([len(microbatches)], "max", global_batch.group)[0])
         if aggregation.batch_tokens:
             batch_tokens = float(reduce_values([batch_tokens], "sum", global_batch.group)[0])
     if aggregation.batch_tokens:
         normalization_constant = max(batch_tokens, 1.0)
+    return batch, UpdatePlan(
+        microbatches=microbatches,
+        n_runs=n_runs,
+        lengths=lengths,
+        packed=packed,
+        denominator=denominator,
+        grad_scale=grad_scale,
+        normalization_constant=normalization_constant,
+        per_sequence=aggregation.per_sequence,
+        needs_old_log_probs=method.needs_old_log_probs,
+        reports_clip_fraction=method.needs_cliprange and spec.reweighting != "none",
+        reference=reference if kl_on else None,
+    )
 
-    total_loss = torch.zeros((), device=device)
-    ent_sum = torch.zeros((), device=device)
-    clip_count = torch.zeros((), device=device)
-    clip_total = torch.zeros((), device=device)
-    kl_sum = torch.zeros((), device=device)
-    log_ratios = []  # (log-ratio, mask, advantages) per microbatch, read once after the loop (no syncs inside it)
-    n_tokens = 0
-    backbone_tokens = 0
-    for run in range(n_runs):
-        # DDP decides at the forward whether the backward reduces, so the whole microbatch sits inside.
-        with _gradient_sync(model, last=run == n_runs - 1) if global_batch is not None else contextlib.nullcontext():
-            if run >= len(plan):
-                _padding_backward(model, input_ids, labels, lengths, device, chunk_tokens, backbone, reference)
-                continue
-            rows = plan[run]
-            idx = torch.tensor(rows)
-            width = max(lengths[i] for i in rows)
-            host_mask = response_mask[idx, :width]
-            n_tokens += int(host_mask.sum())  # counted on the host: no device sync between microbatches
-            mb_mask = host_mask.to(device, non_blocking=True)
-            ref_log_probs = None
-            if kl_on:
-                # Before the policy's forward: a LoRA reference toggles the adapters, which must be on
-                # again while the policy's graph is built.
-                ref_log_probs = _reference_log_probs(
-                    cast(Reference, reference), packed, input_ids, labels, response_mask, rows, width, chunk_tokens
-                ).to(device, non_blocking=True)
-            if packed:
-                out = packed_response_log_probs(
-                    model,
-                    input_ids,
-                    labels,
-                    response_mask,
-                    rows,
-                    width,
-                    chunk_tokens,
-                    True,
-                    backbone,
-                    keep_head_logits,
-                )
-                backbone_tokens += int(out.pop("backbone_tokens"))
-            else:
-                out = get_response_log_probs(
-                    model,
-                    input_ids[idx, :width],
-                    labels[idx, :width],
-                    return_token_entropy=True,
-                    chunk_tokens=chunk_tokens,
-                    backbone=backbone,
-                    positions=host_mask,
-                    keep_logits=keep_head_logits,
-                )
-                backbone_tokens += len(rows) * width
-            old = None
-            if old_log_probs is not None:
-                # Outside the mask the new log-probs are 0 (not computed): so are the old ones here, or
-                # a ratio exp(0 - old) could overflow there and turn the masked sums into NaN.
-                old = old_log_probs[idx, :width].to(device, non_blocking=True).masked_fill(~mb_mask.bool(), 0.0)
-            mb_adv = advantages[idx].to(device, non_blocking=True)
-            per_token, meta = compute_policy_gradient_loss(
-                mb_adv,
-                out["log_probs"],
-                importance_reweighting_method,
-                old if method.needs_old_log_probs else None,
-                cliprange,
-                mb_mask,
-            )
-            if ref_log_probs is not None:
-                kl_tokens = kl_penalty(out["log_probs"], ref_log_probs, kl_estimator)
-                per_token = per_token + kl_coef * kl_tokens
-                kl_sum += (kl_tokens.detach() * mb_mask.to(kl_tokens.dtype)).sum()
-            if entropy_coef:
-                per_token = per_token - entropy_coef * out["token_entropy"]
-            if old is not None:
-                log_ratios.append(((out["log_probs"].detach() - old.to(out["log_probs"].dtype)), mb_mask, mb_adv))
-            loss = aggregate_loss_across_microbatch(per_token, mb_mask, loss_normalization, normalization_constant)
-            if aggregation.per_sequence:
-                loss = loss * (len(rows) / denominator)
-            (loss * grad_scale if grad_scale != 1 else loss).backward()
-            total_loss += loss.detach()
-            ent_sum += (out["token_entropy"].detach() * mb_mask.float()).sum()
-            if "clip_count" in meta:
-                clip_count += meta["clip_count"]
-                clip_total += meta["clip_total"]
 
-    n_sequences = sum(len(r) for r in plan)
-    if global_batch is not None:
-        sums = reduce_values(
-            [
-                float(total_loss),
-                float(ent_sum),
-                float(clip_count),
-                float(clip_total),
-                n_tokens,
-                n_sequences,
-                float(kl_sum),
-            ],
-            "sum",
-            global_batch.group,
+def microbatch_backward(
+    model: torch.nn.Module,
+    batch: StepBatch,
+    spec: UpdateSpec,
+    plan: UpdatePlan,
+    rows: list[int],
+    device: torch.device,
+    backbone: Callable[..., Any] | None,
+    totals: _Totals,
+) -> None:
+    """Forward, loss and backward of the microbatch ``rows``, its sums added to ``totals``."""
+    idx = torch.tensor(rows)
+    width = max(plan.lengths[i] for i in rows)
+    host_mask = batch.response_mask[idx, :width]
+    totals.n_tokens += int(host_mask.sum())  # counted on the host: no device sync between microbatches
+    mb_mask = host_mask.to(device, non_blocking=True)
+    ref_log_probs = None
+    if plan.reference is not None:
+        # Before the policy's forward: a LoRA reference toggles the adapters, which must be on
+        # again while the policy's graph is built.
+        ref_log_probs = _reference_log_probs(plan.reference, plan.packed, batch, rows, width, spec.chunk_tokens).to(
+            device, non_blocking=True
         )
-        total_loss = torch.tensor(sums[0], device=device)
-        ent_sum, clip_count, clip_total = (torch.tensor(v) for v in sums[1:4])
-        n_tokens, n_sequences = int(sums[4]), int(sums[5])
-        kl_sum = torch.tensor(sums[6])
-        if old_log_probs is not None:
-            ranks_parts = gather_objects(_importance_parts(log_ratios, cpu=True) if log_ratios else None)
-            log_ratios = [p for p in ranks_parts if p is not None]
+    if plan.packed:
+        out = packed_response_log_probs(
+            model,
+            batch.input_ids,
+            batch.labels,
+            batch.response_mask,
+            rows,
+            width,
+            spec.chunk_tokens,
+            True,
+            backbone,
+            spec.keep_head_logits,
+        )
+        totals.backbone_tokens += int(out.pop("backbone_tokens"))
+    else:
+        out = get_response_log_probs(
+            model,
+            batch.input_ids[idx, :width],
+            batch.labels[idx, :width],
+            return_token_entropy=True,
+            chunk_tokens=spec.chunk_tokens,
+            backbone=backbone,
+            positions=host_mask,
+            keep_logits=spec.keep_head_logits,
+        )
+        totals.backbone_tokens += len(rows) * width
+    old = None
+    if batch.old_log_probs is not None:
+        # Outside the mask the new log-probs are 0 (not computed): so are the old ones here, or
+        # a ratio exp(0 - old) could overflow there and turn the masked sums into NaN.
+        old = batch.old_log_probs[idx, :width].to(device, non_blocking=True).masked_fill(~mb_mask.bool(), 0.0)
+    mb_adv = batch.advantages[idx].to(device, non_blocking=True)
+    per_token, meta = compute_policy_gradient_loss(
+        mb_adv,
+        out["log_probs"],
+        spec.reweighting,
+        old if plan.needs_old_log_probs else None,
+        spec.cliprange,
+        mb_mask,
+    )
+    if ref_log_probs is not None:
+        kl_tokens = kl_penalty(out["log_probs"], ref_log_probs, spec.kl_estimator)
+        per_token = per_token + spec.kl_coef_in_loss * kl_tokens
+        totals.kl += (kl_tokens.detach() * mb_mask.to(kl_tokens.dtype)).sum()
+    if spec.entropy_coef:
+        per_token = per_token - spec.entropy_coef * out["token_entropy"]
+    if old is not None:
+        totals.log_ratios.append(((out["log_probs"].detach() - old.to(out["log_probs"].dtype)), mb_mask, mb_adv))
+    loss = aggregate_loss_across_microbatch(per_token, mb_mask, spec.loss_normalization, plan.normalization_constant)
+    if plan.per_sequence:
+        loss = loss * (len(rows) / plan.denominator)
+    (loss * plan.grad_scale if plan.grad_scale != 1 else loss).backward()
+    totals.loss += loss.detach()
+    totals.entropy += (out["token_entropy"].detach() * mb_mask.float()).sum()
+    if "clip_count" in meta:
+        totals.clip_count += meta["clip_count"]
+        totals.clip_total += meta["clip_total"]
 
+
+def reduce_totals(totals: _Totals, global_batch: GlobalBatch, device: torch.device, importance: bool) -> None:
+    """Replace this rank's sums by the sums over all ranks (and, with ``importance``, its log-ratios
+    by every rank's), so every rank reports and decides the same."""
+    sums = reduce_values(
+        [
+            float(totals.loss),
+            float(totals.entropy),
+            float(totals.clip_count),
+            float(totals.clip_total),
+            totals.n_tokens,
+            totals.n_sequences,
+            float(totals.kl),
+        ],
+        "sum",
+        global_batch.group,
+    )
+    totals.loss = torch.tensor(sums[0], device=device)
+    totals.entropy, totals.clip_count, totals.clip_total = (torch.tensor(v) for v in sums[1:4])
+    totals.n_tokens, totals.n_sequences = int(sums[4]), int(sums[5])
+    totals.kl = torch.tensor(sums[6])
+    if importance:
+        ranks_parts = gather_objects(_importance_parts(totals.log_ratios, cpu=True) if totals.log_ratios else None)
+        totals.log_ratios = [p for p in ranks_parts if p is not None]
+
+
+def clip_and_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    max_grad_norm: float | None,
+    loss_value: float,
+    global_batch: GlobalBatch | None = None,
+    step: bool = True,
+) -> tuple[float, bool]:
+    """Measure (and with ``max_grad_norm`` clip) the gradient norm, step the optimizer unless the loss
+    or the norm is not finite, and clear every ``.grad``. Returns ``(grad_norm, skipped_nonfinite)``."""
     params = [p for p in model.parameters() if p.requires_grad]
     have_grads = any(p.grad is not None for p in params)
     if max_grad_norm is not None and have_grads:
@@ -319,7 +492,6 @@ def policy_gradient_update(
     if hasattr(norm, "full_tensor"):  # a sharded model's norm is a DTensor whose full value needs the ranks
         norm = norm.full_tensor()
     grad_norm = float(norm)
-    loss_value = float(total_loss)
     nonfinite = not (math.isfinite(grad_norm) and math.isfinite(loss_value))
     if step and not nonfinite:
         # With no gradients (every advantage zero) this changes no parameter, but it keeps the
@@ -328,25 +500,7 @@ def policy_gradient_update(
     optimizer.zero_grad(set_to_none=True)
     for p in params:  # optimizers may be given only a subset of the parameters
         p.grad = None
-
-    metadata: dict[str, Any] = {
-        "grad_norm": grad_norm,
-        "entropy": float(ent_sum / max(n_tokens, 1)),
-        "n_sequences": n_sequences,
-        "n_tokens": n_tokens,
-        "n_microbatches": len(plan),
-        "backbone_tokens": backbone_tokens,
-        "skipped_nonfinite": nonfinite,
-    }
-    if kl_on:
-        metadata["kl_ref"] = float(kl_sum / max(n_tokens, 1))
-    if method.needs_cliprange and importance_reweighting_method != "none":
-        metadata["clip_fraction"] = float(clip_count / clip_total.clamp(min=1))
-    if log_ratios:
-        parts = log_ratios if global_batch is not None else [_importance_parts(log_ratios)]
-        tok, tok_adv, seq, seq_adv = (torch.cat([p[k] for p in parts]) for k in range(4))
-        metadata["importance"] = importance_statistics(tok, tok_adv, seq, seq_adv)
-    return total_loss.detach(), metadata
+    return grad_norm, nonfinite
 
 
 def _gradient_sync(model: torch.nn.Module, last: bool) -> contextlib.AbstractContextManager:
@@ -359,52 +513,44 @@ def _gradient_sync(model: torch.nn.Module, last: bool) -> contextlib.AbstractCon
 
 def _padding_backward(
     model: torch.nn.Module,
-    input_ids: torch.Tensor,
-    labels: torch.Tensor,
-    lengths: list[int],
+    batch: StepBatch,
+    plan: UpdatePlan,
     device: torch.device,
     chunk_tokens: int,
     backbone: Callable[..., Any] | None,
-    reference: Reference | None = None,
 ) -> None:
     """A forward and backward with zero loss, so this rank joins the collectives of a microbatch it
     does not have: the shortest of its rows, or one placeholder token pair when it holds none (and a
     reference forward, which is a collective too when the reference is sharded)."""
+    input_ids, labels, lengths = batch.input_ids, batch.labels, plan.lengths
     if input_ids.shape[0]:
         row = min(range(input_ids.shape[0]), key=lambda i: lengths[i])
         ids, lab = input_ids[row : row + 1, : lengths[row]], labels[row : row + 1, : lengths[row]]
     else:
         ids = lab = torch.zeros((1, 2), dtype=torch.long)
-    if reference is not None:
-        with torch.no_grad(), reference.context():
-            get_response_log_probs(reference.model, ids, lab, chunk_tokens=chunk_tokens)
+    if plan.reference is not None:
+        with torch.no_grad(), plan.reference.context():
+            get_response_log_probs(plan.reference.model, ids, lab, chunk_tokens=chunk_tokens)
     out = get_response_log_probs(model, ids, lab, chunk_tokens=chunk_tokens, backbone=backbone)
     (out["log_probs"].sum() * 0.0).backward()
 
 
 def _reference_log_probs(
-    reference: Reference,
-    packed: bool,
-    input_ids: torch.Tensor,
-    labels: torch.Tensor,
-    response_mask: torch.Tensor,
-    rows: list[int],
-    width: int,
-    chunk_tokens: int,
+    reference: Reference, packed: bool, batch: StepBatch, rows: list[int], width: int, chunk_tokens: int
 ) -> torch.Tensor:
     """The reference's log-probs (len(rows), width) of one microbatch, laid out as the policy's."""
     with torch.no_grad(), reference.context():
         if packed:
             return packed_response_log_probs(
-                reference.model, input_ids, labels, response_mask, rows, width, chunk_tokens
+                reference.model, batch.input_ids, batch.labels, batch.response_mask, rows, width, chunk_tokens
             )["log_probs"]
         idx = torch.tensor(rows)
         return get_response_log_probs(
             reference.model,
-            input_ids[idx, :width],
-            labels[idx, :width],
+            batch.input_ids[idx, :width],
+            batch.labels[idx, :width],
             chunk_tokens=chunk_tokens,
-            positions=response_mask[idx, :width],
+            positions=batch.response_mask[idx, :width],
         )["log_probs"]
 
 
@@ -466,21 +612,16 @@ def grpo_train_step(
         raw_rewards, group_size, baseline, advantage_eps, advantage_normalizer
     )
     tok = tokenize_prompt_and_output(list(repeated_prompts), list(rollout_responses), tokenizer)
-    loss, meta = policy_gradient_update(
-        model,
-        optimizer,
-        tok["input_ids"],
-        tok["labels"],
-        tok["response_mask"],
-        advantages,
+    spec = UpdateSpec(
         gradient_accumulation_steps,
         max_grad_norm,
-        importance_reweighting_method,
-        old_log_probs,
-        cliprange,
-        loss_normalization,
-        normalization_constant,
+        reweighting=importance_reweighting_method,
+        cliprange=cliprange,
+        loss_normalization=loss_normalization,
+        normalization_constant=normalization_constant,
     )
+    tokenised = StepBatch(tok["input_ids"], tok["labels"], tok["response_mask"], advantages, old_log_probs)
+    loss, meta = policy_gradient_update(model, optimizer, tokenised, spec)
     meta.update(
         {
             "train_reward": reward_meta["reward_mean"],
