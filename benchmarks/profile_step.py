@@ -263,15 +263,16 @@ def trainer(bench: Bench, steps: int = 4):
 
     original_phase = trainer_module._update
 
-    def profiled(config, step, run, batch, state, log):
+    def profiled(config, step, run, batch, state):
         if step != config.n_steps:
-            return original_phase(config, step, run, batch, state, log)
+            return original_phase(config, step, run, batch, state)
         bench.sync()
         t0 = time.perf_counter()
         with profile(activities=acts) as prof:
-            original_phase(config, step, run, batch, state, log)
+            metrics = original_phase(config, step, run, batch, state)
             bench.sync()
         phase.update(prof=prof, wall=time.perf_counter() - t0)
+        return metrics
 
     trainer_module.policy_gradient_update, trainer_module._update = capture, profiled
     bench.args.trainer_steps = steps

@@ -531,13 +531,15 @@ def _make_rollouts(
 
 
 def _rollout(
-    step: int, engine_weights: EngineWeights, rollouts: Rollouts, request: RolloutRequest, log: dict
-) -> RolloutBatch:
-    """Phase 1: step ``step``'s batch from the run's rollouts (sampled ``max_staleness`` steps ago at most)."""
+    step: int, engine_weights: EngineWeights, rollouts: Rollouts, request: RolloutRequest
+) -> tuple[RolloutBatch, dict]:
+    """Phase 1: step ``step``'s batch from the run's rollouts (sampled ``max_staleness`` steps ago at
+    most), and its metrics."""
+    metrics: dict = {}
     try:
         model = engine_weights.current()
         if engine_weights.copy is not None:
-            log["time/engine_copy"] = engine_weights.copy_time
+            metrics["time/engine_copy"] = engine_weights.copy_time
         batch = rollouts.next_batch(step, model)
     except EngineError:
         raise
@@ -551,8 +553,8 @@ def _rollout(
             f"the rollout queue handed over batch {batch.step} with other prompts at step {step}; this is "
             "a bug in the rollout bookkeeping: please report it"
         )
-    log.update(batch.metrics(current_version=step - 1))
-    return batch
+    metrics.update(batch.metrics(current_version=step - 1))
+    return batch, metrics
 
 
 def _grade(
@@ -580,11 +582,11 @@ def _score(
     batch: RolloutBatch,
     reward_fn: Callable[..., dict],
     examples: list[Example],
-    log: dict,
     prompt: Prompt,
-) -> Scores:
+) -> tuple[Scores, dict]:
     """Phase 2: grade every response against its question's ground truth (and the prompt, its messages
-    and the example's other fields)."""
+    and the example's other fields); the scores and their metrics."""
+    metrics: dict = {}
     G = config.rollout.group_size
     completions = batch.flat_completions
     truths = [ex.ground_truth for ex in examples for _ in range(G)]
@@ -596,12 +598,12 @@ def _score(
     multi_turn = any("pieces" in c.meta for c in completions)
     if multi_turn:
         fields = [episode_fields(f, c) for f, c in zip(fields, completions, strict=True)]
-        log.update(episode_metrics(completions))
+        metrics.update(episode_metrics(completions))
     t0 = time.perf_counter()
     raw_rewards, reward_meta = _grade(reward_fn, batch.responses, truths, step, fields)
-    log["time/reward"] = time.perf_counter() - t0
+    metrics["time/reward"] = time.perf_counter() - t0
     ks = sorted({k for k in (2**i for i in range(G.bit_length())) if k <= G} | {G})
-    log.update(
+    metrics.update(
         {
             "train/reward": reward_meta["reward_mean"],
             "train/format_reward": reward_meta["format_reward_mean"],
@@ -612,7 +614,7 @@ def _score(
             **{f"train/{k}": v for k, v in reward_meta.get("logged", {}).items()},
         }
     )
-    return Scores(raw_rewards, reward_meta, truths)
+    return Scores(raw_rewards, reward_meta, truths), metrics
 
 
 def _signal_free(rewards: torch.Tensor, group_size: int) -> list[bool]:
@@ -628,20 +630,20 @@ def _fill_groups(
     examples: list[Example],
     scores: Scores,
     run: RunParts,
-    log: dict,
-) -> tuple[RolloutBatch, list[Example], Scores]:
+) -> tuple[RolloutBatch, list[Example], Scores, dict]:
     """``rollout.filter_groups`` (DAPO's dynamic sampling): each group whose rewards are all equal is
     replaced by the group of another prompt, for up to ``filter_max_rounds`` rounds. The replacement of
     the group at global batch position i in round k is a function of (seed, step, k, i) alone (its
     prompt drawn from the training data, its sampling seed), so every rank fills its own places as one
     process would. The filled batch is graded again for its metrics. Logs ``rollout/filter_dropped``
     (signal-free groups met, replacements included), ``rollout/filter_resampled`` (groups sampled
-    again), ``rollout/filter_rounds`` and ``rollout/filter_unfilled`` (places still signal-free)."""
+    again), ``rollout/filter_rounds`` and ``rollout/filter_unfilled`` (places still signal-free); with
+    the filled batch's grades and the time its generation and grading took, to add to the step's."""
     G, r = config.rollout.group_size, config.rollout
     positions = list(_rank_prompts(config, run.world))
     free = _signal_free(scores.rewards, G)
     prompts, groups, examples = list(batch.prompts), list(batch.completions), list(examples)
-    dropped, resampled, rounds = sum(free), 0, 0
+    dropped, resampled, rounds, generate_time = sum(free), 0, 0, 0.0
     rollouts = cast(SyncRollouts, run.rollouts)
     for k in range(1, r.filter_max_rounds + 1):
         todo = [j for j, f in enumerate(free) if f]
@@ -657,23 +659,23 @@ def _fill_groups(
             prompt_seeds=tuple(derive_seed(config.seed, "filter", step, k, positions[j], "sample") for j in todo),
         )
         extra = rollouts.generate(new_prompts, params, step)
-        new_scores = _score(config, step, extra, run.reward_fn, new_examples, {}, run.prompt)
+        new_scores, _ = _score(config, step, extra, run.reward_fn, new_examples, run.prompt)
         resampled += len(todo)
         for t, (j, still_free) in enumerate(zip(todo, _signal_free(new_scores.rewards, G))):
             prompts[j], groups[j], examples[j] = new_prompts[t], extra.completions[t], new_examples[t]
             free[j] = still_free
             dropped += still_free
-        log["time/generate"] += extra.timings["time/generate"]
-    log.update(
-        {
-            "rollout/filter_dropped": dropped,
-            "rollout/filter_resampled": resampled,
-            "rollout/filter_rounds": rounds,
-            "rollout/filter_unfilled": sum(free),
-        }
-    )
+        generate_time += extra.timings["time/generate"]
+    metrics: dict = {
+        "rollout/filter_dropped": dropped,
+        "rollout/filter_resampled": resampled,
+        "rollout/filter_rounds": rounds,
+        "rollout/filter_unfilled": sum(free),
+    }
+    if rounds:
+        metrics["time/generate"] = generate_time
     if not resampled:
-        return batch, examples, scores
+        return batch, examples, scores, metrics
     tokens = tokenize_groups(run.tokenizer, prompts, groups)
     filled = dataclasses.replace(
         batch,
@@ -684,10 +686,8 @@ def _fill_groups(
         response_mask=tokens["response_mask"],
         old_log_probs=None,
     )
-    time_reward = log["time/reward"]
-    scores = _score(config, step, filled, run.reward_fn, examples, log, run.prompt)
-    log["time/reward"] += time_reward
-    return filled, examples, scores
+    scores, score_metrics = _score(config, step, filled, run.reward_fn, examples, run.prompt)
+    return filled, examples, scores, metrics | score_metrics
 
 
 def _engine_agreement(
@@ -730,11 +730,11 @@ def _old_log_probs(
     model: torch.nn.Module,
     tokenizer: PreTrainedTokenizerBase,
     uses_old_log_probs: bool,
-    log: dict,
-) -> torch.Tensor | None:
+) -> tuple[torch.Tensor | None, dict]:
     """The sampling weights' log-probs of the batch, when the update uses them or the engine's are checked
     against them: the rollouts' own (a worker sends them), else the trainer's, which are the sampling
-    weights only when nothing ran ahead."""
+    weights only when nothing ran ahead; with the metrics of the check."""
+    metrics: dict = {}
     check_every = config.log.engine_logprob_check_every
     completions = batch.flat_completions
     engine_has_logprobs = any(c.logprobs is not None for c in completions)
@@ -755,20 +755,21 @@ def _old_log_probs(
         model.train(was_training)
     if check:
         output_ids = tokenizer(batch.responses, add_special_tokens=False)["input_ids"]
-        log.update(
+        metrics.update(
             _engine_agreement(completions, output_ids, old_log_probs, batch.response_mask, tokenizer.eos_token_id)
         )
-    log["time/logprobs"] = time.perf_counter() - t0
-    return old_log_probs
+    metrics["time/logprobs"] = time.perf_counter() - t0
+    return old_log_probs, metrics
 
 
 def _advantages(
-    config: TrainConfig, step: int, batch: RolloutBatch, scores: Scores, run: RunParts, log: dict
-) -> TrainBatch:
-    """Phase 3: group-normalised advantages and the old log-probs: what the updates train on."""
+    config: TrainConfig, step: int, batch: RolloutBatch, scores: Scores, run: RunParts
+) -> tuple[TrainBatch, dict]:
+    """Phase 3: group-normalised advantages and the old log-probs: what the updates train on, and the
+    metrics of the phase."""
     a = config.algorithm
-    old_log_probs = _old_log_probs(
-        config, step, batch, run.model, run.tokenizer, run.minibatch_spec.uses_old_log_probs, log
+    old_log_probs, metrics = _old_log_probs(
+        config, step, batch, run.model, run.tokenizer, run.minibatch_spec.uses_old_log_probs
     )
     rewards = scores.rewards
     completions = batch.flat_completions
@@ -777,25 +778,27 @@ def _advantages(
         overlong = soft_overlong_penalty(
             lengths, config.rollout.max_new_tokens, config.reward.overlong_buffer, config.reward.overlong_penalty
         )
-        log["train/overlong_penalty"] = float(overlong.mean())
+        metrics["train/overlong_penalty"] = float(overlong.mean())
         rewards = rewards + overlong
     if a.kl_coef > 0 and a.kl_in == "reward":
-        rewards = rewards - a.kl_coef * _sequence_kl(config, step, batch, run, old_log_probs, log)
+        sequence_kl, kl_metrics = _sequence_kl(config, step, batch, run, old_log_probs)
+        metrics.update(kl_metrics)
+        rewards = rewards - a.kl_coef * sequence_kl
     t0 = time.perf_counter()
     advantages, adv_meta = compute_group_normalized_rewards(
         rewards, config.rollout.group_size, a.baseline, a.advantage_eps, a.advantage_normalizer
     )
-    log["time/reward"] += time.perf_counter() - t0
+    metrics["time/reward"] = time.perf_counter() - t0  # added to the grading's time
     # The grader's rewards, also when a KL penalty changed those the advantages see.
-    log["train/reward_std"] = scores.rewards.std().item() if scores.rewards.numel() > 1 else 0.0
-    log["train/zero_adv_frac"] = adv_meta["zero_adv_frac"]
+    metrics["train/reward_std"] = scores.rewards.std().item() if scores.rewards.numel() > 1 else 0.0
+    metrics["train/zero_adv_frac"] = adv_meta["zero_adv_frac"]
     response_mask = batch.response_mask
     if a.mask_truncated:
         truncated = torch.tensor([c.finish_reason == "length" for c in completions])
         response_mask = truncated_masked(response_mask, truncated)
         # No loss at all: a zero advantage lets the update skip the row when nothing else needs it.
         advantages = advantages.masked_fill(truncated, 0.0)
-    return TrainBatch(batch.input_ids, batch.labels, response_mask, advantages, old_log_probs)
+    return TrainBatch(batch.input_ids, batch.labels, response_mask, advantages, old_log_probs), metrics
 
 
 def _sequence_kl(
@@ -804,10 +807,9 @@ def _sequence_kl(
     batch: RolloutBatch,
     run: RunParts,
     old_log_probs: torch.Tensor | None,
-    log: dict,
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, dict]:
     """``algorithm.kl_in: reward``: each rollout's KL to the reference summed over its response tokens
-    (B,), under the weights that sampled it; logs its mean per sequence as ``train/kl_penalty`` (times
+    (B,), under the weights that sampled it; with its mean per sequence as ``train/kl_penalty`` (times
     kl_coef) and per token as ``train/kl_ref``."""
     a, reference = config.algorithm, cast(Reference, run.reference)
     t0 = time.perf_counter()
@@ -831,36 +833,37 @@ def _sequence_kl(
         )
     kl = kl_penalty(policy.float().cpu(), ref.float().cpu(), a.kl_estimator) * mask[:, : policy.shape[1]]
     per_sequence = kl.sum(dim=1)
-    log["train/kl_ref"] = float(kl.sum() / mask.sum().clamp(min=1))
-    log["train/kl_penalty"] = a.kl_coef * float(per_sequence.mean())
-    log["time/kl"] = time.perf_counter() - t0
-    return per_sequence
+    metrics = {
+        "train/kl_ref": float(kl.sum() / mask.sum().clamp(min=1)),
+        "train/kl_penalty": a.kl_coef * float(per_sequence.mean()),
+        "time/kl": time.perf_counter() - t0,
+    }
+    return per_sequence, metrics
 
 
-def _gradient_variance(config: TrainConfig, run: RunParts, batch: TrainBatch, scores: Scores, log: dict) -> None:
+def _gradient_variance(config: TrainConfig, run: RunParts, batch: TrainBatch, scores: Scores) -> dict:
     """Diagnostic, before training on the batch: the per-group gradient variance of several estimators."""
     a = config.algorithm
     t0 = time.perf_counter()
-    log.update(
-        variance_metrics(
-            gradient_variance(
-                run.model,
-                batch.input_ids,
-                batch.labels,
-                batch.response_mask,
-                scores.rewards,
-                config.rollout.group_size,
-                a.loss_normalization,
-                a.normalization_constant,
-                config.train_batch_size,
-                a.baseline,
-                a.advantage_normalizer,
-                a.advantage_eps,
-                backbone=run.backbone,
-            )
+    metrics: dict = variance_metrics(
+        gradient_variance(
+            run.model,
+            batch.input_ids,
+            batch.labels,
+            batch.response_mask,
+            scores.rewards,
+            config.rollout.group_size,
+            a.loss_normalization,
+            a.normalization_constant,
+            config.train_batch_size,
+            a.baseline,
+            a.advantage_normalizer,
+            a.advantage_eps,
+            backbone=run.backbone,
         )
     )
-    log["time/gradient_variance"] = time.perf_counter() - t0
+    metrics["time/gradient_variance"] = time.perf_counter() - t0
+    return metrics
 
 
 def _minibatches(n_rows: int, train_batch: int, shuffle: bool, seed: int, step: int, epoch: int) -> list[list[int]]:
@@ -898,9 +901,10 @@ def _optimizer_step(
     )
 
 
-def _update(config: TrainConfig, step: int, run: RunParts, batch: TrainBatch, state: TrainState, log: dict) -> None:
-    """Phase 4: ``epochs`` passes over the batch in minibatches, one optimizer step each. A non-finite
-    step is skipped and counted; ``max_consecutive_nonfinite`` of them in a row stop the run."""
+def _update(config: TrainConfig, step: int, run: RunParts, batch: TrainBatch, state: TrainState) -> dict:
+    """Phase 4: ``epochs`` passes over the batch in minibatches, one optimizer step each; returns their
+    metrics. A non-finite step is skipped and counted; ``max_consecutive_nonfinite`` of them in a row
+    stop the run."""
     spec, minibatches = run.update_spec, run.minibatch_spec
     t0 = time.perf_counter()
     state.in_update = True
@@ -944,9 +948,9 @@ def _update(config: TrainConfig, step: int, run: RunParts, batch: TrainBatch, st
                 clips.append(meta["clip_fraction"])
             if "kl_ref" in meta:
                 kls.append(meta["kl_ref"])
-    log["time/train"] = time.perf_counter() - t0
+    metrics: dict = {"time/train": time.perf_counter() - t0}
     mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
-    log.update(
+    metrics.update(
         {
             "train/loss": mean(losses) if losses else 0.0,
             "train/grad_norm": mean(grad_norms) if grad_norms else 0.0,
@@ -959,11 +963,12 @@ def _update(config: TrainConfig, step: int, run: RunParts, batch: TrainBatch, st
         }
     )
     if REWEIGHTINGS[spec.reweighting].needs_cliprange:
-        log["train/clip_fraction"] = mean(clips) if clips else 0.0
+        metrics["train/clip_fraction"] = mean(clips) if clips else 0.0
     if spec.kl_coef_in_loss:
-        log["train/kl_ref"] = mean(kls) if kls else 0.0
+        metrics["train/kl_ref"] = mean(kls) if kls else 0.0
     if config.off_policy or config.engine.max_staleness:
-        log["updates"] = updates  # one record per optimizer step of this rollout batch (not a plotted series)
+        metrics["updates"] = updates  # one record per optimizer step of this rollout batch (not a plotted series)
+    return metrics
 
 
 def _dump_rollouts(
@@ -1011,19 +1016,34 @@ def _dump_rollouts(
     return records
 
 
+def _merge_phase(log: dict, metrics: dict) -> None:
+    """A phase's metrics into the step's. A time that an earlier phase logged too adds to it (the
+    generation and grading of the groups that filtering replaced, the advantages' share of the reward
+    time); any other metric replaces the earlier value (the filled batch's grades replace the first's)."""
+    for key, value in metrics.items():
+        if key.startswith("time/") and key in log:
+            log[key] += value
+        else:
+            log[key] = value
+
+
 def _rollout_step(config: TrainConfig, step: int, run_dir: Path, run: RunParts, state: TrainState) -> dict:
     """Phases 1-5 of the module docstring for 1-based rollout step ``step``; returns its metrics."""
     log: dict = {"step": step}
     t_step = time.perf_counter()
-    batch = _rollout(step, run.engine_weights, run.rollouts, run.request, log)
+    batch, metrics = _rollout(step, run.engine_weights, run.rollouts, run.request)
+    _merge_phase(log, metrics)
     examples = _step_examples(config, run.train_examples, step, run.world)
-    scores = _score(config, step, batch, run.reward_fn, examples, log, run.prompt)
+    scores, metrics = _score(config, step, batch, run.reward_fn, examples, run.prompt)
+    _merge_phase(log, metrics)
     if config.rollout.filter_groups:
-        batch, examples, scores = _fill_groups(config, step, batch, examples, scores, run, log)
-    train_batch = _advantages(config, step, batch, scores, run, log)
+        batch, examples, scores, metrics = _fill_groups(config, step, batch, examples, scores, run)
+        _merge_phase(log, metrics)
+    train_batch, metrics = _advantages(config, step, batch, scores, run)
+    _merge_phase(log, metrics)
     if config.log.gradient_variance_every and step % config.log.gradient_variance_every == 0:
-        _gradient_variance(config, run, train_batch, scores, log)
-    _update(config, step, run, train_batch, state, log)
+        _merge_phase(log, _gradient_variance(config, run, train_batch, scores))
+    _merge_phase(log, _update(config, step, run, train_batch, state))
 
     n_prompts = config.rollout.n_prompts_per_rollout_batch
     log["data/position"] = step * n_prompts
