@@ -158,6 +158,24 @@ def test_impossible_settings_name_the_fix(kw, fix):
         validate_config(resolve_config(TrainConfig(**kw)))
 
 
+def test_each_section_reports_its_own_problems():
+    """A section checks itself, with the message ``validate`` gives; a check that needs another section
+    (the group size that a std normaliser needs) is ``validate``'s alone."""
+    for section in (AlgorithmConfig(), RolloutConfig(), RewardConfig(), OptimConfig(), EngineConfig(), ModelConfig()):
+        assert section.problems() == [], section
+    assert RolloutConfig(top_p=0.0, max_new_tokens=0).problems() == [
+        "rollout.top_p must be in (0, 1], got 0.0",
+        "rollout.max_new_tokens must be >= 1, got 0",
+    ]
+    assert EngineConfig(name="hf", max_staleness=1).problems() == [
+        "engine.max_staleness=1 needs an engine with its own copy of the weights that can run ahead of the "
+        "trainer; engine.name='hf' cannot. Set engine.name=hf-worker (or max_staleness=0)"
+    ]
+    assert RolloutConfig(group_size=1).problems() == []
+    with pytest.raises(ConfigError, match="advantage_normalizer=std needs rollout.group_size >= 2"):
+        validate_config(resolved(rollout=RolloutConfig(group_size=1)))
+
+
 def test_clip_method_without_cliprange_is_an_error(monkeypatch):
     import rlvr.grpo.presets as presets
 
