@@ -104,13 +104,13 @@ class RowFormat:
                 raise DataError(f"{where}: the final answer after '####' is empty")
             return Example(question, truth, solution, meta, messages)
         if self.answer_format == "boxed":
-            truth = last_boxed(answer)
-            if not truth or not truth.strip():
+            boxed = last_boxed(answer)
+            if not boxed or not boxed.strip():
                 raise DataError(
                     f"{where}: the answer has no \\boxed{{...}} with a final answer "
                     "(for other answers set data.answer_format to gsm8k or raw)"
                 )
-            return Example(question, truth.strip(), answer, meta, messages)
+            return Example(question, boxed.strip(), answer, meta, messages)
         truth = answer.strip()
         if not truth:
             raise DataError(f"{where}: the answer in column {a!r} is empty")

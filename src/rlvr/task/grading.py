@@ -509,6 +509,7 @@ class LineWorker:
         with self._lock:
             try:
                 proc = self._ensure_started()
+                assert proc.stdin is not None  # started with stdin=PIPE
                 proc.stdin.write((json.dumps(payload, default=str) + "\n").encode())
                 proc.stdin.flush()
                 line = self._read_line(proc, timeout)
@@ -555,6 +556,7 @@ class LineWorker:
     @staticmethod
     def _read_line(proc: subprocess.Popen, timeout: float) -> bytes:
         # A raw unbuffered pipe, so poll sees every byte (poll, unlike select, takes any fd number).
+        assert proc.stdout is not None  # started with stdout=PIPE
         fd = proc.stdout.fileno()
         poller = select.poll()
         poller.register(fd, select.POLLIN)

@@ -52,6 +52,8 @@ def load_function(spec: str) -> Callable[..., Any]:
             raise ValueError(f"no such file {target} (relative to {os.getcwd()})")
         module_name = f"rlvr_user_reward_{path.stem}"
         loader_spec = importlib.util.spec_from_file_location(module_name, path)
+        if loader_spec is None or loader_spec.loader is None:
+            raise ValueError(f"{target} cannot be imported as a Python module (name it *.py)")
         module = importlib.util.module_from_spec(loader_spec)
         sys.modules[module_name] = module
         where = target

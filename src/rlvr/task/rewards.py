@@ -320,21 +320,19 @@ class Reward:
         """One row's reward dict from each function's."""
         several = len(self.components) > 1
         total, formats, out = 0.0, [], {"timed_out": 0.0}
-        answer = None
         for (name, _, weight), r in zip(self.components, results):
             out["timed_out"] = max(out["timed_out"], r.get("timed_out", 0.0))
             total += weight * r["reward"]
             if "format_reward" in r:
                 formats.append(r["format_reward"])
-            answer = r.get("answer_reward", r["reward"])
             if several:
                 out[name] = r["reward"]
             for key, value in r.items():
                 if key not in _PROTOCOL_KEYS and key != "timed_out":
                     out[f"{name}/{key}" if several else key] = value
-        out.update(
-            reward=total, format_reward=min(formats) if formats else 1.0, answer_reward=total if several else answer
-        )
+        # The one function's answer reward (its reward if it reports none), else the sum.
+        answer = results[0].get("answer_reward", results[0]["reward"]) if len(results) == 1 else total
+        out.update(reward=total, format_reward=min(formats) if formats else 1.0, answer_reward=answer)
         return out
 
 

@@ -131,6 +131,8 @@ class Prompt:
         """This prompt rendering with ``tokenizer`` (chat prompts need it; others ignore it)."""
         if self.kind != CHAT:
             return self
+        if tokenizer is None:
+            raise PromptError("prompt chat renders with the model's tokenizer; bind it to one, not None")
         check_chat_template(tokenizer)
         end = end_of_turn(tokenizer)
         if end and tokenizer.eos_token and end != tokenizer.eos_token:
@@ -144,6 +146,8 @@ class Prompt:
 
     def render(self, question: str) -> str:
         if self.kind != CHAT:
+            if self.template is None:
+                raise PromptError(f"prompt {self.name} ({self.kind}) has no template to render with")
             return self.template.format(question=question)
         if self.tokenizer is None:
             raise PromptError("prompt chat renders with the model's tokenizer; bind it first (Prompt.bind)")
