@@ -72,9 +72,10 @@ class VLLMEngine:
         session: requests.Session | None = None,
     ) -> None:
         self.tokenizer = tokenizer
-        self.served_model = served_model or getattr(getattr(model, "config", None), "_name_or_path", None)
-        if not self.served_model:
+        served = served_model or getattr(getattr(model, "config", None), "_name_or_path", None)
+        if not served:
             raise ValueError("VLLMEngine needs served_model: the hub id or directory the server should load")
+        self.served_model: str = served
         self.port = port
         self.base_url = (base_url or f"http://127.0.0.1:{port}").rstrip("/")
         self.gpu = gpu

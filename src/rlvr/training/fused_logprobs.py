@@ -215,16 +215,16 @@ class _LinearLogProbs(torch.autograd.Function):
                 g = grad_pass(logits, lse[sl], labels[sl], grad_lp[sl])
             else:
                 g = grad_entropy_pass(logits, lse[sl], labels[sl], grad_lp[sl], entropy[sl], grad_entropy[sl])
-            if need_h:
+            if grad_h is not None:
                 torch.mm(g, weight, out=grad_h[sl])
-            if need_w:
+            if grad_w is not None:
                 if acc_dtype == weight.dtype:
                     grad_w.addmm_(g.t(), h)
                 elif _addmm_into_float32(grad_w.device.type) and acc_dtype == torch.float32:
                     torch.addmm(grad_w, g.t(), h, out_dtype=acc_dtype, out=grad_w)
                 else:
                     grad_w.add_(g.t() @ h)
-            if need_b:
+            if grad_b is not None:
                 grad_b.add_(g.sum(0, dtype=acc_dtype))
         if grad_w is not None:
             grad_w = grad_w.to(weight.dtype)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, NoReturn, overload
 
 import torch
 
@@ -47,6 +47,11 @@ class _MasterWeights(torch.optim.Optimizer):
         self.masters = [p if p.dtype == torch.float32 else p.detach().float().clone() for p in self.model_params]
         super().__init__(self.masters, **kwargs)
 
+    # The base class's overloads; the closure form raises (ValueError below), hence NoReturn.
+    @overload
+    def step(self, closure: None = None) -> None: ...
+    @overload
+    def step(self, closure: Callable[[], float]) -> NoReturn: ...
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> None:
         if closure is not None:

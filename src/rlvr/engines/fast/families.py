@@ -76,7 +76,7 @@ def unsupported_reason(config: PretrainedConfig, model_class: str | None = None)
     names the fallback. Reads the config only, so it can run before the weights load."""
     model_type = getattr(config, "model_type", None)
     fallback = "use engine.name: hf (engine.name: auto picks it by itself)"
-    family = FAMILIES.get(model_type)
+    family = FAMILIES.get(model_type) if isinstance(model_type, str) else None
     if family is None:
         arch = model_class or ", ".join(getattr(config, "architectures", None) or []) or model_type
         return f"hf-fast runs {_supported_list()} models, not {arch}; {fallback}"
@@ -176,7 +176,6 @@ def layer_weights(model: torch.nn.Module, layout: Layout) -> list[LayerWeights]:
     first, second = layout.family.norm_names
     for layer in model.model.layers:  # type: ignore[union-attr]  # transformers' decoder stack
         attn, mlp = layer.self_attn, layer.mlp
-        qn, kn = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         out.append(
             LayerWeights(
                 wq=attn.q_proj.weight,
@@ -187,8 +186,8 @@ def layer_weights(model: torch.nn.Module, layout: Layout) -> list[LayerWeights]:
                 bv=attn.v_proj.bias,
                 wo=attn.o_proj.weight,
                 bo=attn.o_proj.bias,
-                q_norm=qn.weight if layout.family.qk_norm else None,
-                k_norm=kn.weight if layout.family.qk_norm else None,
+                q_norm=attn.q_norm.weight if layout.family.qk_norm else None,
+                k_norm=attn.k_norm.weight if layout.family.qk_norm else None,
                 norm1=getattr(layer, first).weight,
                 norm2=getattr(layer, second).weight,
                 w_gate=mlp.gate_proj.weight,

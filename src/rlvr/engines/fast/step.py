@@ -66,6 +66,14 @@ def project(x: torch.Tensor, ws: tuple, bs: tuple, sizes: tuple[int, ...]) -> tu
     return tuple(F.linear(x, w, b) for w, b in zip(ws, bs))
 
 
+def _qk_norm_weights(
+    q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, qk_norm: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if q_norm is None or k_norm is None:
+        raise ValueError(f"qk_norm={qk_norm!r} needs the q_norm and k_norm weights")
+    return q_norm, k_norm
+
+
 def pre_attention(
     x: torch.Tensor,
     norm1: torch.Tensor,
@@ -91,11 +99,13 @@ def pre_attention(
     h = norm(x, norm1, eps, float32_scale) if pre_norm else x
     q, k, v = project(h, wqkv, bqkv, (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim))
     if qk_norm == "all_heads":
-        q, k = norm(q, q_norm, eps, float32_scale), norm(k, k_norm, eps, float32_scale)
+        qn, kn = _qk_norm_weights(q_norm, k_norm, qk_norm)
+        q, k = norm(q, qn, eps, float32_scale), norm(k, kn, eps, float32_scale)
     q = q.view(B, Q, heads, head_dim)
     k = k.view(B, Q, kv_heads, head_dim)
     if qk_norm == "per_head":
-        q, k = norm(q, q_norm, eps, float32_scale), norm(k, k_norm, eps, float32_scale)
+        qn, kn = _qk_norm_weights(q_norm, k_norm, qk_norm)
+        q, k = norm(q, qn, eps, float32_scale), norm(k, kn, eps, float32_scale)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
     v = v.view(B, Q, kv_heads, head_dim).transpose(1, 2)
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

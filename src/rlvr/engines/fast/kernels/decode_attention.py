@@ -678,14 +678,15 @@ def triton_decode_attention(
         raise ValueError("pass both k_new and v_new, or neither")
     if q.stride(-1) != 1:
         q = q.contiguous()
-    has_new = k_new is not None
-    if has_new:
+    has_new = k_new is not None and v_new is not None
+    if k_new is not None and v_new is not None:
         kv_shape = (b, kv_heads, 1, head_dim)
         if tuple(k_new.shape) != kv_shape or tuple(v_new.shape) != kv_shape:
             raise ValueError(f"k_new and v_new must have the shape (rows, key/value heads, 1, head_dim) = {kv_shape}")
-        k_new = k_new if k_new.stride(-1) == 1 else k_new.contiguous()
-        v_new = v_new if v_new.stride(-1) == 1 else v_new.contiguous()
-    kn, vn = (k_new, v_new) if has_new else (q, q)  # unread placeholders without HAS_NEW
+        kn = k_new if k_new.stride(-1) == 1 else k_new.contiguous()
+        vn = v_new if v_new.stride(-1) == 1 else v_new.contiguous()
+    else:
+        kn, vn = q, q  # unread placeholders without HAS_NEW
     out = torch.empty((b, heads, 1, head_dim), dtype=q.dtype, device=q.device)
     part = out if splits == 1 else torch.empty((b, heads, splits, head_dim + 2), dtype=torch.float32, device=q.device)
     ppart = out
