@@ -177,10 +177,13 @@ class WeightingBins:
 def _lengths(groups: Sequence[GroupWeight], est: Estimator) -> tuple[float, float]:
     # Pooled per sample: a group's class mean weighs by its number of samples in that class.
     G = est.group_size
-    num_c = sum(g.correct_length * g.successes for g in groups)
-    num_i = sum(g.incorrect_length * (G - g.successes) for g in groups)
-    den_c = sum(g.successes for g in groups)
-    den_i = sum(G - g.successes for g in groups)
+    counted = [(g, g.successes) for g in groups if g.successes is not None]
+    if len(counted) != len(groups):
+        raise ValueError("class lengths need every group's number of successes (binary rewards)")
+    num_c = sum(g.correct_length * k for g, k in counted)
+    num_i = sum(g.incorrect_length * (G - k) for g, k in counted)
+    den_c = sum(k for _, k in counted)
+    den_i = sum(G - k for _, k in counted)
     return (num_c / den_c if den_c else 0.0), (num_i / den_i if den_i else 0.0)
 
 
@@ -277,6 +280,10 @@ def formula_text(est: Estimator, correct_length: float = 0.0, incorrect_length: 
     c = coef(G)
     if est.loss_normalization == "sequence":
         return f"W = {c:.4g} {shape} / B = {c / B:.4g} {shape}  (G={G}, B={B})"
+    if C is None:
+        raise ValueError(
+            f"loss_normalization={est.loss_normalization!r} has no closed form without a normalization constant"
+        )
     if key == ("none", "none"):
         return f"W = {G} p n+ / C = {G * correct_length / C:.4g} p  (G={G}, n+={correct_length:.1f}, C={C:g})"
     length = (correct_length + incorrect_length) / 2
@@ -312,13 +319,17 @@ def variance_measurements(run: Run) -> list[dict]:
     return out
 
 
-def predicted_baseline_change(p: float, energy_correct: float, energy_incorrect: float) -> float | None:
+def predicted_baseline_change(p: object, energy_correct: object, energy_incorrect: object) -> float | None:
     """``(1 - p) ((1 - p) + p E- / E+)``: the mean baseline's second moment over no baseline's when a
-    group's correct and incorrect score sums are orthogonal (docs/theory.md, section 2)."""
-    if (
-        not all(isinstance(x, (int, float)) and math.isfinite(x) for x in (p, energy_correct, energy_incorrect))
-        or energy_correct <= 0
+    group's correct and incorrect score sums are orthogonal (docs/theory.md, section 2). None unless all
+    three are finite numbers (a logged row may lack them) and ``energy_correct`` is positive."""
+    if not (
+        isinstance(p, (int, float))
+        and isinstance(energy_correct, (int, float))
+        and isinstance(energy_incorrect, (int, float))
     ):
+        return None
+    if not all(math.isfinite(x) for x in (p, energy_correct, energy_incorrect)) or energy_correct <= 0:
         return None
     return (1 - p) * ((1 - p) + p * energy_incorrect / energy_correct)
 
@@ -634,7 +645,8 @@ def _smooth_curve(est: Estimator, p: np.ndarray, lc: float, li: float) -> np.nda
 def plot_weighting_shapes(bins: dict[str, WeightingBins], path: Path) -> Path | None:
     """Every setting on one axis, each divided by the largest value of its closed form over k = 0..G, so the
     shapes p(1-p), sqrt(p(1-p)), 1-p and p compare whatever the scale."""
-    shown = {s: b for s, b in bins.items() if b.binary and np.nanmax(b.closed_form) > 0}
+    scales = {s: float(np.nanmax(b.closed_form)) for s, b in bins.items() if b.closed_form is not None}
+    shown = {s: b for s, b in bins.items() if scales.get(s, 0.0) > 0}
     if not shown:
         return None
     plt = _pyplot()
@@ -643,7 +655,7 @@ def plot_weighting_shapes(bins: dict[str, WeightingBins], path: Path) -> Path | 
         colors = plt.get_cmap("tab10")
         pp = np.linspace(0, 1, 201)
         for i, (setting, b) in enumerate(shown.items()):
-            scale = float(np.nanmax(b.closed_form))
+            scale = scales[setting]
             color = colors(i % 10)
             ok = b.n_groups > 0
             ax.errorbar(
@@ -899,20 +911,21 @@ def weighting_table(b: WeightingBins) -> str:
     for i, p in enumerate(b.p):
         if not b.n_groups[i]:
             continue
-        exact = f"{b.closed_form_exact[i]:.4g}" if b.binary else "–"
-        curve = f"{b.closed_form[i]:.4g}" if b.binary else "–"
+        exact = f"{b.closed_form_exact[i]:.4g}" if b.closed_form_exact is not None else "–"
+        curve = f"{b.closed_form[i]:.4g}" if b.closed_form is not None else "–"
         lines.append(f"| {p:.3f} | {b.n_groups[i]} | {b.mean_weight[i]:.4g} | {exact} | {curve} | {b.share[i]:.3f} |")
     return "\n".join(lines)
 
 
 def max_relative_deviation(b: WeightingBins) -> float | None:
     """Largest |measured - closed form with group lengths| / closed form over the bins with weight (None without a closed form)."""
-    if not b.binary:
+    exact = b.closed_form_exact
+    if not b.binary or exact is None:
         return None
-    ok = (b.n_groups > 0) & (np.abs(b.closed_form_exact) > 0)
+    ok = (b.n_groups > 0) & (np.abs(exact) > 0)
     if not ok.any():
         return 0.0
-    return float(np.max(np.abs(b.mean_weight[ok] - b.closed_form_exact[ok]) / np.abs(b.closed_form_exact[ok])))
+    return float(np.max(np.abs(b.mean_weight[ok] - exact[ok]) / np.abs(exact[ok])))
 
 
 def report_section(runs: Sequence[Run], rel: dict[str, str], level: str = "##") -> list[str]:

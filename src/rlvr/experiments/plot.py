@@ -246,9 +246,10 @@ def plot_final_vs_lr(
     other = _fewest_keys(list(by_setting.values()), other)
     lines: dict[str, list[tuple[float, str]]] = {}
     for setting, group in by_setting.items():
-        if lrs[setting] is None or not finals[setting].n:
+        lr = lrs[setting]
+        if lr is None or not finals[setting].n:
             continue
-        lines.setdefault(_signature(group[0], other), []).append((lrs[setting], setting))
+        lines.setdefault(_signature(group[0], other), []).append((lr, setting))
     if not lines:
         return None
     plt = _pyplot()

@@ -44,12 +44,12 @@ def final_table(runs: Sequence[Run], metric: str = VAL_REWARD) -> str:
     ]
     order = sorted(finals.values(), key=lambda f: -f.mean if f.n else math.inf)
     for f in order:
-        if not f.n:
+        best, worst = f.best, f.worst
+        if best is None or worst is None:  # no run logged the metric (f.n == 0)
             lines.append(f"| {f.setting} | – | – | – | 0 | – | – | – |")
             continue
         sd = f" ± {_num(f.std)}" if f.n > 1 else ""
         ci = f"± {_num(f.ci95)}" if f.n > 1 else "–"
-        best, worst = f.best, f.worst
         steps = sorted(set(f.steps.values()))
         at = str(steps[0]) if len(steps) == 1 else f"{steps[0]}–{steps[-1]} (unequal!)"
         lines.append(

@@ -20,7 +20,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 
@@ -110,7 +110,7 @@ class Run:
 
     @property
     def finished(self) -> bool:
-        return bool(self.summary) and self.summary.get("status") == "finished"
+        return self.summary is not None and self.summary.get("status") == "finished"
 
     @property
     def last_step(self) -> int | None:
@@ -159,7 +159,7 @@ class Run:
         return f"{self.setting}/seed_{self.seed}" if self.seed is not None else self.setting
 
 
-def _is_number(value: object) -> bool:
+def _is_number(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
@@ -182,6 +182,7 @@ def load_run(path: str | Path, setting: str | None = None) -> Run:
     path = Path(path)
     config = _read_json(path / "config.json") or {}
     m = SEED_DIR.match(path.name)
+    seed: int | None
     if m:
         seed = int(m.group(1))
         setting = setting or path.parent.name

@@ -171,9 +171,18 @@ def predicted_group_weight(
 # --- importance ratios per optimizer step -------------------------------------------------------------
 
 RATIO_QUANTILES = (0.01, 0.05, 0.25, 0.5, 0.75, 0.95, 0.99)
-TOKEN_EPS = DEFAULT_CLIPRANGE["ppo_clip"]
+
+
+def _default_clip(loss: str) -> float:
+    eps = DEFAULT_CLIPRANGE[loss]
+    if eps is None:
+        raise ValueError(f"DEFAULT_CLIPRANGE[{loss!r}] is None; the logged clip fractions need a clip range")
+    return eps
+
+
+TOKEN_EPS = _default_clip("ppo_clip")
 """Reference band of the token clip fraction logged for every method (PPO's default)."""
-SEQ_EPS = DEFAULT_CLIPRANGE["gspo"]
+SEQ_EPS = _default_clip("gspo")
 """Reference band of the sequence clip fraction logged for every method (GSPO's default)."""
 
 
