@@ -200,6 +200,8 @@ def evaluate(
     prompt = prompt.bind(tokenizer)
     prompt_name = prompt.name
     if engine is None:
+        if model is None or tokenizer is None:
+            raise ValueError("evaluate needs an engine, or a model and its tokenizer for the default hf engine")
         engine = make_engine("hf", model, tokenizer)
     params = params or SamplingParams()
     params = dataclasses.replace(params, stop=prompt.stop, include_stop_str_in_output=True)

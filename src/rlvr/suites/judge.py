@@ -267,6 +267,11 @@ MANY_UNPARSED = 0.1
 """The share of unreadable judgments from which a suite's headline warns that its score rests on fewer."""
 
 
+# The model's win in each order, by the judge's choice (None, an unreadable judgment, counts for neither).
+_FIRST_WINS: dict[int | None, float] = {1: 1.0, 2: 0.0}
+_SECOND_WINS: dict[int | None, float] = {2: 1.0, 1: 0.0}
+
+
 def judge_alpaca_eval(judge: EngineJudge | EndpointJudge, rows: list[dict]) -> tuple[dict, list[dict]]:
     """Judge each ``{instruction, output, reference}`` in both orders; returns (metrics, per-row verdicts)."""
     prompts = []
@@ -279,7 +284,7 @@ def judge_alpaca_eval(judge: EngineJudge | EndpointJudge, rows: list[dict]) -> t
     for i in range(len(rows)):
         first, second = parse_choice(answers[2 * i]), parse_choice(answers[2 * i + 1])
         # order 1: the model is response 1; order 2: the model is response 2
-        wins = [w for w in ({1: 1.0, 2: 0.0}.get(first), {2: 1.0, 1: 0.0}.get(second)) if w is not None]
+        wins = [w for w in (_FIRST_WINS.get(first), _SECOND_WINS.get(second)) if w is not None]
         failures += (first is None) + (second is None)
         consistent += first is not None and second is not None and first != second
         verdicts.append(

@@ -281,12 +281,16 @@ def load_suite_data(name: str, source: str, limit: int | None) -> list[dict]:
     return data.load_sst(source, limit)
 
 
-def _engine(cfg: SuiteConfig, model: torch.nn.Module, tokenizer: PreTrainedTokenizerBase, device: str) -> Engine:
-
+def _engine(cfg: SuiteConfig, model: torch.nn.Module | None, tokenizer: PreTrainedTokenizerBase, device: str) -> Engine:
+    """The engine of ``cfg``; ``model`` is None only for vllm, whose server loads ``cfg.model`` itself."""
     config = EngineConfig(
         name=cfg.engine, device=device, max_batch_size=cfg.batch_size, vllm=VLLMEngineConfig(base_url=cfg.vllm_base_url)
     )
-    return build_engine(config, model, tokenizer, served_model=cfg.model)
+    if model is None and cfg.engine != "vllm":
+        raise ValueError(f"engine {cfg.engine} generates with a local model; none was loaded")
+    # build_engine types the model of the in-process engines; VLLMEngine reads it only for a default
+    # served_model, given here.
+    return build_engine(config, model, tokenizer, served_model=cfg.model)  # type: ignore[arg-type]
 
 
 def _write_json(path: Path, obj: Any) -> None:
@@ -356,6 +360,8 @@ def _run_suites(
         dtype = None if cfg.dtype == "auto" else getattr(torch, cfg.dtype)
         model, tokenizer = load_model_and_tokenizer(cfg.model, device=device, dtype=dtype)
         model.eval()
+    if tokenizer is None:
+        raise ValueError("run_suites was given a model without its tokenizer")
     if engine is None:
         engine = _engine(cfg, model, tokenizer, device)
     prefix = "" if cfg.engine == "vllm" else special_prefix(tokenizer)
