@@ -7,12 +7,17 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
+TESTS = REPO / "tests"
+# The tests sit in folders that mirror src/rlvr, and some reuse another folder's helpers (the trainer
+# tests' tiny config, the engine tests' cases): every folder is importable, whichever file runs alone.
+sys.path[1:1] = [str(folder) for folder in sorted(TESTS.iterdir()) if folder.is_dir() and any(folder.glob("test_*.py"))]
 GSM8K_DIR = REPO.parent / "shared" / "data" / "gsm8k"
 GSM8K_FORMAT_ROWS = Path(__file__).resolve().parent / "fixtures" / "gsm8k"
 

@@ -1,4 +1,4 @@
-"""A miniature of the data-parallel rollout step, run by ``tests/test_distributed_recipe.py`` in one
+"""A miniature of the data-parallel rollout step, run by ``tests/distributed/test_distributed_recipe.py`` in one
 process and under ``torchrun``: each rank takes its prompts of every rollout batch, grades and
 normalises its own groups, scores old log-probs with the (wrapped) policy, and trains on its rows of
 shuffled global minibatches for two epochs with ``GlobalBatch``. Rewards are a fixed function of

@@ -56,7 +56,7 @@ def test_compiled_backbone_matches_eager(tiny_tokenizer):
 
 def test_fused_head_weight_gradient_accumulates_in_float32_inside_the_matmul():
     """On CUDA the head's weight gradient is summed over chunks by a bf16 x bf16 -> float32 matmul.
-    By hand as in tests/test_fused_logprobs.py: zero weights, every label 0, hidden 1; one token adds
+    By hand as in tests/training/test_fused_logprobs.py: zero weights, every label 0, hidden 1; one token adds
     1.0 and 256 add 1/512 each to d/dW[0]: 1.5, which a bf16 running sum would leave at 1.0. Then random
     bf16 inputs over many chunks against the float64 gradient."""
     from rlvr.training.fused_logprobs import _addmm_into_float32, linear_log_probs

@@ -13,7 +13,7 @@
    10, so ``rlvr report OUT/grpo`` shows what the estimator did (``docs/theory.md``).
 
 Settings were chosen on this 2-core machine (seed 0): validation accuracy goes from about 28 % to
-about 60 %. The test ``tests/test_learning.py`` runs this same function and asserts a rise of at
+about 60 %. The test ``tests/commands/test_learning.py`` runs this same function and asserts a rise of at
 least 20 points.
 """
 

@@ -2,7 +2,7 @@
 
 **Not exercised against a real server here.** vLLM does not install on our machines, so this module
 is written from vLLM's documented HTTP API and tested only against recorded-shape fixtures served by a
-local HTTP server (``tests/test_vllm_engine.py``). It is opt-in (``engine.name: vllm``): no shipped config
+local HTTP server (``tests/engines/test_vllm_engine.py``). It is opt-in (``engine.name: vllm``): no shipped config
 uses it. Treat the first run on a GPU box as its real test.
 
 The protocol (the course's vLLM protocol):

@@ -24,7 +24,7 @@ accuracy. DPO teaches no arithmetic here: on this 0.2 M-parameter model its upda
 last computed result right less often than after SFT (``result_correct_*`` in ``proof.json``), a
 side effect that the rise in accuracy outweighs. It is the preference-learning counterpart of
 ``rlvr demo``, where GRPO fixes a format that the warm start half-knows.
-``tests/test_learning_assistant.py`` runs this with its defaults and checks the bars of
+``tests/commands/test_learning_assistant.py`` runs this with its defaults and checks the bars of
 ``docs/learning.md``.
 
     python -m rlvr.experiments.sft_dpo_proof --out runs/sft_dpo_proof

@@ -10,7 +10,7 @@
 3. **Before and after**, from the trainer's own validation through the same environment: accuracy
    (``val/reward``) and calculator calls per answer (``val/tool_calls``).
 
-``tests/test_learning_tools.py`` runs it and asserts that both rise. ``python -m
+``tests/commands/test_learning_tools.py`` runs it and asserts that both rise. ``python -m
 rlvr.experiments.tool_proof --seeds 0 1 2 3`` runs it over several seeds (``--device cuda`` on a GPU).
 """
 

@@ -250,7 +250,7 @@ def slipped_solution(problem: Problem, solution: str, rng: random.Random) -> str
 
 def tool_solution(problem: Problem, solution: str) -> str:
     """``solution`` computed by one calculator call (the ``tool`` knob), written as the plain tool-call
-    format of ``rlvr.environments.formats`` reads and writes it (tests/test_environments.py holds them equal)."""
+    format of ``rlvr.environments.formats`` reads and writes it (tests/environments/test_environments.py holds them equal)."""
     expression = str(problem.start)
     for i, (op, k) in enumerate(problem.ops):
         expression = f"{expression if i == 0 else f'({expression})'} {op} {k}"

@@ -30,7 +30,7 @@ from rlvr.training.interrupts import Terminated
 from rlvr.training.metrics_log import read_metrics
 from rlvr.training.rundir import RunDirBusy
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
 
 

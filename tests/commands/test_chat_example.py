@@ -10,7 +10,7 @@ from pathlib import Path
 
 from rlvr.cli import main
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 # Each command as written, then a tiny model's sizes and a few steps (later flags win).
 TINY = {
     "sft": ["--model", "tiny", "--vocab-size", "300", "--steps", "4", "--batch-size", "4", "--no-progress"],

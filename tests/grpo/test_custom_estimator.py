@@ -13,7 +13,7 @@ from rlvr.experiments.plugins import import_plugin
 from rlvr.experiments.plugins import main as plugins_main
 from rlvr.grpo import REWEIGHTINGS, compute_policy_gradient_loss
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "my_estimator.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "my_estimator.py"
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from rlvr.task.instruction_data import (
     special_prefix,
 )
 
-SHARED_SAFETY = Path(__file__).resolve().parents[1].parent / "shared" / "prompts" / "safety"
+SHARED_SAFETY = Path(__file__).resolve().parents[2].parent / "shared" / "prompts" / "safety"
 PROTOCOL_FILES = (
     "alpaca_sft.prompt",
     "zero_shot_system_prompt.prompt",

@@ -278,7 +278,7 @@ def test_kept_head_logits_leave_the_update_unchanged(shared, tiny_tokenizer):
 
 def test_packed_update_takes_a_response_with_a_gap(tiny_model, tiny_tokenizer):
     """A response with a gap (a multi-turn conversation: the environment's tokens between the model's
-    turns) is packed over its whole span (tests/test_environments.py checks it equals the padded path);
+    turns) is packed over its whole span (tests/environments/test_environments.py checks it equals the padded path);
     ranks of a data-parallel run get a clear error."""
     tok = _group_batch(tiny_tokenizer)
     mask = tok["response_mask"].clone()

@@ -20,7 +20,7 @@ from rlvr.commands.dpo import DPOConfig, _as_dict
 from rlvr.training.rundir import RunDirBusy
 from rlvr.training.scaffold import claimed_output_dir
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
 
 

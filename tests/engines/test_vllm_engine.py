@@ -16,7 +16,7 @@ from rlvr.engines.hf import sequence_logprobs
 from rlvr.engines.vllm import VLLMEngine, parse_completions, parse_prompt_logprobs
 from rlvr.engines.worker import PROBE_TEXTS, WeightSyncError
 
-FIXTURES = Path(__file__).parent / "fixtures" / "vllm"
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
 
 
 def fixture(name: str) -> dict:

@@ -28,7 +28,7 @@ from rlvr.suites.judge import (
 from rlvr.suites.parsing import same_number
 from rlvr.suites.run import SUITES, clean_output, format_table, run_suite, wrap_prompt
 
-SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+SHARED_DATA = Path(__file__).resolve().parents[2].parent / "shared" / "data"
 MMLU_EXAMPLE = {
     "subject": "virology",
     "question": "How many human polyomaviruses are known at present?",

@@ -18,7 +18,7 @@ from rlvr.cli import main as cli
 from rlvr.config import ConfigError, EngineConfig, TrainConfig
 from rlvr.machine import check_machine, cuda_device_problem
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 TINY_YAML = """\
 model: {fresh: tiny, tokenizer_vocab_size: 300}
 data: {train_source: "arith:steps=1,max_value=9", train_size: 8, val_split: validation, val_size: 2}

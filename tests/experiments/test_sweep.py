@@ -393,7 +393,7 @@ def test_end_to_end_real_trainer(tmp_path, monkeypatch):
 # The shipped sweep specs
 # -------------------------------------------------------------------------------------------------
 
-SWEEPS = Path(__file__).resolve().parents[1] / "configs" / "sweeps"
+SWEEPS = Path(__file__).resolve().parents[2] / "configs" / "sweeps"
 SHIPPED = sorted(p for p in SWEEPS.glob("*.yaml") if not p.name.startswith("base_"))
 
 
@@ -479,7 +479,7 @@ def test_end_to_end_custom_estimator_in_subprocesses(tmp_path):
     """The user's estimator as one more setting of an off-policy sweep, run by the real trainer in two
     parallel subprocesses that import the plugin; the clip fraction is logged and reported."""
     pytest.importorskip("rlvr.commands.train")
-    example = Path(__file__).resolve().parents[1] / "examples" / "my_estimator.py"
+    example = Path(__file__).resolve().parents[2] / "examples" / "my_estimator.py"
     base = deep_merge(
         TINY_BASE, {"n_steps": 2, "eval_every": 0, "save_every": 0, "dump_every": 0, "optim.train_batch_size": 2}
     )  # 2 updates per rollout batch of 4: off-policy

@@ -12,7 +12,7 @@ from pathlib import Path
 import distributed_recipe
 import torch
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def test_torchrun_two_ranks_train_like_one_process(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 from rlvr.task import grading
 from rlvr.task.prompts import PROMPTS, load_template, render, reward_fn_for, stop_strings
 
-SHARED_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "prompts"
+SHARED_PROMPTS = Path(__file__).resolve().parents[2].parent / "shared" / "prompts"
 FILES = {
     "r1_zero": "r1_zero.prompt",
     "question_only": "question_only.prompt",

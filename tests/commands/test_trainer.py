@@ -386,7 +386,7 @@ def test_cli_trains_from_a_config_file_and_resumes(gsm8k_path, tmp_path):
 def test_plugins_field_makes_a_custom_estimator_selectable(gsm8k_path, tiny_model, tiny_tokenizer, tmp_path):
     from pathlib import Path
 
-    plugin = Path(__file__).resolve().parents[1] / "examples" / "my_estimator.py"
+    plugin = Path(__file__).resolve().parents[2] / "examples" / "my_estimator.py"
     cfg = tiny_config(
         gsm8k_path,
         plugins=(str(plugin),),

@@ -25,7 +25,7 @@ from rlvr.training.metrics_log import read_metrics
 
 pytestmark = pytest.mark.slow
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 RTOL, ATOL = 1e-4, 1e-5
 COMPARED = (
     "train/reward",

@@ -21,7 +21,7 @@ import torch
 
 from rlvr.engines.fast.kernels.decode_attention import default_splits, prompt_runs, reference_decode_attention
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def random_case(
