@@ -611,3 +611,30 @@ def test_arith_tool_traces_are_what_the_tool_environment_reads_and_writes():
     plain = load_arithmetic("train", limit=40, steps=2, noise=0.5)
     assert [e.question for e in plain] == [e.question for e in examples]
     assert all("<tool_call>" not in e.solution for e in plain)
+
+
+def test_rlvr_eval_with_a_training_config_plays_its_environment(tmp_path, gsm8k_path, tiny_model, tiny_tokenizer):
+    """``rlvr eval --config`` of a run with ``env.name tool`` answers through the environment, as that
+    run's validation does: every sample is a conversation, and the results count its turns."""
+    from rlvr.cli import main
+
+    tiny_model.save_pretrained(tmp_path / "model")
+    tiny_tokenizer.save_pretrained(tmp_path / "model")
+    config = {
+        "data": {"train_source": str(gsm8k_path), "val_source": str(gsm8k_path), "val_split": "test", "val_size": 4},
+        "prompt": "r1_zero",
+        "env": {"name": "tool", "tools": ["calculator"], "tool_format": "plain", "max_turns": 2, "max_tokens": 24},
+    }
+    (tmp_path / "run.json").write_text(json.dumps(config))
+    out = tmp_path / "eval"
+    argv = ["eval", "--config", str(tmp_path / "run.json"), "--model", str(tmp_path / "model"), "--out", str(out)]
+    assert main([*argv, "--max-tokens", "8", "--device", "cpu", "--seed", "3"]) == 0
+    (metrics,) = json.loads((out / "results.json").read_text())["results"].values()
+    assert metrics["n"] == 4 and 1 <= metrics["episodes"]["turns"] <= 2
+    # The same config without its environment answers in one turn, as before.
+    del config["env"]
+    (tmp_path / "run.json").write_text(json.dumps(config))
+    argv[-1] = str(tmp_path / "eval-single-turn")
+    assert main([*argv, "--max-tokens", "8", "--device", "cpu", "--seed", "3"]) == 0
+    (single,) = json.loads((tmp_path / "eval-single-turn" / "results.json").read_text())["results"].values()
+    assert single["n"] == 4 and "episodes" not in single

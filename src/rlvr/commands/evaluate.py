@@ -49,6 +49,7 @@ from rlvr.config import (
 )
 from rlvr.engines import build_engine, make_engine
 from rlvr.engines.base import SamplingParams, generate_in_chunks
+from rlvr.environments import episodes_for
 from rlvr.environments.rollout import episode_metrics
 from rlvr.errors import UserError
 from rlvr.grpo.advantages import pass_at_k
@@ -570,17 +571,22 @@ def _run(cfg: EvalConfig, tasks: EvalTasks) -> dict:
     results, all_samples = {}, []
     try:
         _check_prompt_lengths(cfg, model, tokenizer, tasks, data_sets)  # before the engine generates
+        # A training config's multi-turn environment plays each question out as in its validation.
+        episodes = [
+            episodes_for(c, tokenizer, prompt.bind(tokenizer)) for c, prompt in zip(tasks.configs, tasks.prompts)
+        ]
         for set_name, examples in data_sets:
-            for prompt, reward in zip(tasks.prompts, rewards):
+            for prompt, reward, played in zip(tasks.prompts, rewards, episodes):
                 metrics, samples = evaluate(
                     model,
                     tokenizer,
                     examples,
                     prompt,
-                    engine,
+                    engine if played is None else played.engine(engine),
                     params,
                     progress=True,
                     reward=own_rewards.get(set_name, reward),
+                    render=None if played is None else played.render,
                 )
                 key = tasks.result_name(set_name, prompt)
                 results[key] = metrics

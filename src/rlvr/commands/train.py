@@ -487,7 +487,7 @@ def _render_prompts(prompt: Prompt, episodes: Episodes | None, examples: Sequenc
     """The model's input for each example: the prompt's, or the opening of its conversation."""
     if episodes is None:
         return [prompt.render_example(ex) for ex in examples]
-    return episodes.open(examples, [prompt.example_messages(ex) for ex in examples])
+    return episodes.render(examples, prompt)
 
 
 def _rollout_request(
@@ -1138,7 +1138,7 @@ def _validate(
                 params=params,
                 chunk_size=max(1, config.engine.max_batch_size),
                 reward=(set_rewards or {}).get(name, reward),
-                render=None if episodes is None else lambda exs, p: _render_prompts(p, episodes, exs),
+                render=None if episodes is None else episodes.render,
             )
         except Exception as e:  # noqa: BLE001
             raise EngineError(

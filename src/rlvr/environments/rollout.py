@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from rlvr.environments.base import Environment
     from rlvr.environments.formats import ToolFormat
     from rlvr.task.example import Example
+    from rlvr.task.prompts import Prompt
 
 
 class RenderError(ValueError):
@@ -167,6 +168,10 @@ class Episodes:
             self.openings[text] = opening
             prompts.append(text)
         return prompts
+
+    def render(self, rows: Sequence[Example], prompt: Prompt) -> list[str]:
+        """The opening of each row's conversation under ``prompt`` (a bound prompt): what the engine is given."""
+        return self.open(rows, [prompt.example_messages(row) for row in rows])
 
     def engine(self, engine: Engine) -> EpisodeEngine:
         """``engine`` playing whole conversations for every prompt it is given."""
