@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from rlvr.commands.sft import SFTConfig, run_sft, sft_loss, sft_pairs, sft_response
+from rlvr.errors import UserError
 from rlvr.task.data import Example, load_examples
+from rlvr.training.metrics_log import read_metrics
 from rlvr.training.optim import lr_factor
 
 TASK = "arith:steps=1,max_value=10"
@@ -103,8 +105,8 @@ def test_sft_lowers_response_loss_on_held_out(sft_run):
         before, _ = sft_loss(untrained, tokenizer, prompts, responses)
         after, _ = sft_loss(model, tokenizer, prompts, responses)
     assert after < 0.6 * before
-    log = [json.loads(line) for line in (out / "sft_log.jsonl").read_text().splitlines()]
-    assert len(log) == 40 and log[-1]["loss"] < log[0]["loss"]
+    log = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in log] == list(range(1, 41)) and log[-1]["train/loss"] < log[0]["train/loss"]
     assert json.loads((out / "sft_config.json").read_text())["steps"] == 40
 
 
@@ -136,7 +138,6 @@ def test_cli_parses_options(tmp_path):
 
 
 def test_unknown_model_is_a_clear_error(tmp_path):
-    from rlvr.errors import UserError
 
     with pytest.raises(UserError, match="named size"):
         run_sft(SFTConfig(data=TASK, model="not-a-size", out=tmp_path, steps=1, max_examples=4, progress=False))
@@ -165,7 +166,6 @@ def test_a_chat_pair_is_the_rendered_prompt_then_the_response_and_end_of_turn(ti
 def test_sft_takes_the_data_and_prompt_of_a_training_config(tmp_path):
     from conftest import TOKEN_CHAT_TEMPLATE
 
-    from rlvr.errors import UserError
     from rlvr.modeling import load_model_and_tokenizer
 
     (tmp_path / "chat.jinja").write_text(TOKEN_CHAT_TEMPLATE)
@@ -195,4 +195,18 @@ def test_sft_takes_the_data_and_prompt_of_a_training_config(tmp_path):
     )
     _, tokenizer = load_model_and_tokenizer(out)
     assert tokenizer.chat_template == TOKEN_CHAT_TEMPLATE
-    assert len((out / "sft_log.jsonl").read_text().splitlines()) == 3
+    assert len(read_metrics(out / "metrics.jsonl")) == 3
+
+
+def test_metrics_are_one_row_a_step_and_overwrite_starts_them_again(tmp_path):
+    """``metrics.jsonl`` holds a row per step; ``--overwrite`` replaces an earlier fine-tune's rows
+    instead of appending to them, and without it the earlier fine-tune is refused."""
+    common = dict(data=TASK, model="tiny", vocab_size=300, batch_size=4, max_examples=16, out=tmp_path, progress=False)
+    run_sft(SFTConfig(steps=3, **common))
+    assert [r["step"] for r in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2, 3]
+    with pytest.raises(UserError, match="--overwrite"):
+        run_sft(SFTConfig(steps=2, **common))
+    run_sft(SFTConfig(steps=2, overwrite=True, **common))
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    assert set(rows[0]) >= {"train/loss", "lr", "train/grad_norm", "train/n_tokens"}

@@ -23,14 +23,15 @@ The model is a local checkpoint directory, a hub id, or a fresh OLMo-2 model of 
 (``tiny``, ``small``, ``20m``, ``olmo2-1b``); a fresh model gets a byte-level BPE tokenizer trained on
 the training prompts and responses first. The output directory holds the model and tokenizer
 (``save_pretrained``), loadable by ``rlvr eval`` and ``rlvr train`` as a base model, plus
-``sft_config.json`` and ``sft_log.jsonl`` (loss and learning rate per step). The arguments and the
+``sft_config.json`` and ``metrics.jsonl`` (``train/loss``, ``lr``, ``train/grad_norm`` and ``train/n_tokens``
+per step, the format ``rlvr plot`` reads; mirrored to wandb / TensorBoard when asked). The arguments and the
 output directory are checked before any work; an earlier fine-tune in ``--out`` is replaced only with
 ``--overwrite``.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import math
 import random
 import time
@@ -52,6 +53,7 @@ from rlvr.task.chat import tokenize_prompt_completion
 from rlvr.task.data import DataError, Example, load_examples
 from rlvr.task.prompts import CHAT, render, resolve_prompt
 from rlvr.training.logprobs import get_response_log_probs
+from rlvr.training.metrics_log import MetricsLogger
 from rlvr.training.optim import lr_factor
 from rlvr.training.rundir import atomic_write_json
 from rlvr.training.scaffold import claimed_output_dir
@@ -121,6 +123,12 @@ class SFTConfig:
     """Torch device (``cpu``, ``cuda``, ``cuda:1``)."""
     progress: bool = True
     """Show a progress bar with the loss."""
+    wandb: bool = False
+    """Mirror metrics to Weights & Biases (needs the wandb extra)."""
+    wandb_project: str = "rlvr"
+    """W&B project name."""
+    tensorboard: bool = False
+    """Mirror metrics to TensorBoard event files under OUT/tensorboard."""
     overwrite: bool = False
     """Replace an earlier fine-tuned model in ``out`` (otherwise that is an error)."""
 
@@ -211,7 +219,7 @@ def _check_model(name: str) -> None:
     modeling.check_model_source(name)
 
 
-OUTPUT_FILES = ("config.json", "model.safetensors", "sft_config.json", "sft_log.jsonl")
+OUTPUT_FILES = ("config.json", "model.safetensors", "sft_config.json", "metrics.jsonl")
 SFT_RANGES: dict[str, Range] = {
     "max_examples": AT_LEAST_ONE,
     "steps": AT_LEAST_ONE,
@@ -311,7 +319,9 @@ def run_sft(config: SFTConfig) -> Path:
     anything in it is read or replaced (``rlvr.training.scaffold.claimed_output_dir``)."""
     config = with_training_config(config)
     check_args(config)
-    with claimed_output_dir(config.out, OUTPUT_FILES, config.overwrite, command="rlvr sft"):
+    # An earlier fine-tune's metrics go with it, or the new run's would be appended to them.
+    replaced = ("metrics.jsonl", "tensorboard")
+    with claimed_output_dir(config.out, OUTPUT_FILES, config.overwrite, replaces=replaced, command="rlvr sft"):
         return _run(config)
 
 
@@ -357,9 +367,10 @@ def _run(config: SFTConfig) -> Path:
     order: list[int] = []
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
-    log_path = out / "sft_log.jsonl"
     start = time.time()
-    with log_path.open("w") as log, tqdm(range(total), desc="sft", disable=not config.progress) as bar:
+    settings = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()}
+    logger = MetricsLogger(out, settings, config.wandb, config.wandb_project, config.tensorboard)
+    with contextlib.closing(logger), tqdm(range(total), desc="sft", disable=not config.progress) as bar:
         for step in bar:
             if len(order) < batch_size:
                 perm = list(range(len(examples)))
@@ -379,19 +390,17 @@ def _run(config: SFTConfig) -> Path:
             optimizer.zero_grad(set_to_none=True)
             record = {
                 "step": step + 1,
-                "loss": loss.item(),
+                "train/loss": loss.item(),
                 "lr": config.lr * scale,
-                "grad_norm": grad_norm,
-                "n_tokens": n_tokens,
+                "train/grad_norm": grad_norm,
+                "train/n_tokens": n_tokens,
                 "time": round(time.time() - start, 3),
             }
-            log.write(json.dumps(record) + "\n")
-            bar.set_postfix(loss=f"{record['loss']:.3f}")
+            logger.log(record)
+            bar.set_postfix(loss=f"{record['train/loss']:.3f}")
     model.eval()
     save_model_and_tokenizer(model, tokenizer, out)
-    atomic_write_json(
-        out / "sft_config.json", {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()}
-    )
+    atomic_write_json(out / "sft_config.json", settings)
     return out
 
 
