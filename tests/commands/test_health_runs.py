@@ -57,7 +57,7 @@ def with_parity_validation(cfg: TrainConfig, tmp_path) -> TrainConfig:
 def test_a_run_pushed_to_collapse_warns_in_one_line_in_the_metrics_and_the_summary(
     tmp_path, tiny_model, tiny_tokenizer, capsys
 ) -> None:
-    cfg = config(lr=0.3, n_steps=10)  # a far too high learning rate: the policy turns deterministic
+    cfg = config(lr=0.3, n_steps=20)  # a far too high learning rate: the policy turns deterministic
     run(cfg, tmp_path / "run", tiny_model, tiny_tokenizer)
     records = [h for row in read_metrics(tmp_path / "run" / "metrics.jsonl") for h in row.get("health", [])]
     signals = {h["signal"] for h in records}
