@@ -155,8 +155,13 @@ def _assert_same_run(got: Path, want: Path, start: dict[str, torch.Tensor]) -> N
     wa, wb = _weights(want), _weights(got)
     assert set(wa) == set(wb)
     assert max(float((wa[n] - start[n]).abs().max()) for n in wa) > 1e-3, "training moved nothing"
+    # AdamW divides each gradient by its own running magnitude, so an element whose gradient nearly
+    # cancels takes the reduction order's relative error into a step-sized update: the weights are
+    # compared to a hundredth of the updates' largest possible total (lr per step), not to float noise.
+    saved = json.loads((want / "config.json").read_text())
+    weight_atol = max(ATOL, 1e-2 * saved["optim"]["lr"] * saved["n_steps"])
     for name in wa:
-        torch.testing.assert_close(wb[name], wa[name], rtol=RTOL, atol=ATOL, msg=name)
+        torch.testing.assert_close(wb[name], wa[name], rtol=RTOL, atol=weight_atol, msg=name)
     dumped = [json.loads(line) for line in (got / "rollouts" / "step_1.jsonl").read_text().splitlines()]
     reference = [json.loads(line) for line in (want / "rollouts" / "step_1.jsonl").read_text().splitlines()]
     assert [(r["group"], r["response"]) for r in dumped] == [(r["group"], r["response"]) for r in reference]

@@ -189,3 +189,13 @@ def test_global_metrics_combines_equal_rank_shares_by_hand():
     assert out["train/loss"] == 0.5 and out["step"] == 3  # already global: passes through
     assert out["updates"] == ["rank 0"]
     assert out["train/reward_std"] == pytest.approx((2 / 7) ** 0.5)
+
+
+def test_global_metrics_sums_counts_the_ranks_share_equally():
+    from rlvr.commands.train import global_metrics
+
+    # each rank resampled three groups and generated at the same rate: the step resampled six, at twice the rate
+    rank = {"step": 1, "rollout/filter_resampled": 3, "rollout/filter_rounds": 2, "tokens_per_s": 40.0}
+    out = global_metrics([dict(rank), dict(rank)], [[1.0], [0.0]])
+    assert out["rollout/filter_resampled"] == 6 and out["tokens_per_s"] == 80.0
+    assert out["rollout/filter_rounds"] == 2 and out["step"] == 1

@@ -1075,7 +1075,8 @@ def global_metrics(rank_logs: list[dict], rank_rewards: list[list[float]]) -> di
 
     Ranks hold equal shares (the same number of prompts and rows), so a per-row or per-group mean
     over the global batch is the mean of the ranks' means; times and memory take the largest rank,
-    throughputs and counts the sum, and ``train/reward_std`` is recomputed from every rank's rewards.
+    throughputs and counts the sum (equal or not), and ``train/reward_std`` is recomputed from every
+    rank's rewards.
     What every rank already holds globally (the update's loss, gradient norm, entropy: reduced inside
     ``policy_gradient_update``) is the same on every rank and passes through; anything that is not a
     number (the per-update records) is rank 0's."""
@@ -1084,12 +1085,12 @@ def global_metrics(rank_logs: list[dict], rank_rewards: list[list[float]]) -> di
         values = [log[key] for log in rank_logs if key in log]
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
             continue
-        if all(v == values[0] for v in values):
+        if key in _SUM_METRICS:  # before the pass-through: two ranks' equal counts are twice one's
+            out[key] = sum(values)
+        elif all(v == values[0] for v in values):
             out[key] = values[0]
         elif key.startswith(_MAX_METRICS):
             out[key] = max(values)
-        elif key in _SUM_METRICS:
-            out[key] = sum(values)
         else:
             out[key] = sum(values) / len(values)
     rewards = torch.tensor([r for rank in rank_rewards for r in rank], dtype=torch.float32)
