@@ -77,6 +77,7 @@ from typing import TYPE_CHECKING, Annotated, Any, cast
 
 import torch
 import tyro
+from tqdm.auto import tqdm
 
 from rlvr.checks import check_world, resolve_config, validate_config
 from rlvr.commands.evaluate import evaluate
@@ -111,7 +112,7 @@ from rlvr.engines.fast import unsupported_reason
 from rlvr.engines.rollouts import RolloutBatch, RolloutRequest, Rollouts, SyncRollouts, tokenize_groups
 from rlvr.environments import episodes_for, get_environment_entry
 from rlvr.environments.rollout import episode_fields, episode_metrics
-from rlvr.errors import EngineError, GraderError, NonFiniteError, TrainingError, UserError, disk_full
+from rlvr.errors import EngineError, GraderError, NonFiniteError, TrainingError, UserError
 from rlvr.experiments.plugins import import_plugins
 from rlvr.grpo import REWEIGHTINGS, compute_group_normalized_rewards, pass_at_k
 from rlvr.grpo.diagnostics import update_record
@@ -154,15 +155,15 @@ from rlvr.training.checkpoint import (
     save_best_model,
     save_checkpoint,
     saved_run_config,
-    verified_by_manifest,
 )
 from rlvr.training.health import HealthMonitor, HealthWarning
-from rlvr.training.interrupts import DeferInterrupts, Terminated, exit_code, sigterm_as_interrupt
+from rlvr.training.interrupts import exit_code, sigterm_as_interrupt
 from rlvr.training.logprobs import compile_backbone, compute_log_probs_batched
 from rlvr.training.lora import adapters_disabled, apply_lora
 from rlvr.training.metrics_log import ROLLOUT_SAMPLES, MetricsLogger, truncate_metrics, write_jsonl
 from rlvr.training.optim import lr_factor, make_adamw
-from rlvr.training.rundir import RunDirLock, atomic_write_json
+from rlvr.training.rundir import RunDirLock
+from rlvr.training.scaffold import TrainingRun
 from rlvr.training.train_step import StepBatch, UpdateSpec, policy_gradient_update
 
 if TYPE_CHECKING:
@@ -1190,10 +1191,6 @@ def _validation(config: TrainConfig, step: int, run_dir: Path, run: RunParts, st
 # ---------------------------------------------------------------------------------------------
 
 
-def _write_summary(run_dir: Path, **fields: Any) -> None:
-    atomic_write_json(run_dir / "summary.json", fields)
-
-
 def read_summary(run_dir: str | Path) -> dict | None:
     path = Path(run_dir) / "summary.json"
     try:
@@ -1542,27 +1539,78 @@ def _start_rollouts(
     return rollouts
 
 
-class RunRecord:
-    """What the run directory says about the run: its checkpoints and ``summary.json``."""
+class RunRecord(TrainingRun):
+    """The run scaffold's record (``rlvr.training.scaffold.TrainingRun``) over the loop's state: the
+    step and the newest checkpoint live in ``TrainState`` (they travel in every checkpoint), a step is
+    half done from its first optimizer update until it is logged, and the summary names the final and
+    best validation, the checkpoints and the health warnings."""
 
     def __init__(self, config: TrainConfig, run_dir: Path, run: RunParts, state: TrainState) -> None:
-        self.config, self.run_dir, self.run, self.state = config, run_dir, run, state
-        self.t_start = time.perf_counter()
+        self.config, self.run, self.state = config, run, state
         self.health_counts: dict[str, int] = {}
         """Health warnings of this process's part of the run, by signal."""
+        w = run.world
+        super().__init__(
+            run_dir,
+            config.n_steps,
+            f"rlvr train --resume {run_dir}",
+            self._save,
+            start=state.step,
+            resumed=state.saved_step is not None,
+            is_main=w.is_main,
+            rank_label=f"rank {w.rank}: " if w.distributed else "",
+        )
+
+    @property  # type: ignore[override]
+    def step(self) -> int:
+        return self.state.step
+
+    @step.setter
+    def step(self, value: int) -> None:
+        self.state.step = value
+
+    @property  # type: ignore[override]
+    def saved_step(self) -> int | None:
+        return self.state.saved_step
+
+    @saved_step.setter
+    def saved_step(self, value: int | None) -> None:
+        self.state.saved_step = value
+
+    def half_step(self) -> bool:
+        return self.state.in_update
+
+    def summary_fields(self) -> dict[str, Any]:
+        s = self.state
+        return {
+            "final": s.last_val,
+            "final_train_reward": s.last_train_reward,
+            "best": (
+                {"step": s.best_step, "val/reward": s.best_val, "model": f"{CKPT_DIR}/{BEST_DIR}/{MODEL_DIR}"}
+                if s.best_step is not None
+                else None
+            ),
+            "latest": f"{CKPT_DIR}/{LATEST}" if s.saved_step is not None else None,
+            "nonfinite_skipped": s.nonfinite_total,
+            "last_checkpoint": s.saved_step,
+            "health": self.health_counts,
+        }
 
     def warn(self, warnings: list[HealthWarning], bar: Any) -> None:
         """Say each of a step's health warnings in one line (above the progress bar)."""
         for w in warnings:
             self.health_counts[w.signal] = self.health_counts.get(w.signal, 0) + 1
-            if self.run.world.is_main:
+            if self.is_main:
                 bar.write(w.line(), file=sys.stderr)
 
     def checkpoint(self) -> None:
-        """Save the state after the last logged step (once per step)."""
-        state, run, at = self.state, self.run, self.state.step
-        if state.saved_step == at:
-            return
+        """Save the state after the last logged step (once per step; step 0 too, so that a run stopped
+        before its first step resumes with its data order and seeds)."""
+        if self.saved_step != self.step:
+            self._save(self.step)
+
+    def _save(self, at: int) -> None:
+        state, run = self.state, self.run
         save_checkpoint(
             self.run_dir,
             at,
@@ -1590,69 +1638,6 @@ class RunRecord:
         save_best_model(self.run_dir, self.run.model, self.run.tokenizer, record, sharded=self.run.sharded_checkpoints)
         state.best_val, state.best_step = float(value), step
 
-    def summary(self, status: str, message: str = "", every_rank: bool = False) -> None:
-        """Write summary.json: rank 0 alone, unless ``every_rank`` (a failure, which may be one rank's own)."""
-        if not (self.run.world.is_main or every_rank):
-            return
-        s = self.state
-        _write_summary(
-            self.run_dir,
-            status=status,
-            step=s.step,
-            n_steps=self.config.n_steps,
-            final=s.last_val,
-            final_train_reward=s.last_train_reward,
-            best=(
-                {"step": s.best_step, "val/reward": s.best_val, "model": f"{CKPT_DIR}/{BEST_DIR}/{MODEL_DIR}"}
-                if s.best_step is not None
-                else None
-            ),
-            latest=f"{CKPT_DIR}/{LATEST}" if s.saved_step is not None else None,
-            nonfinite_skipped=s.nonfinite_total,
-            last_checkpoint=s.saved_step,
-            health=self.health_counts,
-            message=message,
-            wall_time_s=time.perf_counter() - self.t_start,
-        )
-
-    def resume_hint(self) -> str:
-        if self.state.saved_step is None:
-            return (
-                f"No checkpoint was saved yet, so nothing is lost beyond the steps run: fix the cause and run "
-                f"`rlvr train --resume {self.run_dir}` to start again from step 0."
-            )
-        saved = self.state.saved_step
-        # Only checksums make "intact" true; a checkpoint resumed without them was only seen to load.
-        verified = verified_by_manifest(self.run_dir / CKPT_DIR / f"step_{saved:06d}")
-        return (
-            f"The checkpoint of step {saved} {'is intact' if verified else 'has no checksums (not known to be intact)'}: "
-            f"fix the cause and resume with `rlvr train --resume {self.run_dir}`."
-        )
-
-    def interrupted(self, e: KeyboardInterrupt) -> None:
-        """Save what is whole (a step interrupted during its updates is not) and say how to go on."""
-        how = "stopped by SIGTERM" if isinstance(e, Terminated) else "interrupted"
-        if not self.state.in_update:
-            self.checkpoint()
-            msg = (
-                f"{how}; saved a checkpoint at step {self.state.step}: resume with `rlvr train --resume {self.run_dir}`"
-            )
-        else:
-            msg = (
-                f"{how} in the middle of step {self.state.step + 1}'s updates, so that step was not saved. "
-                + self.resume_hint()
-            )
-        self.summary("interrupted", msg)
-        print(f"rlvr: {msg}", file=sys.stderr)
-
-    def failed(self, e: TrainingError) -> None:
-        text = str(e).rstrip()
-        e.args = (
-            f"{text}{'' if text.endswith('.') else '.'} {self.resume_hint()}",
-        )  # what is on disk is known only here
-        w = self.run.world
-        self.summary("failed", (f"rank {w.rank}: " if w.distributed else "") + str(e), every_rank=True)
-
 
 def _train(
     config: TrainConfig,
@@ -1676,8 +1661,7 @@ def _train(
         for own in run.set_rewards.values():
             resources.callback(own.close)
         resources.enter_context(attention_without_cudnn())
-        try:
-            record.summary("running")
+        with record.guarded():
             run.rollouts = _start_rollouts(config, run, engine, resources)
             logger = (
                 MetricsLogger(
@@ -1691,8 +1675,6 @@ def _train(
                 else _NoLogger()
             )
             resources.callback(logger.close)
-            from tqdm.auto import tqdm
-
             bar = tqdm(
                 total=config.n_steps,
                 initial=state.step,
@@ -1710,8 +1692,9 @@ def _train(
                 monitor.observe({"step": 0, **state.last_val})
                 state.health = monitor.state_dict()
                 logger.log({"step": 0, **state.last_val})
+            agree = _agree_on_signal if world.distributed else None  # every rank stops after the same step
             for step in range(state.step + 1, config.n_steps + 1):
-                with DeferInterrupts() as deferred:
+                with record.step_block(step, agree):
                     metrics = _rollout_step(config, step, run_dir, run, state)  # rollout, score, advantages, update
                     if _validation_due(config, step):
                         metrics.update(_validation(config, step, run_dir, run, state))
@@ -1724,31 +1707,18 @@ def _train(
                     state.step, state.in_update = step, False
                     if config.save_every and step % config.save_every == 0:
                         record.checkpoint()
-                record.warn(warnings, bar)
-                state.last_train_reward = metrics["train/reward"]
-                bar.set_postfix(progress_postfix(metrics, state.last_val))
-                bar.update(1)
-                if world.distributed:  # every rank stops after the same step, or none does
-                    deferred.requested = int(reduce_values([deferred.requested or 0], "max")[0]) or None
-                deferred.raise_if_requested()
+                    record.warn(warnings, bar)
+                    state.last_train_reward = metrics["train/reward"]
+                    bar.set_postfix(progress_postfix(metrics, state.last_val))
+                    bar.update(1)
             record.checkpoint()
             record.summary("finished")
             return run_dir
-        except KeyboardInterrupt as e:
-            record.interrupted(e)
-            raise
-        except TrainingError as e:
-            record.failed(e)
-            raise
-        except Exception as e:
-            full = disk_full(e)
-            if full is None:
-                raise
-            try:
-                record.failed(full)
-            except OSError:  # no room even for the summary: none is truer than one saying "running"
-                (run_dir / "summary.json").unlink(missing_ok=True)
-            raise full from None
+
+
+def _agree_on_signal(requested: int | None) -> int | None:
+    """The signal any rank received during the step (the largest number), so that all stop or none."""
+    return int(reduce_values([requested or 0], "max")[0]) or None
 
 
 class _NoLogger:
