@@ -66,6 +66,8 @@ def _per_sequence_tokens(n_tokens: Number, batch_size: int, normalization_consta
 
 @register_aggregation("constant", per_sequence=False, needs_normalization_constant=True)
 def _fixed_constant(n_tokens: Number, batch_size: int, normalization_constant: float | None) -> Number:
+    if normalization_constant is None:  # get_aggregation refuses this before any call reaches here
+        raise ValueError("loss_normalization='constant' needs a normalization_constant")
     return normalization_constant
 
 

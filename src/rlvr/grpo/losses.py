@@ -44,7 +44,8 @@ ClipRange = float | tuple[float, float]
 class Reweighting:
     fn: ReweightFn
     """``fn(A (B,1), logp (B,T), old (B,T)|None, cliprange|None, mask (B,T) bool|None)``; ``cliprange`` is a
-    float, or the pair ``(eps_low, eps_high)`` for a method with ``asymmetric_clip``."""
+    float, or the pair ``(eps_low, eps_high)`` for a method with ``asymmetric_clip``. An argument is None
+    only for a method that does not need it: ``validate_reweighting`` refuses a call without it."""
     needs_old_log_probs: bool = False
     needs_cliprange: bool = False
     needs_response_mask: bool = False
@@ -96,9 +97,12 @@ def _reinforce(
     return -A * logp, {}
 
 
+# The methods below are typed with what their needs_* flags guarantee they receive.
+
+
 @register_reweighting("noclip")
 def _noclip(
-    A: torch.Tensor, logp: torch.Tensor, old: torch.Tensor | None, eps: float | None, mask: torch.Tensor | None
+    A: torch.Tensor, logp: torch.Tensor, old: torch.Tensor, eps: float | None, mask: torch.Tensor | None
 ) -> tuple[torch.Tensor, dict]:
     ratio = torch.exp(logp - old)
     return -A * ratio, {"ratio_mean": _masked_mean(ratio, mask).detach()}
@@ -108,8 +112,8 @@ def _noclip(
 def _ppo_clip(
     A: torch.Tensor,
     logp: torch.Tensor,
-    old: torch.Tensor | None,
-    eps: tuple[float, float] | None,
+    old: torch.Tensor,
+    eps: tuple[float, float],
     mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, dict]:
     low, high = eps
@@ -131,9 +135,9 @@ for _alias, _name in REWEIGHTING_ALIASES.items():
 def _gspo(
     A: torch.Tensor,
     logp: torch.Tensor,
-    old: torch.Tensor | None,
-    eps: tuple[float, float] | None,
-    mask: torch.Tensor | None,
+    old: torch.Tensor,
+    eps: tuple[float, float],
+    mask: torch.Tensor,
 ) -> tuple[torch.Tensor, dict]:
     low, high = eps
     m = mask.to(logp.dtype)
@@ -153,8 +157,8 @@ def _gspo(
 def _cispo(
     A: torch.Tensor,
     logp: torch.Tensor,
-    old: torch.Tensor | None,
-    eps: tuple[float, float] | None,
+    old: torch.Tensor,
+    eps: tuple[float, float],
     mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, dict]:
     high = eps[1]  # CISPO bounds the weight from above only

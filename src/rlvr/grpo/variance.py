@@ -149,14 +149,23 @@ def gradient_variance(
 
     def group_scores(j: int, record: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         r = rewards[j * G : (j + 1) * G]
-        U = S = None
-        for v in torch.unique(r).tolist():
+
+        def reward_class(v: float) -> torch.Tensor:
+            """X_jv: the score sum of the group's rows with reward v."""
             rows = torch.nonzero(r == v).flatten() + j * G
             X = class_score(rows)
-            U = v * X if U is None else U + v * X
-            S = X if S is None else S + X
             if record and binary:
                 energy["correct" if v == 1.0 else "incorrect"].append(float(X.double().pow(2).sum()) / len(rows))
+            return X
+
+        # A group has at least one reward value: the sums start from the first one's class.
+        first, *others = torch.unique(r).tolist()
+        S = reward_class(first)
+        U = first * S
+        for v in others:
+            X = reward_class(v)
+            U = U + v * X
+            S = S + X
         return U, S
 
     def estimate(name: str, j: int, U: torch.Tensor, S: torch.Tensor) -> torch.Tensor:
@@ -169,7 +178,7 @@ def gradient_variance(
     # (U_j, S_j) are kept for pass 2 when they fit in keep_bytes, else computed again.
     keep = J * 2 * sum(p.numel() for p in params) * 4 <= keep_bytes
     kept = []
-    total: dict[str, torch.Tensor | None] = {n: None for n in names}
+    total: dict[str, torch.Tensor] = {}  # an estimator's sum over the groups seen so far
     sq_norms = {n: 0.0 for n in names}
     for j in range(J):
         U, S = group_scores(j, record=True)
@@ -177,7 +186,7 @@ def gradient_variance(
             kept.append((U, S))
         for n in names:
             g = estimate(n, j, U, S)
-            total[n] = g if total[n] is None else total[n] + g
+            total[n] = total[n] + g if n in total else g
             sq_norms[n] += float(g.double().pow(2).sum())
     mean = {n: total[n] / J for n in names}
     # Pass 2: each group's estimates projected on the leave-one-out mean of the *other* groups, a direction

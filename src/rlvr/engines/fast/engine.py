@@ -288,10 +288,12 @@ class FastHFEngine:
             fused=fused,
         )
         st = self._state
-        stacked = st is not None and bool(st.wqkv)
+        # The state whose stacked weights the layers use, or None to use each layer's own tensors.
+        stacked = st if st is not None and st.wqkv else None
         for i, w in enumerate(self._weights):
-            if stacked:
-                wqkv, bqkv, wgate_up, bgate_up = st.wqkv[i], st.bqkv[i], st.wgate_up[i], st.bgate_up[i]
+            if stacked is not None:
+                wqkv, bqkv = stacked.wqkv[i], stacked.bqkv[i]
+                wgate_up, bgate_up = stacked.wgate_up[i], stacked.bgate_up[i]
             else:
                 wqkv, bqkv = (w.wq, w.wk, w.wv), (w.bq, w.bk, w.bv)
                 wgate_up, bgate_up = (w.w_gate, w.w_up), (w.b_gate, w.b_up)
