@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from rlvr.errors import UserError
+
 
 @dataclass(frozen=True)
 class Range:
@@ -78,6 +80,16 @@ def range_problems(
         else:
             problems.append(f"{name(key)} must be {allowed}, got {value}")
     return problems
+
+
+def check_flags(obj: object, ranges: Mapping[str, Range], checks: Iterable[tuple[bool, str]] = ()) -> None:
+    """Raise one ``UserError`` naming every failed check (``checks``: a command's own ``(failed, message)``
+    pairs) and every value of ``obj`` outside its range in ``ranges``, by flag; a flag that a failed
+    check already names is not reported twice. Every command checks its flags this way before any work."""
+    problems = [message for failed, message in checks if failed]
+    problems += range_problems(obj, ranges, flag_name, known=problems)
+    if problems:
+        raise UserError("; ".join(problems))
 
 
 def flag_name(key: str) -> str:

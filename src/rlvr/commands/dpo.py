@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from rlvr.errors import UserError
 from rlvr.machine import resolve_device
 from rlvr.modeling import check_chat_template_before_load, load_model_and_tokenizer, resolve_dtype
-from rlvr.ranges import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range, flag_name, range_problems
+from rlvr.ranges import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range, check_flags
 from rlvr.task.chat import check_messages, is_messages, tokenize_prompt_completion
 from rlvr.task.data import DataError
 from rlvr.task.data_order import batch_indices
@@ -410,9 +410,7 @@ class DPOConfig:
             raise UserError("--out DIR is required")
         if self.fresh_optimizer and self.resume is None:
             raise UserError("--fresh-optimizer applies to a resumed run: pass it with --resume DIR")
-        problems = range_problems(self, DPO_RANGES, flag_name)
-        if problems:
-            raise UserError("; ".join(problems))
+        check_flags(self, DPO_RANGES)
 
 
 DPO_RANGES: dict[str, Range] = {

@@ -55,7 +55,16 @@ from rlvr.errors import UserError
 from rlvr.grpo.advantages import pass_at_k
 from rlvr.machine import usable_device
 from rlvr.modeling import check_model_source
-from rlvr.ranges import ABOVE_ZERO_TO_ONE, AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, Range, flag_name, range_problems
+from rlvr.ranges import (
+    ABOVE_ZERO_TO_ONE,
+    AT_LEAST_ONE,
+    NON_NEGATIVE,
+    POSITIVE,
+    Range,
+    check_flags,
+    flag_name,
+    range_problems,
+)
 from rlvr.suites.run import main as suite_main
 from rlvr.task.build import (
     DataSource,
@@ -359,9 +368,10 @@ def check_args(cfg: EvalConfig) -> None:
     """Reject impossible arguments before any work (``UserError``); ``--out`` is checked under its
     lock by ``run``."""
 
-    problems = [
-        msg
-        for bad, msg in [
+    check_flags(
+        cfg,
+        EVAL_RANGES,
+        [
             (
                 cfg.limit is not None and cfg.limit < 1,
                 f"--limit must be >= 1 (or left out for every question), got {cfg.limit}",
@@ -372,12 +382,8 @@ def check_args(cfg: EvalConfig) -> None:
             (cfg.temperature < 0, f"--temperature must be >= 0 (0 is greedy), got {cfg.temperature}"),
             (not 0 < cfg.top_p <= 1, f"--top-p must be in (0, 1], got {cfg.top_p}"),
             (cfg.examples < 0, f"--examples must be >= 0, got {cfg.examples}"),
-        ]
-        if bad
-    ]
-    problems += range_problems(cfg, EVAL_RANGES, flag_name, known=problems)
-    if problems:
-        raise UserError("; ".join(problems))
+        ],
+    )
     if cfg.temperature == 0 and cfg.n > 1:
         warnings.warn(
             f"--temperature 0 is greedy decoding: the --n {cfg.n} samples of a question are the same answer, so "

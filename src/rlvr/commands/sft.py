@@ -47,7 +47,7 @@ from rlvr.config import load_config_file
 from rlvr.errors import UserError
 from rlvr.machine import usable_device
 from rlvr.modeling import check_chat_template_before_load, read_chat_template, save_model_and_tokenizer
-from rlvr.ranges import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, PROBABILITY, Range, flag_name, range_problems
+from rlvr.ranges import AT_LEAST_ONE, NON_NEGATIVE, POSITIVE, PROBABILITY, Range, check_flags
 from rlvr.task.build import check_chat_rows
 from rlvr.task.chat import tokenize_prompt_completion
 from rlvr.task.data import DataError, Example, load_examples
@@ -241,9 +241,10 @@ def check_args(config: SFTConfig) -> None:
     """Reject impossible arguments before any work (``UserError``); ``--out`` is checked under its
     lock by ``run_sft``."""
 
-    problems = [
-        msg
-        for bad, msg in [
+    check_flags(
+        config,
+        SFT_RANGES,
+        [
             (
                 config.steps is not None and config.steps < 1,
                 f"--steps must be >= 1 (or left out to use --epochs), got {config.steps}",
@@ -258,12 +259,8 @@ def check_args(config: SFTConfig) -> None:
                 config.max_examples is not None and config.max_examples < 1,
                 f"--max-examples must be >= 1 (or left out for all), got {config.max_examples}",
             ),
-        ]
-        if bad
-    ]
-    problems += range_problems(config, SFT_RANGES, flag_name, known=problems)
-    if problems:
-        raise UserError("; ".join(problems))
+        ],
+    )
     _check_model(config.model)
 
 

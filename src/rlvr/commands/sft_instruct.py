@@ -53,7 +53,7 @@ from rlvr.modeling import (
     resolve_dtype,
     save_model_and_tokenizer,
 )
-from rlvr.ranges import AT_LEAST_ONE, BELOW_ONE, NON_NEGATIVE, POSITIVE, PROBABILITY, Range, flag_name, range_problems
+from rlvr.ranges import AT_LEAST_ONE, BELOW_ONE, NON_NEGATIVE, POSITIVE, PROBABILITY, Range, check_flags
 from rlvr.task.data_order import batch_indices
 from rlvr.task.instruction_data import (
     IGNORE_INDEX,
@@ -173,9 +173,7 @@ class InstructSFTConfig:
             raise UserError(f"{', '.join(missing)} required (or --resume DIR to continue a run)")
         if self.fresh_optimizer and self.resume is None:
             raise UserError("--fresh-optimizer applies to a resumed run: pass it with --resume DIR")
-        problems = range_problems(self, INSTRUCT_SFT_RANGES, flag_name)
-        if problems:
-            raise UserError("; ".join(problems))
+        check_flags(self, INSTRUCT_SFT_RANGES)
         check_model_name(self.model)
 
 

@@ -47,7 +47,7 @@ from rlvr.engines.base import SamplingParams, generate_in_chunks
 from rlvr.errors import UserError
 from rlvr.machine import usable_device
 from rlvr.modeling import load_model_and_tokenizer
-from rlvr.ranges import AT_LEAST_ONE, Range, flag_name, range_problems
+from rlvr.ranges import AT_LEAST_ONE, Range, check_flags
 from rlvr.suites import data
 from rlvr.suites.judge import MANY_UNPARSED, judge_alpaca_eval, judge_sst, make_judge
 from rlvr.suites.parsing import parse_gsm8k_response, parse_mmlu_response, same_number
@@ -319,9 +319,7 @@ def run_suites(
     ``model``/``tokenizer``/``engine``/``judge`` replace loading them from ``cfg`` (tests, experiments)."""
     if not cfg.suite:
         raise UserError("--suite needs at least one of mmlu gsm8k alpaca_eval sst")
-    problems = range_problems(cfg, SUITE_RANGES, flag_name)
-    if problems:
-        raise UserError("; ".join(problems))
+    check_flags(cfg, SUITE_RANGES)
     # The lock before --out is read or written: a second evaluation into it is refused, not mixed in.
     with claimed_output_dir(cfg.out, OUTPUT_FILES, cfg.overwrite, command="rlvr eval --suite"):
         return _run_suites(cfg, model, tokenizer, engine, judge)
