@@ -547,7 +547,10 @@ def _wrap(text: str, width_chars: int) -> str:
     return "\n".join(textwrap.wrap(text, max(55, width_chars)))
 
 
-def _save(fig: Figure, path: Path) -> Path:
+def _save(fig: Figure, path: Path, title: str | None = None) -> Path:
+    """Lay ``fig`` out under its ``title`` and write it to ``path``; returns ``path``."""
+    if title is not None:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
@@ -613,15 +616,11 @@ def plot_weighting(bins: dict[str, WeightingBins], path: Path) -> Path | None:
             ax2.set_title(f"{int(b.n_groups.sum())} groups from the rollout dumps", fontsize=8)
             ax2.grid(alpha=0.3)
             ax2.legend(fontsize=7)
-        fig.suptitle(
-            _wrap(
-                "Difficulty weighting: the gradient weight of a group is the sum over its tokens of |A| x "
-                "the aggregation's coefficient",
-                12 * n,
-            ),
-            fontsize=10,
+        figure_title = (
+            "Difficulty weighting: the gradient weight of a group is the sum over its tokens of |A| x "
+            "the aggregation's coefficient"
         )
-        return _save(fig, path)
+        return _save(fig, path, _wrap(figure_title, 12 * n))
     finally:
         plt.close(fig)
 
@@ -716,14 +715,10 @@ def plot_variance(runs: Sequence[Run], path: Path) -> Path | None:
             )
             ax.grid(alpha=0.3, which="both")
             ax.legend(fontsize=7)
-        fig.suptitle(
-            _wrap(
-                "Gradient variance on the same rollouts, re-scored under each advantage estimator (mean across seeds)",
-                12 * n,
-            ),
-            fontsize=10,
+        figure_title = (
+            "Gradient variance on the same rollouts, re-scored under each advantage estimator (mean across seeds)"
         )
-        return _save(fig, path)
+        return _save(fig, path, _wrap(figure_title, 12 * n))
     finally:
         plt.close(fig)
 
@@ -807,12 +802,11 @@ def plot_offpolicy(curves: UpdateCurves, path: Path) -> Path | None:
             ax.set_xlabel("optimizer step within the rollout batch")
             ax.grid(alpha=0.3, which="both")
             ax.legend(fontsize=6.5)
-        fig.suptitle(
+        figure_title = (
             f"{curves.setting}: off-policy drift within a rollout batch (colour: training phase; token-weighted "
-            f"mean over its rollout steps and seeds)",
-            fontsize=10,
+            f"mean over its rollout steps and seeds)"
         )
-        return _save(fig, path)
+        return _save(fig, path, figure_title)
     finally:
         plt.close(fig)
 
@@ -852,12 +846,11 @@ def plot_offpolicy_comparison(curves: dict[str, UpdateCurves], path: Path) -> Pa
             ax.set_xlabel("optimizer step within the rollout batch")
             ax.grid(alpha=0.3, which="both")
             ax.legend(fontsize=7)
-        fig.suptitle(
+        figure_title = (
             "Off-policy drift of every setting (token-weighted mean over all rollout steps and seeds; "
-            "from the second optimizer step on)",
-            fontsize=10,
+            "from the second optimizer step on)"
         )
-        return _save(fig, path)
+        return _save(fig, path, figure_title)
     finally:
         plt.close(fig)
 
