@@ -193,15 +193,22 @@ def test_children_die_with_the_code():
     assert_no_process_left()
 
 
-def test_refuses_without_isolation_unless_opted_out(monkeypatch):
-    monkeypatch.setattr(sandbox, "_isolation_checked", ["user namespaces are switched off"])
-    with pytest.raises(SandboxUnavailable, match="user namespaces are switched off.*require_isolation=False"):
-        run_python("print(1)")
-    if os.getuid() == 0:
-        with pytest.raises(sandbox.SandboxError, match="would run as root"):
-            run_python("print(1)", require_isolation=False)
-    else:
-        assert run_python("print(1)", require_isolation=False).stdout == "1\n"
+def test_refuses_without_isolation_unless_opted_out():
+    with sandbox.known_isolation_problem("user namespaces are switched off"):
+        with pytest.raises(SandboxUnavailable, match="user namespaces are switched off.*require_isolation=False"):
+            run_python("print(1)")
+        if os.getuid() == 0:
+            with pytest.raises(sandbox.SandboxError, match="would run as root"):
+                run_python("print(1)", require_isolation=False)
+        else:
+            assert run_python("print(1)", require_isolation=False).stdout == "1\n"
+
+
+def test_a_known_isolation_problem_holds_for_its_block_only():
+    found = sandbox.isolation_problem()
+    with sandbox.known_isolation_problem("user namespaces are switched off"):
+        assert sandbox.isolation_problem() == "user namespaces are switched off"
+    assert sandbox.isolation_problem() == found
 
 
 def test_bad_limits_are_refused():

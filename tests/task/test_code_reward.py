@@ -118,10 +118,10 @@ def test_reward_code_scores_through_the_trainers_path():
     assert meta["format_reward_mean"] == 0.5
 
 
-def test_reward_code_is_refused_before_training_where_code_cannot_be_isolated(monkeypatch):
-    monkeypatch.setattr(sandbox, "_isolation_checked", ["user namespaces are switched off"])
-    with pytest.raises(RewardConfigError, match="reward code cannot run on this machine: user namespaces"):
-        Reward(["code"]).start()
+def test_reward_code_is_refused_before_training_where_code_cannot_be_isolated():
+    with sandbox.known_isolation_problem("user namespaces are switched off"):
+        with pytest.raises(RewardConfigError, match="reward code cannot run on this machine: user namespaces"):
+            Reward(["code"]).start()
 
 
 def test_tiny_run_trains_on_the_code_task(tiny_tokenizer, tmp_path):
@@ -145,17 +145,17 @@ def test_tiny_run_trains_on_the_code_task(tiny_tokenizer, tmp_path):
         assert 0 <= r["train/reward"] <= 1 and "train/reward/all_passed" in r and "train/reward/test_timeouts" in r
 
 
-def test_opting_out_of_isolation_where_the_kernel_has_none(monkeypatch):
-    monkeypatch.setattr(sandbox, "_isolation_checked", ["user namespaces are switched off"])
-    reward = Reward(["code"], code_isolation=False)
-    if os.getuid() == 0:
-        # The sandbox never runs model-written code as root without namespaces: refused up front.
-        with pytest.raises(RewardConfigError, match="switched off, and the trainer runs as root"):
+def test_opting_out_of_isolation_where_the_kernel_has_none():
+    with sandbox.known_isolation_problem("user namespaces are switched off"):
+        reward = Reward(["code"], code_isolation=False)
+        if os.getuid() == 0:
+            # The sandbox never runs model-written code as root without namespaces: refused up front.
+            with pytest.raises(RewardConfigError, match="switched off, and the trainer runs as root"):
+                reward.start()
+        else:
             reward.start()
-    else:
-        reward.start()
-        program = fenced("a, b = map(int, input().split())\nprint(a + b)\n")
-        assert reward(program, SUM_TESTS)["reward"] == 1.0
+            program = fenced("a, b = map(int, input().split())\nprint(a + b)\n")
+            assert reward(program, SUM_TESTS)["reward"] == 1.0
 
 
 @needs_sandbox

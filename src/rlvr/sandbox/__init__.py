@@ -25,6 +25,8 @@ Where the kernel refuses namespaces (unprivileged user namespaces switched off),
 so once in the log and every call raises ``SandboxUnavailable``, unless ``require_isolation=False``:
 the code then runs with only the limits, the process group, the empty environment and the temporary
 directory, with the network and the file system of the trainer's user open to it, and never as root.
+``isolation_problem()`` says what that check found; ``known_isolation_problem(...)`` supplies the
+answer for a block instead of the check.
 """
 
 from __future__ import annotations
@@ -42,7 +44,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import BinaryIO, cast
 
@@ -110,6 +113,22 @@ def isolation_problem() -> str | None:
                 log.warning("rlvr.sandbox: code cannot be isolated on this machine: %s", problem)
             _isolation_checked.append(problem)
         return _isolation_checked[0]
+
+
+@contextmanager
+def known_isolation_problem(problem: str | None) -> Iterator[None]:
+    """Within the block, take ``problem`` as what ``isolation_problem`` found (None: the code can be
+    isolated) instead of probing: for a caller that knows the answer already (a container that forbids
+    namespaces), or that tries the unisolated path on a machine that has them. What was found before,
+    or that nothing was, is restored after."""
+    with _isolation_lock:
+        earlier = list(_isolation_checked)
+        _isolation_checked[:] = [problem]
+    try:
+        yield
+    finally:
+        with _isolation_lock:
+            _isolation_checked[:] = earlier
 
 
 def _probe() -> str | None:
