@@ -40,7 +40,8 @@ that still hold LaTeX it cannot evaluate (``\\sqrt``, ``\\pi``, ...) go to ``mat
 runs in a separate worker process: symbolic parsing can hang (``9^{9^{9^9}}``), signal-based
 timeouts do not work outside the main thread, and a thread cannot be interrupted, so a call that
 exceeds ``SYMBOLIC_TIMEOUT_S`` kills the worker and scores 0. Answers longer than
-``MAX_ANSWER_CHARS`` score 0 without being read.
+``MAX_ANSWER_CHARS`` score 0 without being read. ``symbolic_checks()`` counts the answers that went
+to the symbolic path.
 """
 
 from __future__ import annotations
@@ -210,6 +211,7 @@ def grade_math(answer: str, ground_truth: str) -> bool:
             return False
     except _Reject:
         pass
+    _count_symbolic_check()
     if len(answer) > MAX_SYMBOLIC_CHARS or len(ground_truth) > MAX_SYMBOLIC_CHARS:
         return False
     return _WORKER.check(answer.strip(), ground_truth.strip(), SYMBOLIC_TIMEOUT_S, mode="verify")
@@ -478,8 +480,27 @@ class _Arithmetic:
 # ---------------------------------------------------------------------------------------------
 
 
+_symbolic_lock = threading.Lock()
+_symbolic_count = 0
+
+
+def symbolic_checks() -> int:
+    """How many answers this process has handed to the symbolic path (math-verify's worker) so far,
+    those it then refused as too long included: the numeric path decides the rest, so a count that
+    rises with every answer means the answers need the slower worker."""
+    with _symbolic_lock:
+        return _symbolic_count
+
+
+def _count_symbolic_check() -> None:
+    global _symbolic_count
+    with _symbolic_lock:
+        _symbolic_count += 1
+
+
 def _symbolic_equal(pred_latex: str, gold_latex: str) -> bool:
     """math-verify's verdict on two LaTeX expressions, with an exact numeric check; 0 on timeout."""
+    _count_symbolic_check()
     if len(pred_latex) > MAX_SYMBOLIC_CHARS or len(gold_latex) > MAX_SYMBOLIC_CHARS:
         return False
     return _WORKER.check(pred_latex, gold_latex, SYMBOLIC_TIMEOUT_S)
