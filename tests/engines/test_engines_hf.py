@@ -202,16 +202,17 @@ def test_make_engine_hf_shares_weights(tiny_model, tiny_tokenizer):
         make_engine("nope", tiny_model, tiny_tokenizer)
 
 
-def test_stop_candidate_filter_changes_nothing(tiny_model, tiny_tokenizer, monkeypatch):
+def test_stop_candidate_filter_changes_nothing(tiny_model, tiny_tokenizer):
     # Sampled runs with several stop strings: checking only rows whose newest token holds a stop
     # string's last character must give exactly what checking every row gives.
     engine = HFEngine(tiny_model, tiny_tokenizer, max_batch_size=16)
     params = SamplingParams(n=4, temperature=1.0, max_new_tokens=25, stop=("e ", "th", "</answer>"), seed=3)
     filtered = engine.generate(PROMPTS, params)
-    cands = engine._stop_candidates(params.stop)
+    cands = engine.stop_candidates(params.stop)
     assert cands and all(any(c in tiny_tokenizer.decode([i]) for c in " h>") for i in cands)
-    monkeypatch.setattr(HFEngine, "_stop_candidates", lambda self, stops: None)
-    unfiltered = engine.generate(PROMPTS, params)
+    every_row = HFEngine(tiny_model, tiny_tokenizer, max_batch_size=16, filter_stop_checks=False)
+    assert every_row.stop_candidates(params.stop) is None
+    unfiltered = every_row.generate(PROMPTS, params)
     flat = lambda res: [(c.text, c.token_ids, c.finish_reason) for g in res for c in g]  # noqa: E731
     assert flat(filtered) == flat(unfiltered)
     assert any(c.finish_reason == "stop" for g in filtered for c in g)

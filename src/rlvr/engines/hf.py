@@ -72,7 +72,9 @@ class HFEngine:
 
     The engine holds a reference to ``model`` (no copy), so a trainer's updates are visible at once and
     ``sync_weights`` does nothing. ``max_batch_size`` bounds the rows decoded together (prompts × n);
-    a prompt's ``n`` samples always share one chunk.
+    a prompt's ``n`` samples always share one chunk. ``filter_stop_checks`` decodes, for stop strings,
+    only the rows whose newest token can complete one (``stop_candidates``); False decodes every live
+    row each step: slower, the same completions, a reference for the filter.
     """
 
     def __init__(
@@ -82,6 +84,7 @@ class HFEngine:
         max_batch_size: int = 64,
         compact_fraction: float = 0.25,
         mask_unused_vocab: bool = True,
+        filter_stop_checks: bool = True,
     ) -> None:
         if tokenizer.pad_token_id is None:
             raise ValueError("the tokenizer has no pad token; set tokenizer.pad_token = tokenizer.eos_token")
@@ -91,6 +94,7 @@ class HFEngine:
         self.max_batch_size = max_batch_size
         self.compact_fraction = compact_fraction
         self.mask_unused_vocab = mask_unused_vocab
+        self.filter_stop_checks = filter_stop_checks
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.stats = {"tokens": 0, "time": 0.0}
 
@@ -98,15 +102,15 @@ class HFEngine:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def _stop_candidates(self, stops: tuple[str, ...]) -> set[int] | None:
+    def stop_candidates(self, stops: tuple[str, ...]) -> set[int] | None:
         """Ids of the tokens that can complete one of ``stops``, or None to check every token.
 
         A stop string is completed by the token that produced its last character, so only rows whose
         newest token decodes to text holding that character need the (host-side) tail decode. This
         holds when every stop string ends in an ASCII character, which one byte-level token cannot
-        split; otherwise every row is checked.
+        split; otherwise, and with ``filter_stop_checks`` off, every row is checked.
         """
-        if not stops or any(not s[-1].isascii() for s in stops):
+        if not self.filter_stop_checks or not stops or any(not s[-1].isascii() for s in stops):
             return None
         key = tuple(sorted(stops))
         cache = self.__dict__.setdefault("_candidate_cache", {})
@@ -183,7 +187,7 @@ class HFEngine:
         vocab_limit = len(tok) if self.mask_unused_vocab else None
         stops = tuple(s for s in params.stop if s)
         window = stop_window_tokens(stops)
-        candidates = self._stop_candidates(stops)
+        candidates = self.stop_candidates(stops)
         lp_buf = torch.zeros((R, T), dtype=torch.float32, device=device)
         rows = torch.arange(R, device=device)  # global row id of each batch row
         live = list(range(R))  # global row ids, aligned with the batch
