@@ -13,7 +13,7 @@ import torch
 
 from rlvr.engines.base import SamplingParams
 from rlvr.engines.hf import sequence_logprobs
-from rlvr.engines.vllm import VLLMEngine, parse_completions, parse_prompt_logprobs
+from rlvr.engines.vllm import NCCLWeightTransport, VLLMEngine, parse_completions, parse_prompt_logprobs
 from rlvr.engines.worker import PROBE_TEXTS, WeightSyncError
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "vllm"
@@ -195,18 +195,39 @@ def _sync_routes(model, tokenizer, shift=0.0):
     }
 
 
-def test_sync_protocol_order_and_payloads(engine_with, tiny_model, tiny_tokenizer, monkeypatch):
+class RecordingTransport:
+    """A weight transport that moves nothing: it records each call and raises ``send_error`` from
+    ``send`` when one is set."""
+
+    def __init__(self, send_error: Exception | None = None):
+        self.send_error = send_error
+        self.calls: list[tuple] = []
+
+    def init(self, world_size: int) -> None:
+        self.calls.append(("init", world_size))
+
+    def send(self, model: torch.nn.Module) -> None:
+        self.calls.append(("send", model))
+        if self.send_error is not None:
+            raise self.send_error
+
+
+def test_the_default_transport_is_nccl_at_the_engines_master_address(engine_with):
+    engine, _ = engine_with({}, master_address="10.0.0.2", master_port=29999)
+    assert engine.weight_transport == NCCLWeightTransport("10.0.0.2", 29999)
+
+
+def test_sync_protocol_order_and_payloads(engine_with, tiny_model, tiny_tokenizer):
+    transport = RecordingTransport()
     engine, server = engine_with(
         _sync_routes(tiny_model, tiny_tokenizer),
         master_address="10.0.0.2",
         master_port=29999,
+        weight_transport=transport,
     )
-    nccl = []
-    monkeypatch.setattr(engine, "_trainer_init", lambda world_size: nccl.append(("init", world_size)) or "GROUP")
-    monkeypatch.setattr(engine, "_trainer_send", lambda model: nccl.append(("send", engine._group)))
     info = engine.sync_weights(tiny_model)
     info2 = engine.sync_weights(tiny_model)
-    assert nccl == [("init", 2), ("send", "GROUP"), ("send", "GROUP")]
+    assert transport.calls == [("init", 2), ("send", tiny_model), ("send", tiny_model)]
     control = [(m, p) for m, p, _ in server.calls if p != "/v1/completions"]
     step = [("POST", "/pause"), ("POST", "/update_weights"), ("POST", "/reset_prefix_cache"), ("POST", "/resume")]
     assert control == [("GET", "/get_world_size"), ("POST", "/init_weight_transfer_engine")] + step + step
@@ -225,24 +246,17 @@ def test_sync_protocol_order_and_payloads(engine_with, tiny_model, tiny_tokenize
     assert info["sync/probe_max_abs_diff"] == pytest.approx(0.0, abs=1e-6) and "time/sync" in info2
 
 
-def test_sync_check_catches_a_stale_server(engine_with, tiny_model, tiny_tokenizer, monkeypatch):
-    engine, server = engine_with(_sync_routes(tiny_model, tiny_tokenizer, shift=0.5))
-    monkeypatch.setattr(engine, "_trainer_init", lambda world_size: "GROUP")
-    monkeypatch.setattr(engine, "_trainer_send", lambda model: None)
+def test_sync_check_catches_a_stale_server(engine_with, tiny_model, tiny_tokenizer):
+    routes = _sync_routes(tiny_model, tiny_tokenizer, shift=0.5)
+    engine, server = engine_with(routes, weight_transport=RecordingTransport())
     with pytest.raises(WeightSyncError, match="do not match"):
         engine.sync_weights(tiny_model)
     assert [p for _, p, _ in server.calls].count("/resume") == 1  # generation is resumed even so
 
 
-def test_resume_even_when_update_fails(engine_with, tiny_model, tiny_tokenizer, monkeypatch):
+def test_resume_even_when_update_fails(engine_with, tiny_model, tiny_tokenizer):
     routes = _sync_routes(tiny_model, tiny_tokenizer)
-    engine, server = engine_with(routes)
-    monkeypatch.setattr(engine, "_trainer_init", lambda world_size: "GROUP")
-
-    def boom(model):
-        raise RuntimeError("nccl broke")
-
-    monkeypatch.setattr(engine, "_trainer_send", boom)
+    engine, server = engine_with(routes, weight_transport=RecordingTransport(send_error=RuntimeError("nccl broke")))
     with pytest.raises(RuntimeError, match="nccl broke"):
         engine.sync_weights(tiny_model)
     # The update's POST runs in a thread the client does not wait for once the send failed (the server may

@@ -18,7 +18,8 @@ The protocol (the course's vLLM protocol):
   NCCL group with ``NCCLWeightTransferEngine.trainer_init``; (every step): ``POST /pause``,
   ``POST /update_weights`` with ``{"update_info": {names, dtype_names, shapes, packed}}`` while
   ``NCCLWeightTransferEngine.trainer_send_weights`` streams the parameters, ``POST /reset_prefix_cache``,
-  ``POST /resume``.
+  ``POST /resume``. The trainer's side of both is a ``WeightTransport`` (``NCCLWeightTransport`` unless
+  the engine is given another).
 * **check**: like the worker engine, every sync ends with a probe: the server's prompt log-probs of a
   fixed batch (``prompt_logprobs``) against the trainer's teacher-forced log-probs; a difference above
   ``probe_tolerance`` raises ``WeightSyncError``.
@@ -32,7 +33,8 @@ import subprocess
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
 import requests
 
@@ -45,12 +47,48 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
+class WeightTransport(Protocol):
+    """The trainer's side of a weight sync: ``init`` joins the server's workers once (the trainer is
+    rank 0 of ``world_size``) while the server answers ``/init_weight_transfer_engine``; ``send``
+    streams the model's parameters, in ``named_parameters`` order, while it answers ``/update_weights``."""
+
+    def init(self, world_size: int) -> None: ...
+
+    def send(self, model: torch.nn.Module) -> None: ...
+
+
+@dataclass
+class NCCLWeightTransport:
+    """vLLM's NCCL weight transfer, trainer side (vLLM's helpers, imported only when used)."""
+
+    master_address: str = "127.0.0.1"
+    master_port: int = 29551
+    group: Any = None
+    """The NCCL group joined by ``init``."""
+
+    def init(self, world_size: int) -> None:
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
+
+        self.group = NCCLWeightTransferEngine.trainer_init(
+            dict(master_address=self.master_address, master_port=self.master_port, world_size=world_size)
+        )
+
+    def send(self, model: torch.nn.Module) -> None:
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerSendWeightsArgs, NCCLWeightTransferEngine
+
+        NCCLWeightTransferEngine.trainer_send_weights(
+            iterator=model.named_parameters(), trainer_args=NCCLTrainerSendWeightsArgs(group=self.group, packed=True)
+        )
+
+
 class VLLMEngine:
     """Rollouts from a vLLM server; weights pushed to it over NCCL.
 
     ``served_model`` is what the server loads (a hub id or directory; default: the trainer model's
     ``config._name_or_path``). With ``start_server`` the engine launches ``vllm serve`` itself on
-    ``gpu``; otherwise it talks to a server already running at ``base_url``.
+    ``gpu``; otherwise it talks to a server already running at ``base_url``. ``weight_transport`` moves
+    the weights (default: ``NCCLWeightTransport`` at ``master_address:master_port``, which the server is
+    told too).
     """
 
     def __init__(
@@ -70,6 +108,7 @@ class VLLMEngine:
         probe_tolerance: float = 0.25,
         check_sync: bool = True,
         session: requests.Session | None = None,
+        weight_transport: WeightTransport | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         served = served_model or getattr(getattr(model, "config", None), "_name_or_path", None)
@@ -85,8 +124,9 @@ class VLLMEngine:
         self.probe_tolerance = probe_tolerance
         self.check_sync = check_sync
         self.session = session or requests.Session()
+        self.weight_transport = weight_transport or NCCLWeightTransport(master_address, master_port)
         self._proc: subprocess.Popen | None = None
-        self._group = None
+        self._transfer_ready = False
         if start_server:
             self.start(startup_timeout_s)
 
@@ -172,21 +212,6 @@ class VLLMEngine:
         return parse_completions(body, len(prompts), params.n)
 
     # -- weight sync ----------------------------------------------------------------------------
-    def _trainer_init(self, world_size: int) -> Any:
-        """Join the NCCL group as rank 0 (vLLM's trainer-side helper; imported only here)."""
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLWeightTransferEngine
-
-        return NCCLWeightTransferEngine.trainer_init(
-            dict(master_address=self.master_address, master_port=self.master_port, world_size=world_size)
-        )
-
-    def _trainer_send(self, model: torch.nn.Module) -> None:
-        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerSendWeightsArgs, NCCLWeightTransferEngine
-
-        NCCLWeightTransferEngine.trainer_send_weights(
-            iterator=model.named_parameters(), trainer_args=NCCLTrainerSendWeightsArgs(group=self._group, packed=True)
-        )
-
     def _post_while(self, path: str, payload: dict, work: Callable[[], object]) -> None:
         """POST ``path`` in a thread (the server blocks in NCCL) while ``work()`` runs here."""
         errors: list[BaseException] = []
@@ -213,17 +238,14 @@ class VLLMEngine:
             "rank_offset": 1,
             "world_size": world_size,
         }
-        holder: dict[str, Any] = {}
         self._post_while(
-            "/init_weight_transfer_engine",
-            {"init_info": init_info},
-            lambda: holder.setdefault("group", self._trainer_init(world_size)),
+            "/init_weight_transfer_engine", {"init_info": init_info}, lambda: self.weight_transport.init(world_size)
         )
-        self._group = holder["group"]
+        self._transfer_ready = True
 
     def sync_weights(self, model: torch.nn.Module) -> dict:
         t0 = time.perf_counter()
-        if self._group is None:
+        if not self._transfer_ready:
             self.init_weight_transfer()
         names, dtype_names, shapes = [], [], []
         for name, p in model.named_parameters():
@@ -233,7 +255,7 @@ class VLLMEngine:
         update_info = {"names": names, "dtype_names": dtype_names, "shapes": shapes, "packed": True}
         self._request("POST", "/pause")
         try:
-            self._post_while("/update_weights", {"update_info": update_info}, lambda: self._trainer_send(model))
+            self._post_while("/update_weights", {"update_info": update_info}, lambda: self.weight_transport.send(model))
             self._request("POST", "/reset_prefix_cache")
         finally:
             self._request("POST", "/resume")
