@@ -15,9 +15,13 @@ from rlvr.engines.fast.kernels.decode_attention import prompt_runs, reference_de
 
 @pytest.fixture(autouse=True)
 def _interpreter_scalars(monkeypatch):
-    """Triton 3.6's interpreter turns a loaded scalar into a Python int with ``int(array)``, which numpy
-    2.4 refuses for one-element arrays of rank 1; loop bounds read from memory (as the kernel's lengths
-    are) need it. This reads the element instead and changes nothing else."""
+    """Works around a bug of Triton's interpreter, not of ours: in Triton 3.6.0 (the installed one) its
+    ``_patch_lang_tensor`` gives a tensor ``__index__`` as ``int(self.handle.data)``, and numpy 2.4 made
+    ``int()`` of an array of rank 1 a TypeError ("only 0-dimensional arrays can be converted to Python
+    scalars"), so a loop bound loaded from memory (the kernel's lengths) fails. Reported as
+    triton-lang/triton issue 9171, fixed on Triton's main by pull request 9172 (reading the element);
+    drop this once the installed Triton has that fix. It wraps the interpreter's own function, adding
+    only that ``__index__``; there is no public hook for it."""
     from triton.runtime import interpreter
 
     original = interpreter._patch_lang_tensor
