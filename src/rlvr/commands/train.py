@@ -73,7 +73,7 @@ import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, cast
+from typing import TYPE_CHECKING, Annotated, Any, TypeVar, cast
 
 import torch
 import tyro
@@ -175,6 +175,8 @@ if TYPE_CHECKING:
     from rlvr.task.prompts import Prompt
     from rlvr.task.rewards import Reward
 
+_T = TypeVar("_T")
+
 __all__ = [
     "EngineError",
     "GraderError",
@@ -193,6 +195,14 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 # 1. Building the pieces
 # ---------------------------------------------------------------------------------------------
+
+
+def _resolved(value: _T | None, name: str) -> _T:
+    """The value of config field ``name``, which ``resolve_config`` fills; a config that was not resolved
+    raises ``ValueError``."""
+    if value is None:
+        raise ValueError(f"{name} is unset: rlvr train takes a resolved config (rlvr.checks.resolve_config)")
+    return value
 
 
 def _load_policy(
@@ -518,11 +528,12 @@ def _make_rollouts(
 
     if not isinstance(engine, WorkerEngine) and not config.engine.max_staleness:
         return SyncRollouts(engine, tokenizer, request)
+    logprob_batch_size = _resolved(config.optim.logprob_batch_size, "optim.logprob_batch_size")
     try:  # AsyncRollouts refuses an engine that is not a WorkerEngine (TypeError)
         return AsyncRollouts(
             cast(WorkerEngine, engine),
             max_staleness=config.engine.max_staleness,
-            logprob_batch_size=config.optim.logprob_batch_size,
+            logprob_batch_size=logprob_batch_size,
             old_log_probs=REWEIGHTINGS[config.algorithm.reweighting].needs_old_log_probs,
             request=request,
             last_step=config.n_steps,
@@ -750,11 +761,13 @@ def _old_log_probs(
     if old_log_probs is None and (uses_old_log_probs or check):
         was_training = model.training
         model.eval()
+        logprob_batch_size = _resolved(config.optim.logprob_batch_size, "optim.logprob_batch_size")
         old_log_probs = compute_log_probs_batched(
-            model, batch.input_ids, batch.labels, config.optim.logprob_batch_size, positions=batch.response_mask
+            model, batch.input_ids, batch.labels, logprob_batch_size, positions=batch.response_mask
         )
         model.train(was_training)
     if check:
+        assert old_log_probs is not None  # the rollouts' own, else computed above whenever check is on
         output_ids = tokenizer(batch.responses, add_special_tokens=False)["input_ids"]
         metrics.update(
             _engine_agreement(completions, output_ids, old_log_probs, batch.response_mask, tokenizer.eos_token_id)
@@ -787,7 +800,11 @@ def _advantages(
         rewards = rewards - a.kl_coef * sequence_kl
     t0 = time.perf_counter()
     advantages, adv_meta = compute_group_normalized_rewards(
-        rewards, config.rollout.group_size, a.baseline, a.advantage_eps, a.advantage_normalizer
+        rewards,
+        config.rollout.group_size,
+        _resolved(a.baseline, "algorithm.baseline"),
+        a.advantage_eps,
+        _resolved(a.advantage_normalizer, "algorithm.advantage_normalizer"),
     )
     metrics["time/reward"] = time.perf_counter() - t0  # added to the grading's time
     # The grader's rewards, also when a KL penalty changed those the advantages see.
@@ -813,6 +830,7 @@ def _sequence_kl(
     (B,), under the weights that sampled it; with its mean per sequence as ``train/kl_penalty`` (times
     kl_coef) and per token as ``train/kl_ref``."""
     a, reference = config.algorithm, cast(Reference, run.reference)
+    logprob_batch_size = _resolved(config.optim.logprob_batch_size, "optim.logprob_batch_size")
     t0 = time.perf_counter()
     mask = batch.response_mask
     policy = old_log_probs
@@ -824,13 +842,11 @@ def _sequence_kl(
             )
         was_training = run.model.training
         run.model.eval()
-        policy = compute_log_probs_batched(
-            run.model, batch.input_ids, batch.labels, config.optim.logprob_batch_size, positions=mask
-        )
+        policy = compute_log_probs_batched(run.model, batch.input_ids, batch.labels, logprob_batch_size, positions=mask)
         run.model.train(was_training)
     with reference.context():
         ref = compute_log_probs_batched(
-            reference.model, batch.input_ids, batch.labels, config.optim.logprob_batch_size, positions=mask
+            reference.model, batch.input_ids, batch.labels, logprob_batch_size, positions=mask
         )
     kl = kl_penalty(policy.float().cpu(), ref.float().cpu(), a.kl_estimator) * mask[:, : policy.shape[1]]
     per_sequence = kl.sum(dim=1)
@@ -854,11 +870,11 @@ def _gradient_variance(config: TrainConfig, run: RunParts, batch: TrainBatch, sc
             batch.response_mask,
             scores.rewards,
             config.rollout.group_size,
-            a.loss_normalization,
+            _resolved(a.loss_normalization, "algorithm.loss_normalization"),
             a.normalization_constant,
             config.train_batch_size,
-            a.baseline,
-            a.advantage_normalizer,
+            _resolved(a.baseline, "algorithm.baseline"),
+            _resolved(a.advantage_normalizer, "algorithm.advantage_normalizer"),
             a.advantage_eps,
             backbone=run.backbone,
         )
@@ -1030,6 +1046,7 @@ def _merge_phase(log: dict, metrics: dict) -> None:
 
 def _rollout_step(config: TrainConfig, step: int, run_dir: Path, run: RunParts, state: TrainState) -> dict:
     """Phases 1-5 of the module docstring for 1-based rollout step ``step``; returns its metrics."""
+    assert run.rollouts is not None  # started with the engine, before the first step
     log: dict = {"step": step}
     t_step = time.perf_counter()
     batch, metrics = _rollout(step, run.engine_weights, run.rollouts, run.request)
@@ -1166,6 +1183,7 @@ def _validation(config: TrainConfig, step: int, run_dir: Path, run: RunParts, st
     model = run.engine_weights.current()  # every rank: under FSDP2 the copy gathers the shards
     val: dict = {}
     if run.world.is_main:  # the other ranks wait for rank 0's result (the engine holds plain weights)
+        assert run.rollouts is not None  # started with the engine, before the first validation
         engine = run.rollouts.engine_for_eval(model, step)
         val = _validate(
             model,
@@ -1333,8 +1351,8 @@ def train(
             prepared = _prepare_run_dir(config, run_dir, resume, fresh_optimizer) if world.is_main else None
             if world.distributed:
                 prepared = gather_objects(prepared)[0]
-                if prepared is None:
-                    raise ConfigError("rank 0 could not prepare the run directory (see its message)")
+            if prepared is None:  # only a rank other than 0 lacks it, when rank 0 sent none
+                raise ConfigError("rank 0 could not prepare the run directory (see its message)")
             ckpt, finished = prepared
             if finished:
                 return run_dir
@@ -1783,6 +1801,7 @@ def parse_command(argv: list[str]) -> tuple[TrainConfig, Path, bool, bool]:
     pre.add_argument("--resume")
     known, _ = pre.parse_known_args(argv)
     check_moved_flags(argv)
+    run_dir: Path | None
     if known.resume:
         if known.config:
             raise ConfigError("--resume DIR reads DIR/config.json; do not pass --config with it")
