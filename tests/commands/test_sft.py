@@ -210,3 +210,131 @@ def test_metrics_are_one_row_a_step_and_overwrite_starts_them_again(tmp_path):
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2]
     assert set(rows[0]) >= {"train/loss", "lr", "train/grad_norm", "train/n_tokens"}
+
+
+# --- the run scaffold: summary.json, Ctrl-C / SIGTERM save a checkpoint, --resume continues the run ---------
+
+
+def _metric_rows(run_dir):
+    return [{k: v for k, v in r.items() if k != "time"} for r in read_metrics(run_dir / "metrics.jsonl")]
+
+
+def _same_weights(a, b) -> bool:
+    from safetensors.torch import load_file
+
+    x, y = load_file(str(a)), load_file(str(b))
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def _one_line_error(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.strip() and "rlvr sft: warning: " not in line]
+    assert len(lines) == 1 and lines[0].startswith("rlvr sft: "), err
+    return lines[0]
+
+
+# 10 examples in batches of 4: the data order runs across epochs, so a resume must carry what is left of it.
+RESUME_SETTINGS = dict(steps=6, batch_size=4, max_examples=10, lr=3e-3, warmup_steps=2, vocab_size=300, save_every=2)
+
+
+def _signal_at_call(monkeypatch, n: int, sig: int, out) -> list[str]:
+    """Wrap ``rlvr.commands.sft.sft_loss`` so that each call records the run's summary status and the
+    ``n``-th sends ``sig`` to this process (during that step); returns the recorded statuses."""
+    import os
+
+    import rlvr.commands.sft as sft
+
+    statuses: list[str] = []
+    original = sft.sft_loss
+
+    def loss_then_signal(*args, **kwargs):
+        statuses.append(json.loads((out / "summary.json").read_text())["status"])
+        if len(statuses) == n:
+            os.kill(os.getpid(), sig)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(sft, "sft_loss", loss_then_signal)
+    return statuses
+
+
+def test_signal_saves_the_last_whole_step_and_resume_ends_as_the_uninterrupted_run(tmp_path, monkeypatch, capsys):
+    import signal
+
+    from rlvr.cli import main as cli
+
+    straight = run_sft(SFTConfig(data=TASK, model="tiny", out=tmp_path / "straight", progress=False, **RESUME_SETTINGS))
+    summary = json.loads((straight / "summary.json").read_text())
+    assert (summary["status"], summary["step"], summary["n_steps"]) == ("finished", 6, 6)
+
+    out = tmp_path / "stopped"
+    argv = ["sft", "--data", TASK, "--model", "tiny", "--out", str(out), "--no-progress"]
+    argv += [f"--{k.replace('_', '-')}={v}" for k, v in RESUME_SETTINGS.items()]
+    resume = ["sft", "--resume", str(out), "--no-progress"]
+    # SIGTERM in step 3 of the run, then Ctrl-C in step 5 (the second of the resumed run).
+    for args, n, at_step, code, said in ((argv, 3, 3, 143, "stopped by SIGTERM"), (resume, 2, 5, 130, "interrupted")):
+        statuses = _signal_at_call(monkeypatch, n, signal.SIGTERM if code == 143 else signal.SIGINT, out)
+        assert cli(args) == code
+        monkeypatch.undo()
+        assert statuses == ["running"] * n
+        summary = json.loads((out / "summary.json").read_text())
+        assert (summary["status"], summary["step"], summary["last_checkpoint"]) == ("interrupted", at_step, at_step)
+        assert f"{said}; saved a checkpoint at step {at_step}" in capsys.readouterr().err
+        assert [r["step"] for r in _metric_rows(out)] == list(range(1, at_step + 1))
+        assert [p.name for p in (out / "checkpoints").glob("step_*")] == [f"step_{at_step:06d}"]
+        assert not (out / "model.safetensors").exists()
+
+    # Run again without --resume: refused, nothing replaced; with it: the same run to its end.
+    assert cli(argv) == 2
+    assert "already holds results" in _one_line_error(capsys)
+    assert cli(["sft", "--resume", str(out), "--no-progress"]) == 0
+    assert json.loads((out / "summary.json").read_text())["status"] == "finished"
+    assert _metric_rows(out) == _metric_rows(straight)
+    assert _same_weights(straight / "model.safetensors", out / "model.safetensors")
+    saved = json.loads((out / "sft_config.json").read_text())
+    assert saved == json.loads((straight / "sft_config.json").read_text()) | {"out": str(out)}
+
+    # sft_config.json edited by hand: refused, naming what differs from the checkpoint's own copy.
+    (out / "sft_config.json").write_text(json.dumps({**saved, "lr": 0.5}))
+    capsys.readouterr()
+    assert cli(["sft", "--resume", str(out), "--steps", "8"]) == 2
+    assert "cannot resume: lr in " in _one_line_error(capsys)
+
+
+def test_a_weights_only_checkpoint_resumes_with_fresh_optimizer_on_the_same_data_order(tmp_path, monkeypatch, capsys):
+    import signal
+
+    from rlvr.cli import main as cli
+
+    straight = run_sft(SFTConfig(data=TASK, model="tiny", out=tmp_path / "straight", progress=False, **RESUME_SETTINGS))
+    out = tmp_path / "stopped"
+    _signal_at_call(monkeypatch, 3, signal.SIGINT, out)
+    with pytest.raises(KeyboardInterrupt):
+        run_sft(SFTConfig(data=TASK, model="tiny", out=out, progress=False, **{**RESUME_SETTINGS, "save_every": 0}))
+    monkeypatch.undo()
+    (out / "checkpoints" / "step_000003" / "trainer_state.pt").unlink()
+    capsys.readouterr()
+    assert cli(["sft", "--resume", str(out), "--no-progress"]) == 2
+    assert "--fresh-optimizer" in _one_line_error(capsys)
+    assert cli(["sft", "--resume", str(out), "--no-progress", "--fresh-optimizer"]) == 0
+    rows, expected = _metric_rows(out), _metric_rows(straight)
+    assert [r["step"] for r in rows] == list(range(1, 7)) and rows[:3] == expected[:3]
+    # The batches after the checkpoint are those of the uninterrupted run (their response token counts).
+    assert [r["train/n_tokens"] for r in rows] == [r["train/n_tokens"] for r in expected]
+    assert json.loads((out / "summary.json").read_text())["status"] == "finished"
+
+
+def test_resume_of_a_directory_that_is_not_an_sft_run_is_one_line(tmp_path, capsys):
+    from rlvr.cli import main as cli
+
+    assert cli(["sft", "--resume", str(tmp_path / "missing")]) == 2
+    assert "no such directory" in _one_line_error(capsys)
+    assert cli(["sft", "--resume", str(tmp_path)]) == 2
+    assert "is missing or unreadable: is " in _one_line_error(capsys)
+    (tmp_path / "sft_config.json").write_text(
+        json.dumps({"command": "sft instruct", "data": "x.jsonl", "seq_length": 8})
+    )
+    assert cli(["sft", "--resume", str(tmp_path)]) == 2
+    assert "an `rlvr sft` run directory?" in _one_line_error(capsys)
+    assert cli(["sft", "--fresh-optimizer", "--out", str(tmp_path / "new")]) == 2
+    assert "--fresh-optimizer applies to a resumed run" in _one_line_error(capsys)

@@ -24,20 +24,26 @@ The model is a local checkpoint directory, a hub id, or a fresh OLMo-2 model of 
 the training prompts and responses first. The output directory holds the model and tokenizer
 (``save_pretrained``), loadable by ``rlvr eval`` and ``rlvr train`` as a base model, plus
 ``sft_config.json`` and ``metrics.jsonl`` (``train/loss``, ``lr``, ``train/grad_norm`` and ``train/n_tokens``
-per step, the format ``rlvr plot`` reads; mirrored to wandb / TensorBoard when asked). The arguments and the
-output directory are checked before any work; an earlier fine-tune in ``--out`` is replaced only with
-``--overwrite``.
+per step, the format ``rlvr plot`` reads; mirrored to wandb / TensorBoard when asked) and ``summary.json``
+(``running``, then ``finished``, ``interrupted`` or ``failed``). Checkpoints every ``--save-every`` steps and on
+Ctrl-C or SIGTERM (exit 130 / 143) go to ``checkpoints/`` (the model, the optimizer and the data order); ``--resume
+OUT`` continues the same run to the weights an uninterrupted one ends with (``rlvr.training.scaffold``). The
+arguments and the output directory are checked before any work; an earlier fine-tune in ``--out`` is replaced only
+with ``--overwrite``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import math
 import random
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -52,11 +58,12 @@ from rlvr.task.build import check_chat_rows
 from rlvr.task.chat import tokenize_prompt_completion
 from rlvr.task.data import DataError, Example, load_examples
 from rlvr.task.prompts import CHAT, render, resolve_prompt
+from rlvr.training.checkpoint import load_trainer_state, refuse_edited_settings, resumable_checkpoint, save_checkpoint
 from rlvr.training.logprobs import get_response_log_probs
-from rlvr.training.metrics_log import MetricsLogger
+from rlvr.training.metrics_log import MetricsLogger, truncate_metrics
 from rlvr.training.optim import lr_factor
-from rlvr.training.rundir import atomic_write_json
-from rlvr.training.scaffold import claimed_output_dir
+from rlvr.training.rundir import RunDirLock, atomic_write_json
+from rlvr.training.scaffold import TrainingRun, claimed_output_dir, remove_outputs
 from rlvr.training.tokenize import pad_token_id, tokenize_from_ids, tokenize_prompt_and_output
 
 if TYPE_CHECKING:
@@ -131,6 +138,12 @@ class SFTConfig:
     """Mirror metrics to TensorBoard event files under OUT/tensorboard."""
     overwrite: bool = False
     """Replace an earlier fine-tuned model in ``out`` (otherwise that is an error)."""
+    save_every: int = 0
+    """Checkpoint for --resume every this many steps (and on Ctrl-C or SIGTERM; 0: only then)."""
+    resume: Path | None = None
+    """Continue the fine-tune in this directory from its newest intact checkpoint (with its saved config; --steps, --epochs, --save-every, progress and logging may change)."""
+    fresh_optimizer: bool = False
+    """With --resume: accept a checkpoint that holds weights only (its trainer_state.pt deleted or lost) and continue from its step with a fresh optimizer."""
 
 
 def sft_response(example: Example) -> str:
@@ -219,7 +232,9 @@ def _check_model(name: str) -> None:
     modeling.check_model_source(name)
 
 
-OUTPUT_FILES = ("config.json", "model.safetensors", "sft_config.json", "metrics.jsonl")
+OUTPUT_FILES = ("config.json", "model.safetensors", "sft_config.json", "metrics.jsonl", "summary.json", "checkpoints")
+RESUMABLE = ("steps", "epochs", "save_every", "progress", "wandb", "wandb_project", "tensorboard")
+"""Settings that ``--resume`` takes from the command line; the others come from the run's sft_config.json."""
 SFT_RANGES: dict[str, Range] = {
     "max_examples": AT_LEAST_ONE,
     "steps": AT_LEAST_ONE,
@@ -233,6 +248,7 @@ SFT_RANGES: dict[str, Range] = {
     "seed": NON_NEGATIVE,
     "data_seed": NON_NEGATIVE,
     "vocab_size": AT_LEAST_ONE,
+    "save_every": NON_NEGATIVE,
 }
 """The allowed range of every numeric field of ``SFTConfig`` (``rlvr.ranges``)."""
 
@@ -258,6 +274,10 @@ def check_args(config: SFTConfig) -> None:
             (
                 config.max_examples is not None and config.max_examples < 1,
                 f"--max-examples must be >= 1 (or left out for all), got {config.max_examples}",
+            ),
+            (
+                config.fresh_optimizer and config.resume is None,
+                "--fresh-optimizer applies to a resumed run: pass it with --resume DIR",
             ),
         ],
     )
@@ -312,18 +332,85 @@ def with_training_config(config: SFTConfig) -> SFTConfig:
 
 
 def run_sft(config: SFTConfig) -> Path:
-    """Fine-tune per ``config`` and save the checkpoint; returns the output directory, locked before
-    anything in it is read or replaced (``rlvr.training.scaffold.claimed_output_dir``)."""
-    config = with_training_config(config)
-    check_args(config)
-    # An earlier fine-tune's metrics go with it, or the new run's would be appended to them.
-    replaced = ("metrics.jsonl", "tensorboard")
-    with claimed_output_dir(config.out, OUTPUT_FILES, config.overwrite, replaces=replaced, command="rlvr sft"):
-        return _run(config)
+    """Fine-tune per ``config`` (or resume ``config.resume``) and save the model; returns the output
+    directory, locked before anything in it is read or replaced (``rlvr.training.scaffold``)."""
+    if config.resume is None:
+        config = with_training_config(config)
+        check_args(config)
+        # An earlier fine-tune's metrics go with it, or the new run's would be appended to them.
+        replaced = ("metrics.jsonl", "tensorboard", "summary.json", "checkpoints")
+        with claimed_output_dir(config.out, OUTPUT_FILES, config.overwrite, replaces=replaced, command="rlvr sft"):
+            return _run(config, None)
+    run_dir = Path(config.resume)
+    if not run_dir.is_dir():
+        raise UserError(f"--resume {run_dir}: no such directory; give the directory of an earlier `rlvr sft` run")
+    with RunDirLock(run_dir, command="rlvr sft"):
+        config = _resumed_config(config, run_dir)
+        check_args(config)
+        ckpt = resumable_checkpoint(run_dir, fresh_optimizer=config.fresh_optimizer)
+        if ckpt is not None:
+            refuse_edited_settings(ckpt, _saved_form(config), (*RESUMABLE, "out"), run_dir / "sft_config.json")
+        else:
+            print(f"rlvr: {run_dir} holds no checkpoint; starting the run again from step 0", file=sys.stderr)
+            remove_outputs(run_dir, ("metrics.jsonl", "summary.json"))
+        return _run(config, ckpt)
 
 
-def _run(config: SFTConfig) -> Path:
-    """The work of ``run_sft`` in its claimed output directory."""
+def _saved_form(config: SFTConfig) -> dict[str, Any]:
+    """``config`` as sft_config.json (and each checkpoint) keeps it: without the flags of one invocation."""
+    kept = dataclasses.replace(config, resume=None, overwrite=False, fresh_optimizer=False)
+    return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(kept).items()}
+
+
+def _resumed_config(config: SFTConfig, run_dir: Path) -> SFTConfig:
+    """The saved config of the run in ``run_dir`` with the resumable settings given now."""
+    path = run_dir / "sft_config.json"
+    try:
+        saved = json.loads(path.read_text())
+        if saved.get("command", "sft") != "sft":
+            raise ValueError(saved["command"])
+        fields = {f.name for f in dataclasses.fields(SFTConfig)}
+        base = SFTConfig(**{k: v for k, v in saved.items() if k in fields})
+    except (OSError, ValueError, TypeError, AttributeError):
+        raise UserError(f"{path} is missing or unreadable: is {run_dir} an `rlvr sft` run directory?") from None
+    defaults = SFTConfig()
+    given = {k: getattr(config, k) for k in RESUMABLE if getattr(config, k) != getattr(defaults, k)}
+    return dataclasses.replace(
+        base,
+        **given,
+        config=None if base.config is None else Path(base.config),
+        chat_template=None if base.chat_template is None else Path(base.chat_template),
+        out=run_dir,
+        resume=run_dir,
+        overwrite=False,
+        fresh_optimizer=config.fresh_optimizer,
+    )
+
+
+def _rng_to_json(rng: random.Random) -> list[Any]:
+    """``rng``'s state as JSON-able lists (``getstate`` holds tuples)."""
+    version, internal, gauss_next = rng.getstate()
+    return [version, list(internal), gauss_next]
+
+
+def _rng_from_json(state: list[Any]) -> random.Random:
+    rng = random.Random()
+    rng.setstate((state[0], tuple(state[1]), state[2]))
+    return rng
+
+
+def next_batch(rng: random.Random, order: list[int], n_examples: int, batch_size: int) -> tuple[list[int], list[int]]:
+    """``(indices of the next batch, the order left)``: ``order`` is topped up with a fresh shuffle of the
+    ``n_examples`` examples (drawn from ``rng``) whenever fewer than ``batch_size`` are left."""
+    if len(order) < batch_size:
+        perm = list(range(n_examples))
+        rng.shuffle(perm)
+        order = order + perm
+    return order[:batch_size], order[batch_size:]
+
+
+def _run(config: SFTConfig, ckpt: Path | None) -> Path:
+    """The work of ``run_sft`` in its claimed output directory, from ``ckpt`` (None: step 0)."""
     from tqdm.auto import tqdm
 
     examples = load_examples(
@@ -344,10 +431,16 @@ def _run(config: SFTConfig) -> Path:
     check_chat_rows(prompt, [("train", examples)])
     chat_template = read_chat_template(config.chat_template)
     if prompt.kind == CHAT and chat_template is None:
-        check_chat_template_before_load(config.model, "--prompt chat", "pass --chat-template FILE")
+        check_chat_template_before_load(
+            str(ckpt / "model") if ckpt is not None else config.model, "--prompt chat", "pass --chat-template FILE"
+        )
     responses = [sft_response(ex) for ex in examples]
     torch.manual_seed(config.seed)
-    model, tokenizer = init_model(config, examples)
+    if ckpt is None:
+        model, tokenizer = init_model(config, examples)
+    else:
+        device = usable_device(config.device)
+        model, tokenizer = modeling.load_model_and_tokenizer(ckpt / "model", device=device, dtype=torch.float32)
     if chat_template is not None:
         tokenizer.chat_template = chat_template
     prompt = prompt.bind(tokenizer)
@@ -364,40 +457,61 @@ def _run(config: SFTConfig) -> Path:
     order: list[int] = []
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
+    begin = 0
+    if ckpt is not None:
+        loop = load_trainer_state(ckpt, optimizer, None)
+        begin = loop["step"]
+        if "order" in loop:
+            rng, order = _rng_from_json(loop["rng"]), list(loop["order"])
+        else:  # weights only (--fresh-optimizer): the data order is replayed to the checkpoint's step
+            for _ in range(begin):
+                _, order = next_batch(rng, order, len(examples), batch_size)
+        truncate_metrics(out / "metrics.jsonl", begin)
     start = time.time()
-    settings = {k: str(v) if isinstance(v, Path) else v for k, v in asdict(config).items()}
-    logger = MetricsLogger(out, settings, config.wandb, config.wandb_project, config.tensorboard)
-    with contextlib.closing(logger), tqdm(range(total), desc="sft", disable=not config.progress) as bar:
-        for step in bar:
-            if len(order) < batch_size:
-                perm = list(range(len(examples)))
-                rng.shuffle(perm)
-                order += perm
-            idx, order = order[:batch_size], order[batch_size:]
-            scale = lr_factor(step, total, "cosine", config.warmup_steps, config.min_lr_ratio)
-            for group in optimizer.param_groups:
-                group["lr"] = config.lr * scale
-            if prompt.kind == CHAT:
-                loss, n_tokens = sft_loss_from_ids(model, tokenizer, [pair_ids[i] for i in idx])
-            else:
-                loss, n_tokens = sft_loss(model, tokenizer, [prompts[i] for i in idx], [responses[i] for i in idx])
-            loss.backward()
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm))
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            record = {
-                "step": step + 1,
-                "train/loss": loss.item(),
-                "lr": config.lr * scale,
-                "train/grad_norm": grad_norm,
-                "train/n_tokens": n_tokens,
-                "time": round(time.time() - start, 3),
-            }
-            logger.log(record)
-            bar.set_postfix(loss=f"{record['train/loss']:.3f}")
-    model.eval()
-    save_model_and_tokenizer(model, tokenizer, out)
+    settings = _saved_form(config)
     atomic_write_json(out / "sft_config.json", settings)
+
+    def save(step: int) -> None:
+        state = {"order": list(order), "rng": _rng_to_json(rng)}
+        save_checkpoint(out, step, model, tokenizer, optimizer, None, state=state, run_config=settings)
+
+    run = TrainingRun(out, total, f"rlvr sft --resume {out}", save, start=begin, resumed=ckpt is not None)
+    logger = MetricsLogger(out, settings, config.wandb, config.wandb_project, config.tensorboard)
+    with contextlib.closing(logger), run.guarded():
+        with tqdm(total=total, initial=begin, desc="sft", disable=not config.progress) as bar:
+            for step in range(begin, total):
+                with run.step_block(step + 1):
+                    idx, order = next_batch(rng, order, len(examples), batch_size)
+                    scale = lr_factor(step, total, "cosine", config.warmup_steps, config.min_lr_ratio)
+                    for group in optimizer.param_groups:
+                        group["lr"] = config.lr * scale
+                    if prompt.kind == CHAT:
+                        loss, n_tokens = sft_loss_from_ids(model, tokenizer, [pair_ids[i] for i in idx])
+                    else:
+                        loss, n_tokens = sft_loss(
+                            model, tokenizer, [prompts[i] for i in idx], [responses[i] for i in idx]
+                        )
+                    loss.backward()
+                    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm))
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                    record = {
+                        "step": step + 1,
+                        "train/loss": loss.item(),
+                        "lr": config.lr * scale,
+                        "train/grad_norm": grad_norm,
+                        "train/n_tokens": n_tokens,
+                        "time": round(time.time() - start, 3),
+                    }
+                    logger.log(record)
+                if config.save_every and (step + 1) % config.save_every == 0 and step + 1 < total:
+                    run.checkpoint()
+                bar.set_postfix(loss=f"{record['train/loss']:.3f}")
+                bar.update(1)
+        model.eval()
+        save_model_and_tokenizer(model, tokenizer, out)
+        atomic_write_json(out / "sft_config.json", settings)
+    run.summary("finished")
     return out
 
 

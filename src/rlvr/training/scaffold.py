@@ -8,7 +8,7 @@ Only then is the directory checked for earlier results (``rundir.prepare_output_
 the user asked to replace them, are they removed.
 
 **Summary, signals, checkpoints.** ``TrainingRun`` gives every training loop (``rlvr train``,
-``rlvr dpo``, ``rlvr sft instruct``) the same record: ``summary.json`` (written atomically) that says
+``rlvr dpo``, ``rlvr sft``, ``rlvr sft instruct``) the same record: ``summary.json`` (written atomically) that says
 ``running`` while it runs and then ``finished``, ``interrupted`` or ``failed`` with a message; Ctrl-C
 and SIGTERM finish the current step, save a checkpoint (``rlvr.training.checkpoint``) and end the
 command with status 130 or 143; a fault's message says which checkpoint is intact and how to resume.
@@ -66,7 +66,7 @@ def remove_outputs(run_dir: Path, names: Iterable[str]) -> None:
 
 class TrainingRun:
     """``summary.json``, the graceful stop and the failure record of a training loop that checkpoints:
-    one object under ``rlvr train``, ``rlvr dpo`` and ``rlvr sft instruct``.
+    one object under ``rlvr train``, ``rlvr dpo``, ``rlvr sft`` and ``rlvr sft instruct``.
 
     ``guarded()`` surrounds the loop: the summary says ``running`` from its start, ``interrupted``
     after Ctrl-C or SIGTERM (which save the last whole step and re-raise, so that the command exits
