@@ -510,7 +510,6 @@ def _run(config: SFTConfig, ckpt: Path | None) -> Path:
                 bar.update(1)
         model.eval()
         save_model_and_tokenizer(model, tokenizer, out)
-        atomic_write_json(out / "sft_config.json", settings)
     run.summary("finished")
     return out
 
