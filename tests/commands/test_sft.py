@@ -73,6 +73,22 @@ def test_lr_schedule_hand_values():
     assert lr_factor(10, 100, "cosine", 10, 0.1) == pytest.approx(1.0)
     assert lr_factor(55, 100, "cosine", 10, 0.1) == pytest.approx(0.55)  # halfway through the cosine: (1 + 0.1) / 2
     assert lr_factor(100, 100, "cosine", 10, 0.1) == pytest.approx(0.1)
+    # DPO's warmup then constant: 1/4, 2/4, 3/4, then the peak.
+    assert [lr_factor(u, 100, "constant", 4, 0.0) for u in range(6)] == [0.25, 0.5, 0.75, 1.0, 1.0, 1.0]
+
+
+def test_lr_schedule_steps_through_lr_factor():
+    from rlvr.training.optim import lr_schedule
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=2.0)
+    scheduler = lr_schedule(optimizer, 100, "cosine", 10, 0.1)
+    seen = []
+    for _ in range(12):
+        seen.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert seen == pytest.approx([2.0 * lr_factor(u, 100, "cosine", 10, 0.1) for u in range(12)])
+    assert seen[:2] == pytest.approx([0.2, 0.4]) and seen[9:11] == pytest.approx([2.0, 2.0])
 
 
 @pytest.fixture(scope="module")
@@ -330,7 +346,7 @@ def test_resume_of_a_directory_that_is_not_an_sft_run_is_one_line(tmp_path, caps
     assert cli(["sft", "--resume", str(tmp_path / "missing")]) == 2
     assert "no such directory" in _one_line_error(capsys)
     assert cli(["sft", "--resume", str(tmp_path)]) == 2
-    assert "is missing or unreadable: is " in _one_line_error(capsys)
+    assert "sft_config.json is missing: is " in _one_line_error(capsys)
     (tmp_path / "sft_config.json").write_text(
         json.dumps({"command": "sft instruct", "data": "x.jsonl", "seq_length": 8})
     )

@@ -18,6 +18,7 @@ from rlvr.config import AlgorithmConfig, DataConfig, LogConfig, OptimConfig, Rol
 from rlvr.task.data_order import batch_indices
 from rlvr.training.checkpoint import latest_checkpoint, load_model_weights
 from rlvr.training.metrics_log import read_metrics
+from rlvr.training.scaffold import TrainCallback
 
 REQUIRED = [
     "step",
@@ -267,18 +268,50 @@ def _nan_updates(monkeypatch, bad_calls):
     monkeypatch.setattr(trainer_mod, "policy_gradient_update", planted)
 
 
+def test_callbacks_see_every_step_in_order_and_a_resume_goes_on(gsm8k_path, tiny_model, tiny_tokenizer, tmp_path):
+    calls = []
+
+    class Record(TrainCallback):
+        def on_step_begin(self, step, run_dir):
+            calls.append(("begin", step, run_dir))
+
+        def on_step_end(self, step, run_dir, metrics):
+            calls.append(("end", step, metrics["step"], (run_dir / "checkpoints" / f"step_{step:06d}").is_dir()))
+
+    class StopBeforeStep3(TrainCallback):
+        def on_step_begin(self, step, run_dir):
+            if step == 3 and not resumed:
+                raise KeyboardInterrupt  # as Ctrl-C: step 2, the last whole step, is saved
+
+    cfg = tiny_config(gsm8k_path, n_steps=4, save_every=2)
+    resumed = False
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg, tmp_path, tiny_model, tiny_tokenizer, callbacks=[Record(), StopBeforeStep3()])
+    resumed = True
+    run(cfg, tmp_path, tiny_model, tiny_tokenizer, resume=True, callbacks=[Record(), StopBeforeStep3()])
+    assert calls == [
+        ("begin", 1, tmp_path),
+        ("end", 1, 1, False),
+        ("begin", 2, tmp_path),
+        ("end", 2, 2, True),  # the checkpoint that was due is written before the hook
+        ("begin", 3, tmp_path),  # the interrupted step: no end
+        ("begin", 3, tmp_path),  # the resumed run starts again at step 3
+        ("end", 3, 3, False),
+        ("begin", 4, tmp_path),
+        ("end", 4, 4, True),
+    ]
+
+
 def test_planted_nan_is_skipped_and_counted(gsm8k_path, tiny_model, tiny_tokenizer, tmp_path, monkeypatch):
     _nan_updates(monkeypatch, bad_calls={2})
     cfg = tiny_config(gsm8k_path, n_steps=3)
     snapshots = []
-    real = trainer_mod._rollout_step
 
-    def spy(*args, **kwargs):
-        snapshots.append([p.detach().clone() for p in tiny_model.parameters()])
-        return real(*args, **kwargs)
+    class WeightsBeforeEachStep(TrainCallback):
+        def on_step_begin(self, step, run_dir):
+            snapshots.append([p.detach().clone() for p in tiny_model.parameters()])
 
-    monkeypatch.setattr(trainer_mod, "_rollout_step", spy)
-    run(cfg, tmp_path, tiny_model, tiny_tokenizer)
+    run(cfg, tmp_path, tiny_model, tiny_tokenizer, callbacks=[WeightsBeforeEachStep()])
     rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["step"] > 0]
     assert [r["train/skipped_nonfinite"] for r in rows] == [0, 1, 1]
     assert all(math.isfinite(r["train/loss"]) for r in rows)
@@ -463,6 +496,7 @@ def test_hf_fast_engine_gets_the_engine_config(gsm8k_path, tiny_model, tiny_toke
     hf-fast engine (max_batch_size was once dropped for it), and a run with the cache released after
     every generation trains as usual."""
     from rlvr.config import ConfigError, EngineConfig, FastEngineConfig
+    from rlvr.engines import build_engine
     from rlvr.engines.fast import FastHFEngine
 
     cfg = tiny_config(
@@ -473,7 +507,7 @@ def test_hf_fast_engine_gets_the_engine_config(gsm8k_path, tiny_model, tiny_toke
             fast=FastEngineConfig(release_memory=True, attention="sdpa", fuse_projections=False, cascade_min_rows=None),
         ),
     )
-    engine = trainer_mod._make_engine(cfg, tiny_model, tiny_tokenizer)
+    engine = build_engine(cfg.engine, tiny_model, tiny_tokenizer)  # as the trainer builds it
     assert isinstance(engine, FastHFEngine)
     assert (
         engine.max_batch_size,

@@ -16,6 +16,7 @@ from rlvr.config import AlgorithmConfig, DataConfig, EngineConfig, LogConfig, Op
 from rlvr.engines.async_rollout import AsyncRollouts
 from rlvr.training.logprobs import compute_log_probs_batched
 from rlvr.training.metrics_log import read_metrics
+from rlvr.training.scaffold import TrainCallback
 
 
 def parity_reward(response: str, ground_truth: str) -> dict:
@@ -83,11 +84,11 @@ def test_one_step_async_run_trains_on_the_sampling_weights_log_probs(gsm8k_path,
     model = build_model(small_olmo2_config(tiny_tokenizer, hidden_size=32, num_layers=2, num_heads=4), seed=0)
     versions = []  # versions[v]: the weights after v optimizer steps (what the trainer holds in step v+1)
     updates = []  # what each optimizer step trained on
-    real_step, real_update = trainer_mod._rollout_step, trainer_mod.policy_gradient_update
+    real_update = trainer_mod.policy_gradient_update
 
-    def spy_step(*args, **kwargs):
-        versions.append({k: v.detach().clone() for k, v in model.state_dict().items()})
-        return real_step(*args, **kwargs)
+    class WeightsBeforeEachStep(TrainCallback):
+        def on_step_begin(self, step, run_dir):
+            versions.append({k: v.detach().clone() for k, v in model.state_dict().items()})
 
     def spy_update(model_, optimizer, batch, *args, **kwargs):
         updates.append(
@@ -97,13 +98,19 @@ def test_one_step_async_run_trains_on_the_sampling_weights_log_probs(gsm8k_path,
 
     submitted = []
     real_submit = AsyncRollouts.submit
-    monkeypatch.setattr(trainer_mod, "_rollout_step", spy_step)
     monkeypatch.setattr(trainer_mod, "policy_gradient_update", spy_update)
     monkeypatch.setattr(
         AsyncRollouts, "submit", lambda self, step, *a: submitted.append(step) or real_submit(self, step, *a)
     )
     out = tmp_path / "async"
-    train(async_config(gsm8k_path, n_steps=4), out, model=model, tokenizer=tiny_tokenizer, reward_fn=parity_reward)
+    train(
+        async_config(gsm8k_path, n_steps=4),
+        out,
+        model=model,
+        tokenizer=tiny_tokenizer,
+        reward_fn=parity_reward,
+        callbacks=[WeightsBeforeEachStep()],
+    )
     assert read_summary(out)["status"] == "finished"
     assert submitted == [1, 2, 3, 4]  # nothing generated for a step 5 that never comes
     rows = read_metrics(out / "metrics.jsonl")

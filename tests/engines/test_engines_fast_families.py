@@ -136,14 +136,14 @@ def test_each_family_trains_with_hf_fast(family, gsm8k_path, tiny_tokenizer, tmp
     metrics, including the engine's log-probs against the trainer's at every step."""
     from test_trainer import check_sane, run, tiny_config
 
-    import rlvr.commands.train as trainer_mod
     from rlvr.config import EngineConfig
+    from rlvr.engines import build_engine
     from rlvr.training.metrics_log import read_metrics
 
     model = family_model(family, tiny_tokenizer)
     name = "auto" if family == "qwen3" else "hf-fast"
     cfg = tiny_config(gsm8k_path, engine=EngineConfig(name=name, max_batch_size=8))
-    assert isinstance(trainer_mod._make_engine(cfg, model, tiny_tokenizer), FastHFEngine)
+    assert isinstance(build_engine(cfg.engine, model, tiny_tokenizer), FastHFEngine)  # as the trainer builds it
     before = [p.detach().clone() for p in model.parameters()]
     run(cfg, tmp_path, model, tiny_tokenizer)
     rows = read_metrics(tmp_path / "metrics.jsonl")

@@ -10,6 +10,7 @@ from rlvr.checks import resolve_config
 from rlvr.engines import WorkerEngine, make_engine
 from rlvr.engines.async_rollout import AsyncRollouts
 from rlvr.engines.base import Completion, SamplingParams
+from rlvr.engines.hf import HFEngine
 from rlvr.engines.rollouts import RolloutBatch, Rollouts, SyncRollouts
 from rlvr.errors import EngineError
 from rlvr.training.tokenize import tokenize_prompt_and_output
@@ -89,22 +90,28 @@ def test_sync_rollouts_refuse_a_batch_of_the_wrong_shape(model, tiny_tokenizer):
         SyncRollouts(_ShortEngine(), tiny_tokenizer, request).next_batch(1, model)
 
 
+closed: list[str] = []  # what the trainer closed, in order
+
+
+class ClosingHFEngine(HFEngine):
+    """The hf engine, registered under its own name: it notes when the trainer closes it."""
+
+    def close(self) -> None:
+        closed.append("engine")
+        super().close()
+
+
 def test_trainer_closes_what_it_started_on_every_exit(gsm8k_path, model, tiny_tokenizer, tmp_path, monkeypatch):
     """A fault mid-run closes the engine the trainer built, its rollouts and its logger."""
     from rlvr.commands import train as train_command
-    from rlvr.config import DataConfig, LogConfig, OptimConfig, RolloutConfig, TrainConfig
+    from rlvr.config import DataConfig, EngineConfig, LogConfig, OptimConfig, RolloutConfig, TrainConfig
+    from rlvr.engines import ENGINES, register_engine
     from rlvr.training.metrics_log import MetricsLogger
 
-    closed = []
-    real_make_engine, real_logger_close = train_command._make_engine, MetricsLogger.close
-
-    def make_engine_spy(config, model_, tokenizer):
-        engine = real_make_engine(config, model_, tokenizer)
-        real_close = engine.close
-        engine.close = lambda: closed.append("engine") or real_close()
-        return engine
-
-    monkeypatch.setattr(train_command, "_make_engine", make_engine_spy)
+    closed.clear()
+    real_logger_close = MetricsLogger.close
+    monkeypatch.setitem(ENGINES, "hf-closing", ENGINES["hf"])  # the table entry is restored afterwards
+    register_engine("hf-closing", f"{__name__}:ClosingHFEngine")
     monkeypatch.setattr(SyncRollouts, "close", lambda self: closed.append("rollouts"))
     monkeypatch.setattr(MetricsLogger, "close", lambda self: closed.append("logger") or real_logger_close(self))
 
@@ -116,6 +123,7 @@ def test_trainer_closes_what_it_started_on_every_exit(gsm8k_path, model, tiny_to
         prompt="question_only",
         rollout=RolloutConfig(n_prompts_per_rollout_batch=2, group_size=2, max_new_tokens=4),
         optim=OptimConfig(gradient_accumulation_steps=1),
+        engine=EngineConfig(name="hf-closing"),
         log=LogConfig(progress=False),
         n_steps=1,
     )

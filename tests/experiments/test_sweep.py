@@ -28,6 +28,7 @@ from rlvr.experiments.sweep import (
 from rlvr.experiments.sweep import (
     main as sweep_main,
 )
+from rlvr.training.scaffold import TrainCallback
 
 # A stand-in trainer with the real one's run-directory contract. Used in-process (exec'd) and as a
 # plugin file in subprocesses, where it replaces the `train` command of `rlvr`.
@@ -318,6 +319,17 @@ TINY_BASE = {
 }
 
 
+def train_with(*callbacks):
+    """A sweep's in-process ``train_fn`` that runs the real trainer with ``callbacks``."""
+    from rlvr.commands.train import train
+    from rlvr.config import load_config_file
+
+    def train_fn(config_path, out_dir, resume):
+        train(load_config_file(config_path), out_dir, resume=resume, callbacks=callbacks)
+
+    return train_fn
+
+
 def test_end_to_end_real_trainer(tmp_path, monkeypatch):
     trainer = pytest.importorskip("rlvr.commands.train")
     spec = tmp_path / "tiny.yaml"
@@ -334,18 +346,14 @@ def test_end_to_end_real_trainer(tmp_path, monkeypatch):
     )
     out = tmp_path / "sweep"
     victim = out / "dr_grpo" / "seed_1"
-    real_step = trainer._rollout_step
 
-    def interrupt_victim(config, step, *args, **kwargs):
-        is_victim = any(isinstance(a, Path) and a == victim for a in (*args, *kwargs.values()))
-        if is_victim and step == 3:
-            raise KeyboardInterrupt  # as Ctrl-C between steps: the trainer saves step 2 and re-raises
-        return real_step(config, step, *args, **kwargs)
+    class InterruptVictim(TrainCallback):
+        def on_step_begin(self, step, run_dir):
+            if run_dir == victim and step == 3:
+                raise KeyboardInterrupt  # as Ctrl-C between steps: the trainer saves step 2 and re-raises
 
-    monkeypatch.setattr(trainer, "_rollout_step", interrupt_victim)
     with pytest.raises(KeyboardInterrupt):
-        run_sweep(spec, out, echo=lambda s: None)
-    monkeypatch.setattr(trainer, "_rollout_step", real_step)
+        run_sweep(spec, out, train_fn=train_with(InterruptVictim()), echo=lambda s: None)
     for setting in ("grpo", "dr_grpo"):
         for seed in (0, 1):
             summary = json.loads((out / setting / f"seed_{seed}" / "summary.json").read_text())
@@ -648,23 +656,20 @@ def test_child_that_ignores_the_stop_is_killed_with_its_process_group(tmp_path):
     assert not _alive(grandchild)
 
 
-def test_sigterm_stops_an_in_process_sweep_with_a_checkpoint(tmp_path, monkeypatch, capsys):
+def test_sigterm_stops_an_in_process_sweep_with_a_checkpoint(tmp_path, capsys):
     import os
     import signal
 
-    trainer = pytest.importorskip("rlvr.commands.train")
     spec = tmp_path / "tiny.yaml"
     spec.write_text(yaml.safe_dump({"base": TINY_BASE, "seeds": [0], "settings": {"grpo": {}}}, sort_keys=False))
     out = tmp_path / "sweep"
-    real_step = trainer._rollout_step
 
-    def sigterm_in_step_3(config, step, *args, **kwargs):
-        if step == 3:
-            os.kill(os.getpid(), signal.SIGTERM)  # as `timeout` would: the step finishes, then the run saves
-        return real_step(config, step, *args, **kwargs)
+    class SigtermInStep3(TrainCallback):
+        def on_step_begin(self, step, run_dir):
+            if step == 3:
+                os.kill(os.getpid(), signal.SIGTERM)  # as `timeout` would: the step finishes, then the run saves
 
-    monkeypatch.setattr(trainer, "_rollout_step", sigterm_in_step_3)
-    assert sweep_main([str(spec), "--out", str(out)]) == 143
+    assert sweep_main([str(spec), "--out", str(out)], train_fn=train_with(SigtermInStep3())) == 143
     assert "stopped by SIGTERM" in capsys.readouterr().err
     run_dir = out / "grpo" / "seed_0"
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -9,7 +9,6 @@ import json
 import pytest
 from test_trainer import run, tiny_config
 
-import rlvr.commands.train as trainer_mod
 from rlvr.commands.train import train
 from rlvr.config import DataConfig, ModelConfig, PromptOptions, RewardConfig
 from rlvr.errors import UserError
@@ -89,8 +88,13 @@ def refuse_to_load(*args, **kwargs):
 
 
 @pytest.fixture()
-def no_model_load(monkeypatch):
-    monkeypatch.setattr(trainer_mod, "_load_policy", refuse_to_load)
+def unloadable_model(tmp_path):
+    """A model directory that fails to load: a run that reached the loading step says so, not the
+    setting under test."""
+    path = tmp_path / "unloadable"
+    path.mkdir()
+    (path / "config.json").write_text("{not json")
+    return ModelConfig(name_or_path=str(path))
 
 
 @pytest.mark.parametrize(
@@ -106,19 +110,21 @@ def no_model_load(monkeypatch):
         (dict(prompt_options=PromptOptions(system="hi")), "prompt_options.system applies to prompt chat"),
     ],
 )
-def test_bad_settings_fail_in_validation(gsm8k_path, tmp_path, no_model_load, overrides, message):
+def test_bad_settings_fail_in_validation(gsm8k_path, tmp_path, unloadable_model, overrides, message):
     with pytest.raises(UserError, match=message) as info:
-        train(tiny_config(gsm8k_path, **overrides), tmp_path / "run")
+        train(tiny_config(gsm8k_path, **{"model": unloadable_model, **overrides}), tmp_path / "run")
     assert "\n" not in str(info.value)
 
 
 def test_unknown_column_and_missing_function_fail_before_the_model_loads(
-    gsm8k_path, tmp_path, no_model_load, monkeypatch
+    gsm8k_path, tmp_path, unloadable_model, monkeypatch
 ):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "score.py").write_text("def other(response, ground_truth, **fields):\n    return 1.0\n")
     cfg = tiny_config(
-        gsm8k_path, data=DataConfig(train_source=str(gsm8k_path), train_size=16, val_size=2, question_field="problem")
+        gsm8k_path,
+        model=unloadable_model,
+        data=DataConfig(train_source=str(gsm8k_path), train_size=16, val_size=2, question_field="problem"),
     )
     with pytest.raises(
         UserError,
@@ -126,7 +132,7 @@ def test_unknown_column_and_missing_function_fail_before_the_model_loads(
         "set data.question_field to one of them",
     ):
         train(cfg, tmp_path / "a")
-    cfg = tiny_config(gsm8k_path, reward=RewardConfig(fn="score.py:score"))
+    cfg = tiny_config(gsm8k_path, model=unloadable_model, reward=RewardConfig(fn="score.py:score"))
     with pytest.raises(UserError, match=r"score.py has no function 'score' \(functions there: other\)"):
         train(cfg, tmp_path / "b")
 

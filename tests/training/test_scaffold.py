@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from rlvr.cli import main as cli
-from rlvr.commands.dpo import DPOConfig, _as_dict
+from rlvr.commands.dpo import DPOConfig
 from rlvr.training.rundir import RunDirBusy
-from rlvr.training.scaffold import claimed_output_dir
+from rlvr.training.scaffold import claimed_output_dir, saved_settings
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "src"), os.environ.get("PYTHONPATH", "")])}
@@ -89,7 +89,7 @@ def signal_at_step(monkeypatch, module, step_fn: str, out, n: int, sig: int) -> 
 def test_dpo_resume_and_overwrite_on_a_live_run_are_refused_and_touch_nothing(tmp_path, pairs_file, capsys):
     run_dir = tmp_path / "dpo"
     run_dir.mkdir()
-    config = _as_dict(DPOConfig(model=str(tmp_path / "sft"), data=(str(pairs_file),), out=run_dir))
+    config = saved_settings(DPOConfig(model=str(tmp_path / "sft"), data=(str(pairs_file),), out=run_dir))
     before = live_run(
         run_dir,
         {
@@ -353,3 +353,44 @@ def test_training_run_saves_whole_steps_only_and_says_how_the_run_ended(tmp_path
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
     assert summary()["status"] == "failed" and "out of disk space" in summary()["message"]
     capsys.readouterr()
+
+
+def test_saved_settings_round_trip_through_json_and_drop_the_invocation_flags(tmp_path):
+    from rlvr.commands.sft_instruct import InstructSFTConfig
+    from rlvr.training.scaffold import settings_from_saved
+
+    dpo = DPOConfig(
+        model="m", data=("a.jsonl", "b.jsonl"), out=tmp_path / "run", resume=tmp_path / "run", overwrite=True
+    )
+    saved = saved_settings(dpo)
+    assert saved["data"] == ["a.jsonl", "b.jsonl"] and saved["out"] == str(tmp_path / "run")
+    assert (saved["resume"], saved["overwrite"], saved["fresh_optimizer"]) == (None, False, False)
+    back = settings_from_saved(DPOConfig, json.loads(json.dumps(saved)))
+    assert back == DPOConfig(model="m", data=("a.jsonl", "b.jsonl"), out=tmp_path / "run")
+    instruct = InstructSFTConfig(betas=(0.9, 0.95), out=tmp_path / "sft")
+    loaded = json.loads(json.dumps({**saved_settings(instruct), "betas": [1, 0.95], "command": "sft instruct"}))
+    assert settings_from_saved(InstructSFTConfig, loaded) == InstructSFTConfig(betas=(1.0, 0.95), out=tmp_path / "sft")
+
+
+def test_resumed_settings_keep_the_run_and_take_only_the_resumable_flags(tmp_path):
+    from rlvr.errors import UserError
+    from rlvr.training.scaffold import resumed_settings
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    first = DPOConfig(model="m", data=("a.jsonl",), out=run_dir, beta=0.2, steps=10)
+    (run_dir / "config.json").write_text(json.dumps(saved_settings(first)))
+    given = DPOConfig(model="other", beta=0.5, steps=20, resume=run_dir, fresh_optimizer=True)
+    resumed = resumed_settings(given, run_dir, "config.json", ("steps",), "rlvr dpo")
+    # The run's own model and beta; the new length, and this invocation's flags.
+    assert (resumed.model, resumed.beta, resumed.steps) == ("m", 0.2, 20)
+    assert (resumed.out, resumed.resume, resumed.fresh_optimizer, resumed.overwrite) == (run_dir, run_dir, True, False)
+    with pytest.raises(UserError, match=r"sft_config.json is missing: is .* an `rlvr sft` run directory"):
+        resumed_settings(given, run_dir, "sft_config.json", ("steps",), "rlvr sft")
+    with pytest.raises(UserError, match="written by another command: is .* an `rlvr dpo` run directory"):
+        resumed_settings(given, run_dir, "config.json", ("steps",), "rlvr dpo", accepts=lambda saved: False)
+    (run_dir / "config.json").write_text("{")
+    with pytest.raises(UserError, match=r"config.json is unreadable \(JSONDecodeError"):
+        resumed_settings(given, run_dir, "config.json", ("steps",), "rlvr dpo")
+    (run_dir / "config.json").write_text('{"no_such_setting": 1, "beta": 0.3}')  # a key of another version: ignored
+    assert resumed_settings(given, run_dir, "config.json", ("steps",), "rlvr dpo").beta == 0.3

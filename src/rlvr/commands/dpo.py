@@ -45,7 +45,7 @@ import shutil
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, cast
 
@@ -63,9 +63,9 @@ from rlvr.task.instruction_data import alpaca_format, encode_documents, read_jso
 from rlvr.training.checkpoint import load_trainer_state, refuse_edited_settings, resumable_checkpoint, save_checkpoint
 from rlvr.training.logprobs import compile_backbone, get_response_log_probs
 from rlvr.training.metrics_log import MetricsLogger, truncate_metrics
-from rlvr.training.optim import make_adamw, make_rmsprop
+from rlvr.training.optim import lr_schedule, make_adamw, make_rmsprop
 from rlvr.training.rundir import RunDirLock, atomic_write_json, prepare_output_dir
-from rlvr.training.scaffold import TrainingRun, remove_outputs
+from rlvr.training.scaffold import TrainingRun, remove_outputs, resumed_settings, saved_settings
 from rlvr.training.tokenize import pad_token_id
 
 if TYPE_CHECKING:
@@ -434,39 +434,8 @@ DPO_RANGES: dict[str, Range] = {
 """The allowed range of every numeric field of ``DPOConfig`` (``rlvr.ranges``)."""
 
 
-RESUMABLE = (
-    "steps",
-    "eval_every",
-    "save_every",
-    "progress",
-    "wandb",
-    "tensorboard",
-    "resume",
-    "overwrite",
-    "fresh_optimizer",
-)
-INVOCATION_ONLY = ("resume", "overwrite", "fresh_optimizer")
-"""Flags of one invocation: never saved in config.json nor taken from it."""
-
-
-def _as_dict(cfg: DPOConfig) -> dict:
-    return {
-        k: (str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v) for k, v in asdict(cfg).items()
-    }
-
-
-def _saved_form(cfg: DPOConfig) -> dict:
-    """``cfg`` as config.json (and each checkpoint) keeps it: without the flags of one invocation."""
-    return _as_dict(replace(cfg, **{k: getattr(DPOConfig(), k) for k in INVOCATION_ONLY}))
-
-
-def _from_dict(d: dict) -> DPOConfig:
-    d = dict(d)
-    for k in ("data", "val_data"):
-        d[k] = tuple(d.get(k) or ())
-    for k in ("out", "resume"):
-        d[k] = Path(d[k]) if d.get(k) else None
-    return DPOConfig(**d)
+RESUMABLE = ("steps", "eval_every", "save_every", "progress", "wandb", "tensorboard")
+"""Settings that ``--resume`` takes from the command line; the others come from the run's config.json."""
 
 
 def tokenize_pairs(
@@ -645,10 +614,10 @@ def run_dpo(cfg: DPOConfig) -> Path:
     with RunDirLock(run_dir, command="rlvr dpo"):
         ckpt = None
         if cfg.resume is not None:
-            cfg = _resumed_config(cfg, run_dir)
+            cfg = resumed_settings(cfg, run_dir, "config.json", RESUMABLE, "rlvr dpo")
             ckpt = resumable_checkpoint(run_dir, fresh_optimizer=cfg.fresh_optimizer)
             if ckpt is not None:
-                refuse_edited_settings(ckpt, _saved_form(cfg), (*RESUMABLE, "out"), run_dir / "config.json")
+                refuse_edited_settings(ckpt, saved_settings(cfg), (*RESUMABLE, "out"), run_dir / "config.json")
         cfg.validate()
         if ckpt is None:  # a new run (or a resumed one that never reached its first checkpoint)
             prepare_output_dir(run_dir, OUTPUT_FILES, overwrite=cfg.overwrite or cfg.resume is not None)
@@ -674,34 +643,6 @@ def run_dpo(cfg: DPOConfig) -> Path:
                 "start from a model trained on chat rows (rlvr sft instruct saves its template)",
             )
         return _train(cfg, run_dir, ckpt, train_pairs, val_pairs, counts)
-
-
-def _resumed_config(cfg: DPOConfig, run_dir: Path) -> DPOConfig:
-    """The saved config of the run in ``run_dir`` with the resumable settings given now."""
-    path = run_dir / "config.json"
-    if not path.is_file():
-        raise UserError(f"{path} not found: is {run_dir} a DPO run directory?")
-    try:
-        raw = json.loads(path.read_text())
-        if not isinstance(raw, dict):
-            raise ValueError(f"it holds a JSON {type(raw).__name__}, not the object of settings rlvr dpo writes")
-        saved = _from_dict(raw)
-    except (OSError, ValueError, TypeError) as e:
-        raise UserError(
-            f"{path} cannot be read ({e}); put the run's config.json back, or start a new run with --out"
-        ) from None
-    return replace(
-        saved,
-        **{
-            k: getattr(cfg, k)
-            for k in RESUMABLE
-            if k not in INVOCATION_ONLY
-            if getattr(cfg, k) != getattr(DPOConfig(), k)
-        },
-        out=run_dir,
-        resume=run_dir,
-        fresh_optimizer=cfg.fresh_optimizer,
-    )
 
 
 def _train(
@@ -739,11 +680,9 @@ def _train(
     backbone = compile_backbone(model) if cfg.compile else None
     model.train()
     optimizer = _make_optimizer(cfg, model, device)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda u: min(1.0, (u + 1) / cfg.warmup_steps) if cfg.warmup_steps else 1.0
-    )
     batch = min(cfg.batch_size, len(train_tokens))
     total = cfg.steps or max(1, math.ceil(cfg.epochs * len(train_tokens) / batch))
+    scheduler = lr_schedule(optimizer, total, "constant", cfg.warmup_steps, 0.0)  # linear warmup, then constant
     train_ref = ReferenceCache(ref_model, pad, len(train_tokens))
     val_ref = ReferenceCache(ref_model, pad, len(val_tokens))
     loop: dict[str, Any] = {"best": None, "best_step": None}
@@ -758,7 +697,7 @@ def _train(
             best = json.loads((out / "best.json").read_text())
             loop.update(best_step=best.pop("step", None), best=best)
         truncate_metrics(out / "metrics.jsonl", start)
-    atomic_write_json(out / "config.json", _saved_form(cfg))
+    atomic_write_json(out / "config.json", saved_settings(cfg))
 
     def checkpoint(step: int) -> None:
         save_checkpoint(
@@ -769,7 +708,7 @@ def _train(
             optimizer,
             scheduler,
             state={"train_ref": train_ref.values, "val_ref": val_ref.values, **loop},
-            run_config=_saved_form(cfg),
+            run_config=saved_settings(cfg),
         )
 
     def validate(step: int) -> dict:
@@ -782,7 +721,7 @@ def _train(
     run = TrainingRun(out, total, f"rlvr dpo --resume {out}", checkpoint, start=start, resumed=ckpt is not None)
     run.fields.update(best_step=loop["best_step"], best=loop["best"], **data_counts)
     logger = MetricsLogger(
-        out, _as_dict(cfg), wandb=cfg.wandb, wandb_project=cfg.wandb_project, tensorboard=cfg.tensorboard
+        out, saved_settings(cfg), wandb=cfg.wandb, wandb_project=cfg.wandb_project, tensorboard=cfg.tensorboard
     )
     try:
         with run.guarded():

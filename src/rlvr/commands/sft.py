@@ -36,12 +36,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import random
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -63,7 +62,13 @@ from rlvr.training.logprobs import get_response_log_probs
 from rlvr.training.metrics_log import MetricsLogger, truncate_metrics
 from rlvr.training.optim import lr_factor
 from rlvr.training.rundir import RunDirLock, atomic_write_json
-from rlvr.training.scaffold import TrainingRun, claimed_output_dir, remove_outputs
+from rlvr.training.scaffold import (
+    TrainingRun,
+    claimed_output_dir,
+    remove_outputs,
+    resumed_settings,
+    saved_settings,
+)
 from rlvr.training.tokenize import pad_token_id, tokenize_from_ids, tokenize_prompt_and_output
 
 if TYPE_CHECKING:
@@ -303,7 +308,6 @@ CONFIG_FLAGS = (
 def with_training_config(config: SFTConfig) -> SFTConfig:
     """``config`` with the data and prompt settings of its ``--config`` training config file (none: as is);
     ``UserError`` when flags that the file sets are also given."""
-    import dataclasses
 
     if config.config is None:
         return config
@@ -345,46 +349,17 @@ def run_sft(config: SFTConfig) -> Path:
     if not run_dir.is_dir():
         raise UserError(f"--resume {run_dir}: no such directory; give the directory of an earlier `rlvr sft` run")
     with RunDirLock(run_dir, command="rlvr sft"):
-        config = _resumed_config(config, run_dir)
+        config = resumed_settings(
+            config, run_dir, "sft_config.json", RESUMABLE, "rlvr sft", accepts=lambda saved: "command" not in saved
+        )
         check_args(config)
         ckpt = resumable_checkpoint(run_dir, fresh_optimizer=config.fresh_optimizer)
         if ckpt is not None:
-            refuse_edited_settings(ckpt, _saved_form(config), (*RESUMABLE, "out"), run_dir / "sft_config.json")
+            refuse_edited_settings(ckpt, saved_settings(config), (*RESUMABLE, "out"), run_dir / "sft_config.json")
         else:
             print(f"rlvr: {run_dir} holds no checkpoint; starting the run again from step 0", file=sys.stderr)
             remove_outputs(run_dir, ("metrics.jsonl", "summary.json"))
         return _run(config, ckpt)
-
-
-def _saved_form(config: SFTConfig) -> dict[str, Any]:
-    """``config`` as sft_config.json (and each checkpoint) keeps it: without the flags of one invocation."""
-    kept = dataclasses.replace(config, resume=None, overwrite=False, fresh_optimizer=False)
-    return {k: str(v) if isinstance(v, Path) else v for k, v in asdict(kept).items()}
-
-
-def _resumed_config(config: SFTConfig, run_dir: Path) -> SFTConfig:
-    """The saved config of the run in ``run_dir`` with the resumable settings given now."""
-    path = run_dir / "sft_config.json"
-    try:
-        saved = json.loads(path.read_text())
-        if saved.get("command", "sft") != "sft":
-            raise ValueError(saved["command"])
-        fields = {f.name for f in dataclasses.fields(SFTConfig)}
-        base = SFTConfig(**{k: v for k, v in saved.items() if k in fields})
-    except (OSError, ValueError, TypeError, AttributeError):
-        raise UserError(f"{path} is missing or unreadable: is {run_dir} an `rlvr sft` run directory?") from None
-    defaults = SFTConfig()
-    given = {k: getattr(config, k) for k in RESUMABLE if getattr(config, k) != getattr(defaults, k)}
-    return dataclasses.replace(
-        base,
-        **given,
-        config=None if base.config is None else Path(base.config),
-        chat_template=None if base.chat_template is None else Path(base.chat_template),
-        out=run_dir,
-        resume=run_dir,
-        overwrite=False,
-        fresh_optimizer=config.fresh_optimizer,
-    )
 
 
 def _rng_to_json(rng: random.Random) -> list[Any]:
@@ -468,7 +443,7 @@ def _run(config: SFTConfig, ckpt: Path | None) -> Path:
                 _, order = next_batch(rng, order, len(examples), batch_size)
         truncate_metrics(out / "metrics.jsonl", begin)
     start = time.time()
-    settings = _saved_form(config)
+    settings = saved_settings(config)
     atomic_write_json(out / "sft_config.json", settings)
 
     def save(step: int) -> None:

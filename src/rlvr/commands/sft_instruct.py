@@ -30,14 +30,12 @@ go to ``checkpoints/``; ``--resume DIR`` continues the same run (``rlvr.training
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import math
 import random
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -67,9 +65,15 @@ from rlvr.task.instruction_data import (
 from rlvr.training.checkpoint import load_trainer_state, refuse_edited_settings, resumable_checkpoint, save_checkpoint
 from rlvr.training.logprobs import compile_backbone, get_response_log_probs
 from rlvr.training.metrics_log import MetricsLogger, truncate_metrics
-from rlvr.training.optim import lr_factor, make_adamw
+from rlvr.training.optim import lr_schedule, make_adamw
 from rlvr.training.rundir import RunDirLock, atomic_write_json
-from rlvr.training.scaffold import TrainingRun, claimed_output_dir, remove_outputs
+from rlvr.training.scaffold import (
+    TrainingRun,
+    claimed_output_dir,
+    remove_outputs,
+    resumed_settings,
+    saved_settings,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -332,46 +336,22 @@ def run_instruct_sft(cfg: InstructSFTConfig) -> Path:
             f"--resume {run_dir}: no such directory; give the directory of an earlier `rlvr sft instruct` run"
         )
     with RunDirLock(run_dir, command="rlvr sft instruct"):
-        cfg = _resumed_config(cfg, run_dir)
+        cfg = resumed_settings(
+            cfg,
+            run_dir,
+            "sft_config.json",
+            RESUMABLE,
+            "rlvr sft instruct",
+            accepts=lambda saved: saved.get("command") == "sft instruct",
+        )
         cfg.validate()
         ckpt = resumable_checkpoint(run_dir, fresh_optimizer=cfg.fresh_optimizer)
         if ckpt is not None:
-            refuse_edited_settings(ckpt, _saved_form(cfg), (*RESUMABLE, "out"), run_dir / "sft_config.json")
+            refuse_edited_settings(ckpt, saved_settings(cfg), (*RESUMABLE, "out"), run_dir / "sft_config.json")
         if ckpt is None:
             print(f"rlvr: {run_dir} holds no checkpoint; starting the run again from step 0", file=sys.stderr)
             remove_outputs(run_dir, ("metrics.jsonl", "summary.json"))
         return _run(cfg, ckpt)
-
-
-def _saved_form(cfg: InstructSFTConfig) -> dict[str, Any]:
-    """``cfg`` as sft_config.json (and each checkpoint) keeps it: without the flags of one invocation."""
-    kept = dataclasses.replace(cfg, resume=None, overwrite=False, fresh_optimizer=False)
-    return {
-        k: str(v) if isinstance(v, Path) else list(v) if isinstance(v, tuple) else v for k, v in asdict(kept).items()
-    }
-
-
-def _resumed_config(cfg: InstructSFTConfig, run_dir: Path) -> InstructSFTConfig:
-    """The saved config of the run in ``run_dir`` with the resumable settings given now."""
-    path = run_dir / "sft_config.json"
-    try:
-        saved = json.loads(path.read_text())
-        fields = {f.name for f in dataclasses.fields(InstructSFTConfig)}
-        base = InstructSFTConfig(**{k: v for k, v in saved.items() if k in fields})
-    except (OSError, ValueError, TypeError, AttributeError):
-        raise UserError(
-            f"{path} is missing or unreadable: is {run_dir} an `rlvr sft instruct` run directory?"
-        ) from None
-    given = {k: getattr(cfg, k) for k in RESUMABLE if getattr(cfg, k) != getattr(InstructSFTConfig(), k)}
-    return dataclasses.replace(
-        base,
-        **given,
-        betas=(float(base.betas[0]), float(base.betas[1])),
-        out=run_dir,
-        resume=run_dir,
-        overwrite=False,
-        fresh_optimizer=cfg.fresh_optimizer,
-    )
 
 
 def _run(cfg: InstructSFTConfig, ckpt: Path | None) -> Path:
@@ -435,9 +415,7 @@ def _run(cfg: InstructSFTConfig, ckpt: Path | None) -> Path:
     )
     total = cfg.steps or max(1, math.ceil(cfg.epochs * len(train_ds) / cfg.batch_size))
     warmup = math.ceil(cfg.warmup_ratio * total)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda u: lr_factor(u, total, "cosine", warmup, cfg.min_lr_ratio)
-    )
+    scheduler = lr_schedule(optimizer, total, "cosine", warmup, cfg.min_lr_ratio)
     rows_per_micro = max(1, cfg.max_tokens_per_microbatch // cfg.seq_length)
     batch = min(cfg.batch_size, len(train_ds))
     out = Path(cfg.out or "")
@@ -446,7 +424,7 @@ def _run(cfg: InstructSFTConfig, ckpt: Path | None) -> Path:
         start = load_trainer_state(ckpt, optimizer, scheduler)["step"]
         truncate_metrics(out / "metrics.jsonl", start)
 
-    config = _saved_form(cfg)
+    config = saved_settings(cfg)
     config.update(
         command="sft instruct",
         train_windows=len(train_ds),

@@ -161,9 +161,9 @@ from rlvr.training.interrupts import exit_code, sigterm_as_interrupt
 from rlvr.training.logprobs import compile_backbone, compute_log_probs_batched
 from rlvr.training.lora import adapters_disabled, apply_lora
 from rlvr.training.metrics_log import ROLLOUT_SAMPLES, MetricsLogger, truncate_metrics, write_jsonl
-from rlvr.training.optim import lr_factor, make_adamw
+from rlvr.training.optim import lr_factor, lr_schedule, make_adamw
 from rlvr.training.rundir import RunDirLock
-from rlvr.training.scaffold import TrainingRun
+from rlvr.training.scaffold import TrainCallback, TrainingRun
 from rlvr.training.train_step import StepBatch, UpdateSpec, policy_gradient_update
 
 if TYPE_CHECKING:
@@ -281,10 +281,7 @@ def _optimizer_and_scheduler(
         fused=device.type == "cuda" and not config.distributed.cpu_offload,
     )
     total = config.n_steps * config.updates_per_rollout_batch
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda u: lr_factor(u, total, o.schedule, o.warmup_steps, o.min_lr_ratio)
-    )
-    return optimizer, scheduler
+    return optimizer, lr_schedule(optimizer, total, o.schedule, o.warmup_steps, o.min_lr_ratio)
 
 
 @dataclass(frozen=True)
@@ -1318,6 +1315,7 @@ def train(
     tokenizer: PreTrainedTokenizerBase | None = None,
     reward_fn: Callable[..., dict] | None = None,
     engine: Engine | None = None,
+    callbacks: Sequence[TrainCallback] = (),
 ) -> Path:
     """Train a policy as ``config`` says, writing everything to ``out_dir``; returns ``out_dir``.
 
@@ -1325,7 +1323,8 @@ def train(
     none; returns at once if ``summary.json`` says it already finished all ``n_steps``). ``model`` and
     ``tokenizer`` replace loading ``config.model``; ``reward_fn(response, ground_truth) -> dict``
     replaces the configured reward for training rollouts (validation always uses the configured one:
-    ``reward.fn``, else the prompt's own); ``engine`` replaces building ``config.engine`` (the caller then owns and closes it).
+    ``reward.fn``, else the prompt's own); ``engine`` replaces building ``config.engine`` (the caller then owns and closes it);
+    ``callbacks`` are called at the start and end of every step (``TrainCallback``).
 
     Raises ``ConfigError`` before any model loads for impossible settings, ``RunDirBusy`` when
     another process writes to ``out_dir``, ``TrainingError`` when a fault stops the run (the last
@@ -1357,7 +1356,15 @@ def train(
             if finished:
                 return run_dir
             return _train(
-                config, run_dir, ckpt, world, model=model, tokenizer=tokenizer, reward_fn=reward_fn, engine=engine
+                config,
+                run_dir,
+                ckpt,
+                world,
+                model=model,
+                tokenizer=tokenizer,
+                reward_fn=reward_fn,
+                engine=engine,
+                callbacks=callbacks,
             )
     finally:
         if started_group:
@@ -1667,6 +1674,7 @@ def _train(
     tokenizer: PreTrainedTokenizerBase | None,
     reward_fn: Callable[..., dict] | None,
     engine: Engine | None,
+    callbacks: Sequence[TrainCallback],
 ) -> Path:
     """The run itself, in a locked and prepared run directory, from ``ckpt`` (None: from step 0)."""
     run, state = _setup(
@@ -1713,6 +1721,8 @@ def _train(
             agree = _agree_on_signal if world.distributed else None  # every rank stops after the same step
             for step in range(state.step + 1, config.n_steps + 1):
                 with record.step_block(step, agree):
+                    for callback in callbacks:
+                        callback.on_step_begin(step, run_dir)
                     metrics = _rollout_step(config, step, run_dir, run, state)  # rollout, score, advantages, update
                     if _validation_due(config, step):
                         metrics.update(_validation(config, step, run_dir, run, state))
@@ -1729,6 +1739,8 @@ def _train(
                     state.last_train_reward = metrics["train/reward"]
                     bar.set_postfix(progress_postfix(metrics, state.last_val))
                     bar.update(1)
+                    for callback in callbacks:
+                        callback.on_step_end(step, run_dir, metrics)
             record.checkpoint()
             record.summary("finished")
             return run_dir

@@ -751,7 +751,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, train_fn: TrainFn | None = None) -> int:
+    """``rlvr sweep``; ``train_fn`` replaces the in-process run (``run_sweep``). Returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     try:
@@ -764,6 +765,7 @@ def main(argv: list[str] | None = None) -> int:
             settings=args.settings,
             devices=args.devices,
             base_overrides=parse_assignments(args.set),
+            train_fn=train_fn,
             argv=argv,
         )
     except (UserError, FileNotFoundError) as e:

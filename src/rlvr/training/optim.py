@@ -33,6 +33,15 @@ def lr_factor(update: int, total_updates: int, schedule: str, warmup: int, min_r
     return 1.0 - (1 - min_ratio) * progress
 
 
+def lr_schedule(
+    optimizer: torch.optim.Optimizer, total_updates: int, schedule: str, warmup: int, min_ratio: float
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """``lr_factor``'s schedule over ``optimizer``'s peak lr; ``step()`` it after every optimizer step."""
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda u: lr_factor(u, total_updates, schedule, warmup, min_ratio)
+    )
+
+
 class _MasterWeights(torch.optim.Optimizer):
     """Mixin over a ``torch.optim`` class: the optimizer steps float32 masters of the given
     parameters (same arguments as the optimizer).

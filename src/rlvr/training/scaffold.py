@@ -17,12 +17,16 @@ command with status 130 or 143; a fault's message says which checkpoint is intac
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import shutil
 import sys
 import time
+import types
+import typing
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from rlvr.errors import TrainingError, UserError, disk_full
 from rlvr.training.checkpoint import CKPT_DIR, verified_by_manifest
@@ -30,6 +34,10 @@ from rlvr.training.interrupts import DeferInterrupts, Terminated
 from rlvr.training.rundir import RunDirLock, atomic_write_json, prepare_output_dir
 
 SUMMARY_FILE = "summary.json"
+INVOCATION_FLAGS = ("resume", "overwrite", "fresh_optimizer")
+"""Flags of one invocation of a trainer command: never saved with the run's settings nor taken from them."""
+
+_Config = TypeVar("_Config")
 
 
 @contextlib.contextmanager
@@ -62,6 +70,109 @@ def remove_outputs(run_dir: Path, names: Iterable[str]) -> None:
             shutil.rmtree(target)
         else:
             target.unlink(missing_ok=True)
+
+
+def saved_settings(config: Any) -> dict[str, Any]:
+    """A trainer command's flat dataclass config as its run directory keeps it: JSON values (paths as
+    strings, tuples as lists), with the flags of one invocation (``INVOCATION_FLAGS``) at their defaults."""
+    defaults = type(config)()
+    kept = dataclasses.replace(config, **{k: getattr(defaults, k) for k in INVOCATION_FLAGS if hasattr(defaults, k)})
+    return {k: _as_json(v) for k, v in dataclasses.asdict(kept).items()}
+
+
+def settings_from_saved(cls: type[_Config], saved: dict[str, Any]) -> _Config:
+    """The ``cls`` config that ``saved_settings`` wrote (paths and tuples restored from the field types);
+    keys that are not fields of ``cls`` are ignored."""
+    hints = typing.get_type_hints(cls)
+    fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]  # a dataclass type
+    return cls(**{k: _from_json(hints[k], v) for k, v in saved.items() if k in fields})
+
+
+def resumed_settings(
+    config: _Config,
+    run_dir: Path,
+    file: str,
+    resumable: Iterable[str],
+    command: str,
+    accepts: Callable[[dict[str, Any]], bool] = lambda saved: True,
+) -> _Config:
+    """The settings saved in ``run_dir/file`` by ``command``, with those of ``resumable`` that ``config``
+    sets (away from their defaults) and this invocation's ``fresh_optimizer``, pointed at ``run_dir``.
+
+    A missing or unreadable file, or one that ``accepts`` refuses (another command's), is a ``UserError``."""
+    path = run_dir / file
+    fix = f"is {run_dir} an `{command}` run directory? Put its {file} back, or start a new run with --out"
+    if not path.is_file():
+        raise UserError(f"{path} is missing: {fix}")
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise UserError(f"{path} is unreadable ({type(e).__name__}: {e}): {fix}") from None
+    if not isinstance(saved, dict):
+        raise UserError(
+            f"{path} holds a JSON {type(saved).__name__}, not the object of settings `{command}` writes: {fix}"
+        )
+    if not accepts(saved):
+        raise UserError(f"{path} was written by another command: {fix}")
+    try:
+        base = settings_from_saved(type(config), saved)
+    except (TypeError, ValueError, AttributeError) as e:
+        raise UserError(f"{path} does not hold `{command}` settings ({e}): {fix}") from None
+    defaults = type(config)()
+    given = {
+        k: getattr(config, k)
+        for k in resumable
+        if k not in INVOCATION_FLAGS and getattr(config, k) != getattr(defaults, k)
+    }
+    return dataclasses.replace(  # type: ignore[type-var]  # a dataclass instance
+        base,
+        **given,
+        out=run_dir,
+        resume=run_dir,
+        overwrite=False,
+        fresh_optimizer=typing.cast(Any, config).fresh_optimizer,
+    )
+
+
+def _as_json(value: Any) -> Any:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, (tuple, list)):
+        return [_as_json(v) for v in value]
+    return value
+
+
+def _from_json(hint: Any, value: Any) -> Any:
+    """``value`` read from JSON, as a field typed ``hint`` holds it."""
+    if value is None:
+        return None
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in args if a is not type(None)]
+        return _from_json(options[0], value) if len(options) == 1 else value
+    if hint is Path:
+        return Path(value)
+    if hint is float and isinstance(value, int):
+        return float(value)
+    if origin is tuple and isinstance(value, list):
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_from_json(args[0], v) for v in value)
+        return tuple(_from_json(a, v) for a, v in zip(args, value)) if len(args) == len(value) else tuple(value)
+    return value
+
+
+class TrainCallback:
+    """Hooks into a training loop, in the manner of transformers' ``TrainerCallback``: subclass it and
+    override what you need; ``rlvr.commands.train.train(..., callbacks=[...])`` calls each one in order.
+
+    A hook runs inside the step's signal guard: ``KeyboardInterrupt`` raised from ``on_step_begin`` stops
+    the run as Ctrl-C would (the last whole step is saved); any other exception fails the run."""
+
+    def on_step_begin(self, step: int, run_dir: Path) -> None:
+        """Before step ``step`` samples its rollouts; the model holds the weights step ``step - 1`` left."""
+
+    def on_step_end(self, step: int, run_dir: Path, metrics: dict[str, Any]) -> None:
+        """After step ``step`` is logged (and checkpointed, when one was due); ``metrics`` is its record."""
 
 
 class TrainingRun:
