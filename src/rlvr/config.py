@@ -882,7 +882,7 @@ def _type_name(tp: Any) -> str:
         if len(args) == 2 and args[1] is Ellipsis:
             return f"a list of {_PLURAL.get(args[0], 'values')}"
         return f"a list of {len(args)} " + (_PLURAL.get(args[0], "values") if len(set(args)) == 1 else "values")
-    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string", Path: "a path"}.get(
         tp, getattr(tp, "__name__", str(tp))
     )
 
@@ -895,8 +895,10 @@ def _show(value: object) -> str:
 _NUMBER = re.compile(r"^\s*[-+]?(\d[\d_]*\.?\d*|\.\d+)([eE][-+]?\d+)?\s*$")
 
 
-def _convert(value: Any, tp: Any, key: str) -> Any:
-    """``value`` as field type ``tp``; raises ``ConfigError`` naming ``key`` and the expected type."""
+def convert_value(value: Any, tp: Any, key: str) -> Any:
+    """``value`` as field type ``tp`` (from a YAML, TOML or JSON file); raises ``ConfigError`` naming ``key``
+    and the expected type. Also read by the commands whose run directories save a flat config
+    (``rlvr.training.scaffold.settings_from_saved``)."""
     origin = typing.get_origin(tp)
 
     def wrong(extra: str = "") -> ConfigError:
@@ -914,7 +916,7 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         inner = [a for a in args if a is not type(None)]
         if len(inner) == 1:
             try:
-                return _convert(value, inner[0], key)
+                return convert_value(value, inner[0], key)
             except ConfigError:
                 raise wrong() from None
         raise wrong()
@@ -927,10 +929,10 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             raise wrong()
         args = typing.get_args(tp)
         if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_convert(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
+            return tuple(convert_value(v, args[0], f"{key}[{i}]") for i, v in enumerate(value))
         if len(value) != len(args):
             raise wrong()
-        return tuple(_convert(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        return tuple(convert_value(v, a, f"{key}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
     if tp is bool:
         if isinstance(value, bool):
             return value
@@ -949,6 +951,10 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, str):
             return value
         raise wrong()
+    if tp is Path:
+        if isinstance(value, (str, Path)):
+            return Path(value)
+        raise wrong(" (a path)")
     if tp is Any:
         return value
     raise ConfigError(f"config key {key} has a type ({tp}) that files cannot set; set it in Python")
@@ -978,7 +984,7 @@ def _from_dict(cls: Any, d: dict, where: str) -> Any:
             if dataclasses.is_dataclass(tp):
                 kwargs[name] = _from_dict(tp, value, f"{where}{name}.")
             else:
-                kwargs[name] = _convert(value, tp, where + name)
+                kwargs[name] = convert_value(value, tp, where + name)
         except ConfigError as e:
             errors.append(str(e))
     if errors:

@@ -697,7 +697,8 @@ def _train(
             best = json.loads((out / "best.json").read_text())
             loop.update(best_step=best.pop("step", None), best=best)
         truncate_metrics(out / "metrics.jsonl", start)
-    atomic_write_json(out / "config.json", saved_settings(cfg))
+    settings = saved_settings(cfg)
+    atomic_write_json(out / "config.json", settings)
 
     def checkpoint(step: int) -> None:
         save_checkpoint(
@@ -708,7 +709,7 @@ def _train(
             optimizer,
             scheduler,
             state={"train_ref": train_ref.values, "val_ref": val_ref.values, **loop},
-            run_config=saved_settings(cfg),
+            run_config=settings,
         )
 
     def validate(step: int) -> dict:
@@ -720,9 +721,7 @@ def _train(
 
     run = TrainingRun(out, total, f"rlvr dpo --resume {out}", checkpoint, start=start, resumed=ckpt is not None)
     run.fields.update(best_step=loop["best_step"], best=loop["best"], **data_counts)
-    logger = MetricsLogger(
-        out, saved_settings(cfg), wandb=cfg.wandb, wandb_project=cfg.wandb_project, tensorboard=cfg.tensorboard
-    )
+    logger = MetricsLogger(out, settings, wandb=cfg.wandb, wandb_project=cfg.wandb_project, tensorboard=cfg.tensorboard)
     try:
         with run.guarded():
             if start == 0:

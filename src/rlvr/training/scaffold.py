@@ -22,12 +22,12 @@ import json
 import shutil
 import sys
 import time
-import types
 import typing
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+from rlvr.config import convert_value
 from rlvr.errors import TrainingError, UserError, disk_full
 from rlvr.training.checkpoint import CKPT_DIR, verified_by_manifest
 from rlvr.training.interrupts import DeferInterrupts, Terminated
@@ -81,11 +81,12 @@ def saved_settings(config: Any) -> dict[str, Any]:
 
 
 def settings_from_saved(cls: type[_Config], saved: dict[str, Any]) -> _Config:
-    """The ``cls`` config that ``saved_settings`` wrote (paths and tuples restored from the field types);
-    keys that are not fields of ``cls`` are ignored."""
+    """The ``cls`` config that ``saved_settings`` wrote, each value checked and converted to its field's
+    type as config files are (``rlvr.config.convert_value``: paths and tuples come back); keys that are
+    not fields of ``cls`` (what else a command records beside its settings) are ignored."""
     hints = typing.get_type_hints(cls)
     fields = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]  # a dataclass type
-    return cls(**{k: _from_json(hints[k], v) for k, v in saved.items() if k in fields})
+    return cls(**{k: convert_value(v, hints[k], k) for k, v in saved.items() if k in fields})
 
 
 def resumed_settings(
@@ -116,7 +117,7 @@ def resumed_settings(
         raise UserError(f"{path} was written by another command: {fix}")
     try:
         base = settings_from_saved(type(config), saved)
-    except (TypeError, ValueError, AttributeError) as e:
+    except (TypeError, ValueError) as e:  # ConfigError (a wrong value) is a ValueError
         raise UserError(f"{path} does not hold `{command}` settings ({e}): {fix}") from None
     defaults = type(config)()
     given = {
@@ -139,25 +140,6 @@ def _as_json(value: Any) -> Any:
         return str(value)
     if isinstance(value, (tuple, list)):
         return [_as_json(v) for v in value]
-    return value
-
-
-def _from_json(hint: Any, value: Any) -> Any:
-    """``value`` read from JSON, as a field typed ``hint`` holds it."""
-    if value is None:
-        return None
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (typing.Union, types.UnionType):
-        options = [a for a in args if a is not type(None)]
-        return _from_json(options[0], value) if len(options) == 1 else value
-    if hint is Path:
-        return Path(value)
-    if hint is float and isinstance(value, int):
-        return float(value)
-    if origin is tuple and isinstance(value, list):
-        if len(args) == 2 and args[1] is Ellipsis:
-            return tuple(_from_json(args[0], v) for v in value)
-        return tuple(_from_json(a, v) for a, v in zip(args, value)) if len(args) == len(value) else tuple(value)
     return value
 
 
