@@ -17,7 +17,16 @@ decode are masked out of sampling, never out of the log-probs).
    weights nothing stops by itself, so each row is given a length drawn uniformly in [50, 512] via
    the fast engine's per-row length caps (``row_max_new_tokens``): a row retires at its drawn length
    exactly as if it had stopped there (host checks, retiring and compaction all run as usual).
-5. Training: ``policy_gradient_update`` on 256 sequences = those prompts + responses of the drawn
+5. ``multiturn``: the continuation of multi-turn rollouts. The conversations of 4's prompts (32 x 8)
+   play three turns, each row's turn forced to a length drawn uniformly in [50, 170] (4's range over
+   three turns); after each turn the conversation gains a short tool result, and each later round is
+   one call over all 256 conversations with one sample each and a seed per conversation, as
+   ``Episodes`` sends them. Timed three ways, each warm: (a) inside ``FastHFEngine.continuing()``
+   (a later round prefills only past the K/V kept of the conversation so far; per round and in total,
+   with the prompt tokens prefilled and reused); (b) without it (every later round prefills the whole
+   conversation); (c) one single-turn call in which each row generates its three turns' tokens at once,
+   against its decode floor. Ratios (a)/(c) and (a)/(b) and the prefill saved follow.
+6. Training: ``policy_gradient_update`` on 256 sequences = those prompts + responses of the drawn
    lengths, a quarter of the groups with zero advantage (skipped), bf16 weights, fused AdamW,
    length-sorted microbatches under a token budget, chunked float32 log-probs. Compared with a naive
    path: microbatches of 8 rows, one float32 logits tensor per microbatch, no zero-advantage skip.
@@ -25,10 +34,10 @@ decode are masked out of sampling, never out of the log-probs).
    the matmul rate measured in step 1. "Real tokens" are prompt + response tokens of the sequences
    that went through the model (no padding). A stricter MFU counts matmul parameters only (no input
    embedding) plus causal attention FLOPs.
-6. The training step of 5 through ``model.compile`` (one compiled decoder-layer forward shared by
+7. The training step of 6 through ``model.compile`` (one compiled decoder-layer forward shared by
    all layers, and the fused log-prob's float32 passes compiled), compile time reported as the first
    step.
-7. ``rlvr.commands.train.train`` itself, whole steps of the course's suggested configuration (32 GSM8K prompts x 8,
+8. ``rlvr.commands.train.train`` itself, whole steps of the course's suggested configuration (32 GSM8K prompts x 8,
    r1_zero, 512 new tokens, hf-fast, token-budget microbatches, ``model.compile``), a coin reward
    standing in for the grader: generate / train / sync / reward seconds and peak memory; then the
    same configured for memory (the engine's cache freed after generating, 10,240-token microbatches,
@@ -37,9 +46,9 @@ decode are masked out of sampling, never out of the log-probs).
    reference (``trainer_step_kl_copy``), and with LoRA adapters (rank 16 on every linear layer, no
    ``model.compile``) whose reference is the policy with its adapters off (``trainer_step_kl_lora``),
    next to the same LoRA run without KL (``trainer_step_lora``).
-8. TRL's ``GRPOTrainer`` without vLLM on the same model, tokenizer, prompts, batch, lengths, reward and
+9. TRL's ``GRPOTrainer`` without vLLM on the same model, tokenizer, prompts, batch, lengths, reward and
    sampling distribution (needs ``trl`` and ``datasets`` importable; ``--no-trl`` skips it).
-9. ``families``: the forced batch of 3 on random-weight models at the exact shapes of Qwen2.5-1.5B,
+10. ``families``: the forced batch of 3 on random-weight models at the exact shapes of Qwen2.5-1.5B,
    Llama-3.2-1B and Qwen3-1.7B (grouped-query attention, q/k/v biases, per-head q/k norms, llama3 rope
    scaling, tied embeddings; ``--families`` picks some), each against its own decode floor (weights
    and the key/value heads' K/V read once per step), and the sampled log-probs of a few rows against
@@ -64,6 +73,9 @@ the GPU, part of ``make gpu-check``).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
+import functools
 import gc
 import json
 import random
@@ -113,6 +125,11 @@ def coin_reward(response: str, ground_truth: str) -> dict:
 # the longest rows (prompt and response) still share a microbatch.
 TRAINER_MIN_BUDGET = 2048
 PEAK_BF16 = 989e12  # H100/H200 SXM dense bf16, datasheet
+
+# The multiturn section's conversations: model turns each, and the message each turn is answered with,
+# a calculator's result as the ``plain`` tool format writes it into a base model's text.
+MULTITURN_TURNS = 3
+MULTITURN_TOOL_RESULT = " <tool_response>72</tool_response>"
 
 # The exact shapes of three models the fast engine runs besides OLMo-2 (each model's config.json on the
 # Hugging Face hub: Qwen/Qwen2.5-1.5B, meta-llama/Llama-3.2-1B, Qwen/Qwen3-1.7B), for speed measurements
@@ -450,8 +467,19 @@ class Bench:
             self.weight_size(),
         )
 
+    def multiturn_bytes(self) -> int:
+        """Section 5's estimate: the fast engine's buffers grown to the last round (every conversation its
+        own prompt: the r1_zero prompt, the earlier turns and tool results), beside the K/V that
+        ``continuing`` keeps of each conversation's context."""
+        cfg, size = self.model.config, self.weight_size()
+        rows, turn = self.rl_prompts * self.group, self.len_hi // MULTITURN_TURNS
+        tool = len(self.tok(MULTITURN_TOOL_RESULT, add_special_tokens=False)["input_ids"])
+        context = self.prompt_slots() + (MULTITURN_TURNS - 1) * (turn + tool)
+        kept = kv_bytes_per_token(cfg, size) * rows * (context + turn)
+        return engine_bytes(cfg, rows, rows, context, self.len_hi, size) + kept
+
     def trainer_bytes(self, budget: int, lean: bool = False, kl: str | None = None, lora: bool = False) -> int:
-        """Section 7's estimate for one configuration: the engine's buffers beside the training step's
+        """Section 8's estimate for one configuration: the engine's buffers beside the training step's
         (the lean run frees the engine's before training, so the larger of the two), and the copy of the
         weights that a KL copy reference or LoRA (on a copy of the model) keeps."""
         cfg, size = self.model.config, self.weight_size()
@@ -762,7 +790,166 @@ class Bench:
         del fast, out
         self.free()
 
-    # ------------------------------------------------------------ 5. training
+    # ------------------------------------------------------------ 5. multi-turn continuation
+    def multiturn(self):
+        prompts, params, lens, seeds = self.multiturn_batch()
+        fast = FastHFEngine(self.model, self.tok, max_batch_size=self.rl_prompts * self.group, **self.variants[0])
+
+        def conversations(continuing: bool) -> list[dict]:
+            with fast.continuing() if continuing else contextlib.nullcontext() as store:
+                return self.multiturn_rounds(fast, prompts, params, lens, seeds, store)
+
+        # Each way: a cold call (graphs of new buckets, buffers grown), then the best of warm calls by
+        # their total; ``continuing`` is entered afresh for each call, so each starts with nothing kept.
+        warm_calls = 1 if self.tiny else 3  # the smoke test checks that each way runs, not its speed
+        ways = {}
+        for name, continuing in (("continuing", True), ("without", False)):
+            conversations(continuing)
+            calls = [conversations(continuing) for _ in range(warm_calls)]
+            best = min(calls, key=lambda rounds: sum(r["seconds"] for r in rounds))
+            ways[name] = dict(best=best, calls=calls)
+        # The same new tokens in one turn: each row generates its turns' lengths at once.
+        sums = [[sum(turn[i][j] for turn in lens) for j in range(self.group)] for i in range(len(prompts))]
+        single = functools.partial(fast.generate, prompts, params, row_max_new_tokens=sums)
+        single()
+        out, single_s, single_all = self.best_of(single, warm_calls)
+        single_tokens = sum(len(c.token_ids) for g in out for c in g)
+        p_lens = [len(ids) for ids in self.tok(prompts, add_special_tokens=False)["input_ids"]]
+        floor = self.decode_floor(
+            [p for p in p_lens for _ in range(self.group)], [x for row in sums for x in row], self.group
+        )
+        self.log["multiturn"] = dict(
+            turn_lengths=lens,
+            tool_result=MULTITURN_TOOL_RESULT,
+            ways=ways,
+            single_turn=dict(seconds=single_all, tokens=single_tokens, floor_s=floor),
+            fast_stats=dict(fast.stats),
+        )
+        fast.close()
+        del fast, out
+        self.free()
+        self.multiturn_rows(ways, single_s, single_all, single_tokens, floor)
+
+    def multiturn_batch(self) -> tuple[list[str], SamplingParams, list[list[list[int]]], list[tuple[int, ...]]]:
+        """The realistic batch's prompts and sampling settings; each turn's lengths (``lens[t][i][j]``:
+        turn t of sample j of prompt i, uniform in the realistic range split over the turns); and each
+        later round's seeds, one per conversation (prompt-major, as ``Episodes`` orders them)."""
+        prompts, params, _ = self.realistic_batch()
+        rng = random.Random(self.args.seed + 3)
+        turn_hi = self.len_hi // MULTITURN_TURNS
+        lens = [
+            [[rng.randint(self.len_lo, turn_hi) for _ in range(self.group)] for _ in prompts]
+            for _ in range(MULTITURN_TURNS)
+        ]
+        rows = len(prompts) * self.group
+        seeds = [tuple(rng.getrandbits(62) for _ in range(rows)) for _ in range(MULTITURN_TURNS - 1)]
+        return prompts, params, lens, seeds
+
+    def multiturn_rounds(self, fast, prompts, params, lens, seeds, store=None) -> list[dict]:
+        """Every conversation's turns, one engine call per round as ``Episodes._play`` makes them: a later
+        round's context is the prompt and every earlier piece's text. Per round: seconds, new tokens, the
+        prompt tokens the engine prefilled and reused, and the tokens ``store`` (``continuing``'s) keeps after it."""
+        pieces = [[p] for p in prompts for _ in range(params.n)]
+        rounds = []
+        for t, turn_lens in enumerate(lens):
+            before = dict(fast.stats)
+            if t == 0:
+                call = functools.partial(fast.generate, prompts, params, row_max_new_tokens=turn_lens)
+            else:
+                turn = dataclasses.replace(params, n=1, seed=params.seed + t, prompt_seeds=seeds[t - 1])
+                caps = [[x] for row in turn_lens for x in row]
+                call = functools.partial(fast.generate, ["".join(p) for p in pieces], turn, row_max_new_tokens=caps)
+            out, seconds = self.timed(call)
+            completions = [c for group in out for c in group]
+            for p, c in zip(pieces, completions, strict=True):
+                p += [c.text, MULTITURN_TOOL_RESULT]
+            rounds.append(
+                dict(
+                    seconds=seconds,
+                    tokens=sum(len(c.token_ids) for c in completions),
+                    prefilled=fast.stats["prefilled_tokens"] - before["prefilled_tokens"],
+                    reused=fast.stats["reused_tokens"] - before["reused_tokens"],
+                    kept=store.tokens if store is not None else 0,
+                )
+            )
+        return rounds
+
+    def multiturn_rows(self, ways, single_s, single_all, single_tokens, floor):
+        turn_lo, turn_hi = self.len_lo, self.len_hi // MULTITURN_TURNS
+        what = f"{self.rl_prompts} r1_zero prompts x {self.group}, {MULTITURN_TURNS} turns U[{turn_lo},{turn_hi}] each"
+        later = f"rounds 2-{MULTITURN_TURNS}"
+
+        def total(rounds):
+            return sum(r["seconds"] for r in rounds)
+
+        def of_later(rounds, key):
+            return sum(r[key] for r in rounds[1:])
+
+        def per_round(rounds):
+            return " + ".join(f"{r['seconds']:.3f}" for r in rounds)
+
+        def calls(name):
+            times = ", ".join(f"{total(c):.2f}" for c in ways[name]["calls"])
+            return f"best of {len(ways[name]['calls'])} warm calls ({times} s)"
+
+        a, b = ways["continuing"]["best"], ways["without"]["best"]
+        a_tokens, b_tokens = sum(r["tokens"] for r in a), sum(r["tokens"] for r in b)
+        self.row(
+            f"(mt-a) multi-turn in continuing(): {what}, a tool result after each",
+            f"{total(a):.2f} s ({a_tokens / total(a):,.0f} new tok/s)",
+            "",
+            "",
+            f"{calls('continuing')}; {a_tokens} new tokens; {later}: {of_later(a, 'prefilled'):,} prompt tokens "
+            f"prefilled, {of_later(a, 'reused'):,} reused; {a[-1]['kept']:,} tokens of K/V kept at the end",
+        )
+        for t, r in enumerate(a, 1):
+            self.row(
+                f"(mt-a) round {t}" + (f" ({self.rl_prompts} prompts x {self.group})" if t == 1 else ", 1 sample each"),
+                f"{r['seconds']:.3f} s",
+                "",
+                "",
+                f"{r['tokens']} new tokens; {r['prefilled']:,} prompt tokens prefilled, {r['reused']:,} reused",
+            )
+        self.row(
+            f"(mt-b) multi-turn without continuing(): the same {MULTITURN_TURNS} rounds",
+            f"{total(b):.2f} s ({b_tokens / total(b):,.0f} new tok/s)",
+            "",
+            "",
+            f"{calls('without')}; rounds {per_round(b)} s; {b_tokens} new tokens; "
+            f"{later}: {of_later(b, 'prefilled'):,} prompt tokens prefilled",
+        )
+        self.row(
+            f"(mt-c) single turn: the same rows, each its {MULTITURN_TURNS} turns' lengths in one call",
+            f"{single_s:.2f} s ({single_tokens / single_s:,.0f} new tok/s)",
+            f"{floor:.2f} s",
+            "",
+            f"best of {len(single_all)} warm calls ({', '.join(f'{x:.2f}' for x in single_all)} s); "
+            f"{single_tokens} new tokens, no tool results",
+        )
+        saved = of_later(b, "prefilled") - of_later(a, "prefilled")
+        self.row(
+            "(mt) continuing against single turn, (a) / (c)",
+            f"{total(a) / single_s:.2f}x",
+            "",
+            "",
+            f"{total(a):.2f} s against {single_s:.2f} s",
+        )
+        self.row(
+            "(mt) continuing against without, (a) / (b)",
+            f"{total(a) / total(b):.2f}x",
+            "",
+            "",
+            f"{total(a):.2f} s against {total(b):.2f} s",
+        )
+        self.row(
+            f"(mt) prefill saved by continuing(), {later}",
+            f"{saved:,} prompt tokens ({saved / max(1, of_later(b, 'prefilled')):.0%})",
+            "",
+            "",
+            f"prefilled {of_later(a, 'prefilled'):,} in (a) against {of_later(b, 'prefilled'):,} in (b)",
+        )
+
+    # ------------------------------------------------------------ 6. training
     def training_batch(self):
         rng = random.Random(self.args.seed + 2)
         p_ids, lens = self.rl["p_ids"], self.rl["lens"]
@@ -906,7 +1093,7 @@ class Bench:
         )
 
     def compiled_bytes(self) -> int:
-        """Section 6's estimate: the training step through ``model.compile`` at the best eager budget."""
+        """Section 7's estimate: the training step through ``model.compile`` at the best eager budget."""
         return training_bytes(
             self.model.config, self.n_params, self.best_budget, size=self.weight_size(), compiled=True
         )
@@ -931,7 +1118,7 @@ class Bench:
         del backbone
         self.free()
 
-    # ------------------------------------------------------------ 6. the trainer, whole steps
+    # ------------------------------------------------------------ 8. the trainer, whole steps
     def trainer_step(self, lean: bool = False, kl: str | None = None, lora: bool = False):
         """``rlvr.commands.train.train`` with the course's suggested configuration: 32 GSM8K prompts x 8 (r1_zero),
         512 new tokens, lr 1e-5, the hf-fast engine on the policy's GPU; microbatches under a token budget
@@ -1093,7 +1280,7 @@ class Bench:
     def trainer_step_kl_lora(self):
         self.trainer_step(kl="lora", lora=True)
 
-    # ------------------------------------------------------------ 7. TRL side by side
+    # ------------------------------------------------------------ 9. TRL side by side
     def trl(self):
         """TRL's ``GRPOTrainer`` (no vLLM) on the same model, tokenizer, prompts, batch and lengths: 32
         prompts x 8 generations, 512 new tokens, per-device batch 8 x gradient accumulation 32 = 256
@@ -1212,7 +1399,7 @@ class Bench:
         model.eval()
         self.free()
 
-    # ------------------------------------------------------------ 9. other families
+    # ------------------------------------------------------------ 10. other families
     def families(self):
         """The forced batch of section 3 on each of ``--families`` (random weights at the model's exact
         shape, bf16), against its own decode floor; then a few sampled rows' log-probs against the
@@ -1443,6 +1630,7 @@ SECTIONS: dict[str, Section] = {
     "checks": Section(Bench.checks),
     "forced_length": Section(Bench.forced_length, needs=("ceilings",), memory=Bench.forced_bytes),
     "realistic": Section(Bench.realistic, needs=("ceilings",), memory=Bench.realistic_bytes),
+    "multiturn": Section(Bench.multiturn, needs=("ceilings",), memory=Bench.multiturn_bytes),
     "training": Section(Bench.training, needs=("ceilings", "realistic")),
     "compiled": Section(Bench.compiled, needs=("ceilings", "training"), memory=Bench.compiled_bytes),
     "trl": Section(Bench.trl),

@@ -153,6 +153,8 @@ def test_bench_speed_section_choice(bench_speed):
     assert bench_speed.chosen_sections(args) == ["ceilings", "checks", "compiled"]
     assert bench_speed.SECTIONS["compiled"].needs == ("ceilings", "training")
     assert "realistic" in bench_speed.SECTIONS["training"].needs
+    assert list(bench_speed.SECTIONS).index("multiturn") == list(bench_speed.SECTIONS).index("realistic") + 1
+    assert bench_speed.SECTIONS["multiturn"].needs == ("ceilings",)
     with pytest.raises(SystemExit, match="unknown --sections complied"):
         bench_speed.chosen_sections(bench_speed.parse_args(["--data-dir", ".", "--sections", "complied"]))
 
@@ -221,6 +223,28 @@ def test_gpu_check_runs_both_halves_when_the_first_fails(tmp_path):
     )
     assert proc.returncode != 0
     assert "| gpu-test | failed |" in proc.stdout and "| gpu-smoke | failed |" in proc.stdout
+
+
+@pytest.mark.slow
+def test_multiturn_section_times_three_ways_and_counts_the_prefill_it_saves(bench_speed, gsm8k_path, tmp_path):
+    """The multiturn section at ``--tiny``: continuing, without and single turn each a row, every later
+    round reusing kept K/V inside ``continuing()`` and none outside it."""
+    rc, md, log = _main(bench_speed, gsm8k_path, tmp_path, "multiturn", "--strict")
+    assert rc == 0
+    assert {s["name"]: s["status"] for s in log["sections"]}["multiturn"] == "ok"
+    rows = [r["what"] for r in log["rows"]]
+    for start in ("(mt-a) multi-turn in continuing()", "(mt-a) round 1", "(mt-a) round 2", "(mt-a) round 3"):
+        assert sum(w.startswith(start) for w in rows) == 1, (start, rows)
+    for start in ("(mt-b) multi-turn without", "(mt-c) single turn", "(mt) continuing against single", "(mt) prefill"):
+        assert sum(w.startswith(start) for w in rows) == 1, (start, rows)
+    ways = log["multiturn"]["ways"]
+    turns = log["multiturn"]["turn_lengths"]
+    new_tokens = sum(x for turn in turns for row in turn for x in row)
+    for way in ("continuing", "without"):
+        assert sum(r["tokens"] for r in ways[way]["best"]) <= new_tokens
+    assert all(r["reused"] > 0 for r in ways["continuing"]["best"][1:])
+    assert all(r["reused"] == 0 for r in ways["without"]["best"])
+    assert "| (mt) prefill saved by continuing(), rounds 2-3 |" in md
 
 
 @pytest.mark.slow
