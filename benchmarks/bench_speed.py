@@ -808,6 +808,15 @@ class Bench:
             calls = [conversations(continuing) for _ in range(warm_calls)]
             best = min(calls, key=lambda rounds: sum(r["seconds"] for r in rounds))
             ways[name] = dict(best=best, calls=calls)
+        # Both ways sample with the same seeds from logits that differ only by the prefill's rounding.
+        same = [
+            all(ra["ids"][i] == rb["ids"][i] for ra, rb in zip(ways["continuing"]["best"], ways["without"]["best"]))
+            for i in range(len(prompts) * self.group)
+        ]
+        for way in ways.values():
+            for rounds in way["calls"]:
+                for r in rounds:
+                    del r["ids"]
         # The same new tokens in one turn: each row generates its turns' lengths at once.
         sums = [[sum(turn[i][j] for turn in lens) for j in range(self.group)] for i in range(len(prompts))]
         single = functools.partial(fast.generate, prompts, params, row_max_new_tokens=sums)
@@ -823,12 +832,13 @@ class Bench:
             tool_result=MULTITURN_TOOL_RESULT,
             ways=ways,
             single_turn=dict(seconds=single_all, tokens=single_tokens, floor_s=floor),
+            same_tokens=sum(same),
             fast_stats=dict(fast.stats),
         )
         fast.close()
         del fast, out
         self.free()
-        self.multiturn_rows(ways, single_s, single_all, single_tokens, floor)
+        self.multiturn_rows(ways, single_s, single_all, single_tokens, floor, sum(same), len(same))
 
     def multiturn_batch(self) -> tuple[list[str], SamplingParams, list[list[list[int]]], list[tuple[int, ...]]]:
         """The realistic batch's prompts and sampling settings; each turn's lengths (``lens[t][i][j]``:
@@ -848,7 +858,8 @@ class Bench:
     def multiturn_rounds(self, fast, prompts, params, lens, seeds, store=None) -> list[dict]:
         """Every conversation's turns, one engine call per round as ``Episodes._play`` makes them: a later
         round's context is the prompt and every earlier piece's text. Per round: seconds, new tokens, the
-        prompt tokens the engine prefilled and reused, and the tokens ``store`` (``continuing``'s) keeps after it."""
+        prompt tokens the engine prefilled and reused, the tokens ``store`` (``continuing``'s) keeps after it, and
+        (``ids``, left out of the log) every conversation's sampled token ids."""
         pieces = [[p] for p in prompts for _ in range(params.n)]
         rounds = []
         for t, turn_lens in enumerate(lens):
@@ -870,11 +881,12 @@ class Bench:
                     prefilled=fast.stats["prefilled_tokens"] - before["prefilled_tokens"],
                     reused=fast.stats["reused_tokens"] - before["reused_tokens"],
                     kept=store.tokens if store is not None else 0,
+                    ids=[tuple(c.token_ids) for c in completions],
                 )
             )
         return rounds
 
-    def multiturn_rows(self, ways, single_s, single_all, single_tokens, floor):
+    def multiturn_rows(self, ways, single_s, single_all, single_tokens, floor, same, rows):
         turn_lo, turn_hi = self.len_lo, self.len_hi // MULTITURN_TURNS
         what = f"{self.rl_prompts} r1_zero prompts x {self.group}, {MULTITURN_TURNS} turns U[{turn_lo},{turn_hi}] each"
         later = f"rounds 2-{MULTITURN_TURNS}"
@@ -916,7 +928,8 @@ class Bench:
             "",
             "",
             f"{calls('without')}; rounds {per_round(b)} s; {b_tokens} new tokens; "
-            f"{later}: {of_later(b, 'prefilled'):,} prompt tokens prefilled",
+            f"{later}: {of_later(b, 'prefilled'):,} prompt tokens prefilled; "
+            f"the same tokens as (a) in {same}/{rows} conversations (same seeds; the logits differ by rounding)",
         )
         self.row(
             f"(mt-c) single turn: the same rows, each its {MULTITURN_TURNS} turns' lengths in one call",
@@ -1231,7 +1244,7 @@ class Bench:
         if lora or kl:
             reference = {"copy": "a full bf16 copy as reference", "lora": "the adapters-off policy as reference"}
             what = (
-                f"(f{'k' if kl else 'l'}) rlvr trainer, (f) with "
+                f"(f{'l' if lora else ''}{'k' if kl else ''}) rlvr trainer, (f) with "
                 + ("LoRA rank 16 (all linear layers, no model.compile)" if lora else "")
                 + (" and " if lora and kl else "")
                 + (f"KL 0.001 (k3, in the loss), {reference[kl]}" if kl else "")
@@ -1247,7 +1260,7 @@ class Bench:
             f"{result['sync']:.2f} s, reward {result['reward']:.2f} s; mean response "
             f"{result['response_length']:.0f} tokens; {result['backbone_tokens']:,.0f} tokens through the model a "
             f"step ({'packed, shared prompts' if self.args.shared_prefix else 'padded'}"
-            f"{', head logits kept' if self.args.keep_head_logits else ''}); model.compile; mean of steps {first_steady + 1}-{len(rows)}"
+            f"{', head logits kept' if self.args.keep_head_logits else ''}); {'' if lora else 'model.compile; '}mean of steps {first_steady + 1}-{len(rows)}"
             f" (all steps: {steps_s} s){scaled}",
         )
         self.model.eval()

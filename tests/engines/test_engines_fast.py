@@ -403,3 +403,74 @@ def test_continuing_prefills_only_the_new_tokens_and_equals_rereading(tiny_model
                 contexts = [c + g[0].text + said[turn] for c, g in zip(contexts, out)]
     assert whole.stats["reused_tokens"] == 0
     assert whole.stats["prefilled_tokens"] == cached.stats["prefilled_tokens"] + cached.stats["reused_tokens"]
+
+
+def test_continuing_samples_that_finish_apart_and_conversations_that_end(tiny_model, tiny_tokenizer):
+    """Two samples a prompt that stop at different steps (so their K/V are held in several batches, and the
+    batch is compacted between), then conversations that go on while others have ended: each later call
+    equals an engine reading every context whole, and once a call ends no kept block holds K/V that no
+    kept context uses (the ended conversations' spans are repacked out of the blocks they shared)."""
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=20, ignore_eos=True)
+    one = SamplingParams(temperature=0.0, max_new_tokens=6)
+    limits = [[3, 20], [7, 1], [12, 5], [20, 9]]
+    cached, whole = _fast(tiny_model, tiny_tokenizer, sync_every=2), _fast(tiny_model, tiny_tokenizer)
+
+    def blocks_hold_only_what_is_used(store):
+        blocks, spans = {}, set()
+        for e in store.entries:
+            for block, first, count in e.spans:
+                blocks[id(block)] = block.tokens
+                spans.add((id(block), first, count))
+        return sum(blocks.values()) == sum(count for _, _, count in spans)
+
+    with cached.continuing() as store:
+        out = cached.generate(PROMPTS, params, row_max_new_tokens=limits)
+        assert _ids(out) == _ids(whole.generate(PROMPTS, params, row_max_new_tokens=limits))
+        assert cached.stats["compactions"] > 0
+        contexts = [p + c.text + " ok." for p, g in zip(PROMPTS, out) for c in g]
+        assert store.tokens == sum(
+            len(tiny_tokenizer(p, add_special_tokens=False)["input_ids"]) + len(c.token_ids) - 1
+            for p, g in zip(PROMPTS, out)
+            for c in g
+        )
+        for going in ([0, 3, 4, 6, 7], [1]):  # then a conversation that waited a turn
+            asked = [contexts[i] for i in going]
+            before = cached.stats["reused_tokens"]
+            again = cached.generate(asked, one)
+            assert _ids(again) == _ids(whole.generate(asked, one))
+            assert cached.stats["reused_tokens"] > before  # read from the store
+            assert blocks_hold_only_what_is_used(store)
+            contexts = {**dict(enumerate(contexts)), **{i: contexts[i] + g[0].text for i, g in zip(going, again)}}
+            contexts = [contexts[i] for i in range(len(contexts))]
+
+
+def test_prefix_store_finds_the_longest_shared_start_as_a_scan_does():
+    """``find`` bisects the sorted contexts; a scan over every kept context gives the same length (and, a
+    hand-made case, the same context), capped one short of the prompt."""
+    from rlvr.engines.fast.prefix import PrefixStore, shared_start
+
+    assert shared_start((1, 2, 3, 4), (1, 2, 9)) == 2
+    assert shared_start((1, 2), (1, 2, 3)) == 2
+    assert shared_start((5,), (1,)) == 0
+    store = PrefixStore()
+    for ids in ([1, 2, 3], [1, 2, 3, 4, 5], [1, 2, 7], [9]):
+        store.add(ids, [])
+    assert store.find([1, 2, 3, 4, 6])[0].key == (1, 2, 3, 4, 5)
+    assert store.find([1, 2, 3, 4, 6])[1] == 4
+    assert store.find([1, 2, 3, 4, 5])[1] == 4  # the prompt's last token is prefilled
+    assert store.find([1, 2, 7, 0])[0].key == (1, 2, 7)
+    assert store.find([8, 1]) == (None, 0)
+    gen = torch.Generator().manual_seed(0)
+    kept = [
+        torch.randint(0, 3, (int(torch.randint(1, 12, (1,), generator=gen)),), generator=gen).tolist()
+        for _ in range(60)
+    ]
+    store = PrefixStore()
+    for ids in kept:
+        store.add(ids, [])
+    for _ in range(200):
+        q = torch.randint(0, 3, (int(torch.randint(1, 14, (1,), generator=gen)),), generator=gen).tolist()
+        scan = max((min(shared_start(tuple(k), tuple(q)), len(q) - 1) for k in kept), default=0)
+        found, n = store.find(q)
+        assert n == scan
+        assert found is None if n == 0 else shared_start(found.key, tuple(q)) >= n

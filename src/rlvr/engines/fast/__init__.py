@@ -58,14 +58,17 @@ distribution; it differs in how the work reaches the GPU:
   indices move: each row keeps its response cache row (``State.crow``), so no K/V is copied.
 * **Continuing conversations** (``FastHFEngine.continuing()``, which multi-turn rollouts enter). Inside
   it, each row's context after its completion (the prompt's K/V, then the K/V of every completion
-  token that was fed, i.e. all but the last; copied out of the response cache when the row is found
-  finished, before a compaction can hand its cache row to a filler) is kept in a ``prefix.PrefixStore``
-  with its token ids. A later prompt takes the K/V of the longest leading run of tokens it shares with
-  a kept context (copied into its prompt-cache entry, at the same positions) and only the rest is
-  prefilled, attending to the copied part. What is prefilled again: the last token of the model's
-  turn, the environment's message, the next turn's header, and any token where the re-tokenised
-  conversation text differs from the sampled ids. The kept K/V stay on the device until the context
-  exits (``sync_weights`` drops them: they belong to the old weights).
+  token that was fed, i.e. all but the last) is kept in a ``prefix.PrefixStore`` with its token ids:
+  the finished rows' response K/V are gathered out of the response cache in one copy a layer per sync
+  point (before a compaction can hand their cache rows to fillers), and at the end of the chunk packed
+  with the prompts' K/V (held once for a prompt's samples) into a few blocks. A later prompt takes the
+  K/V of the longest leading run of tokens it shares with a kept context (found by bisecting the kept
+  contexts in token order; gathered into its prompt-cache entry, at the same positions, one scatter a
+  layer per block) and only the rest is prefilled, attending to the copied part. What is prefilled
+  again: the last token of the model's turn, the environment's message, the next turn's header, and
+  any token where the re-tokenised conversation text differs from the sampled ids. Blocks that hold
+  more than the kept contexts use are repacked at the end of each call; the kept K/V stay on the
+  device until the context exits (``sync_weights`` drops them: they belong to the old weights).
 
 The package: ``families`` (the supported families and one model's layout), ``step`` (a layer's step
 and the sampling as pure functions, compiled or eager), ``state`` (the device buffers), ``graphs``

@@ -24,13 +24,17 @@ from rlvr.engines.fast.kernels.decode_attention import (
     triton_decode_attention,
 )
 from rlvr.engines.fast.kernels.sampling import CounterNoise, exponential_noise, triton_sample
-from rlvr.engines.fast.prefix import PrefixStore
+from rlvr.engines.fast.prefix import KVBlock, PrefixStore, Span
 from rlvr.engines.fast.state import State, allocate, ensure_noise, refresh_stacked
 from rlvr.engines.fast.stops import RowChecks
 from rlvr.engines.sampling import eos_token_ids, generate_in_chunks
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+# The response K/V of finished rows copied out of the cache (``continuing``): per layer, K and V of
+# shape (rows, kv_heads, slots, head_dim).
+HeldBatch = tuple[list[torch.Tensor], list[torch.Tensor]]
 
 DEFAULT_BATCH_BUCKETS = (256, 192, 128, 96, 64, 48, 32, 24, 16, 8, 4, 2, 1)
 
@@ -372,46 +376,88 @@ class FastHFEngine:
 
     def _reuse(self, st: State, prompt_ids: list[list[int]], L: int) -> list[int]:
         """Per prompt of a chunk (entry p of the prompt cache, right-aligned in ``L`` slots), the leading
-        tokens whose K/V come from the kept prompts (``continuing``), copied into place; 0 outside it."""
+        tokens whose K/V come from the kept contexts (``continuing``), copied into place (one gather and
+        one scatter a layer per block they come from); 0 outside it."""
         store = self._prefixes
         if store is None:
             return [0] * len(prompt_ids)
         reused = []
+        moves: dict[int, tuple[KVBlock, list[int], list[int], list[int]]] = {}  # block -> its tokens, rows, slots
         for p, ids in enumerate(prompt_ids):
             kept, n = store.find(ids)
             reused.append(n)
-            if kept is None or n == 0:
-                continue
-            start = L - len(ids)
-            for i in range(len(st.pk)):
-                st.pk[i][p, :, start : start + n] = kept.k[i][:, :n]
-                st.pv[i][p, :, start : start + n] = kept.v[i][:, :n]
+            slot, left = L - len(ids), n
+            for block, first, count in kept.spans if kept is not None else []:
+                take = min(count, left)
+                if take <= 0:
+                    break
+                _, src, rows, slots = moves.setdefault(id(block), (block, [], [], []))
+                src.extend(range(first, first + take))
+                rows.extend([p] * take)
+                slots.extend(range(slot, slot + take))
+                slot, left = slot + take, left - take
+        for block, src, rows, slots in moves.values():
+            src_t, rows_t, slots_t = (torch.tensor(x, dtype=torch.long, device=self.device) for x in (src, rows, slots))
+            for pk, pv, bk, bv in zip(st.pk, st.pv, block.k, block.v):
+                pk[rows_t, :, slots_t] = bk.index_select(0, src_t)
+                pv[rows_t, :, slots_t] = bv.index_select(0, src_t)
         return reused
 
     def _hold(self, st: State, rows: list[int], held: dict, filled: int) -> None:
         """Copy the response K/V of finished ``rows`` (global rows, each in its own cache row) out of the
-        cache, before a compaction hands their cache rows to fillers: slots [0, filled) hold the K/V of
-        the tokens each row was fed (``continuing``)."""
-        for g in rows:
-            if g not in held:
-                held[g] = ([rk[g, :, :filled].clone() for rk in st.rk], [rv[g, :, :filled].clone() for rv in st.rv])
+        cache, before a compaction hands their cache rows to fillers (``continuing``): one gather a layer
+        for all the rows not held yet, slots [0, filled) (the K/V of the tokens each row was fed)."""
+        new = [g for g in rows if g not in held]
+        if not new:
+            return
+        index = torch.tensor(new, dtype=torch.long, device=self.device)
+        batch = (  # per layer (rows, kv_heads, filled, head_dim)
+            [rk[:, :, :filled].index_select(0, index) for rk in st.rk],
+            [rv[:, :, :filled].index_select(0, index) for rv in st.rv],
+        )
+        for j, g in enumerate(new):
+            held[g] = (batch, j)
 
     def _keep(self, st: State, prompt_ids: list[list[int]], L: int, out: list[list[Completion]], held: dict) -> None:
-        """Keep each row's context as it stands after its completion (``continuing``): the prompt's K/V
-        from the prompt cache, then those of the completion's tokens but the last (which was sampled,
-        never fed)."""
+        """Keep each row's context as it stands after its completion (``continuing``): the prompt's K/V,
+        packed once for the prompt's samples, then those of the completion's tokens but the last (which
+        was sampled, never fed), packed per batch of rows held together."""
         store = cast(PrefixStore, self._prefixes)
         n = len(out[0]) if out else 1
+        first, rows, slots = [], [], []
         for p, ids in enumerate(prompt_ids):
-            start = L - len(ids)
+            first.append(len(rows))
+            rows.extend([p] * len(ids))
+            slots.extend(range(L - len(ids), L))
+        rows_t, slots_t = (
+            torch.tensor(rows, dtype=torch.long, device=self.device),
+            torch.tensor(slots, dtype=torch.long, device=self.device),
+        )
+        prompts = KVBlock([pk[rows_t, :, slots_t] for pk in st.pk], [pv[rows_t, :, slots_t] for pv in st.pv])
+
+        fed = {p * n + j: max(len(c.token_ids) - 1, 0) for p, group in enumerate(out) for j, c in enumerate(group)}
+        packs: dict[int, tuple[HeldBatch, list[int], list[int], list[int]]] = {}  # batch -> its rows, slots, members
+        for g, count in fed.items():
+            batch, j = held[g]
+            _, brows, bslots, members = packs.setdefault(id(batch), (batch, [], [], []))
+            members.append(g)
+            brows.extend([j] * count)
+            bslots.extend(range(count))
+        span: dict[int, Span] = {}
+        for batch, brows, bslots, members in packs.values():
+            r, s = (
+                torch.tensor(brows, dtype=torch.long, device=self.device),
+                torch.tensor(bslots, dtype=torch.long, device=self.device),
+            )
+            block = KVBlock([k[r, :, s] for k in batch[0]], [v[r, :, s] for v in batch[1]])
+            at = 0
+            for g in members:
+                span[g] = (block, at, fed[g])
+                at += fed[g]
+        for p, ids in enumerate(prompt_ids):
             for j, c in enumerate(out[p]):
-                fed = len(c.token_ids) - 1
-                hk, hv = held[p * n + j]
-                store.add(
-                    ids + c.token_ids[:fed],
-                    [torch.cat([pk[p, :, start:L], k[:, :fed]], dim=1) for pk, k in zip(st.pk, hk)],
-                    [torch.cat([pv[p, :, start:L], v[:, :fed]], dim=1) for pv, v in zip(st.pv, hv)],
-                )
+                g = p * n + j
+                store.add(ids + c.token_ids[: fed[g]], [(prompts, first[p], len(ids)), span[g]])
 
     def _sample(
         self, st: State, logits: torch.Tensor, b: int, mode: str, compiled: bool = False
@@ -688,7 +734,7 @@ class FastHFEngine:
         filled = 0  # response slots holding K/V
         pending = None
         finish = checks.finish
-        held: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}  # ``continuing``: finished rows' K/V
+        held: dict[int, tuple[HeldBatch, int]] = {}  # ``continuing``: finished rows' K/V (a batch, the row in it)
         while True:
             if step >= T or (step % self.sync_every == 0):
                 latest = checks.fetch(st.out_tok[:R], step)
