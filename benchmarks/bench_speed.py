@@ -312,6 +312,33 @@ def probe_bench(args: argparse.Namespace) -> Bench:
     return bench
 
 
+def multiturn_agreement(a: list[dict], b: list[dict]) -> dict:
+    """How far two ways of playing the same conversations agree: per round, the conversations whose tokens
+    are equal through it; and over the later rounds' tokens sampled from the same context (the round's
+    context equal, and the tokens before them), the differences of their log-probs, which are the
+    differences of what the model computed from kept and from re-read K/V."""
+    rows = len(a[0]["ids"])
+    alike = [True] * rows
+    same, diffs = [], []
+    for t, (ra, rb) in enumerate(zip(a, b)):
+        for i in range(rows):
+            if not alike[i]:
+                continue
+            ia, ib, la, lb = ra["ids"][i], rb["ids"][i], ra["logprobs"][i], rb["logprobs"][i]
+            if t > 0:
+                n = next((k for k, (x, y) in enumerate(zip(ia, ib)) if x != y), min(len(ia), len(ib)))
+                diffs += [abs(x - y) for x, y in zip(la[:n], lb[:n])]  # the tokens before they part
+            alike[i] = ia == ib
+        same.append(sum(alike))
+    return dict(
+        conversations=rows,
+        same_through_round=same,
+        compared_tokens=len(diffs),
+        mean_abs_logprob_diff=sum(diffs) / len(diffs) if diffs else 0.0,
+        max_abs_logprob_diff=max(diffs, default=0.0),
+    )
+
+
 class Bench:
     def __init__(self, args):
         self.args = args
@@ -808,15 +835,11 @@ class Bench:
             calls = [conversations(continuing) for _ in range(warm_calls)]
             best = min(calls, key=lambda rounds: sum(r["seconds"] for r in rounds))
             ways[name] = dict(best=best, calls=calls)
-        # Both ways sample with the same seeds from logits that differ only by the prefill's rounding.
-        same = [
-            all(ra["ids"][i] == rb["ids"][i] for ra, rb in zip(ways["continuing"]["best"], ways["without"]["best"]))
-            for i in range(len(prompts) * self.group)
-        ]
+        agreement = multiturn_agreement(ways["continuing"]["best"], ways["without"]["best"])
         for way in ways.values():
             for rounds in way["calls"]:
                 for r in rounds:
-                    del r["ids"]
+                    del r["ids"], r["logprobs"]
         # The same new tokens in one turn: each row generates its turns' lengths at once.
         sums = [[sum(turn[i][j] for turn in lens) for j in range(self.group)] for i in range(len(prompts))]
         single = functools.partial(fast.generate, prompts, params, row_max_new_tokens=sums)
@@ -832,13 +855,13 @@ class Bench:
             tool_result=MULTITURN_TOOL_RESULT,
             ways=ways,
             single_turn=dict(seconds=single_all, tokens=single_tokens, floor_s=floor),
-            same_tokens=sum(same),
+            agreement=agreement,
             fast_stats=dict(fast.stats),
         )
         fast.close()
         del fast, out
         self.free()
-        self.multiturn_rows(ways, single_s, single_all, single_tokens, floor, sum(same), len(same))
+        self.multiturn_rows(ways, single_s, single_all, single_tokens, floor, agreement)
 
     def multiturn_batch(self) -> tuple[list[str], SamplingParams, list[list[list[int]]], list[tuple[int, ...]]]:
         """The realistic batch's prompts and sampling settings; each turn's lengths (``lens[t][i][j]``:
@@ -859,7 +882,7 @@ class Bench:
         """Every conversation's turns, one engine call per round as ``Episodes._play`` makes them: a later
         round's context is the prompt and every earlier piece's text. Per round: seconds, new tokens, the
         prompt tokens the engine prefilled and reused, the tokens ``store`` (``continuing``'s) keeps after it, and
-        (``ids``, left out of the log) every conversation's sampled token ids."""
+        (``ids`` and ``logprobs``, left out of the log) every conversation's sampled tokens and their log-probs."""
         pieces = [[p] for p in prompts for _ in range(params.n)]
         rounds = []
         for t, turn_lens in enumerate(lens):
@@ -882,11 +905,12 @@ class Bench:
                     reused=fast.stats["reused_tokens"] - before["reused_tokens"],
                     kept=store.tokens if store is not None else 0,
                     ids=[tuple(c.token_ids) for c in completions],
+                    logprobs=[c.logprobs for c in completions],
                 )
             )
         return rounds
 
-    def multiturn_rows(self, ways, single_s, single_all, single_tokens, floor, same, rows):
+    def multiturn_rows(self, ways, single_s, single_all, single_tokens, floor, agreement):
         turn_lo, turn_hi = self.len_lo, self.len_hi // MULTITURN_TURNS
         what = f"{self.rl_prompts} r1_zero prompts x {self.group}, {MULTITURN_TURNS} turns U[{turn_lo},{turn_hi}] each"
         later = f"rounds 2-{MULTITURN_TURNS}"
@@ -928,8 +952,18 @@ class Bench:
             "",
             "",
             f"{calls('without')}; rounds {per_round(b)} s; {b_tokens} new tokens; "
-            f"{later}: {of_later(b, 'prefilled'):,} prompt tokens prefilled; "
-            f"the same tokens as (a) in {same}/{rows} conversations (same seeds; the logits differ by rounding)",
+            f"{later}: {of_later(b, 'prefilled'):,} prompt tokens prefilled",
+        )
+        rows, same = agreement["conversations"], agreement["same_through_round"]
+        self.row(
+            "(mt) continuing against without: the same tokens, same seeds",
+            " / ".join(f"{x}/{rows}" for x in same),
+            "",
+            "",
+            f"conversations whose tokens in (a) equal (b)'s through round 1, 2, ... (a tie the prefill's rounding "
+            f"tips sends a conversation apart for good); over {agreement['compared_tokens']:,} tokens sampled from "
+            f"the same context in rounds 2-{MULTITURN_TURNS} before the two ways part, their log-probs differ by "
+            f"{agreement['mean_abs_logprob_diff']:.2g} on average, {agreement['max_abs_logprob_diff']:.2g} at most",
         )
         self.row(
             f"(mt-c) single turn: the same rows, each its {MULTITURN_TURNS} turns' lengths in one call",

@@ -246,9 +246,31 @@ def test_multiturn_section_times_three_ways_and_counts_the_prefill_it_saves(benc
     assert all(r["reused"] == 0 for r in ways["without"]["best"])
     # on the CPU in float32 the kept K/V equal those read again, so the same seeds sample the same tokens
     rows_in_batch = len(turns[0]) * len(turns[0][0])
-    assert log["multiturn"]["same_tokens"] == rows_in_batch
-    assert f"the same tokens as (a) in {rows_in_batch}/{rows_in_batch} conversations" in md
+    agreement = log["multiturn"]["agreement"]
+    assert agreement["same_through_round"] == [rows_in_batch] * len(turns)
+    assert agreement["compared_tokens"] == sum(r["tokens"] for r in ways["continuing"]["best"][1:])
+    assert agreement["max_abs_logprob_diff"] < 1e-4
+    same = " / ".join([f"{rows_in_batch}/{rows_in_batch}"] * len(turns))
+    assert f"| (mt) continuing against without: the same tokens, same seeds | {same} |" in md
     assert "| (mt) prefill saved by continuing(), rounds 2-3 |" in md
+
+
+def test_multiturn_agreement_counts_conversations_alike_and_compares_log_probs_before_they_part(bench_speed):
+    """Two conversations over two rounds: the first alike throughout (its round-2 log-probs differ by 0.1
+    and 0.2), the second parts at round 2's second token (only its first token's log-prob compares)."""
+    a = [
+        dict(ids=[(1, 2), (3, 4)], logprobs=[[-1.0, -1.0], [-1.0, -1.0]]),
+        dict(ids=[(5, 6), (7, 8)], logprobs=[[-0.5, -0.5], [-2.0, -3.0]]),
+    ]
+    b = [
+        dict(ids=[(1, 2), (3, 4)], logprobs=[[-1.0, -1.0], [-1.0, -1.0]]),
+        dict(ids=[(5, 6), (7, 9)], logprobs=[[-0.4, -0.7], [-2.5, -9.0]]),
+    ]
+    got = bench_speed.multiturn_agreement(a, b)
+    assert got["conversations"] == 2 and got["same_through_round"] == [2, 1]
+    assert got["compared_tokens"] == 3
+    assert got["mean_abs_logprob_diff"] == pytest.approx((0.1 + 0.2 + 0.5) / 3)
+    assert got["max_abs_logprob_diff"] == pytest.approx(0.5)
 
 
 @pytest.mark.slow
