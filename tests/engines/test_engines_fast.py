@@ -405,15 +405,17 @@ def test_continuing_prefills_only_the_new_tokens_and_equals_rereading(tiny_model
     assert whole.stats["prefilled_tokens"] == cached.stats["prefilled_tokens"] + cached.stats["reused_tokens"]
 
 
-def test_continuing_samples_that_finish_apart_and_conversations_that_end(tiny_model, tiny_tokenizer):
+@pytest.mark.parametrize("chunks", [{}, {"max_batch_size": 4, "batch_buckets": (4, 2, 1)}], ids=["one", "several"])
+def test_continuing_samples_that_finish_apart_and_conversations_that_end(tiny_model, tiny_tokenizer, chunks):
     """Two samples a prompt that stop at different steps (so their K/V are held in several batches, and the
     batch is compacted between), then conversations that go on while others have ended: each later call
     equals an engine reading every context whole, and once a call ends no kept block holds K/V that no
-    kept context uses (the ended conversations' spans are repacked out of the blocks they shared)."""
+    kept context uses (the ended conversations' spans are repacked out of the blocks they shared). With a
+    batch of 4 rows each call runs in chunks, whose contexts are kept and found across chunks."""
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=20, ignore_eos=True)
     one = SamplingParams(temperature=0.0, max_new_tokens=6)
     limits = [[3, 20], [7, 1], [12, 5], [20, 9]]
-    cached, whole = _fast(tiny_model, tiny_tokenizer, sync_every=2), _fast(tiny_model, tiny_tokenizer)
+    cached, whole = _fast(tiny_model, tiny_tokenizer, sync_every=2, **chunks), _fast(tiny_model, tiny_tokenizer)
 
     def blocks_hold_only_what_is_used(store):
         blocks, spans = {}, set()
