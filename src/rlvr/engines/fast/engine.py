@@ -424,7 +424,9 @@ class FastHFEngine:
         was sampled, never fed), packed per batch of rows held together."""
         store = cast(PrefixStore, self._prefixes)
         n = len(out[0]) if out else 1
-        first, rows, slots = [], [], []
+        first: list[int] = []
+        rows: list[int] = []
+        slots: list[int] = []
         for p, ids in enumerate(prompt_ids):
             first.append(len(rows))
             rows.extend([p] * len(ids))

@@ -114,7 +114,8 @@ class PrefixStore:
         for block, spans in used.values():
             if sum(count for _, count in spans) >= block.tokens:
                 continue
-            index, at = [], {}
+            index: list[int] = []
+            at: dict[tuple[int, int], int] = {}
             for first, count in spans:
                 at[first, count] = len(index)
                 index.extend(range(first, first + count))
