@@ -105,6 +105,7 @@ from section_runner import (
 
 from rlvr.engines.base import SamplingParams
 from rlvr.engines.fast import FastHFEngine
+from rlvr.engines.fast.prefix import shared_start
 from rlvr.engines.hf import HFEngine, sequence_logprobs
 from rlvr.modeling import OLMO2_1B, build_model, tokenizer_corpus, train_tokenizer
 from rlvr.task.data import load_gsm8k_jsonl
@@ -326,7 +327,7 @@ def multiturn_agreement(a: list[dict], b: list[dict]) -> dict:
                 continue
             ia, ib, la, lb = ra["ids"][i], rb["ids"][i], ra["logprobs"][i], rb["logprobs"][i]
             if t > 0:
-                n = next((k for k, (x, y) in enumerate(zip(ia, ib)) if x != y), min(len(ia), len(ib)))
+                n = shared_start(ia, ib)
                 diffs += [abs(x - y) for x, y in zip(la[:n], lb[:n])]  # the tokens before they part
             alike[i] = ia == ib
         same.append(sum(alike))

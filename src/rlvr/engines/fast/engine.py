@@ -397,7 +397,7 @@ class FastHFEngine:
                 slots.extend(range(slot, slot + take))
                 slot, left = slot + take, left - take
         for block, src, rows, slots in moves.values():
-            src_t, rows_t, slots_t = (torch.tensor(x, dtype=torch.long, device=self.device) for x in (src, rows, slots))
+            src_t, rows_t, slots_t = self._index(src), self._index(rows), self._index(slots)
             for pk, pv, bk, bv in zip(st.pk, st.pv, block.k, block.v):
                 pk[rows_t, :, slots_t] = bk.index_select(0, src_t)
                 pv[rows_t, :, slots_t] = bv.index_select(0, src_t)
@@ -410,7 +410,7 @@ class FastHFEngine:
         new = [g for g in rows if g not in held]
         if not new:
             return
-        index = torch.tensor(new, dtype=torch.long, device=self.device)
+        index = self._index(new)
         batch = (  # per layer (rows, kv_heads, filled, head_dim)
             [rk[:, :, :filled].index_select(0, index) for rk in st.rk],
             [rv[:, :, :filled].index_select(0, index) for rv in st.rv],
@@ -431,10 +431,7 @@ class FastHFEngine:
             first.append(len(rows))
             rows.extend([p] * len(ids))
             slots.extend(range(L - len(ids), L))
-        rows_t, slots_t = (
-            torch.tensor(rows, dtype=torch.long, device=self.device),
-            torch.tensor(slots, dtype=torch.long, device=self.device),
-        )
+        rows_t, slots_t = self._index(rows), self._index(slots)
         prompts = KVBlock([pk[rows_t, :, slots_t] for pk in st.pk], [pv[rows_t, :, slots_t] for pv in st.pv])
 
         fed = {p * n + j: max(len(c.token_ids) - 1, 0) for p, group in enumerate(out) for j, c in enumerate(group)}
@@ -447,10 +444,7 @@ class FastHFEngine:
             bslots.extend(range(count))
         span: dict[int, Span] = {}
         for batch, brows, bslots, members in packs.values():
-            r, s = (
-                torch.tensor(brows, dtype=torch.long, device=self.device),
-                torch.tensor(bslots, dtype=torch.long, device=self.device),
-            )
+            r, s = self._index(brows), self._index(bslots)
             block = KVBlock([k[r, :, s] for k in batch[0]], [v[r, :, s] for v in batch[1]])
             at = 0
             for g in members:
@@ -773,6 +767,10 @@ class FastHFEngine:
             self._hold(st, list(range(R)), held, filled)
             self._keep(st, prompt_ids, L, out, held)
         return out
+
+    def _index(self, values: list[int]) -> torch.Tensor:
+        """Host indices as an int64 tensor on the engine's device (an empty list too)."""
+        return torch.tensor(values, dtype=torch.long, device=self.device)
 
     def _host_to_device(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         """A host list as a tensor ready for a non-blocking copy to the device: in pinned memory on CUDA
