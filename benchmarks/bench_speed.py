@@ -1240,13 +1240,14 @@ class Bench:
         )
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        out = Path(tempfile.mkdtemp(prefix="bench_trainer_"))
         # peft adds its adapters to the model it is given: a copy keeps the other sections' model plain.
         model = copy.deepcopy(self.model) if lora else self.model
-        train(config, out, model=model, tokenizer=self.tok, reward_fn=coin_reward)
+        # The run's folder holds a final checkpoint of the whole model: gone once its metrics are read.
+        with tempfile.TemporaryDirectory(prefix="bench_trainer_") as out:
+            train(config, Path(out), model=model, tokenizer=self.tok, reward_fn=coin_reward)
+            rows = [r for r in read_metrics(Path(out) / "metrics.jsonl") if r.get("step", 0) > 0]
         del model
         peak = torch.cuda.max_memory_allocated() / 2**30 if self.device.type == "cuda" else float("nan")
-        rows = [r for r in read_metrics(out / "metrics.jsonl") if r.get("step", 0) > 0]
         # Step 1 compiles the training graphs; a microbatch under inductor's size threshold recompiles
         # once more (usually in step 2). Steps 3+ are the steady state.
         first_steady = 2 if len(rows) >= 3 else (1 if len(rows) == 2 else 0)
