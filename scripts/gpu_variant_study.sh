@@ -18,7 +18,8 @@
 # Usage: scripts/gpu_variant_study.sh OUT_DIR [DEVICE] [SCALE] [SUITES]
 #   SCALE=tiny runs the same pipeline on a CPU in a few minutes (plumbing check, no learning claim).
 #   SUITES: "onpolicy offpolicy" (default) or any of onpolicy, offpolicy, lr (configs/sweeps/lr_arith.yaml:
-#   the on-policy presets against the learning rate) and lr_offpolicy (lr_offpolicy_arith.yaml). SEEDS (default "0 1 2 3") picks the seeds. A second call with the same OUT_DIR reuses the
+#   the on-policy presets against the learning rate) and lr_offpolicy (lr_offpolicy_arith.yaml). SEEDS (default "0 1 2 3") picks the seeds,
+#   SETTINGS (default: every one) the settings to run by name, to split one suite over calls. A second call with the same OUT_DIR reuses the
 #   warm start found there, so the suites can run one call each and still start from one warm start.
 #   REPORT=0 leaves the reports out (to write them elsewhere from the run folders).
 #   Each step runs unless one it needs failed (scripts/steps.sh); a table of every step's outcome is
@@ -71,7 +72,7 @@ for suite in $SUITES; do
     offpolicy|lr_offpolicy) EXTRA=(n_steps=$OFF_STEPS rollout.n_prompts_per_rollout_batch=$OFF_PROMPTS) ;;
   esac
   $PY -m rlvr sweep configs/sweeps/${suite}_arith.yaml --out "$OUT/$suite" --max-parallel $PAR --seeds $SEEDS \
-      --set "${COMMON[@]}" "${EXTRA[@]}" > "$OUT/$suite.log" 2>&1 &
+      ${SETTINGS:+--settings $SETTINGS} --set "${COMMON[@]}" "${EXTRA[@]}" > "$OUT/$suite.log" 2>&1 &
   PIDS[$suite]=$!
 done
 for suite in $SUITES; do

@@ -335,6 +335,65 @@ def test_gradient_variance_equals_the_train_steps_gradients(tiny_model, tiny_tok
     assert out["mean_baseline"]["trace"] == pytest.approx(trace(lambda r: r - r.mean()), rel=1e-4)
     assert out["leave_one_out"]["trace"] == pytest.approx(trace(lambda r: (r - r.mean()) * G / (G - 1)), rel=1e-4)
     assert out["run"]["trace"] == pytest.approx(trace(lambda r: (r - r.mean()) / r.mean()), rel=1e-4)  # MaxRL
+    rloo = gradient_variance(
+        tiny_model,
+        batch["input_ids"],
+        batch["labels"],
+        batch["response_mask"],
+        rewards,
+        G,
+        loss_norm,
+        C,
+        baseline="loo",
+        advantage_normalizer="none",
+    )
+    assert rloo["run"]["trace"] == pytest.approx(trace(lambda r: r - (r.sum() - r) / (G - 1)), rel=1e-4)
+
+
+def test_gradient_variance_of_a_per_sample_baseline_by_hand(monkeypatch):
+    """RLOO's baseline differs between the samples of a group: b_i = (sum r - r_i) / (G - 1), so
+    r_i - b_i = G / (G - 1) (r_i - mean r), the leave-one-out estimator itself (trace 15, projected 1.5 in
+    test_gradient_variance_by_hand). Under the std normaliser groups 1 and 3 (std 1/sqrt(2)) are scaled by
+    sqrt(2) and group 2 has no signal: twice both figures. A weight that tells two samples of one reward
+    apart is not a sum over reward classes: that run has no `run` estimator and the rest still come."""
+    from rlvr.grpo.advantages import BASELINES
+
+    model = Unigram(3)
+    input_ids, labels, mask, rewards = _hand_batch()
+
+    def run(normalizer):
+        return gradient_variance(
+            model,
+            input_ids,
+            labels,
+            mask,
+            rewards,
+            2,
+            "constant",
+            1.0,
+            baseline="loo",
+            advantage_normalizer=normalizer,
+            advantage_eps=EPS,
+        )
+
+    for normalizer, (trace, projected) in {"none": (15.0, 1.5), "std": (30.0, 3.0)}.items():
+        out = run(normalizer)
+        assert out["run"]["trace"] == pytest.approx(trace, rel=1e-5), normalizer
+        assert out["run"]["projected"] == pytest.approx(projected, rel=1e-5), normalizer
+    monkeypatch.setitem(BASELINES, "by_position", lambda r, eps: torch.arange(r.shape[1], dtype=r.dtype).expand_as(r))
+    out = gradient_variance(
+        model,
+        input_ids,
+        labels,
+        mask,
+        rewards,
+        2,
+        "constant",
+        1.0,
+        baseline="by_position",
+        advantage_normalizer="none",
+    )
+    assert "run" not in out and out["leave_one_out"]["trace"] == pytest.approx(15.0, rel=1e-5)
 
 
 def test_variance_table_and_the_baseline_prediction(tmp_path):

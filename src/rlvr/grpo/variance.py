@@ -77,10 +77,28 @@ def _coefficients(rewards: torch.Tensor, group_size: int, baseline: str, normali
         "baseline_term": (-ones / (G - 1), mean * G / (G - 1)),
     }
     if (baseline, normalizer) not in (("none", "none"), ("mean", "none")):
-        b = BASELINES[baseline](r, eps).flatten()
-        d = NORMALIZERS[normalizer](r, eps).flatten()
-        coef["run"] = (1.0 / d, -b / d)
+        run = _affine_in_reward((r - BASELINES[baseline](r, eps)) / NORMALIZERS[normalizer](r, eps), r)
+        if run is not None:
+            coef["run"] = run
     return coef
+
+
+def _affine_in_reward(weights: torch.Tensor, r: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Per group j, ``(c_U, c_S)`` with ``weights[j, i] = c_U r_ji + c_S``, or None when some group's weights
+    are not affine in its rewards. A group baseline (one value a group) or a per-sample one such as the
+    leave-one-out mean (``b_i = (sum r - r_i) / (G - 1)``) is; the estimator sums scores by reward class,
+    so a weight that told two samples of equal reward apart could not be written this way."""
+    lo, hi = r.min(dim=1).values, r.max(dim=1).values
+    spread = hi - lo
+    at_lo = weights.gather(1, r.argmin(dim=1, keepdim=True)).squeeze(1)
+    at_hi = weights.gather(1, r.argmax(dim=1, keepdim=True)).squeeze(1)
+    # A group of equal rewards has U = r S: all of its weight goes on S.
+    c_u = torch.where(spread > 0, (at_hi - at_lo) / spread.clamp(min=1e-300), torch.zeros_like(spread))
+    c_s = at_lo - c_u * lo
+    fitted = c_u[:, None] * r + c_s[:, None]
+    if not torch.allclose(fitted, weights, rtol=1e-9, atol=1e-9):
+        return None
+    return c_u, c_s
 
 
 def gradient_variance(
@@ -109,8 +127,9 @@ def gradient_variance(
     on the model's device), else every group is run a second time. Returns
     ``{estimator: {"trace": ..., "projected": ..., "mean_norm": ..., "mean_projection": ...}, ...,
     "baseline_bias_ratio": ..., "n_groups": J}``; ``run`` is present when the run's (baseline,
-    normalizer) is not ``no_baseline`` or ``mean_baseline`` already. ``projected`` is NaN when fewer than
-    two groups have a non-zero held-out direction.
+    normalizer) is not ``no_baseline`` or ``mean_baseline`` already and its advantages are affine in
+    the reward within each group (every built-in baseline and normalizer is, the leave-one-out mean
+    included). ``projected`` is NaN when fewer than two groups have a non-zero held-out direction.
     """
     G = group_size
     rows = input_ids.shape[0]
