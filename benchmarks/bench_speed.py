@@ -750,6 +750,7 @@ class Bench:
         prompts, params, lens = self.realistic_batch()
         for variant in self.variants:
             self.realistic_one(prompts, params, lens, variant)
+        self.generate_against_realistic()
 
     def realistic_batch(self) -> tuple[list[str], SamplingParams, list[list[int]]]:
         """Section (d)'s prompts, sampling settings and per-row response lengths."""
@@ -807,7 +808,9 @@ class Bench:
                 f"goal <= 1: {t:.3f} s against {f_time:.3f} s x {real:,} / {f_tokens:,} = {target:.3f} s "
                 f"({'met' if t <= target else 'not met'})",
             )
-        self.rollout_time = min(t, getattr(self, "rollout_time", float("inf")))
+        if t < getattr(self, "rollout_time", float("inf")):
+            rows = sum(len(g) for g in out)
+            self.rollout_time, self.rollout_rate, self.rollout_mean_length = t, t / real, real / rows
         self.rl = dict(
             prompts=prompts,
             p_ids=[self.tok(p, add_special_tokens=False)["input_ids"] for p in prompts],
@@ -1299,8 +1302,29 @@ class Bench:
             f"{', head logits kept' if self.args.keep_head_logits else ''}); {'' if lora else 'model.compile; '}mean of steps {first_steady + 1}-{len(rows)}"
             f" (all steps: {steps_s} s){scaled}",
         )
+        if not (lean or lora or kl) and result["response_length"] > 0:
+            self.trainer_generate = (result["generate"], result["response_length"], n_prompts * group)
+            self.generate_against_realistic()
         self.model.eval()
         self.free()
+
+    def generate_against_realistic(self):
+        """Row (f''), once both (f) and (d) ran, in either order: the trainer samples to its own lengths (to
+        the cap, with random weights), so the two are compared per generated token."""
+        if getattr(self, "trainer_generate", None) is None or not hasattr(self, "rollout_rate"):
+            return
+        seconds, length, rows = self.trainer_generate
+        self.trainer_generate = None
+        per_token = seconds / (length * rows)
+        self.row(
+            "(f'') the trainer's generate phase against (d) realistic, per generated token",
+            f"{per_token / self.rollout_rate:.2f}x",
+            "",
+            "",
+            f"goal <= 1: {per_token * 1e6:.1f} us a row-token in (f) ({length:.0f} tokens a row) against "
+            f"{self.rollout_rate * 1e6:.1f} us in (d) (mean {self.rollout_mean_length:.0f}); rows that all run to "
+            "the cap keep the batch full to the end, so a token costs less there: this favours (f)",
+        )
 
     def trainer_budget(self, budget: int, **kind) -> tuple[int, str]:
         """The largest of ``budget`` and its halves (down to ``TRAINER_MIN_BUDGET``) whose run fits the free

@@ -59,13 +59,14 @@ def test_idle_gaps_names_the_innermost_region_under_way(monkeypatch):
 
 def test_bench_trainer_step_runs_packed_and_padded(gsm8k_real_path):
     """The whole-step rows with and without ``--shared-prefix``: the packed run puts fewer tokens
-    through the model for the same rollouts (same seed, same prompts)."""
+    through the model for the same rollouts (same seed, same prompts). Beside the realistic call (which
+    runs after it), the trainer's generate phase is compared with it per generated token."""
     tokens = {}
     for flag in ((), ("--shared-prefix",)):
         out = _run(
             "bench_speed.py",
             "--sections",
-            "trainer_step",
+            "trainer_step,realistic" if flag else "trainer_step",
             "--no-trl",
             *flag,
             "--trainer-steps",
@@ -75,6 +76,10 @@ def test_bench_trainer_step_runs_packed_and_padded(gsm8k_real_path):
         row = next(line for line in out.splitlines() if line.startswith("| (f) rlvr trainer"))
         assert ("packed, shared prompts" in row) == bool(flag), row
         tokens[bool(flag)] = int(row.split(" tokens through the model")[0].rsplit(" ", 1)[1].replace(",", ""))
+        per_token = [line for line in out.splitlines() if line.startswith("| (f'') the trainer's generate phase")]
+        assert len(per_token) == (1 if flag else 0), per_token
+        if flag:
+            assert float(per_token[0].split("|")[2].strip().rstrip("x")) > 0 and " us in (d) (mean " in per_token[0]
     assert 0 < tokens[True] < tokens[False], tokens
 
 
