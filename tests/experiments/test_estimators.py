@@ -208,6 +208,11 @@ def _hand_batch():
     return input_ids, labels, mask, torch.tensor([1.0, 0.0, 1.0, 1.0, 0.0, 1.0])
 
 
+def _hand_variance(model, **kwargs):
+    """``gradient_variance`` of the hand batch in groups of two, constant normalisation by 1."""
+    return gradient_variance(model, *_hand_batch(), 2, "constant", 1.0, **kwargs)
+
+
 def test_gradient_variance_by_hand():
     """U = (s0, 2 s2, s2), S = (-s2, 2 s2, -s1), mean rewards (1/2, 1, 1/2); J = 3, so ghat_j = 3 g_j.
     no baseline, ghat = (3 s0, 6 s2, 3 s2): squared norms 6 + 24 + 6 = 36, mean s0 + 3 s2 with
@@ -224,19 +229,7 @@ def test_gradient_variance_by_hand():
     Each group's rows are run once per reward value: the sums are exact."""
     model = Unigram(3)
     input_ids, labels, mask, rewards = _hand_batch()
-    out = gradient_variance(
-        model,
-        input_ids,
-        labels,
-        mask,
-        rewards,
-        2,
-        "constant",
-        1.0,
-        baseline="mean",
-        advantage_normalizer="std",
-        advantage_eps=EPS,
-    )
+    out = _hand_variance(model, baseline="mean", advantage_normalizer="std", advantage_eps=EPS)
     assert out["n_groups"] == 3
     want = {
         "no_baseline": (11.0, 10.5),
@@ -255,20 +248,8 @@ def test_gradient_variance_by_hand():
     assert out["score_energy_correct"] == pytest.approx(8 / 9, rel=1e-5)
     assert out["score_energy_incorrect"] == pytest.approx(2 / 3, rel=1e-5)
     assert model.theta.grad is None  # measured without touching .grad
-    again = gradient_variance(
-        model,
-        input_ids,
-        labels,
-        mask,
-        rewards,
-        2,
-        "constant",
-        1.0,
-        baseline="mean",
-        advantage_normalizer="std",
-        advantage_eps=EPS,
-        keep_bytes=0,
-    )  # recomputed, not kept
+    # recomputed, not kept
+    again = _hand_variance(model, baseline="mean", advantage_normalizer="std", advantage_eps=EPS, keep_bytes=0)
     assert variance_metrics(again) == pytest.approx(variance_metrics(out))
     # Sequence normalisation over B = 6 rows of one token: every gradient is a sixth, variances 1/36.
     seq = gradient_variance(
@@ -318,35 +299,16 @@ def test_gradient_variance_equals_the_train_steps_gradients(tiny_model, tiny_tok
         stacked = torch.stack(per_group)
         return float(((stacked - stacked.mean(0)) ** 2).sum() / (J - 1))
 
-    out = gradient_variance(
-        tiny_model,
-        batch["input_ids"],
-        batch["labels"],
-        batch["response_mask"],
-        rewards,
-        G,
-        loss_norm,
-        C,
-        baseline="mean",
-        advantage_normalizer="mean",
-        advantage_eps=0.0,
-    )
+    def measured(**estimator):
+        ids, labels, mask = batch["input_ids"], batch["labels"], batch["response_mask"]
+        return gradient_variance(tiny_model, ids, labels, mask, rewards, G, loss_norm, C, **estimator)
+
+    out = measured(baseline="mean", advantage_normalizer="mean", advantage_eps=0.0)
     assert out["no_baseline"]["trace"] == pytest.approx(trace(lambda r: r), rel=1e-4)
     assert out["mean_baseline"]["trace"] == pytest.approx(trace(lambda r: r - r.mean()), rel=1e-4)
     assert out["leave_one_out"]["trace"] == pytest.approx(trace(lambda r: (r - r.mean()) * G / (G - 1)), rel=1e-4)
     assert out["run"]["trace"] == pytest.approx(trace(lambda r: (r - r.mean()) / r.mean()), rel=1e-4)  # MaxRL
-    rloo = gradient_variance(
-        tiny_model,
-        batch["input_ids"],
-        batch["labels"],
-        batch["response_mask"],
-        rewards,
-        G,
-        loss_norm,
-        C,
-        baseline="loo",
-        advantage_normalizer="none",
-    )
+    rloo = measured(baseline="loo", advantage_normalizer="none")
     assert rloo["run"]["trace"] == pytest.approx(trace(lambda r: r - (r.sum() - r) / (G - 1)), rel=1e-4)
 
 
@@ -359,40 +321,12 @@ def test_gradient_variance_of_a_per_sample_baseline_by_hand(monkeypatch):
     from rlvr.grpo.advantages import BASELINES
 
     model = Unigram(3)
-    input_ids, labels, mask, rewards = _hand_batch()
-
-    def run(normalizer):
-        return gradient_variance(
-            model,
-            input_ids,
-            labels,
-            mask,
-            rewards,
-            2,
-            "constant",
-            1.0,
-            baseline="loo",
-            advantage_normalizer=normalizer,
-            advantage_eps=EPS,
-        )
-
     for normalizer, (trace, projected) in {"none": (15.0, 1.5), "std": (30.0, 3.0)}.items():
-        out = run(normalizer)
+        out = _hand_variance(model, baseline="loo", advantage_normalizer=normalizer, advantage_eps=EPS)
         assert out["run"]["trace"] == pytest.approx(trace, rel=1e-5), normalizer
         assert out["run"]["projected"] == pytest.approx(projected, rel=1e-5), normalizer
     monkeypatch.setitem(BASELINES, "by_position", lambda r, eps: torch.arange(r.shape[1], dtype=r.dtype).expand_as(r))
-    out = gradient_variance(
-        model,
-        input_ids,
-        labels,
-        mask,
-        rewards,
-        2,
-        "constant",
-        1.0,
-        baseline="by_position",
-        advantage_normalizer="none",
-    )
+    out = _hand_variance(model, baseline="by_position", advantage_normalizer="none")
     assert "run" not in out and out["leave_one_out"]["trace"] == pytest.approx(15.0, rel=1e-5)
 
 
