@@ -13,6 +13,7 @@ import yaml
 
 from rlvr.checks import resolve_config, validate_config
 from rlvr.experiments import load_runs
+from rlvr.experiments import sweep as sweep_module
 from rlvr.experiments.sweep import (
     CONFLICT,
     RESUME,
@@ -261,6 +262,43 @@ def test_parallel_subprocesses_import_plugins(tmp_path, fake):
     assert not (out / "a").exists()
     log = (out / "_sweep" / "logs" / "b" / "seed_3.log").read_text()
     assert "rlvr.experiments.plugins --plugin" in log and sys.executable in log
+
+
+OOM_TRAINER = """
+import torch
+
+import rlvr.cli
+
+
+def main(argv):
+    if "/b/" in " ".join(argv):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    return 0
+
+
+rlvr.cli.COMMANDS["train"] = (__name__, "a trainer that runs out of GPU memory in setting b")
+"""
+
+
+def test_parallel_run_out_of_gpu_memory_names_max_parallel(tmp_path, fake):
+    """A subprocess run that dies of a GPU out-of-memory error is reported with what to change
+    (runs sharing one GPU: --max-parallel); a run that fails otherwise gets no such hint."""
+    (tmp_path / "oom_trainer.py").write_text(OOM_TRAINER)
+    spec = write_spec(tmp_path / "s.yaml", plugins=["oom_trainer.py"])
+    out, lines = tmp_path / "out", []
+    _, outcomes = run_sweep(spec, out, max_parallel=3, seeds=[0], echo=lines.append)
+    by_label = {o.run.label: o for o in outcomes}
+    assert by_label["a/seed_0"].ok and not by_label["b/seed_0"].ok
+    message = by_label["b/seed_0"].message
+    assert "ran out of GPU memory with up to 3 runs sharing a GPU" in message and "--max-parallel" in message
+    assert any(line.startswith("FAILED b/seed_0") and "--max-parallel" in line for line in lines)
+
+    # Spread over two devices, at most two of the three runs share one.
+    assert "up to 2 runs sharing" in sweep_module.oom_hint(3, ["0", "1"])
+    # Another failure: no memory hint.
+    log = tmp_path / "other.log"
+    log.write_text("Traceback (most recent call last):\nRuntimeError: boom\n")
+    assert not sweep_module._ran_out_of_gpu_memory(log)
 
 
 @pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])

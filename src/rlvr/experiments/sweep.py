@@ -492,6 +492,30 @@ def _log_path(out: Path, p: PlannedRun) -> Path:
     return path
 
 
+_OOM_MARKERS = ("OutOfMemoryError", "CUDA out of memory", "CUDA error: out of memory")
+_LOG_TAIL_BYTES = 64 * 1024
+
+
+def _ran_out_of_gpu_memory(log_path: Path) -> bool:
+    """Whether a failed run's log ends in a GPU out-of-memory error (its last traceback)."""
+    try:
+        with log_path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - _LOG_TAIL_BYTES))
+            tail = f.read().decode("utf-8", "replace")
+    except OSError:
+        return False
+    return any(marker in tail for marker in _OOM_MARKERS)
+
+
+def oom_hint(max_parallel: int, devices: Sequence[str] | None) -> str:
+    """What to change when parallel runs that share a GPU run it out of memory."""
+    sharing = -(-max_parallel // len(devices)) if devices else max_parallel
+    return (
+        f"it ran out of GPU memory with up to {sharing} runs sharing a GPU: run the same command again with a "
+        "lower --max-parallel (or more --devices); finished runs are skipped and failed ones run again"
+    )
+
+
 def _release_memory() -> None:
     gc.collect()
     torch = sys.modules.get("torch")
@@ -599,6 +623,8 @@ def _execute_parallel(
                 free_slots.append(slot)
                 ok = rc == 0
                 msg = "" if ok else f"exit status {rc}; see {_log_path(out, p)}"
+                if not ok and _ran_out_of_gpu_memory(_log_path(out, p)):
+                    msg += f": {oom_hint(max_parallel, devices)}"
                 echo(f"{'finished' if ok else 'FAILED'} {p.label} in {time.time() - start:.0f}s {msg}".rstrip())
                 outcomes.append(Outcome(p, ok, time.time() - start, msg))
     except KeyboardInterrupt:
@@ -736,7 +762,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-parallel",
         type=int,
         default=1,
-        help="runs at once; >1 launches subprocesses (several small runs can share one GPU)",
+        help="runs at once; >1 launches subprocesses (several small runs can share one GPU; a run that runs it out of memory says so)",
     )
     parser.add_argument("--seeds", type=int, nargs="+", help="override the spec's seeds")
     parser.add_argument("--settings", nargs="+", help="run only these settings")
