@@ -21,6 +21,12 @@ def test_grpo_raises_validation_accuracy_by_20_points(tmp_path):
     assert result["format_after"] > result["format_before"] + 0.2
     assert (tmp_path / "demo.png").stat().st_size > 10_000
     assert json.loads((tmp_path / "demo.json").read_text())["rise_points"] == result["rise_points"]
+    # the model the demo points `rlvr eval` at is the run's best: the highest validation, the later step on a tie
+    assert result["model"] == str(tmp_path / "grpo" / "checkpoints" / "best" / "model")
+    best = json.loads((tmp_path / "grpo" / "checkpoints" / "best" / "best.json").read_text())
+    top = max(result["val_reward"])
+    assert best["val/reward"] == top
+    assert best["step"] == max(s for s, v in zip(result["val_steps"], result["val_reward"]) if v == top)
     # the validation at step 0 is the untrained warm start: before/after come from the same evaluator
     assert result["val_steps"][0] == 0 and result["val_steps"][-1] == 40
     # What the estimator did, from the same run: `rlvr report` draws the difficulty weighting of the

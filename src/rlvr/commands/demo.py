@@ -38,7 +38,7 @@ from rlvr.config import (
     TrainConfig,
 )
 from rlvr.errors import UserError
-from rlvr.training.checkpoint import latest_checkpoint
+from rlvr.training.checkpoint import run_model
 from rlvr.training.metrics_log import read_metrics
 from rlvr.training.rundir import atomic_write_json
 
@@ -235,12 +235,13 @@ def run_demo(cfg: DemoConfig) -> dict:
         f"      what the estimator did (difficulty weighting, gradient variance): rlvr report {grpo_dir} "
         f"--out {out / 'report.md'}"
     )
-    final = latest_checkpoint(grpo_dir)
-    if final is not None:
-        result["final_model"] = str(final / "model")
+    kept = run_model(grpo_dir)
+    if kept is not None:
+        result["model"], which = str(kept[0]), kept[1]
+        # `rlvr eval --model RUN_DIR` takes the run's best model, as printed here.
         print(
-            f"      next: rlvr eval --model {final / 'model'} --data '{cfg.task}' "
-            f"--split validation --limit 200 --max-tokens {cfg.max_new_tokens} --out {out / 'eval'}"
+            f"      next: rlvr eval --model {grpo_dir} --data '{cfg.task}' --split validation --limit 200 "
+            f"--max-tokens {cfg.max_new_tokens} --out {out / 'eval'}   # the run's model: {which}"
         )
     atomic_write_json(out / "demo.json", result)
     return result
