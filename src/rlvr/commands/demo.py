@@ -237,7 +237,8 @@ def run_demo(cfg: DemoConfig) -> dict:
     )
     kept = run_model(grpo_dir)
     if kept is not None:
-        result["model"], which = str(kept[0]), kept[1]
+        model_dir, which = kept
+        result["model"] = str(model_dir)
         # `rlvr eval --model RUN_DIR` takes the run's best model, as printed here.
         print(
             f"      next: rlvr eval --model {grpo_dir} --data '{cfg.task}' --split validation --limit 200 "

@@ -622,9 +622,12 @@ def _execute_parallel(
                 del running[slot]
                 free_slots.append(slot)
                 ok = rc == 0
-                msg = "" if ok else f"exit status {rc}; see {_log_path(out, p)}"
-                if not ok and _ran_out_of_gpu_memory(_log_path(out, p)):
-                    msg += f": {oom_hint(max_parallel, devices)}"
+                msg = ""
+                if not ok:
+                    log_path = _log_path(out, p)
+                    msg = f"exit status {rc}; see {log_path}"
+                    if _ran_out_of_gpu_memory(log_path):
+                        msg += f": {oom_hint(max_parallel, devices)}"
                 echo(f"{'finished' if ok else 'FAILED'} {p.label} in {time.time() - start:.0f}s {msg}".rstrip())
                 outcomes.append(Outcome(p, ok, time.time() - start, msg))
     except KeyboardInterrupt:
