@@ -135,13 +135,22 @@ def test_settings_that_cannot_work_are_named():
             build_reward(kwargs.pop("fn", None), **kwargs)
 
 
+class _JoinedHTTPServer(ThreadingHTTPServer):
+    # Closing waits for every handler: one still answering a client that gave up would write to a
+    # closed socket and print a traceback later, in another test. On CPython 3.11 that print parses
+    # source (ast) in a second thread, which can fail the other test's own parse (python/cpython#106905).
+    daemon_threads = False
+
+
 class RewardServer:
     """A reward server on 127.0.0.1: reward = length of the response; ``fail_first`` requests get 503,
-    ``delay_s`` is slept before answering, ``short`` answers one reward too few."""
+    ``delay_s`` is waited before answering (cut short when the server closes), ``short`` answers one
+    reward too few."""
 
     def __init__(self, fail_first: int = 0, delay_s: float = 0.0, short: bool = False):
         self.requests: list[dict] = []
         self.fail_first, self.delay_s, self.short = fail_first, delay_s, short
+        self.closing = threading.Event()
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -151,7 +160,8 @@ class RewardServer:
                 if len(server.requests) <= server.fail_first:
                     self.send_error(503, "warming up")
                     return
-                threading.Event().wait(server.delay_s)
+                if server.closing.wait(server.delay_s):
+                    return  # the client gave up long ago; no answer
                 rewards = [
                     {"reward": float(len(r["response"])), "turns": len(r.get("messages", []))} for r in body["rows"]
                 ]
@@ -165,7 +175,7 @@ class RewardServer:
             def log_message(self, *args):
                 pass
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd = _JoinedHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/score"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
 
@@ -174,8 +184,10 @@ class RewardServer:
         return self
 
     def __exit__(self, *exc):
+        self.closing.set()
         self.httpd.shutdown()
         self.httpd.server_close()
+        assert not [t for t in threading.enumerate() if t.name.endswith("(process_request_thread)")]
 
 
 @pytest.fixture(autouse=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import operator
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -89,13 +90,20 @@ def _evaluate(node: ast.AST) -> int | float:
     raise ValueError("only numbers, + - * / // % ** and parentheses are allowed")
 
 
+# CPython 3.11 keeps one AST-building depth counter for all threads, so two parses at once in the
+# rollout's tool threads can fail with a spurious SystemError (python/cpython#106905).
+_PARSE_LOCK = threading.Lock()
+
+
 def calculator(expression: str) -> str:
     """Evaluate an arithmetic expression.
 
     Args:
         expression: The expression to evaluate, with numbers, + - * / // % ** and parentheses, e.g. (7 + 5) * 2.
     """
-    value = _evaluate(ast.parse(expression.strip(), mode="eval"))
+    with _PARSE_LOCK:
+        tree = ast.parse(expression.strip(), mode="eval")
+    value = _evaluate(tree)
     if isinstance(value, float) and value.is_integer():
         value = int(value)  # 12.0 reads as 12: what a person writes
     return str(value)
