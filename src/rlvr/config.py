@@ -622,9 +622,9 @@ class HealthConfig:
     clip_fraction_max: float = 0.2
     """Off-policy: warn when this share of tokens in an update has an importance ratio outside [0.8, 1.2]."""
     ratio_kl_max: float = 0.1
-    """Off-policy: warn when the KL (k3) between the sampling and the current policy within a step reaches this."""
+    """Off-policy: warn when the KL (k3) between the sampling and the current policy, averaged over a step's updates, reaches this."""
     grad_spike: float = 10.0
-    """Warn when a step's gradient norm reaches this multiple of the recent median."""
+    """Warn when a step's largest gradient norm reaches this multiple of the median of recent steps' largest."""
 
 
 @dataclass(frozen=True)

@@ -117,8 +117,21 @@ def test_no_signal_needs_patience_and_says_which_way_the_task_is_off() -> None:
 def test_off_policy_clip_and_ratio_drift_read_the_update_records() -> None:
     mon = HealthMonitor(HealthConfig(clip_fraction_max=0.2, ratio_kl_max=0.1))
     calm = healthy(1, updates=[{"token_clip_frac": 0.01, "kl_k3": 0.001}, {"token_clip_frac": 0.02, "kl_k3": 0.004}])
-    clipped = healthy(2, updates=[{"token_clip_frac": 0.05, "kl_k3": 0.01}, {"token_clip_frac": 0.25, "kl_k3": 0.12}])
+    # kl_k3 (0.08 + 0.14) / 2 = 0.11 >= 0.1; one update clipped 25 % of its tokens.
+    clipped = healthy(2, updates=[{"token_clip_frac": 0.05, "kl_k3": 0.08}, {"token_clip_frac": 0.25, "kl_k3": 0.14}])
     assert stream(mon, [calm, clipped]) == [(2, "clip"), (2, "ratio_drift")]
+    (drift,) = HealthMonitor(HealthConfig(ratio_kl_max=0.1)).observe(healthy(1, updates=[{"kl_k3": 0.11}]))
+    assert "by KL 0.11 (k3, the mean over this step's 1 update;" in drift.message
+
+
+def test_ratio_drift_is_the_mean_over_the_steps_updates_not_its_largest() -> None:
+    # Off-policy runs that learned (GPU, 32 updates a step at lr 1e-5) had single updates at KL 0.3-0.7
+    # while the step's mean stayed under 0.07: one small batch's KL is no sign of drift.
+    mon = HealthMonitor(HealthConfig(ratio_kl_max=0.1))
+    one_wild = [{"kl_k3": 0.6}] + [{"kl_k3": 0.01}] * 31  # mean (0.6 + 0.31) / 32 = 0.0284
+    assert stream(mon, [healthy(s, updates=one_wild) for s in range(1, 5)]) == []
+    drifting = [{"kl_k3": 0.1 + 0.01 * i} for i in range(4)]  # mean 0.115
+    assert stream(mon, [healthy(5, updates=drifting)]) == [(5, "ratio_drift")]
 
 
 def test_gradient_spike_against_the_recent_median() -> None:
@@ -130,6 +143,17 @@ def test_gradient_spike_against_the_recent_median() -> None:
     # Too little history: no spike can be measured yet.
     mon = HealthMonitor(HealthConfig(grad_spike=10.0))
     assert stream(mon, [healthy(1), healthy(2, **{"train/grad_norm_max": 100.0})]) == []
+
+
+def test_gradient_spike_compares_a_steps_largest_norm_with_recent_largest_norms() -> None:
+    # Many updates a step: the largest norm sits far above the mean (here 15 x) every step. That is
+    # the step's shape, not a spike; only a largest norm 10 x the recent largest ones is.
+    mon = HealthMonitor(HealthConfig(grad_spike=10.0))
+    rows = [healthy(s, **{"train/grad_norm": 0.2, "train/grad_norm_max": 3.0}) for s in range(1, 11)]
+    assert stream(mon, rows) == []
+    assert mon.observe(healthy(11, **{"train/grad_norm": 0.3, "train/grad_norm_max": 29.0})) == []  # 9.7 x 3.0
+    (spike,) = mon.observe(healthy(12, **{"train/grad_norm": 0.4, "train/grad_norm_max": 30.0}))  # 10 x: fires
+    assert spike.signal == "grad_spike" and "30 is 10 x the recent steps' median 3:" in spike.message
 
 
 def test_skipped_nonfinite_steps_warn_when_the_count_grows() -> None:

@@ -11,8 +11,10 @@ warnings that step raises. Each signal names the likely cause and the setting to
 ``length_cap``      many responses hit ``rollout.max_new_tokens`` (truncated answers score as wrong)
 ``no_signal``       nearly every group has all-equal rewards, so nearly nothing trains
 ``clip``            off-policy: many tokens' importance ratios left the trust region within a step
-``ratio_drift``     off-policy: the policy moved far from the sampling policy within a step (KL, k3)
-``grad_spike``      the gradient norm jumped far above its recent median
+``ratio_drift``     off-policy: the policy moved far from the sampling policy over a step's updates
+                    (their mean KL, k3: one update's small batch swings widely in runs that learn)
+``grad_spike``      a step's largest gradient norm jumped far above the recent steps' largest (like
+                    with like: with many updates a step, the largest is many times the mean)
 ``nonfinite``       an optimizer step had a non-finite loss or gradient and was skipped
 
 A signal fires when its condition becomes true and again only after it has cleared, so a run that
@@ -44,7 +46,7 @@ SIGNALS = (
 )
 VAL_METRIC = "val/reward"
 _GRAD_HISTORY = 20
-"""Gradient norms of this many recent steps make the median a spike is measured against."""
+"""The largest gradient norms of this many recent steps make the median a spike is measured against."""
 _GRAD_MIN_HISTORY = 3
 
 
@@ -74,7 +76,7 @@ class HealthMonitor:
     best_val_step: int | None = None
     first_entropy: float | None = None
     first_length: float | None = None
-    grad_norms: list[float] = field(default_factory=list)
+    grad_peaks: list[float] = field(default_factory=list)
     entropies: list[float] = field(default_factory=list)
     active: list[str] = field(default_factory=list)
     """Signals whose condition held at the last step (they do not fire again until it clears)."""
@@ -87,7 +89,7 @@ class HealthMonitor:
             "best_val_step": self.best_val_step,
             "first_entropy": self.first_entropy,
             "first_length": self.first_length,
-            "grad_norms": list(self.grad_norms),
+            "grad_peaks": list(self.grad_peaks),
             "entropies": list(self.entropies),
             "active": list(self.active),
             "no_signal_streak": self.no_signal_streak,
@@ -218,28 +220,31 @@ class HealthMonitor:
                 "batch. Lower optim.lr or take fewer updates per rollout batch (a larger optim.train_batch_size "
                 "or fewer optim.epochs_per_rollout_batch)."
             )
-        if kl and max(kl) >= self.config.ratio_kl_max:
+        drift = sum(kl) / len(kl) if kl else 0.0
+        if kl and drift >= self.config.ratio_kl_max:
             out["ratio_drift"] = (
-                f"the policy drifted to KL {max(kl):.3g} (k3) from the sampling policy within this step "
-                f"(health.ratio_kl_max={self.config.ratio_kl_max:g}): importance weights become unreliable. Lower "
-                "optim.lr or take fewer updates per rollout batch."
+                f"the policy drifted from the sampling policy by KL {drift:.3g} (k3, the mean over this step's "
+                f"{len(kl)} update{'s' * (len(kl) != 1)}; health.ratio_kl_max={self.config.ratio_kl_max:g}): "
+                "importance weights become "
+                "unreliable. Lower optim.lr or take fewer updates per rollout batch."
             )
         return out
 
     def _grad_spike(self, m: dict[str, Any]) -> dict[str, str]:
+        # The step's largest norm against the median of recent steps' largest: the mean would be the
+        # wrong yardstick off-policy, where the largest of many small updates is routinely far above it.
         peak = _finite(m.get("train/grad_norm_max", m.get("train/grad_norm")))
-        mean = _finite(m.get("train/grad_norm"))
         out: dict[str, str] = {}
-        if peak is not None and len(self.grad_norms) >= _GRAD_MIN_HISTORY:
-            median = statistics.median(self.grad_norms)
+        if peak is not None and len(self.grad_peaks) >= _GRAD_MIN_HISTORY:
+            median = statistics.median(self.grad_peaks)
             if median > 0 and peak >= self.config.grad_spike * median:
                 out["grad_spike"] = (
-                    f"gradient norm {peak:.3g} is {peak / median:.0f} x its recent median {median:.3g}: one batch "
-                    "pushed hard (optim.max_grad_norm clips it). Repeated spikes precede divergence: lower "
+                    f"gradient norm {peak:.3g} is {peak / median:.0f} x the recent steps' median {median:.3g}: one "
+                    "batch pushed hard (optim.max_grad_norm clips it). Repeated spikes precede divergence: lower "
                     "optim.lr or optim.max_grad_norm."
                 )
-        if mean is not None and mean > 0:
-            self.grad_norms = (self.grad_norms + [mean])[-_GRAD_HISTORY:]
+        if peak is not None and peak > 0:
+            self.grad_peaks = (self.grad_peaks + [peak])[-_GRAD_HISTORY:]
         return out
 
     def _nonfinite(self, m: dict[str, Any]) -> dict[str, str]:
