@@ -125,8 +125,8 @@ def test_off_policy_clip_and_ratio_drift_read_the_update_records() -> None:
 
 
 def test_ratio_drift_is_the_mean_over_the_steps_updates_not_its_largest() -> None:
-    # Off-policy runs that learned (GPU, 32 updates a step at lr 1e-5) had single updates at KL 0.3-0.7
-    # while the step's mean stayed under 0.07: one small batch's KL is no sign of drift.
+    # In off-policy runs that learned, single updates' KL went several times past the threshold while
+    # each step's mean stayed below it: one small batch's KL is no sign of drift.
     mon = HealthMonitor(HealthConfig(ratio_kl_max=0.1))
     one_wild = [{"kl_k3": 0.6}] + [{"kl_k3": 0.01}] * 31  # mean (0.6 + 0.31) / 32 = 0.0284
     assert stream(mon, [healthy(s, updates=one_wild) for s in range(1, 5)]) == []
@@ -146,8 +146,8 @@ def test_gradient_spike_against_the_recent_median() -> None:
 
 
 def test_gradient_spike_compares_a_steps_largest_norm_with_recent_largest_norms() -> None:
-    # Many updates a step: the largest norm sits far above the mean (here 15 x) every step. That is
-    # the step's shape, not a spike; only a largest norm 10 x the recent largest ones is.
+    # Many updates a step: the largest norm sits far above the mean every step. That is the step's
+    # shape, not a spike; only a largest norm far above the recent largest ones is.
     mon = HealthMonitor(HealthConfig(grad_spike=10.0))
     rows = [healthy(s, **{"train/grad_norm": 0.2, "train/grad_norm_max": 3.0}) for s in range(1, 11)]
     assert stream(mon, rows) == []

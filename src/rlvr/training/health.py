@@ -225,8 +225,7 @@ class HealthMonitor:
             out["ratio_drift"] = (
                 f"the policy drifted from the sampling policy by KL {drift:.3g} (k3, the mean over this step's "
                 f"{len(kl)} update{'s' * (len(kl) != 1)}; health.ratio_kl_max={self.config.ratio_kl_max:g}): "
-                "importance weights become "
-                "unreliable. Lower optim.lr or take fewer updates per rollout batch."
+                "importance weights become unreliable. Lower optim.lr or take fewer updates per rollout batch."
             )
         return out
 
