@@ -220,8 +220,7 @@ class HealthMonitor:
                 "batch. Lower optim.lr or take fewer updates per rollout batch (a larger optim.train_batch_size "
                 "or fewer optim.epochs_per_rollout_batch)."
             )
-        drift = sum(kl) / len(kl) if kl else 0.0
-        if kl and drift >= self.config.ratio_kl_max:
+        if kl and (drift := statistics.fmean(kl)) >= self.config.ratio_kl_max:
             out["ratio_drift"] = (
                 f"the policy drifted from the sampling policy by KL {drift:.3g} (k3, the mean over this step's "
                 f"{len(kl)} update{'s' * (len(kl) != 1)}; health.ratio_kl_max={self.config.ratio_kl_max:g}): "
