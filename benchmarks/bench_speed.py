@@ -1305,6 +1305,7 @@ class Bench:
         if not (lean or lora or kl) and result["response_length"] > 0:
             self.trainer_generate = (result["generate"], result["response_length"], n_prompts * group)
             self.generate_against_realistic()
+            self.step_against_floors(result, n_prompts, group)
         self.model.eval()
         self.free()
 
@@ -1325,6 +1326,34 @@ class Bench:
             f"{self.rollout_rate * 1e6:.1f} us in (d) (mean {self.rollout_mean_length:.0f}); rows that all run to "
             "the cap keep the batch full to the end, so a token costs less there: this favours (f)",
         )
+
+    def step_against_floors(self, result: dict, n_prompts: int, group: int):
+        """Row (f*): the whole step (f) against the sum of its two floors at the step's own lengths: the
+        decode floor of its rollout (``decode_floor``: every row at the step's mean response length, each
+        group's prompt at the data's mean r1_zero prompt length) and ``train_floor_s`` of the tokens it put
+        through the model; the train phase's share of the measured matmul rate beside it."""
+        rows, length = n_prompts * group, round(result["response_length"])
+        prompt = round(self.mean_prompt_len())
+        generate_floor = self.decode_floor([prompt] * rows, [length] * rows, group=group)
+        train_floor = train_floor_s(self.n_params, result["backbone_tokens"], self.mm)
+        floors = generate_floor + train_floor
+        self.log["trainer_floors"] = dict(generate=generate_floor, train=train_floor, prompt_len=prompt)
+        self.row(
+            "(f*) the whole step (f) against its floors at its own lengths",
+            f"{result['step'] / floors:.2f}x ({result['step']:.3g} s)",
+            f"{floors:.3g} s",
+            "",
+            f"goal <= 1.6x; generate {result['generate']:.2f} s = {result['generate'] / generate_floor:.2f}x its "
+            f"decode floor {generate_floor:.2f} s ({rows} rows x {length} tokens, {n_prompts} prompts of "
+            f"{prompt} tokens); train {result['train']:.2f} s at {100 * train_floor / result['train']:.0f}% of "
+            f"the measured matmul rate (goal >= 60%; floor {train_floor:.2f} s = 6 x {self.n_params / 1e9:.3f} B "
+            f"params x {result['backbone_tokens']:,.0f} tokens)",
+        )
+
+    def mean_prompt_len(self) -> float:
+        """The mean r1_zero prompt of the first examples, in tokens."""
+        texts = [render("r1_zero", ex.question) for ex in self.examples[:512]]
+        return statistics.fmean(len(ids) for ids in self.tok(texts, add_special_tokens=False)["input_ids"])
 
     def trainer_budget(self, budget: int, **kind) -> tuple[int, str]:
         """The largest of ``budget`` and its halves (down to ``TRAINER_MIN_BUDGET``) whose run fits the free
@@ -1627,6 +1656,12 @@ def measure_ceilings(timed) -> tuple[float, float]:
     del x, y, a, b
     torch.cuda.empty_cache()
     return bw, mm
+
+
+def train_floor_s(n_params: int, tokens: float, matmul_rate: float) -> float:
+    """Seconds of a training step's forward and backward at ``matmul_rate``: 6 FLOPs per parameter per
+    token through the model (MFU's convention)."""
+    return 6 * n_params * tokens / matmul_rate
 
 
 def kv_bytes_per_token(cfg, size: int) -> int:

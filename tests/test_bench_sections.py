@@ -159,6 +159,40 @@ def test_bench_speed_section_choice(bench_speed):
         bench_speed.chosen_sections(bench_speed.parse_args(["--data-dir", ".", "--sections", "complied"]))
 
 
+def test_floors_worked_by_hand(bench_speed):
+    """The decode floor (the larger of the bytes a step reads and its matmul FLOPs) and the training
+    floor, on a two-layer Llama with grouped-query attention whose sizes are counted here by hand."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=100, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+    )  # fmt: skip
+    model = LlamaForCausalLM(cfg)
+    # A layer: q 64x64, k and v 64x32 each, o 64x64, gate/up/down 64x128 each, two norms of 64.
+    layer = 4096 + 2 * 2048 + 4096 + 3 * 8192 + 2 * 64
+    assert bench_speed.param_counts(model) == (2 * layer + 6400 + 6400 + 64, 2 * layer + 6400 + 64)
+    # K and V of 2 heads of 16 in 2 layers, 2 bytes a value.
+    assert bench_speed.kv_bytes_per_token(cfg, 2) == 256
+    bench = SimpleNamespace(model=model, dtype=torch.bfloat16, bw=1e6, mm=1e7)
+    # Rows of 3, 3, 5, 5 new tokens in groups of two sharing prompts of 10: 5 steps read the bf16
+    # weights; responses 256 x (6 + 6 + 15 + 15) bytes; prompts 256 x 10 x (3 + 5), a group's read while
+    # any of its rows is live.
+    weights = 2 * (2 * layer + 12864)
+    assert weights == 173_696
+    floor = bench_speed.Bench.decode_floor(bench, [10] * 4, [3, 3, 5, 5], group=2)
+    assert floor == pytest.approx((5 * 173_696 + 256 * 42 + 256 * 80) / 1e6)
+    # A slower matmul makes the 2 x 80,448 matmul params x 16 tokens the larger.
+    bench.mm = 1e6
+    assert bench_speed.Bench.decode_floor(bench, [10] * 4, [3, 3, 5, 5], group=2) == pytest.approx(
+        2 * 80_448 * 16 / 1e6
+    )
+    # Training: 6 x 1.5 B params x 100,000 tokens at 900 TFLOP/s is one second.
+    assert bench_speed.train_floor_s(1_500_000_000, 100_000, 9e14) == pytest.approx(1.0)
+
+
 def test_memory_estimates_match_the_recorded_peaks_and_fit_an_80gb_card(bench_speed):
     """The training estimates against the peaks recorded on an H200 for the OLMo-2-1B shape
     (docs/benchmarks.md, the run of c0d7192; peaks include the resident bf16 weights), and what they

@@ -80,6 +80,12 @@ def test_bench_trainer_step_runs_packed_and_padded(gsm8k_real_path):
         assert len(per_token) == (1 if flag else 0), per_token
         if flag:
             assert float(per_token[0].split("|")[2].strip().rstrip("x")) > 0 and " us in (d) (mean " in per_token[0]
+        # The step against the sum of its decode and training floors: the ratio is the step over that sum.
+        floors = next(line for line in out.splitlines() if line.startswith("| (f*) the whole step"))
+        cells = [c.strip() for c in floors.split("|")]
+        ratio, step = cells[2].split("x (")
+        assert float(ratio) == pytest.approx(float(step.rstrip(" s)")) / float(cells[3].rstrip(" s")), rel=0.05)
+        assert "of the measured matmul rate (goal >= 60%" in floors, floors
     assert 0 < tokens[True] < tokens[False], tokens
 
 
