@@ -1238,6 +1238,7 @@ class Bench:
             eval_at_start=False,
             dump_every=0,
             save_every=0,
+            save_at_end=False,  # a final checkpoint (float32 master weights and AdamW moments) is deleted unread
             policy_device=str(self.device),
             seed=self.args.seed,
         )
@@ -1245,7 +1246,7 @@ class Bench:
             torch.cuda.reset_peak_memory_stats()
         # peft adds its adapters to the model it is given: a copy keeps the other sections' model plain.
         model = copy.deepcopy(self.model) if lora else self.model
-        # The run's folder holds a final checkpoint of the whole model: gone once its metrics are read.
+        # The run's folder holds its metrics and summary: gone once the metrics are read.
         with tempfile.TemporaryDirectory(prefix="bench_trainer_") as out:
             train(config, Path(out), model=model, tokenizer=self.tok, reward_fn=coin_reward)
             rows = [r for r in read_metrics(Path(out) / "metrics.jsonl") if r.get("step", 0) > 0]

@@ -670,7 +670,9 @@ class TrainConfig:
     dump_every: int = 40
     """Write the step's rollouts to DIR/rollouts/step_N.jsonl every this many steps (0: never)."""
     save_every: int = 50
-    """Checkpoint every this many steps (always at the end; 0: only at the end)."""
+    """Checkpoint every this many steps (and at the end unless save_at_end is false; 0: only at the end)."""
+    save_at_end: bool = True
+    """Checkpoint after the last step. False for throwaway runs (benchmarks, quick sweeps): a run that ends leaves its metrics, summary, best model and periodic checkpoints only; Ctrl-C and SIGTERM still save."""
     keep_checkpoints: int = 1
     """How many of the newest checkpoints to keep on disk."""
     save_best: bool = True
@@ -1070,6 +1072,7 @@ RESUMABLE_CHANGES = (
     "eval_n",
     "dump_every",
     "save_every",
+    "save_at_end",
     "keep_checkpoints",
     "save_best",
     "health.",

@@ -230,6 +230,41 @@ def test_sigterm_finishes_the_step_saves_and_resumes_to_the_same_run(gsm8k_path,
         assert torch.equal(a, b)
 
 
+def test_save_at_end_false_leaves_no_final_checkpoint_but_a_signal_still_saves(
+    gsm8k_path, tiny_tokenizer, tmp_path, capsys
+):
+    """A throwaway run (``save_at_end: false``, as the speed benchmark's trainer sections) ends with its
+    metrics and summary and no checkpoint; periodic checkpoints stay, and SIGTERM still saves the step."""
+    done = tmp_path / "done"
+    run(tiny_config(gsm8k_path, n_steps=2, save_at_end=False), done, fresh_model(tiny_tokenizer), tiny_tokenizer)
+    summary = read_summary(done)
+    assert summary["status"] == "finished" and summary["step"] == 2
+    assert summary["last_checkpoint"] is None and summary["latest"] is None
+    assert list_checkpoints(done) == []
+    assert [r["step"] for r in read_metrics(done / "metrics.jsonl") if r["step"] > 0] == [1, 2]
+
+    periodic = tmp_path / "periodic"
+    cfg = tiny_config(gsm8k_path, n_steps=3, save_every=2, save_at_end=False)
+    run(cfg, periodic, fresh_model(tiny_tokenizer), tiny_tokenizer)
+    assert [p.name for p in list_checkpoints(periodic)] == ["step_000002"]
+    assert read_summary(periodic)["last_checkpoint"] == 2
+
+    calls = {"n": 0}
+
+    def sigterm_in_step_2(response, gt):  # 8 rollouts per step: call 9 is the first of step 2
+        calls["n"] += 1
+        if calls["n"] == 9:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return parity_reward(response, gt)
+
+    stopped = tmp_path / "stopped"
+    cfg = tiny_config(gsm8k_path, n_steps=3, save_at_end=False)
+    with pytest.raises(Terminated):
+        run(cfg, stopped, fresh_model(tiny_tokenizer), tiny_tokenizer, reward_fn=sigterm_in_step_2)
+    assert [p.name for p in list_checkpoints(stopped)] == ["step_000002"]
+    assert read_summary(stopped)["status"] == "interrupted"
+
+
 def test_rlvr_train_exits_143_on_sigterm_with_a_checkpoint(tmp_path):
     cfg_file = tmp_path / "long.yaml"
     cfg_file.write_text(TINY_YAML.replace("\nn_steps: 1\n", "\nn_steps: 100000\neval_at_start: false\n"))

@@ -23,7 +23,8 @@ checkpoint, then the summary. One rollout step is five phases, each a function b
 5. **dump** the step's rollouts every ``dump_every`` steps;
 
 then the loop **validates** every ``eval_every`` steps (``_validate``), **logs** one line to
-``metrics.jsonl`` and **checkpoints** every ``save_every`` steps.
+``metrics.jsonl`` and **checkpoints** every ``save_every`` steps (and after the last, unless
+``save_at_end`` is false).
 
 **Worker engines** (``hf-worker``: their own process and copy of the weights) get their batches
 through ``rlvr.engines.async_rollout.AsyncRollouts``: versioned weight loads with the probe check,
@@ -1741,7 +1742,8 @@ def _train(
                     bar.update(1)
                     for callback in callbacks:
                         callback.on_step_end(step, run_dir, metrics)
-            record.checkpoint()
+            if config.save_at_end:
+                record.checkpoint()
             record.summary("finished")
             return run_dir
 
