@@ -58,6 +58,19 @@ def run(cfg, out, model, tokenizer, resume=False, reward_fn=parity_reward):
     return train(cfg, out, resume=resume, model=model, tokenizer=tokenizer, reward_fn=reward_fn)
 
 
+def sigterm_at_rollout(n: int):
+    """The parity reward, sending this process SIGTERM when it grades its ``n``-th rollout."""
+    calls = {"n": 0}
+
+    def reward(response, gt):
+        calls["n"] += 1
+        if calls["n"] == n:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return parity_reward(response, gt)
+
+    return reward
+
+
 def fresh_model(tokenizer):
     from rlvr.modeling import build_model, small_olmo2_config
 
@@ -199,14 +212,7 @@ def test_sigterm_finishes_the_step_saves_and_resumes_to_the_same_run(gsm8k_path,
     model_a = fresh_model(tiny_tokenizer)
     run(cfg, straight, model_a, tiny_tokenizer)
 
-    calls = {"n": 0}
-
-    def sigterm_in_step_2(response, gt):  # 8 rollouts per step: call 9 is the first of step 2
-        calls["n"] += 1
-        if calls["n"] == 9:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return parity_reward(response, gt)
-
+    sigterm_in_step_2 = sigterm_at_rollout(9)  # 8 rollouts per step: the first of step 2
     stopped = tmp_path / "stopped"
     handler = signal.getsignal(signal.SIGTERM)
     with pytest.raises(Terminated):
@@ -249,14 +255,7 @@ def test_save_at_end_false_leaves_no_final_checkpoint_but_a_signal_still_saves(
     assert [p.name for p in list_checkpoints(periodic)] == ["step_000002"]
     assert read_summary(periodic)["last_checkpoint"] == 2
 
-    calls = {"n": 0}
-
-    def sigterm_in_step_2(response, gt):  # 8 rollouts per step: call 9 is the first of step 2
-        calls["n"] += 1
-        if calls["n"] == 9:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return parity_reward(response, gt)
-
+    sigterm_in_step_2 = sigterm_at_rollout(9)  # 8 rollouts per step: the first of step 2
     stopped = tmp_path / "stopped"
     cfg = tiny_config(gsm8k_path, n_steps=3, save_at_end=False)
     with pytest.raises(Terminated):
