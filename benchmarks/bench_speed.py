@@ -468,13 +468,16 @@ class Bench:
     def weight_size(self) -> int:
         return 2 if self.dtype == torch.bfloat16 else 4
 
+    @functools.cached_property
+    def prompt_lengths(self) -> list[int]:
+        """The r1_zero prompts of the first examples, in tokens (tokenized once, for the estimates and floors)."""
+        texts = [render("r1_zero", ex.question) for ex in self.examples[:512]]
+        return [len(ids) for ids in self.tok(texts, add_special_tokens=False)["input_ids"]]
+
     def prompt_slots(self) -> int:
         """The longest r1_zero prompt of the first examples, in tokens: the prompt cache the trainer's
         engine holds."""
-        if not hasattr(self, "_prompt_slots"):
-            texts = [render("r1_zero", ex.question) for ex in self.examples[:512]]
-            self._prompt_slots = max(len(ids) for ids in self.tok(texts, add_special_tokens=False)["input_ids"])
-        return self._prompt_slots
+        return max(self.prompt_lengths)
 
     def forced_bytes(self) -> int:
         """Section 3's estimate: the larger of the fast engine's buffers and ``model.generate``'s dynamic
@@ -1334,7 +1337,7 @@ class Bench:
         group's prompt at the data's mean r1_zero prompt length) and ``train_floor_s`` of the tokens it put
         through the model; the train phase's share of the measured matmul rate beside it."""
         rows, length = n_prompts * group, round(result["response_length"])
-        prompt = round(self.mean_prompt_len())
+        prompt = round(statistics.fmean(self.prompt_lengths))
         generate_floor = self.decode_floor([prompt] * rows, [length] * rows, group=group)
         train_floor = train_floor_s(self.n_params, result["backbone_tokens"], self.mm)
         floors = generate_floor + train_floor
@@ -1350,11 +1353,6 @@ class Bench:
             f"the measured matmul rate (goal >= 60%; floor {train_floor:.2f} s = 6 x {self.n_params / 1e9:.3f} B "
             f"params x {result['backbone_tokens']:,.0f} tokens)",
         )
-
-    def mean_prompt_len(self) -> float:
-        """The mean r1_zero prompt of the first examples, in tokens."""
-        texts = [render("r1_zero", ex.question) for ex in self.examples[:512]]
-        return statistics.fmean(len(ids) for ids in self.tok(texts, add_special_tokens=False)["input_ids"])
 
     def trainer_budget(self, budget: int, **kind) -> tuple[int, str]:
         """The largest of ``budget`` and its halves (down to ``TRAINER_MIN_BUDGET``) whose run fits the free
